@@ -1,0 +1,114 @@
+"""Model fingerprints and chained chunk keys (spec: docs/keys.md).
+
+Pure functions, deterministic across processes, machines and languages: SHA-256 over a canonical,
+length-prefixed byte encoding. Never Python's hash().
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+KV_DTYPES = ("float32", "float16", "bfloat16")
+QUANT_MODES = ("none", "k8v8", "k8v4")
+DEFAULT_CHUNK_TOKENS = 256
+MAX_TOKEN_ID = 2**32 - 1
+
+_FP_DOMAIN = b"promptcache/fingerprint/v1\x00"
+_CHUNK_DOMAIN = b"promptcache/chunk/v1\x00"
+ROOT_PARENT = bytes(32)  # the parent of chunk 0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the KV bytes depend on; hashed into the fingerprint."""
+
+    model_id: str
+    revision: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    quantization: str = "none"
+    tenant_salt: bytes = field(default=b"", repr=False)
+
+    def validate(self) -> "ModelSpec":
+        """Raise ValueError naming the first malformed field."""
+        if not self.model_id:
+            raise ValueError("model.model_id is empty")
+        if len(self.model_id.encode()) > 512:
+            raise ValueError("model.model_id is longer than 512 bytes")
+        if len(self.revision.encode()) > 512:
+            raise ValueError("model.revision is longer than 512 bytes")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"model.kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not 0 < value <= 65536:
+                raise ValueError(f"model.{name} must be in 1..65536, got {value}")
+        if self.quantization not in QUANT_MODES:
+            raise ValueError(f"model.quantization {self.quantization!r} is not one of {', '.join(QUANT_MODES)}")
+        if len(self.tenant_salt) > 64:
+            raise ValueError("model.tenant_salt is longer than 64 bytes")
+        return self
+
+
+def _field(tag: int, payload: bytes) -> bytes:
+    return struct.pack("<BI", tag, len(payload)) + payload
+
+
+def fingerprint(spec: ModelSpec) -> bytes:
+    """32-byte model fingerprint: SHA-256 over the domain string and the tagged, length-prefixed fields."""
+    spec.validate()
+    u32 = lambda v: struct.pack("<I", v)  # noqa: E731
+    encoded = b"".join((
+        _field(1, spec.model_id.encode("utf-8")),
+        _field(2, spec.revision.encode("utf-8")),
+        _field(3, spec.kv_dtype.encode("ascii")),
+        _field(4, u32(spec.num_layers)),
+        _field(5, u32(spec.num_kv_heads)),
+        _field(6, u32(spec.head_dim)),
+        _field(7, spec.quantization.encode("ascii")),
+        _field(8, spec.tenant_salt),
+    ))
+    return hashlib.sha256(_FP_DOMAIN + encoded).digest()
+
+
+def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError("tokens must be a flat sequence of token ids")
+    if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+        raise ValueError(f"token ids must be in 0..{MAX_TOKEN_ID}")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chunk_key(fp: bytes, parent: bytes, chunk_tokens_le: bytes) -> bytes:
+    """key_i = SHA-256(domain || fingerprint || key_{i-1} || tokens_i as little-endian u32)."""
+    return hashlib.sha256(_CHUNK_DOMAIN + fp + parent + chunk_tokens_le).digest()
+
+
+def chunk_keys(fp: bytes, tokens: Sequence[int] | np.ndarray, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+               limit: int | None = None) -> list[bytes]:
+    """Keys of every whole chunk of `tokens` (a trailing partial chunk has no key), at most `limit`."""
+    return list(iter_chunk_keys(fp, tokens, chunk_tokens, limit))
+
+
+def iter_chunk_keys(fp: bytes, tokens, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                    limit: int | None = None) -> Iterator[bytes]:
+    if len(fp) != 32:
+        raise ValueError("fingerprint must be 32 bytes")
+    if chunk_tokens <= 0:
+        raise ValueError("chunk_tokens must be positive")
+    raw = tokens_to_bytes(tokens)
+    step = 4 * chunk_tokens
+    n = len(raw) // step
+    if limit is not None:
+        n = min(n, limit)
+    parent = ROOT_PARENT
+    for i in range(n):
+        parent = chunk_key(fp, parent, raw[i * step:(i + 1) * step])
+        yield parent

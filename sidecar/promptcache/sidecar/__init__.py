@@ -1,0 +1,1 @@
+"""The node-local cache server: memory (device) tier, gRPC service, metrics, configuration."""
