@@ -1,7 +1,7 @@
 """Build hook: generate the gRPC stubs from proto/ so they are never hand-edited or committed."""
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_namespace_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
@@ -27,4 +27,15 @@ class BuildWithStubs(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildWithStubs})
+# `promptcache` is one import package whose parts live in three top-level folders; map each subpackage to
+# its folder explicitly (setuptools cannot merge one namespace from several `where` roots by itself).
+SOURCE_ROOTS = ("sidecar", "operator", "proto")
+packages, package_dir = [], {}
+for root in SOURCE_ROOTS:
+    for pkg in find_namespace_packages(where=root, include=["promptcache", "promptcache.*"]):
+        if pkg == "promptcache" and root != "sidecar":
+            continue
+        packages.append(pkg)
+        package_dir[pkg] = f"{root}/{pkg.replace('.', '/')}"
+
+setup(packages=packages, package_dir=package_dir, cmdclass={"build_py": BuildWithStubs})

@@ -1,0 +1,58 @@
+# PromptCache developer entry points. `make run` and `make test` do all set-up on a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.deps-installed
+PYTEST_ARGS ?=
+
+.PHONY: help venv install run test bench demo tools system-deps clean
+
+help:
+	@echo "make run      start the sidecar on embedded defaults (CPU without a GPU, data in .data/, localhost)"
+	@echo "make test     create/update the virtualenv, install, build the test tools, run every test"
+	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT); not part of make test"
+	@echo "make demo     real model over requests sharing a long system prompt, through a local sidecar"
+	@echo "make tools    build kube-apiserver, etcd and helm into the cache outside the checkout"
+
+# Third-party dependencies: reinstalled only when the declared dependencies change.
+$(STAMP): pyproject.toml setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel grpcio-tools==1.85.1
+	$(PIP) install -q --no-build-isolation -e '.[hf,operator,dev]'
+	@touch $@
+
+venv: $(STAMP)
+
+# The project itself: cheap, and always re-run so the stubs follow proto/ and new subpackages are mapped.
+install: $(STAMP)
+	@$(PIP) install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v -e '^$$' -e 'setuptools' -e '!!' -e '\*\*\*' || true
+
+run: install
+	@mkdir -p .data
+	$(VENV)/bin/promptcache serve --data-dir .data --grpc-address 127.0.0.1:50051 \
+	  --metrics-host 127.0.0.1 --metrics-port 9400 --log-format text
+
+system-deps:
+	@bash hack/system-deps.sh
+
+tools:
+	@if [ -x hack/tools/build.sh ]; then hack/tools/build.sh; fi
+
+test: install system-deps tools
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: install system-deps
+	@mkdir -p bench-results
+	$(VENV)/bin/promptcache bench throughput
+	$(VENV)/bin/promptcache bench replay --synthetic all --policy all
+	$(VENV)/bin/promptcache bench fidelity
+	$(VENV)/bin/promptcache bench ttft
+
+demo: install
+	$(PY) -m promptcache.demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis bench-results
+	find proto -name '*_pb2*.py*' -delete

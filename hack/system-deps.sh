@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Debian packages the tests and benchmarks drive for real: promtool (alert rules) and redis-server (the
+# throughput baseline). Installed only when missing; needs root (as in CI) or sudo.
+set -euo pipefail
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v promtool >/dev/null || need+=(prometheus)
+[ ${#need[@]} -eq 0 ] && exit 0
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+echo "installing ${need[*]} (Debian packages)"
+$SUDO apt-get update -qq >/dev/null
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null

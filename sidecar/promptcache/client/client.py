@@ -1,0 +1,278 @@
+"""PromptCacheClient: lookup, put and get of per-layer K/V tensors over gRPC (TCP or a unix socket).
+
+Chunks travel as one contiguous blob each ([layers, 2, kv_heads, chunk_tokens, head_dim], see
+promptcache.layout); quantized modes are packed here, before the bytes leave the process, and unpacked
+after they arrive. Every chunk received is checked against the checksum the server sent with it.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+
+import grpc
+import numpy as np
+import torch
+import xxhash
+
+from promptcache.client import errors
+from promptcache.keys import ModelSpec
+from promptcache.layout import TORCH_DTYPES, chunk_nbytes, chunk_shape
+from promptcache.v1 import kvcache_pb2 as pb
+from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+from promptcache.wire import NAME_TO_DTYPE, TIER_NAMES, model_to_proto
+
+T = TypeVar("T")
+KV = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [H, T, D] or [1, H, T, D]
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    index: int
+    key: bytes
+    tier: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    cached_tokens: int
+    chunk_tokens: int
+    chunks: list[ChunkInfo]
+
+
+@dataclass(frozen=True)
+class PutResult:
+    stored_chunks: int
+    skipped_chunks: int
+    rejected_chunks: int
+    stored_bytes: int
+
+
+def _tokens(tokens) -> list[int]:
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.reshape(-1).tolist()
+    elif isinstance(tokens, np.ndarray):
+        tokens = tokens.reshape(-1).tolist()
+    return list(tokens)
+
+
+class PromptCacheClient:
+    """Thread-safe; share one per process.
+
+    target: "HOST:PORT" or "unix:///path/to.sock". timeout: deadline of each call in seconds. retries: extra
+    attempts after UNAVAILABLE (sidecar restarting), with jittered exponential backoff inside the deadline.
+    """
+
+    def __init__(self, target: str, *, timeout: float = 5.0, retries: int = 2, backoff: float = 0.05,
+                 frame_bytes: int = 1 << 20, chunk_tokens: int | None = None,
+                 channel: grpc.Channel | None = None):
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.frame_bytes = frame_bytes
+        self._channel = channel or grpc.insecure_channel(target)
+        self._stub = pb_grpc.KVCacheStub(self._channel)
+        self._chunk_tokens = chunk_tokens
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "PromptCacheClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- plumbing ---------------------------------------------------------------------------------------
+    def _call(self, fn: Callable[[float], T], timeout: float | None = None) -> T:
+        """Run fn(remaining_seconds) with retries on retryable codes, all inside one overall deadline."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.DeadlineExceeded(f"DEADLINE_EXCEEDED: no answer from {self.target} in time")
+            try:
+                return fn(remaining)
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE or attempt >= self.retries:
+                    raise errors.from_rpc_error(exc) from None
+            attempt += 1
+            time.sleep(min(self.backoff * (2 ** attempt) * random.uniform(0.5, 1.0),
+                           max(0.0, deadline - time.monotonic())))
+
+    @property
+    def chunk_tokens(self) -> int:
+        if self._chunk_tokens is None:
+            self._chunk_tokens = self.stats().chunk_tokens
+        return self._chunk_tokens
+
+    # --- metadata RPCs ----------------------------------------------------------------------------------
+    def lookup(self, spec: ModelSpec, tokens, timeout: float | None = None) -> LookupResult:
+        req = pb.LookupRequest(model=model_to_proto(spec), tokens=_tokens(tokens))
+        resp = self._call(lambda t: self._stub.Lookup(req, timeout=t), timeout)
+        self._chunk_tokens = resp.chunk_tokens
+        return LookupResult(resp.cached_tokens, resp.chunk_tokens,
+                            [ChunkInfo(c.index, c.key, TIER_NAMES.get(c.tier, "unknown"), c.nbytes)
+                             for c in resp.chunks])
+
+    def delete(self, spec: ModelSpec, tokens, start_chunk: int = 0) -> int:
+        req = pb.DeleteRequest(model=model_to_proto(spec), tokens=_tokens(tokens), start_chunk=start_chunk)
+        return self._call(lambda t: self._stub.Delete(req, timeout=t)).deleted_chunks
+
+    def purge(self, spec: ModelSpec) -> tuple[int, int]:
+        resp = self._call(lambda t: self._stub.Purge(pb.PurgeRequest(model=model_to_proto(spec)), timeout=t))
+        return resp.deleted_chunks, resp.deleted_bytes
+
+    def stats(self) -> pb.StatsResponse:
+        return self._call(lambda t: self._stub.Stats(pb.StatsRequest(), timeout=t))
+
+    def resize(self, memory_bytes: int) -> pb.ResizeResponse:
+        return self._call(lambda t: self._stub.Resize(pb.ResizeRequest(memory_bytes=memory_bytes), timeout=t))
+
+    # --- blobs ------------------------------------------------------------------------------------------
+    def put_blobs(self, spec: ModelSpec, tokens, blobs: Mapping[int, torch.Tensor | bytes],
+                  timeout: float | None = None) -> PutResult:
+        """Store raw chunk blobs (already in the stored layout) under the chunk indices of `tokens`."""
+        token_list = _tokens(tokens)
+        shape = list(chunk_shape(spec, self.chunk_tokens))
+        dtype = NAME_TO_DTYPE[spec.kv_dtype]
+        arrays = {i: _as_bytes_array(b) for i, b in sorted(blobs.items())}
+
+        def frames() -> Iterator[pb.PutRequest]:
+            yield pb.PutRequest(header=pb.PutHeader(model=model_to_proto(spec), tokens=token_list))
+            for index, arr in arrays.items():
+                yield pb.PutRequest(chunk=pb.ChunkBegin(index=index, nbytes=arr.size, shape=shape, dtype=dtype,
+                                                        xxh3_64=xxhash.xxh3_64_intdigest(arr)))
+                for off in range(0, arr.size, self.frame_bytes):
+                    yield pb.PutRequest(data=arr[off:off + self.frame_bytes].tobytes())
+
+        resp = self._call(lambda t: self._stub.Put(frames(), timeout=t), timeout)
+        return PutResult(resp.stored_chunks, resp.skipped_chunks, resp.rejected_chunks, resp.stored_bytes)
+
+    def get_blobs(self, spec: ModelSpec, tokens, start_chunk: int = 0, max_chunks: int = 0,
+                  timeout: float | None = None) -> list[torch.Tensor]:
+        """The longest run of cached chunk blobs from start_chunk on, each verified against its checksum."""
+        req = pb.GetRequest(model=model_to_proto(spec), tokens=_tokens(tokens), start_chunk=start_chunk,
+                            max_chunks=max_chunks)
+        return self._call(lambda t: _receive(self._stub.Get(req, timeout=t), start_chunk), timeout)
+
+    # --- tensors ----------------------------------------------------------------------------------------
+    def put(self, spec: ModelSpec, tokens, kv: KV, start_chunk: int = 0, timeout: float | None = None) -> PutResult:
+        """Store every whole chunk of `kv` (covering `tokens`) from start_chunk on."""
+        ct = self.chunk_tokens
+        n_chunks = min(len(_tokens(tokens)), _kv_tokens(kv)) // ct
+        blobs = {i: encode_chunk(spec, kv, i * ct, (i + 1) * ct) for i in range(start_chunk, n_chunks)}
+        if not blobs:
+            return PutResult(0, 0, 0, 0)
+        return self.put_blobs(spec, tokens, blobs, timeout)
+
+    def get(self, spec: ModelSpec, tokens, start_chunk: int = 0, max_chunks: int = 0,
+            device: torch.device | str = "cpu", timeout: float | None = None) -> tuple[int, list]:
+        """(cached_tokens, per-layer [(K, V)] each [1, H, cached_tokens, D]) of the longest cached prefix."""
+        blobs = self.get_blobs(spec, tokens, start_chunk, max_chunks, timeout)
+        if not blobs:
+            return 0, []
+        return len(blobs) * self.chunk_tokens, decode_chunks(spec, blobs, self.chunk_tokens, device)
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            resp = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _as_bytes_array(blob: torch.Tensor | bytes) -> np.ndarray:
+    if isinstance(blob, (bytes, bytearray, memoryview)):
+        return np.frombuffer(blob, dtype=np.uint8)
+    return blob.detach().reshape(-1).view(torch.uint8).cpu().numpy()
+
+
+def _receive(stream: Iterable[pb.GetResponse], start_chunk: int) -> list[torch.Tensor]:
+    blobs: list[torch.Tensor] = []
+    current = buf = None
+    offset = 0
+
+    def finish():
+        if offset != current.nbytes:
+            raise errors.CorruptChunk(f"chunk {current.index} ended after {offset} of {current.nbytes} bytes")
+        if xxhash.xxh3_64_intdigest(buf) != current.xxh3_64:
+            raise errors.CorruptChunk(f"chunk {current.index} failed its checksum in transit")
+
+    for msg in stream:
+        if msg.WhichOneof("frame") == "chunk":
+            if current is not None:
+                finish()
+            current = msg.chunk
+            if current.index != start_chunk + len(blobs):
+                raise errors.CorruptChunk(f"expected chunk {start_chunk + len(blobs)}, got {current.index}")
+            blobs.append(torch.empty(current.nbytes, dtype=torch.uint8))
+            buf, offset = blobs[-1].numpy(), 0
+        else:
+            n = len(msg.data)
+            if current is None or offset + n > current.nbytes:
+                raise errors.CorruptChunk("data frame outside a chunk's announced length")
+            buf[offset:offset + n] = np.frombuffer(msg.data, dtype=np.uint8)
+            offset += n
+    if current is not None:
+        finish()
+    return blobs
+
+
+def _kv_tokens(kv: KV) -> int:
+    return kv[0][0].shape[-2]
+
+
+def encode_chunk(spec: ModelSpec, kv: KV, start: int, stop: int) -> torch.Tensor:
+    """Tokens [start, stop) of every layer's K and V as one stored blob (1-D uint8, on the CPU)."""
+    if len(kv) != spec.num_layers:
+        raise ValueError(f"kv has {len(kv)} layers, the model spec says {spec.num_layers}")
+    dtype = TORCH_DTYPES[spec.kv_dtype]
+    expected = (spec.num_kv_heads, spec.head_dim)
+    for layer, (k, v) in enumerate(kv):
+        for name, t in (("K", k), ("V", v)):
+            if t.dtype != dtype:
+                raise ValueError(f"layer {layer} {name} has dtype {t.dtype}, the model spec says {dtype}")
+            if (t.shape[-3], t.shape[-1]) != expected or (t.dim() == 4 and t.shape[0] != 1) or t.dim() not in (3, 4):
+                raise ValueError(f"layer {layer} {name} has shape {tuple(t.shape)}; expected [1, "
+                                 f"{spec.num_kv_heads}, tokens, {spec.head_dim}] or without the batch dim")
+    chunk = torch.stack([torch.stack((k.reshape(k.shape[-3:])[:, start:stop], v.reshape(v.shape[-3:])[:, start:stop]))
+                         for k, v in kv]).cpu()
+    if spec.quantization == "none":
+        return chunk.contiguous().view(torch.uint8).reshape(-1)
+    from promptcache import quant
+
+    return quant.pack(spec.quantization, chunk)
+
+
+def decode_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens: int,
+                  device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Blobs of consecutive chunks -> per-layer (K, V), each [1, H, len(blobs) * chunk_tokens, D]."""
+    shape = chunk_shape(spec, chunk_tokens)
+    expected = chunk_nbytes(spec, chunk_tokens)
+    dtype = TORCH_DTYPES[spec.kv_dtype]
+    chunks = []
+    for i, blob in enumerate(blobs):
+        if blob.numel() != expected:
+            raise errors.CorruptChunk(f"chunk {i} has {blob.numel()} bytes; this model's layout needs {expected}")
+        if spec.quantization == "none":
+            chunks.append(blob.view(dtype).reshape(shape))
+        else:
+            from promptcache import quant
+
+            try:
+                chunks.append(quant.unpack(spec.quantization, blob, shape, spec.kv_dtype))
+            except quant.CorruptChunk as exc:
+                raise errors.CorruptChunk(f"chunk {i}: {exc}") from None
+    # [C, L, 2, H, Tc, D] -> [L, 2, H, C*Tc, D]: one copy, then per-layer views.
+    stacked = torch.stack(chunks).to(device)
+    c, layers, _, heads, tc, dim = stacked.shape
+    merged = stacked.permute(1, 2, 3, 0, 4, 5).reshape(layers, 2, heads, c * tc, dim)
+    return [(merged[layer, 0].unsqueeze(0), merged[layer, 1].unsqueeze(0)) for layer in range(layers)]

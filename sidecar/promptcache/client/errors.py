@@ -1,0 +1,63 @@
+"""One exception type per failure kind, so callers can decide: fall back, retry later, or fix the request."""
+from __future__ import annotations
+
+import grpc
+
+
+class PromptCacheError(Exception):
+    """Base of every client error. `code` is the gRPC status code, when the server sent one."""
+
+    code: grpc.StatusCode | None = None
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class Unavailable(PromptCacheError):
+    """The sidecar cannot be reached (down, restarting, wrong address). Fall back to full prefill."""
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(PromptCacheError):
+    """The call did not finish within its deadline. Fall back to full prefill."""
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class InvalidArgument(PromptCacheError):
+    """The request was malformed; the message names what was wrong. Retrying will not help."""
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhausted(PromptCacheError):
+    """The chunk is too large for the sidecar's limits or budget."""
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class CorruptChunk(PromptCacheError):
+    """Bytes failed verification (checksum, length, scales). They never reach the model."""
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class FailedPrecondition(PromptCacheError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unauthenticated(PromptCacheError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(PromptCacheError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+_BY_CODE = {cls.code: cls for cls in (Unavailable, DeadlineExceeded, InvalidArgument, ResourceExhausted,
+                                      CorruptChunk, FailedPrecondition, Unauthenticated, PermissionDenied)}
+
+
+def from_rpc_error(exc: grpc.RpcError) -> PromptCacheError:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    cls = _BY_CODE.get(code, PromptCacheError)
+    return cls(f"{code.name if code else 'UNKNOWN'}: {details}", code)

@@ -1,0 +1,147 @@
+"""Sidecar settings: every one is a flag and an environment variable (PROMPTCACHE_<FLAG>), flag winning."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass, fields
+
+DESCRIPTION = """\
+Run the PromptCache sidecar: a node-local gRPC server (promptcache.v1.KVCache) that stores the attention
+key/value tensors of prompt prefixes so inference pods load them instead of recomputing them.
+
+Every flag can also be set by an environment variable: --memory-bytes is PROMPTCACHE_MEMORY_BYTES, and so on.
+Byte sizes accept Kubernetes quantities: 512Mi, 4Gi, 1G, or plain integers.
+"""
+
+_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|k|M|G|T)?\s*$")
+_FACTORS = {None: 1, "K": 10**3, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4Gi' -> 4294967296. Raises ValueError for anything that is not a non-negative quantity."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"{text} is negative")
+        return text
+    m = _QUANTITY.match(str(text))
+    if not m:
+        raise ValueError(f"{text!r} is not a byte size (examples: 1073741824, 512Mi, 4Gi)")
+    return int(float(m.group(1)) * _FACTORS[m.group(2)])
+
+
+@dataclass(frozen=True)
+class Settings:
+    grpc_address: str = "127.0.0.1:50051"
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9400
+    memory_bytes: int = 1 << 30
+    max_chunk_bytes: int = 256 << 20
+    chunk_tokens: int = 256
+    ttl_seconds: float = 4 * 3600.0
+    eviction_policy: str = "lru"
+    device: str = "auto"
+    data_dir: str = "./promptcache-data"
+    disk_bytes: int = 0
+    workers: int = 32
+    frame_bytes: int = 1 << 20
+    log_level: str = "info"
+    log_format: str = "json"
+    allow_insecure_remote: bool = False
+
+    def validate(self) -> "Settings":
+        if self.memory_bytes <= 0:
+            raise ValueError("--memory-bytes must be positive")
+        if self.max_chunk_bytes <= 0:
+            raise ValueError("--max-chunk-bytes must be positive")
+        if self.chunk_tokens <= 0 or self.chunk_tokens & (self.chunk_tokens - 1):
+            raise ValueError(f"--chunk-tokens must be a positive power of two, got {self.chunk_tokens}")
+        if self.ttl_seconds <= 0:
+            raise ValueError("--ttl-seconds must be positive")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if self.workers < 1:
+            raise ValueError("--workers must be at least 1")
+        if not 4096 <= self.frame_bytes <= (3 << 20):
+            raise ValueError("--frame-bytes must be between 4096 and 3Mi (gRPC's default message limit is 4 MiB)")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError("--log-level must be one of debug, info, warning, error")
+        if self.log_format not in ("json", "text"):
+            raise ValueError("--log-format must be json or text")
+        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not self.grpc_address:
+            raise ValueError("--grpc-address is empty")
+        from promptcache.sidecar.policies import POLICIES
+
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(f"--eviction-policy must be one of {', '.join(sorted(POLICIES))}, "
+                             f"got {self.eviction_policy!r}")
+        return self
+
+
+HELP = {
+    "grpc_address": "gRPC listen address: HOST:PORT, or unix:/PATH for a unix socket",
+    "metrics_host": "address the Prometheus /metrics HTTP endpoint binds to",
+    "metrics_port": "port of the /metrics endpoint (0 picks a free port and logs it)",
+    "memory_bytes": "byte budget of the device tier (GPU memory, or host memory without a GPU); never exceeded",
+    "max_chunk_bytes": "largest chunk accepted by Put; larger ones get RESOURCE_EXHAUSTED",
+    "chunk_tokens": "tokens per chunk (a power of two); chunk keys are chained over these",
+    "ttl_seconds": "lifetime of an entry after it is stored",
+    "eviction_policy": "which entry goes first when the budget is full",
+    "device": "where the device tier lives: auto (CUDA if present, else CPU), cpu, cuda, cuda:N",
+    "data_dir": "folder for the disk tier (RocksDB)",
+    "disk_bytes": "byte budget of the disk tier; 0 disables it",
+    "workers": "gRPC worker threads (concurrent calls served at once)",
+    "frame_bytes": "bytes per streamed data frame in Put and Get",
+    "log_level": "debug, info, warning or error",
+    "log_format": "json (one object per line) or text",
+    "allow_insecure_remote": "allow plaintext gRPC on a non-loopback address",
+}
+
+_BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "frame_bytes"}
+
+
+def env_name(field_name: str) -> str:
+    return "PROMPTCACHE_" + field_name.upper()
+
+
+def _converter(name: str, typ):
+    if name in _BYTE_FIELDS:
+        return parse_bytes
+    return {"int": int, "float": float, "str": str}[typ if isinstance(typ, str) else typ.__name__]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{HELP[f.name]} (env {env_name(f.name)}; default {f.default})"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+        else:
+            parser.add_argument(flag, default=None, help=help_text, metavar=f.name.upper())
+
+
+def settings_from_args(args: argparse.Namespace, environ=os.environ) -> Settings:
+    """Flags beat environment variables beat defaults. Raises ValueError naming the bad flag or variable."""
+    values = {}
+    for f in fields(Settings):
+        raw = getattr(args, f.name, None)
+        source = "--" + f.name.replace("_", "-")
+        if raw is None and env_name(f.name) in environ:
+            raw, source = environ[env_name(f.name)], env_name(f.name)
+            if f.type in ("bool", bool):
+                if raw.lower() not in ("1", "true", "yes", "0", "false", "no", ""):
+                    raise ValueError(f"{source}={raw!r} is not a boolean (true/false)")
+                raw = raw.lower() in ("1", "true", "yes")
+        if raw is None:
+            continue
+        if f.type in ("bool", bool):
+            values[f.name] = bool(raw)
+            continue
+        try:
+            values[f.name] = _converter(f.name, f.type)(raw)
+        except ValueError as exc:
+            raise ValueError(f"{source}={raw!r}: {exc}") from None
+    return Settings(**values).validate()

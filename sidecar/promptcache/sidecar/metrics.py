@@ -1,0 +1,65 @@
+"""Prometheus metrics of one sidecar. A registry per server, so tests can run several in one process."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+AGE_BUCKETS = (1, 10, 60, 300, 900, 1800, 3600, 7200, 14400, 43200, 86400)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("promptcache_requests", "gRPC calls finished, by method and status code",
+                                ["rpc", "code"], registry=r)
+        self.latency = Histogram("promptcache_request_duration_seconds", "gRPC call duration, by method",
+                                 ["rpc"], buckets=LATENCY_BUCKETS, registry=r)
+        self.lookups = Counter("promptcache_lookups", "prefix lookups (Lookup and Get calls)", ["rpc"], registry=r)
+        self.hit_tokens = Counter("promptcache_hit_tokens", "prompt tokens found cached, by tier",
+                                  ["rpc", "tier"], registry=r)
+        self.missed_tokens = Counter("promptcache_missed_tokens", "prompt tokens not found cached",
+                                     ["rpc"], registry=r)
+        self.received_bytes = Counter("promptcache_received_bytes", "chunk bytes received by Put", registry=r)
+        self.sent_bytes = Counter("promptcache_sent_bytes", "chunk bytes sent by Get, by tier", ["tier"],
+                                  registry=r)
+        self.stored_chunks = Counter("promptcache_stored_chunks", "chunks stored by Put", registry=r)
+        self.evictions = Counter("promptcache_evictions", "entries removed, by tier and reason "
+                                 "(capacity, ttl, purge, delete, checksum)", ["tier", "reason"], registry=r)
+        self.evicted_bytes = Counter("promptcache_evicted_bytes", "bytes removed, by tier and reason",
+                                     ["tier", "reason"], registry=r)
+        self.eviction_age = Histogram("promptcache_eviction_entry_age_seconds",
+                                      "age of entries when removed, by reason", ["reason"],
+                                      buckets=AGE_BUCKETS, registry=r)
+        self.checksum_failures = Counter("promptcache_checksum_failures",
+                                         "chunks whose bytes failed verification (dropped, never served)",
+                                         ["tier"], registry=r)
+        self.admission_rejections = Counter("promptcache_admission_rejections",
+                                            "Puts refused by the admission policy", ["tier"], registry=r)
+        self.resizes = Counter("promptcache_resizes", "Resize calls applied", registry=r)
+
+    def watch(self, tiers) -> None:
+        """Report entries/bytes/budget of each tier at scrape time, read from the tiers themselves."""
+        self.registry.register(_TierCollector(tiers))
+
+
+class _TierCollector:
+    def __init__(self, tiers):
+        self.tiers = tiers  # {"device": MemoryTier, ...}
+
+    def collect(self):
+        entries = GaugeMetricFamily("promptcache_entries", "chunks held, by tier", labels=["tier"])
+        used = GaugeMetricFamily("promptcache_stored_bytes", "bytes held by stored chunks, by tier",
+                                 labels=["tier"])
+        committed = GaugeMetricFamily("promptcache_committed_bytes", "bytes stored plus reserved by Puts in "
+                                      "flight plus held by Gets of evicted chunks; never above the budget",
+                                      labels=["tier"])
+        budget = GaugeMetricFamily("promptcache_budget_bytes", "byte budget, by tier", labels=["tier"])
+        for name, tier in self.tiers.items():
+            u = tier.usage()
+            entries.add_metric([name], u["entries"])
+            used.add_metric([name], u["used"])
+            committed.add_metric([name], u["used"] + u.get("reserved", 0) + u.get("draining", 0))
+            budget.add_metric([name], u["budget"])
+        return [entries, used, committed, budget]

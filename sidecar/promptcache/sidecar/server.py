@@ -1,0 +1,465 @@
+"""The gRPC service: a thin layer that validates requests, maps them onto the store and reports metrics.
+
+Every malformed request is answered with a gRPC status whose message names what was wrong; nothing partial is
+ever stored (a chunk enters the store only when its last byte has arrived and verified) or served (every chunk
+is checksummed before its first byte leaves).
+"""
+from __future__ import annotations
+
+import functools
+import ipaddress
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from promptcache import keys as keyspec
+from promptcache.layout import chunk_nbytes, chunk_shape
+from promptcache.sidecar import logs
+from promptcache.sidecar.config import Settings, settings_from_args
+from promptcache.sidecar.metrics import Metrics
+from promptcache.sidecar.policies import make_policy
+from promptcache.sidecar.store import (AdmissionRejected, ChunkTooLarge, MemoryTier, NoRoom, Reservation,
+                                       checksum)
+from promptcache.v1 import kvcache_pb2 as pb
+from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+from promptcache.wire import NAME_TO_DTYPE, model_from_proto
+
+log = logging.getLogger("promptcache.sidecar")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
+MAX_TOKENS = 1 << 22  # 4M tokens per request; far beyond any context window
+
+
+class RpcFailure(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> RpcFailure:
+    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _observed(rpc: str, streaming_response: bool = False):
+    """Record latency and status code of a method; turn RpcFailure and crashes into proper statuses."""
+
+    def wrap(fn):
+        def fail(self, context, exc):
+            if isinstance(exc, RpcFailure):
+                code, message = exc.code, exc.message
+            else:
+                log.exception("unexpected error in %s", rpc)
+                code, message = grpc.StatusCode.INTERNAL, f"internal error in {rpc}: {type(exc).__name__}"
+            self.metrics.requests.labels(rpc, code.name).inc()
+            context.abort(code, message)
+
+        if streaming_response:
+            @functools.wraps(fn)
+            def stream(self, request, context):
+                start = time.perf_counter()
+                try:
+                    yield from fn(self, request, context)
+                except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                    fail(self, context, exc)
+                else:
+                    self.metrics.requests.labels(rpc, "OK").inc()
+                finally:
+                    self.metrics.latency.labels(rpc).observe(time.perf_counter() - start)
+            return stream
+
+        @functools.wraps(fn)
+        def unary(self, request, context):
+            start = time.perf_counter()
+            try:
+                result = fn(self, request, context)
+            except Exception as exc:  # noqa: BLE001
+                fail(self, context, exc)
+            else:
+                self.metrics.requests.labels(rpc, "OK").inc()
+                return result
+            finally:
+                self.metrics.latency.labels(rpc).observe(time.perf_counter() - start)
+        return unary
+
+    return wrap
+
+
+@dataclass
+class _Incoming:
+    """A chunk being received by Put."""
+    begin: pb.ChunkBegin
+    key: bytes
+    parent: bytes
+    reservation: Reservation | None  # None: already cached, the bytes are read and dropped
+    buffer: np.ndarray | None
+    host: torch.Tensor | None
+    offset: int = 0
+
+
+class KVCacheService(pb_grpc.KVCacheServicer):
+    def __init__(self, settings: Settings, tier: MemoryTier, metrics: Metrics):
+        self.settings = settings
+        self.tier = tier
+        self.metrics = metrics
+        self.chunk_tokens = settings.chunk_tokens
+        self._totals_lock = threading.Lock()
+        self.hit_tokens = 0
+        self.missed_tokens = 0
+
+    # --- validation helpers -----------------------------------------------------------------------------
+    def _model(self, msg: pb.Model, present: bool):
+        if not present:
+            raise invalid("model is missing")
+        try:
+            spec = model_from_proto(msg)
+            return spec, keyspec.fingerprint(spec)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+
+    def _tokens(self, tokens) -> None:
+        if len(tokens) == 0:
+            raise invalid("tokens is empty")
+        if len(tokens) > MAX_TOKENS:
+            raise invalid(f"tokens has {len(tokens)} ids, more than the limit of {MAX_TOKENS}")
+
+    def _keys(self, fp: bytes, tokens, start: int = 0, limit: int = 0) -> list[bytes]:
+        n = len(tokens) // self.chunk_tokens
+        stop = n if limit == 0 else min(n, start + limit)
+        return keyspec.chunk_keys(fp, tokens, self.chunk_tokens, limit=stop)[start:]
+
+    # --- RPCs -------------------------------------------------------------------------------------------
+    @_observed("Lookup")
+    def Lookup(self, request, context):
+        spec, fp = self._model(request.model, request.HasField("model"))
+        self._tokens(request.tokens)
+        chunks = []
+        for i, key in enumerate(self._keys(fp, request.tokens)):
+            entry = self.tier.peek(key, fp)
+            if entry is None:
+                break
+            chunks.append(pb.ChunkInfo(index=i, key=key, tier=pb.TIER_DEVICE, nbytes=entry.nbytes))
+        cached = len(chunks) * self.chunk_tokens
+        self._count_lookup("lookup", cached, len(request.tokens))
+        return pb.LookupResponse(cached_tokens=cached, chunk_tokens=self.chunk_tokens, chunks=chunks)
+
+    def _count_lookup(self, rpc: str, cached: int, total: int) -> None:
+        self.metrics.lookups.labels(rpc).inc()
+        if cached:
+            self.metrics.hit_tokens.labels(rpc, "device").inc(cached)
+        self.metrics.missed_tokens.labels(rpc).inc(total - cached)
+        with self._totals_lock:
+            self.hit_tokens += cached
+            self.missed_tokens += total - cached
+
+    @_observed("Get", streaming_response=True)
+    def Get(self, request, context):
+        spec, fp = self._model(request.model, request.HasField("model"))
+        self._tokens(request.tokens)
+        frame = self.settings.frame_bytes
+        served = 0
+        try:
+            for i, key in enumerate(self._keys(fp, request.tokens, request.start_chunk, request.max_chunks),
+                                    start=request.start_chunk):
+                entry = self.tier.acquire(key, fp)
+                if entry is None:
+                    break
+                try:
+                    host = entry.data if entry.data.device.type == "cpu" else entry.data.cpu()
+                    view = host.numpy()
+                    if checksum(view) != entry.checksum:
+                        # Never served: drop it and end the prefix here, as if it had been evicted.
+                        self.tier.drop_corrupt(entry)
+                        self.metrics.checksum_failures.labels("device").inc()
+                        log.error("chunk failed its checksum and was dropped",
+                                  extra={"chunk_index": i, "key": key.hex()})
+                        break
+                    yield pb.GetResponse(chunk=pb.ChunkBegin(index=i, nbytes=entry.nbytes, shape=entry.shape,
+                                                             dtype=entry.dtype, xxh3_64=entry.checksum))
+                    for off in range(0, entry.nbytes, frame):
+                        yield pb.GetResponse(data=view[off:off + frame].tobytes())
+                    self.metrics.sent_bytes.labels("device").inc(entry.nbytes)
+                    served += 1
+                finally:
+                    self.tier.release_lease(entry)
+        finally:
+            self._count_lookup("get", served * self.chunk_tokens,
+                               max(0, len(request.tokens) - request.start_chunk * self.chunk_tokens))
+
+    @_observed("Put")
+    def Put(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("frame") != "header":
+            raise invalid("a Put stream must start with a header frame")
+        header = first.header
+        spec, fp = self._model(header.model, header.HasField("model"))
+        self._tokens(header.tokens)
+        n_chunks = len(header.tokens) // self.chunk_tokens
+        if n_chunks == 0:
+            raise invalid(f"tokens has {len(header.tokens)} ids, fewer than one chunk of {self.chunk_tokens}; "
+                          "only whole chunks are stored")
+        keys = self._keys(fp, header.tokens)
+        expected_shape = list(chunk_shape(spec, self.chunk_tokens))
+        expected_nbytes = chunk_nbytes(spec, self.chunk_tokens)
+        expected_dtype = NAME_TO_DTYPE[spec.kv_dtype]
+        stored = skipped = rejected = stored_bytes = 0
+        seen: set[int] = set()
+        current: _Incoming | None = None
+        try:
+            for msg in request_iterator:
+                kind = msg.WhichOneof("frame")
+                if kind == "chunk":
+                    if current is not None:
+                        raise self._cut_short(current)
+                    begin = msg.chunk
+                    self._check_begin(begin, n_chunks, seen, expected_shape, expected_nbytes, expected_dtype)
+                    seen.add(begin.index)
+                    key = keys[begin.index]
+                    parent = keys[begin.index - 1] if begin.index else keyspec.ROOT_PARENT
+                    current = _Incoming(begin, key, parent, None, None, None)
+                    if self.tier.peek(key, fp) is not None:
+                        skipped += 1
+                        continue
+                    try:
+                        current.reservation = self.tier.reserve(begin.nbytes, key, parent)
+                    except AdmissionRejected:
+                        rejected += 1
+                        self.metrics.admission_rejections.labels("device").inc()
+                        continue
+                    except (ChunkTooLarge, NoRoom) as exc:
+                        raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"chunk {begin.index}: {exc}") from None
+                    # Received into host memory first, checksummed, then moved to the device in one copy.
+                    current.host = torch.empty(begin.nbytes, dtype=torch.uint8)
+                    current.buffer = current.host.numpy()
+                elif kind == "data":
+                    if current is None:
+                        raise invalid("a data frame arrived before any chunk frame")
+                    n = len(msg.data)
+                    if current.offset + n > current.begin.nbytes:
+                        raise invalid(f"chunk {current.begin.index}: data frames carry more than the "
+                                      f"{current.begin.nbytes} bytes its chunk frame announced")
+                    if current.buffer is not None:
+                        current.buffer[current.offset:current.offset + n] = np.frombuffer(msg.data, dtype=np.uint8)
+                    current.offset += n
+                    self.metrics.received_bytes.inc(n)
+                    if current.offset == current.begin.nbytes:
+                        if current.reservation is not None:
+                            stored_bytes += self._store(current, fp)
+                            stored += 1
+                        current = None
+                elif kind == "header":
+                    raise invalid("a Put stream carries exactly one header frame")
+                else:
+                    raise invalid("empty PutRequest frame")
+            if current is not None:
+                raise self._cut_short(current)
+        finally:
+            if current is not None and current.reservation is not None:
+                self.tier.release(current.reservation)
+        self.metrics.stored_chunks.inc(stored)
+        return pb.PutResponse(stored_chunks=stored, skipped_chunks=skipped, stored_bytes=stored_bytes,
+                              rejected_chunks=rejected)
+
+    def _check_begin(self, begin, n_chunks, seen, shape, nbytes, dtype) -> None:
+        i = begin.index
+        if i >= n_chunks:
+            raise invalid(f"chunk index {i} needs tokens up to {(i + 1) * self.chunk_tokens}, "
+                          f"but the header carries {n_chunks * self.chunk_tokens} whole-chunk tokens")
+        if i in seen:
+            raise invalid(f"chunk index {i} was sent twice")
+        if begin.dtype != dtype:
+            got = pb.DType.Name(begin.dtype) if begin.dtype in pb.DType.values() else str(begin.dtype)
+            raise invalid(f"chunk {i}: dtype {got} does not match the model's kv_dtype {pb.DType.Name(dtype)}")
+        if list(begin.shape) != shape:
+            if len(begin.shape) == 5 and begin.shape[3] != self.chunk_tokens:
+                raise invalid(f"chunk {i}: shape[3] (tokens per chunk) is {begin.shape[3]}, but this server's "
+                              f"chunk size is {self.chunk_tokens}")
+            raise invalid(f"chunk {i}: shape {list(begin.shape)} does not match the model's layout {shape} "
+                          "[layers, 2, kv_heads, chunk_tokens, head_dim]")
+        if begin.nbytes > self.settings.max_chunk_bytes:
+            raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"chunk {i}: {begin.nbytes} bytes exceed the limit of "
+                             f"{self.settings.max_chunk_bytes} bytes (--max-chunk-bytes)")
+        if begin.nbytes != nbytes:
+            raise invalid(f"chunk {i}: nbytes is {begin.nbytes}, but this model's layout and quantization "
+                          f"need exactly {nbytes}")
+
+    @staticmethod
+    def _cut_short(current: _Incoming) -> RpcFailure:
+        return invalid(f"chunk {current.begin.index} ended after {current.offset} of its "
+                       f"{current.begin.nbytes} bytes; nothing of it was stored")
+
+    def _store(self, incoming: _Incoming, fp: bytes) -> int:
+        begin = incoming.begin
+        value = checksum(incoming.buffer)
+        if begin.xxh3_64 and begin.xxh3_64 != value:
+            raise RpcFailure(grpc.StatusCode.DATA_LOSS,
+                             f"chunk {begin.index}: checksum of the received bytes does not match xxh3_64")
+        data = incoming.host if self.tier.device.type == "cpu" else incoming.host.to(self.tier.device)
+        reservation, incoming.reservation = incoming.reservation, None
+        if self.tier.commit(reservation, key=incoming.key, fingerprint=fp, parent=incoming.parent,
+                            index=begin.index, data=data, checksum_value=value, shape=tuple(begin.shape),
+                            dtype=begin.dtype):
+            return begin.nbytes
+        return 0
+
+    @_observed("Delete")
+    def Delete(self, request, context):
+        spec, fp = self._model(request.model, request.HasField("model"))
+        self._tokens(request.tokens)
+        deleted = self.tier.delete(self._keys(fp, request.tokens, request.start_chunk), fp)
+        return pb.DeleteResponse(deleted_chunks=deleted)
+
+    @_observed("Purge")
+    def Purge(self, request, context):
+        spec, fp = self._model(request.model, request.HasField("model"))
+        count, nbytes = self.tier.purge(fp)
+        log.info("purged model", extra={"model_id": spec.model_id, "chunks": count, "bytes": nbytes})
+        return pb.PurgeResponse(deleted_chunks=count, deleted_bytes=nbytes)
+
+    @_observed("Stats")
+    def Stats(self, request, context):
+        u = self.tier.usage()
+        return pb.StatsResponse(
+            tiers=[pb.TierStats(tier=pb.TIER_DEVICE, entries=u["entries"], bytes_used=u["used"],
+                                bytes_budget=u["budget"])],
+            chunk_tokens=self.chunk_tokens, max_chunk_bytes=self.settings.max_chunk_bytes,
+            hit_tokens=self.hit_tokens, missed_tokens=self.missed_tokens, device=str(self.tier.device),
+            eviction_policy=self.tier.policy.name)
+
+    @_observed("Resize")
+    def Resize(self, request, context):
+        if request.memory_bytes <= 0:
+            raise invalid(f"memory_bytes must be positive, got {request.memory_bytes}")
+        previous, evicted = self.tier.resize(request.memory_bytes)
+        self.metrics.resizes.inc()
+        u = self.tier.usage()
+        log.info("resized memory tier", extra={"previous_bytes": previous, "memory_bytes": request.memory_bytes,
+                                               "evicted_chunks": evicted, "bytes_used": u["used"]})
+        return pb.ResizeResponse(previous_bytes=previous, memory_bytes=request.memory_bytes,
+                                 evicted_chunks=evicted, bytes_used=u["used"])
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available")
+    return device
+
+
+def is_local_address(address: str) -> bool:
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Sidecar:
+    """One running sidecar: gRPC server, health, reflection, metrics endpoint, TTL sweeper."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings.validate()
+        if not is_local_address(settings.grpc_address) and not settings.allow_insecure_remote:
+            raise ValueError(f"--grpc-address {settings.grpc_address} is not loopback or a unix socket; "
+                             "plaintext gRPC there needs --allow-insecure-remote")
+        self.device = resolve_device(settings.device)
+        self.metrics = Metrics()
+        self.tier = MemoryTier(settings.memory_bytes, self.device, make_policy(settings.eviction_policy),
+                               settings.ttl_seconds, on_evict=self._evicted)
+        self.metrics.watch({"device": self.tier})
+        self.service = KVCacheService(settings, self.tier, self.metrics)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers,
+                                                             thread_name_prefix="grpc"),
+                                  options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_KVCacheServicer_to_server(self.service, self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+        self.port = self.server.add_insecure_port(settings.grpc_address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on --grpc-address {settings.grpc_address}")
+        self._stop = threading.Event()
+        self._http = None
+        self.metrics_port = None
+
+    def _evicted(self, entry, reason: str, age: float) -> None:
+        self.metrics.evictions.labels("device", reason).inc()
+        self.metrics.evicted_bytes.labels("device", reason).inc(entry.nbytes)
+        self.metrics.eviction_age.labels(reason).observe(age)
+
+    @property
+    def address(self) -> str:
+        a = self.settings.grpc_address
+        return a if a.startswith("unix:") else f"{a.rsplit(':', 1)[0]}:{self.port}"
+
+    def start(self) -> "Sidecar":
+        self.server.start()
+        if self.settings.metrics_port is not None:
+            self._http, _ = start_http_server(self.settings.metrics_port, addr=self.settings.metrics_host,
+                                              registry=self.metrics.registry)
+            self.metrics_port = self._http.server_port
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        threading.Thread(target=self._sweep, name="ttl-sweeper", daemon=True).start()
+        return self
+
+    def _sweep(self) -> None:
+        interval = min(max(self.settings.ttl_seconds / 4, 0.05), 30.0)
+        while not self._stop.wait(interval):
+            self.tier.expire()
+
+    def stop(self, grace: float = 2.0) -> None:
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+def serve_from_args(args) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"promptcache serve: {exc}", flush=True)
+        return 2
+    logs.configure(settings.log_level, settings.log_format)
+    try:
+        sidecar = Sidecar(settings).start()
+    except (ValueError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    log.info("promptcache sidecar serving", extra={
+        "grpc": sidecar.address, "metrics": f"http://{settings.metrics_host}:{sidecar.metrics_port}/metrics",
+        "device": str(sidecar.device), "memory_bytes": settings.memory_bytes,
+        "chunk_tokens": settings.chunk_tokens, "eviction_policy": settings.eviction_policy})
+
+    def shutdown(signum, frame):
+        log.info("shutting down", extra={"signal": signal.Signals(signum).name})
+        threading.Thread(target=sidecar.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    sidecar.wait()
+    return 0

@@ -1,0 +1,257 @@
+"""store: the device tier. Chunks are torch uint8 tensors on CUDA, or in host memory without a GPU.
+
+Accounting is the point: `used + reserved + draining` is every byte the tier has allocated or promised
+(stored entries, Puts in flight, evicted entries still being streamed to a reader), and it never exceeds
+the budget. A Put reserves its bytes before allocating; a reader holds a lease so eviction cannot free
+(or double-count) what it is still sending.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import xxhash
+
+from promptcache.sidecar.policies import EvictionPolicy
+
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this
+
+
+class StoreError(Exception):
+    """Base of the store's refusals; the server maps each to a gRPC status."""
+
+
+class ChunkTooLarge(StoreError):
+    pass
+
+
+class NoRoom(StoreError):
+    """Everything evictable was evicted and the chunk still does not fit (space held by Puts/Gets in flight)."""
+
+
+class AdmissionRejected(StoreError):
+    pass
+
+
+@dataclass(eq=False)
+class Entry:
+    key: bytes
+    fingerprint: bytes
+    parent: bytes
+    index: int
+    data: torch.Tensor  # 1-D uint8
+    checksum: int       # xxh3_64 of the bytes as received
+    shape: tuple[int, ...]
+    dtype: int          # promptcache.v1.DType value of the logical tensor
+    created: float
+    expires: float
+    accounted: int
+    leases: int = 0
+    evicted: bool = False
+    last_access: float = field(default=0.0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+@dataclass
+class Reservation:
+    nbytes: int
+    accounted: int
+    done: bool = False
+
+
+EvictionListener = Callable[[Entry, str, float], None]  # (entry, reason, age_seconds)
+
+
+def checksum(buf) -> int:
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+class MemoryTier:
+    def __init__(self, budget_bytes: int, device: torch.device, policy: EvictionPolicy, ttl_seconds: float,
+                 clock: Callable[[], float] = time.monotonic, on_evict: EvictionListener | None = None):
+        if budget_bytes <= 0:
+            raise ValueError("budget must be positive")
+        self.device = device
+        self.policy = policy
+        self.ttl = ttl_seconds
+        self.clock = clock
+        self.on_evict = on_evict or (lambda entry, reason, age: None)
+        self._budget = budget_bytes
+        self._entries: dict[bytes, Entry] = {}
+        self._used = 0
+        self._reserved = 0
+        self._draining = 0
+        self._lock = threading.Lock()
+        self._round = CUDA_BLOCK if device.type == "cuda" else 1
+
+    # --- accounting -------------------------------------------------------------------------------------
+    @property
+    def budget(self) -> int:
+        return self._budget
+
+    def usage(self) -> dict[str, int]:
+        with self._lock:
+            return {"entries": len(self._entries), "used": self._used, "reserved": self._reserved,
+                    "draining": self._draining, "budget": self._budget}
+
+    def measured_bytes(self) -> int:
+        """Bytes actually held by stored tensors, read from torch, not from our own counters."""
+        with self._lock:
+            return sum(e.data.untyped_storage().nbytes() for e in self._entries.values())
+
+    def _accounted(self, nbytes: int) -> int:
+        return -(-nbytes // self._round) * self._round
+
+    def _committed(self) -> int:
+        return self._used + self._reserved + self._draining
+
+    # --- eviction ---------------------------------------------------------------------------------------
+    def _remove(self, entry: Entry, reason: str) -> None:
+        """Drop `entry` from the index; its bytes stay accounted while a reader still holds a lease."""
+        del self._entries[entry.key]
+        self.policy.removed(entry.key)
+        self._used -= entry.accounted
+        entry.evicted = True
+        if entry.leases:
+            self._draining += entry.accounted
+        self.on_evict(entry, reason, self.clock() - entry.created)
+
+    def _expire(self, now: float) -> int:
+        expired = [e for e in self._entries.values() if e.expires <= now]
+        for e in expired:
+            self._remove(e, "ttl")
+        return len(expired)
+
+    def expire(self) -> int:
+        with self._lock:
+            return self._expire(self.clock())
+
+    def _make_room(self, need: int) -> int:
+        evicted = 0
+        while self._committed() + need > self._budget:
+            victim = self.policy.victim()
+            if victim is None:
+                return evicted
+            self._remove(self._entries[victim], "capacity")
+            evicted += 1
+        return evicted
+
+    # --- writes -----------------------------------------------------------------------------------------
+    def reserve(self, nbytes: int, key: bytes, parent: bytes) -> Reservation:
+        accounted = self._accounted(nbytes)
+        with self._lock:
+            if accounted > self._budget:
+                raise ChunkTooLarge(f"chunk of {nbytes} bytes exceeds the memory budget of {self._budget} bytes")
+            if self._committed() + accounted > self._budget:
+                self._expire(self.clock())
+            if self._committed() + accounted > self._budget:
+                if not self.policy.admit(key, nbytes, parent):
+                    raise AdmissionRejected("admission policy kept the cached entries")
+                self._make_room(accounted)
+            if self._committed() + accounted > self._budget:
+                raise NoRoom(f"no room for {nbytes} bytes: {self._reserved} bytes reserved by Puts and "
+                             f"{self._draining} bytes held by Gets in flight, budget {self._budget}")
+            self._reserved += accounted
+            return Reservation(nbytes, accounted)
+
+    def release(self, reservation: Reservation) -> None:
+        with self._lock:
+            if not reservation.done:
+                reservation.done = True
+                self._reserved -= reservation.accounted
+
+    def allocate(self, reservation: Reservation) -> torch.Tensor:
+        return torch.empty(reservation.nbytes, dtype=torch.uint8, device=self.device)
+
+    def commit(self, reservation: Reservation, *, key: bytes, fingerprint: bytes, parent: bytes, index: int,
+               data: torch.Tensor, checksum_value: int, shape: tuple[int, ...], dtype: int) -> bool:
+        """Insert a fully received, verified chunk. False if an equal key won the race (bytes released)."""
+        now = self.clock()
+        with self._lock:
+            if reservation.done:
+                raise RuntimeError("reservation already released")
+            reservation.done = True
+            self._reserved -= reservation.accounted
+            existing = self._entries.get(key)
+            if existing is not None and existing.expires > now:
+                return False
+            if existing is not None:
+                self._remove(existing, "ttl")
+            entry = Entry(key, fingerprint, parent, index, data, checksum_value, shape, dtype, now,
+                          now + self.ttl, reservation.accounted, last_access=now)
+            self._entries[key] = entry
+            self._used += entry.accounted
+            self.policy.inserted(key, entry.nbytes, parent)
+            return True
+
+    # --- reads ------------------------------------------------------------------------------------------
+    def peek(self, key: bytes, fingerprint: bytes) -> Entry | None:
+        """The live entry for `key` under `fingerprint`, without leasing it."""
+        now = self.clock()
+        with self._lock:
+            self.policy.requested(key)
+            entry = self._entries.get(key)
+            if entry is None or entry.fingerprint != fingerprint:
+                return None
+            if entry.expires <= now:
+                self._remove(entry, "ttl")
+                return None
+            return entry
+
+    def acquire(self, key: bytes, fingerprint: bytes) -> Entry | None:
+        """Lease the entry for reading: its bytes stay accounted until release()."""
+        now = self.clock()
+        with self._lock:
+            self.policy.requested(key)
+            entry = self._entries.get(key)
+            if entry is None or entry.fingerprint != fingerprint:
+                return None
+            if entry.expires <= now:
+                self._remove(entry, "ttl")
+                return None
+            entry.leases += 1
+            entry.last_access = now
+            self.policy.accessed(key)
+            return entry
+
+    def release_lease(self, entry: Entry) -> None:
+        with self._lock:
+            entry.leases -= 1
+            if entry.evicted and entry.leases == 0:
+                self._draining -= entry.accounted
+
+    def drop_corrupt(self, entry: Entry) -> None:
+        with self._lock:
+            if self._entries.get(entry.key) is entry:
+                self._remove(entry, "checksum")
+
+    # --- bulk operations --------------------------------------------------------------------------------
+    def delete(self, keys: list[bytes], fingerprint: bytes, reason: str = "delete") -> int:
+        with self._lock:
+            victims = [e for k in keys if (e := self._entries.get(k)) is not None and e.fingerprint == fingerprint]
+            for e in victims:
+                self._remove(e, reason)
+            return len(victims)
+
+    def purge(self, fingerprint: bytes) -> tuple[int, int]:
+        with self._lock:
+            victims = [e for e in self._entries.values() if e.fingerprint == fingerprint]
+            for e in victims:
+                self._remove(e, "purge")
+            return len(victims), sum(e.nbytes for e in victims)
+
+    def resize(self, budget_bytes: int) -> tuple[int, int]:
+        """Set a new budget; evict by policy until under it. Returns (previous budget, evicted count)."""
+        if budget_bytes <= 0:
+            raise ValueError("budget must be positive")
+        with self._lock:
+            previous, self._budget = self._budget, budget_bytes
+            evicted = self._expire(self.clock())
+            evicted += self._make_room(0)
+            return previous, evicted

@@ -1,0 +1,27 @@
+"""Conversions between the proto messages and the pure data types (ModelSpec), shared by server and client."""
+from __future__ import annotations
+
+from promptcache.keys import ModelSpec
+from promptcache.v1 import kvcache_pb2 as pb
+
+DTYPE_TO_NAME = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16"}
+NAME_TO_DTYPE = {v: k for k, v in DTYPE_TO_NAME.items()}
+TIER_NAMES = {pb.TIER_DEVICE: "device", pb.TIER_DISK: "disk"}
+
+
+def model_from_proto(msg: pb.Model) -> ModelSpec:
+    """Raises ValueError naming the malformed field."""
+    if msg.kv_dtype not in DTYPE_TO_NAME:
+        raise ValueError(f"model.kv_dtype {pb.DType.Name(msg.kv_dtype) if msg.kv_dtype in pb.DType.values() else msg.kv_dtype} "
+                         f"is not one of {', '.join(pb.DType.Name(d) for d in DTYPE_TO_NAME)}")
+    return ModelSpec(
+        model_id=msg.model_id, revision=msg.revision, kv_dtype=DTYPE_TO_NAME[msg.kv_dtype],
+        num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim,
+        quantization=msg.quantization or "none", tenant_salt=msg.tenant_salt,
+    ).validate()
+
+
+def model_to_proto(spec: ModelSpec) -> pb.Model:
+    return pb.Model(model_id=spec.model_id, revision=spec.revision, kv_dtype=NAME_TO_DTYPE[spec.kv_dtype],
+                    num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                    quantization=spec.quantization, tenant_salt=spec.tenant_salt)
