@@ -1,0 +1,3 @@
+module promptcache.io/keyspec
+
+go 1.22

@@ -1,0 +1,89 @@
+// An independent Go implementation of docs/keys.md, checked against docs/key-vectors.json, so the key
+// spec is proven language-neutral. Run: cd hack/keyspec-go && go test ./...
+package keyspec
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"os"
+	"testing"
+)
+
+type vector struct {
+	Name  string `json:"name"`
+	Model struct {
+		ModelID      string `json:"model_id"`
+		Revision     string `json:"revision"`
+		KVDtype      string `json:"kv_dtype"`
+		NumLayers    uint32 `json:"num_layers"`
+		NumKVHeads   uint32 `json:"num_kv_heads"`
+		HeadDim      uint32 `json:"head_dim"`
+		Quantization string `json:"quantization"`
+		TenantSalt   string `json:"tenant_salt_hex"`
+	} `json:"model"`
+	Fingerprint string   `json:"fingerprint"`
+	ChunkTokens int      `json:"chunk_tokens"`
+	Tokens      []uint32 `json:"tokens"`
+	ChunkKeys   []string `json:"chunk_keys"`
+}
+
+func field(tag byte, payload []byte) []byte {
+	out := []byte{tag, 0, 0, 0, 0}
+	binary.LittleEndian.PutUint32(out[1:], uint32(len(payload)))
+	return append(out, payload...)
+}
+
+func u32(v uint32) []byte {
+	b := make([]byte, 4)
+	binary.LittleEndian.PutUint32(b, v)
+	return b
+}
+
+func TestVectors(t *testing.T) {
+	raw, err := os.ReadFile("../../docs/key-vectors.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var vectors []vector
+	if err := json.Unmarshal(raw, &vectors); err != nil {
+		t.Fatal(err)
+	}
+	if len(vectors) == 0 {
+		t.Fatal("no vectors")
+	}
+	for _, v := range vectors {
+		salt, _ := hex.DecodeString(v.Model.TenantSalt)
+		msg := []byte("promptcache/fingerprint/v1\x00")
+		msg = append(msg, field(1, []byte(v.Model.ModelID))...)
+		msg = append(msg, field(2, []byte(v.Model.Revision))...)
+		msg = append(msg, field(3, []byte(v.Model.KVDtype))...)
+		msg = append(msg, field(4, u32(v.Model.NumLayers))...)
+		msg = append(msg, field(5, u32(v.Model.NumKVHeads))...)
+		msg = append(msg, field(6, u32(v.Model.HeadDim))...)
+		msg = append(msg, field(7, []byte(v.Model.Quantization))...)
+		msg = append(msg, field(8, salt)...)
+		fp := sha256.Sum256(msg)
+		if hex.EncodeToString(fp[:]) != v.Fingerprint {
+			t.Errorf("%s: fingerprint %x, want %s", v.Name, fp, v.Fingerprint)
+		}
+		parent := make([]byte, 32)
+		n := len(v.Tokens) / v.ChunkTokens
+		if n != len(v.ChunkKeys) {
+			t.Fatalf("%s: %d whole chunks, %d keys", v.Name, n, len(v.ChunkKeys))
+		}
+		for i := 0; i < n; i++ {
+			m := append([]byte("promptcache/chunk/v1\x00"), fp[:]...)
+			m = append(m, parent...)
+			for _, tok := range v.Tokens[i*v.ChunkTokens : (i+1)*v.ChunkTokens] {
+				m = append(m, u32(tok)...)
+			}
+			k := sha256.Sum256(m)
+			if hex.EncodeToString(k[:]) != v.ChunkKeys[i] {
+				t.Errorf("%s: key %d = %x, want %s", v.Name, i, k, v.ChunkKeys[i])
+			}
+			parent = k[:]
+		}
+	}
+}

@@ -1,0 +1,246 @@
+"""The sidecar over real gRPC on loopback with the real client: round trips, prefixes, isolation, TTL, budget,
+corruption, Resize, health and reflection."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import CHUNK, SMALL, make_kv
+from promptcache.client import PromptCacheClient, errors
+from promptcache.layout import chunk_nbytes
+
+CHUNK_BYTES = chunk_nbytes(SMALL, CHUNK)  # 2 layers * 2 * 2 heads * 16 tokens * 8 dim * 4 bytes = 4096
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_put_lookup_get_is_bit_identical(client, dtype):
+    spec = dataclasses.replace(SMALL, kv_dtype=dtype)
+    tokens = list(range(100, 100 + 5 * CHUNK + 3))  # 5 whole chunks and a partial one
+    kv = make_kv(spec, len(tokens), seed=1)
+    put = client.put(spec, tokens, kv)
+    assert (put.stored_chunks, put.skipped_chunks) == (5, 0)
+    assert client.lookup(spec, tokens).cached_tokens == 5 * CHUNK
+    cached, got = client.get(spec, tokens)
+    assert cached == 5 * CHUNK
+    for (k, v), (gk, gv) in zip(kv, got):
+        assert gk.dtype == k.dtype and gk.shape == (1, SMALL.num_kv_heads, cached, SMALL.head_dim)
+        # Bit-identical: compare the raw bytes, so even NaN payloads or -0.0 would have to survive.
+        assert torch.equal(gk.contiguous().view(torch.uint8), k[:, :, :cached].contiguous().view(torch.uint8))
+        assert torch.equal(gv.contiguous().view(torch.uint8), v[:, :, :cached].contiguous().view(torch.uint8))
+
+
+def test_second_put_skips_cached_chunks(client):
+    tokens = list(range(3 * CHUNK))
+    kv = make_kv(SMALL, len(tokens))
+    assert client.put(SMALL, tokens, kv).stored_chunks == 3
+    again = client.put(SMALL, tokens, kv)
+    assert (again.stored_chunks, again.skipped_chunks) == (0, 3)
+
+
+def test_longest_prefix_reuses_whole_shared_chunks(client):
+    tokens = list(range(4 * CHUNK))
+    client.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+    # Shares 2.5 chunks, then diverges: the first two chunks are reusable, nothing after.
+    other = tokens[: 2 * CHUNK + CHUNK // 2] + [999_999] * (2 * CHUNK)
+    result = client.lookup(SMALL, other)
+    assert result.cached_tokens == 2 * CHUNK
+    assert [c.index for c in result.chunks] == [0, 1] and all(c.tier == "device" for c in result.chunks)
+    cached, kv = client.get(SMALL, other)
+    assert cached == 2 * CHUNK and kv[0][0].shape[2] == 2 * CHUNK
+    # A prompt that differs inside the first chunk reuses nothing.
+    assert client.lookup(SMALL, [5] + tokens[1:]).cached_tokens == 0
+
+
+def test_get_stops_at_first_missing_chunk(client):
+    tokens = list(range(4 * CHUNK))
+    client.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+    assert client.delete(SMALL, tokens, start_chunk=2) == 2
+    assert client.lookup(SMALL, tokens).cached_tokens == 2 * CHUNK
+    assert len(client.get_blobs(SMALL, tokens, start_chunk=1)) == 1
+
+
+@pytest.mark.parametrize("change", [dict(revision="rev-2"), dict(tenant_salt=b"tenant-b"), dict(model_id="x/y"),
+                                    dict(quantization="k8v8")])
+def test_chunks_are_never_returned_for_another_fingerprint(client, change):
+    tokens = list(range(2 * CHUNK))
+    client.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+    other = dataclasses.replace(SMALL, **change)
+    assert client.lookup(other, tokens).cached_tokens == 0
+    assert client.get_blobs(other, tokens) == []
+    assert client.lookup(SMALL, tokens).cached_tokens == 2 * CHUNK
+
+
+def test_purge_removes_only_that_fingerprint(client):
+    other = dataclasses.replace(SMALL, revision="rev-2")
+    tokens = list(range(2 * CHUNK))
+    client.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+    client.put(other, tokens, make_kv(other, len(tokens)))
+    assert client.purge(SMALL) == (2, 2 * CHUNK_BYTES)
+    assert client.lookup(SMALL, tokens).cached_tokens == 0
+    assert client.lookup(other, tokens).cached_tokens == 2 * CHUNK
+
+
+def test_ttl_expiry(sidecar_factory):
+    sidecar = sidecar_factory(ttl_seconds=0.3)
+    with PromptCacheClient(sidecar.address) as client:
+        tokens = list(range(2 * CHUNK))
+        client.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+        assert client.lookup(SMALL, tokens).cached_tokens == 2 * CHUNK
+        time.sleep(0.8)
+        assert client.lookup(SMALL, tokens).cached_tokens == 0
+        assert client.get_blobs(SMALL, tokens) == []
+    assert sidecar.tier.usage()["used"] == 0  # the sweeper freed the bytes too
+    assert _metric(sidecar, 'promptcache_evictions_total{reason="ttl",tier="device"}') == 2
+
+
+def _metrics_text(sidecar) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def _metric(sidecar, name_and_labels: str) -> float:
+    for line in _metrics_text(sidecar).splitlines():
+        if line.startswith(name_and_labels + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_capacity_eviction_never_exceeds_budget_under_concurrency(sidecar_factory):
+    budget = 10 * CHUNK_BYTES + CHUNK_BYTES // 2  # room for 10 chunks
+    sidecar = sidecar_factory(memory_bytes=budget)
+    samples, stop = [], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            u = sidecar.tier.usage()
+            samples.append((u["used"] + u["reserved"] + u["draining"], sidecar.tier.measured_bytes()))
+            time.sleep(0.001)
+
+    failures = []
+
+    def worker(seed):
+        with PromptCacheClient(sidecar.address, timeout=20, retries=5) as c:
+            for j in range(6):
+                tokens = [seed * 10_000 + j * 100 + t for t in range(3 * CHUNK)]
+                try:
+                    c.put(SMALL, tokens, make_kv(SMALL, len(tokens), seed=seed))
+                    c.get_blobs(SMALL, tokens)
+                except errors.ResourceExhausted:
+                    pass  # budget fully held by Puts and Gets in flight: refused, never overcommitted
+                except errors.PromptCacheError as exc:
+                    failures.append(exc)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    stop.set()
+    sampler.join()
+    assert not failures
+    assert len(samples) > 10
+    assert max(s[0] for s in samples) <= budget
+    assert max(s[1] for s in samples) <= budget  # measured from torch's storages, not our counters
+    assert sidecar.tier.usage()["entries"] <= 10
+    assert _metric(sidecar, 'promptcache_evictions_total{reason="capacity",tier="device"}') > 0
+
+
+def test_lru_evicts_least_recently_used(sidecar_factory):
+    sidecar = sidecar_factory(memory_bytes=3 * CHUNK_BYTES)
+    with PromptCacheClient(sidecar.address) as c:
+        prompts = [[p * 1000 + t for t in range(CHUNK)] for p in range(4)]
+        for p in prompts[:3]:
+            c.put(SMALL, p, make_kv(SMALL, CHUNK))
+        c.get_blobs(SMALL, prompts[0])  # 0 is now most recent; 1 is the LRU
+        c.put(SMALL, prompts[3], make_kv(SMALL, CHUNK))
+        cached = [c.lookup(SMALL, p).cached_tokens for p in prompts]
+    assert cached == [CHUNK, 0, CHUNK, CHUNK]
+
+
+def test_corrupted_chunk_is_dropped_and_never_served(sidecar, client):
+    tokens = list(range(3 * CHUNK))
+    client.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+    keys = [c.key for c in client.lookup(SMALL, tokens).chunks]
+    entry = sidecar.tier._entries[keys[1]]  # flip one bit of chunk 1 in the device tier
+    entry.data[123] ^= 0x01
+    blobs = client.get_blobs(SMALL, tokens)
+    assert len(blobs) == 1  # chunk 0 served, corrupt chunk 1 ends the prefix, chunk 2 unreachable
+    assert client.lookup(SMALL, tokens).cached_tokens == CHUNK
+    assert _metric(sidecar, 'promptcache_checksum_failures_total{tier="device"}') == 1
+    assert _metric(sidecar, 'promptcache_evictions_total{reason="checksum",tier="device"}') == 1
+
+
+def test_resize_shrinks_by_evicting_and_grows_without_loss(sidecar_factory):
+    sidecar = sidecar_factory(memory_bytes=8 * CHUNK_BYTES)
+    with PromptCacheClient(sidecar.address) as c:
+        prompts = [[p * 1000 + t for t in range(CHUNK)] for p in range(8)]
+        for p in prompts:
+            c.put(SMALL, p, make_kv(SMALL, CHUNK))
+        grown = c.resize(16 * CHUNK_BYTES)
+        assert grown.evicted_chunks == 0 and grown.previous_bytes == 8 * CHUNK_BYTES
+        assert sum(c.lookup(SMALL, p).cached_tokens for p in prompts) == 8 * CHUNK
+        shrunk = c.resize(3 * CHUNK_BYTES)
+        assert shrunk.evicted_chunks == 5 and shrunk.bytes_used <= 3 * CHUNK_BYTES
+        # The most recently used survive.
+        assert [c.lookup(SMALL, p).cached_tokens for p in prompts] == [0] * 5 + [CHUNK] * 3
+        assert c.stats().tiers[0].bytes_budget == 3 * CHUNK_BYTES
+
+
+def test_unix_socket(sidecar_factory, tmp_path):
+    sock = tmp_path / "pc.sock"
+    sidecar = sidecar_factory(grpc_address=f"unix:{sock}")
+    with PromptCacheClient(f"unix://{sock}") as c:
+        tokens = list(range(CHUNK))
+        c.put(SMALL, tokens, make_kv(SMALL, CHUNK))
+        assert c.lookup(SMALL, tokens).cached_tokens == CHUNK
+    assert sidecar.address.startswith("unix:")
+
+
+def test_health_and_reflection(sidecar):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(sidecar.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "promptcache.v1.KVCache"):
+            assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = set(db.get_services())
+        assert {"promptcache.v1.KVCache", "grpc.health.v1.Health"} <= services
+        methods = {m.name for m in db.FindFileContainingSymbol("promptcache.v1.KVCache").service[0].method}
+        assert {"Lookup", "Put", "Get", "Delete", "Purge", "Stats", "Resize"} <= methods
+
+
+def test_metrics_follow_prometheus_naming(sidecar, client):
+    tokens = list(range(2 * CHUNK))
+    client.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+    client.get_blobs(SMALL, tokens + [1] * CHUNK)
+    text = _metrics_text(sidecar)
+    for name in ("promptcache_lookups_total", "promptcache_hit_tokens_total", "promptcache_missed_tokens_total",
+                 "promptcache_received_bytes_total", "promptcache_sent_bytes_total", "promptcache_entries",
+                 "promptcache_stored_bytes", "promptcache_budget_bytes", "promptcache_evictions_total",
+                 "promptcache_eviction_entry_age_seconds", "promptcache_request_duration_seconds",
+                 "promptcache_requests_total", "promptcache_checksum_failures_total"):
+        assert name in text, name
+    assert _metric(sidecar, 'promptcache_hit_tokens_total{rpc="get",tier="device"}') == 2 * CHUNK
+    assert _metric(sidecar, 'promptcache_missed_tokens_total{rpc="get"}') == CHUNK
+    assert _metric(sidecar, 'promptcache_sent_bytes_total{tier="device"}') == 2 * CHUNK_BYTES
+    assert _metric(sidecar, 'promptcache_entries{tier="device"}') == 2
+    assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Put"}') == 1
+
+
+def test_client_maps_unreachable_sidecar_to_unavailable():
+    from conftest import free_port
+
+    with PromptCacheClient(f"127.0.0.1:{free_port()}", timeout=1, retries=1) as c:
+        with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
+            c.lookup(SMALL, list(range(CHUNK)))
