@@ -1,0 +1,10 @@
+//go:build tools
+
+// Package tools pins the commands that hack/tools/build.sh builds for the apiserver tests.
+package tools
+
+import (
+	_ "go.etcd.io/etcd/server/v3/etcdmain"
+	_ "helm.sh/helm/v3/cmd/helm"
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+)

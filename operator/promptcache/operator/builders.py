@@ -1,0 +1,391 @@
+"""Pure functions: PromptCache spec -> child manifests. No I/O; golden-file tested (tests/operator/golden/).
+
+Children of a PromptCache named N in namespace NS:
+  ConfigMap      N-config    sidecar settings as PROMPTCACHE_* variables (envFrom) plus promptcache.yaml
+  DaemonSet      N           one sidecar per selected GPU node; restricted Pod Security Standard
+  Service        N           node-local gRPC endpoint (internalTrafficPolicy: Local)
+  Service        N-metrics   headless, for Prometheus
+  ResourceQuota  N-quota     scoped by PriorityClass to the cache pods only
+  VerticalPodAutoscaler N    if the VPA CRD is installed (updateMode Off unless spec.autoscaling.enabled)
+  ServiceMonitor N           if the Prometheus operator CRDs are installed
+  PrometheusRule N           if installed and spec.alerts.enabled
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from .model import GROUP, KIND, VERSION, PromptCacheSpec, quantity_bytes, to_dict
+
+GRPC_PORT = 50051
+METRICS_PORT = 9400
+CONTAINER = "sidecar"
+MANAGED_BY = "promptcache-operator"
+CACHE_LABEL = f"{GROUP}/cache"
+CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+DATA_DIR = "/var/cache/promptcache"
+MEMORY_OVERHEAD = 512 * 2**20  # process + gRPC buffers on top of the cache budget
+RUN_AS = 65532
+
+VPA = ("autoscaling.k8s.io/v1", "VerticalPodAutoscaler")
+SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
+PROMETHEUS_RULE = ("monitoring.coreos.com/v1", "PrometheusRule")
+OPTIONAL_CRDS = {
+    "VerticalPodAutoscaler": "verticalpodautoscalers.autoscaling.k8s.io",
+    "ServiceMonitor": "servicemonitors.monitoring.coreos.com",
+    "PrometheusRule": "prometheusrules.monitoring.coreos.com",
+}
+
+
+@dataclass(frozen=True)
+class OperatorDefaults:
+    """What the operator fills in where a PromptCache leaves it out (the chart sets these by env)."""
+
+    image_repository: str = "ghcr.io/promptcache/promptcache-sidecar"
+    image_tag: str = "0.1.0"
+    image_pull_policy: str = "IfNotPresent"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "OperatorDefaults":
+        env = os.environ if env is None else env
+        d = cls()
+        return cls(
+            image_repository=env.get("PROMPTCACHE_SIDECAR_IMAGE_REPOSITORY", d.image_repository),
+            image_tag=env.get("PROMPTCACHE_SIDECAR_IMAGE_TAG", d.image_tag),
+            image_pull_policy=env.get("PROMPTCACHE_SIDECAR_IMAGE_PULL_POLICY", d.image_pull_policy),
+        )
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    namespace: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Which optional CRDs the API server has."""
+
+    vpa: bool = False
+    service_monitor: bool = False
+    prometheus_rule: bool = False
+
+
+def labels(owner: Owner) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "promptcache",
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/component": "cache-sidecar",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        CACHE_LABEL: owner.name,
+    }
+
+
+def selector(owner: Owner) -> dict[str, str]:
+    return {CACHE_LABEL: owner.name, "app.kubernetes.io/component": "cache-sidecar"}
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name, "uid": owner.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(owner: Owner, name: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"name": name, "namespace": owner.namespace, "labels": {**labels(owner), **(extra_labels or {})},
+            "ownerReferences": [owner_reference(owner)]}
+
+
+def _image(spec: PromptCacheSpec, d: OperatorDefaults) -> tuple[str, str]:
+    repo = spec.image.repository or d.image_repository
+    ref = f"{repo}@{spec.image.digest}" if spec.image.digest else f"{repo}:{spec.image.tag or d.image_tag}"
+    return ref, spec.image.pullPolicy or d.image_pull_policy
+
+
+def _bytes(q: str) -> str:
+    return str(quantity_bytes(q))
+
+
+def format_bytes(n: int) -> str:
+    """Bytes as the shortest exact binary quantity: 17716740096 -> '16896Mi'."""
+    for suffix, factor in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if n and n % factor == 0:
+            return f"{n // factor}{suffix}"
+    return str(n)
+
+
+def sidecar_env(spec: PromptCacheSpec) -> dict[str, str]:
+    """PROMPTCACHE_* settings of `promptcache serve` (see sidecar/promptcache/sidecar/config.py)."""
+    on_gpu = spec.gpu.count > 0
+    budget = spec.memory.device if (on_gpu and spec.memory.device) else spec.memory.host
+    env = {
+        "PROMPTCACHE_GRPC_ADDRESS": f"0.0.0.0:{GRPC_PORT}",
+        "PROMPTCACHE_ALLOW_INSECURE_REMOTE": "true",  # node-local Service only; see docs/operator.md
+        "PROMPTCACHE_METRICS_HOST": "0.0.0.0",
+        "PROMPTCACHE_METRICS_PORT": str(METRICS_PORT),
+        "PROMPTCACHE_DEVICE": "cuda" if on_gpu else "cpu",
+        "PROMPTCACHE_MEMORY_BYTES": _bytes(budget),
+        "PROMPTCACHE_CHUNK_TOKENS": str(spec.cachePolicy.chunkTokens),
+        "PROMPTCACHE_TTL_SECONDS": str(spec.cachePolicy.ttlSeconds),
+        "PROMPTCACHE_EVICTION_POLICY": spec.cachePolicy.evictionPolicy,
+        "PROMPTCACHE_QUANTIZATION": spec.cachePolicy.quantization,
+        "PROMPTCACHE_TENANCY": spec.tenancy.mode.lower(),
+        "PROMPTCACHE_DATA_DIR": DATA_DIR,
+        "PROMPTCACHE_DISK_BYTES": _bytes(spec.memory.disk) if spec.memory.disk else "0",
+        "PROMPTCACHE_LOG_FORMAT": "json",
+    }
+    if spec.cachePolicy.maxChunkBytes:
+        env["PROMPTCACHE_MAX_CHUNK_BYTES"] = _bytes(spec.cachePolicy.maxChunkBytes)
+    return dict(sorted(env.items()))
+
+
+def config_map(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
+    summary = {"model": to_dict(spec.model), "memory": to_dict(spec.memory), "gpu": to_dict(spec.gpu),
+               "cachePolicy": to_dict(spec.cachePolicy), "tenancy": to_dict(spec.tenancy),
+               "autoscaling": to_dict(spec.autoscaling)}
+    data = {**sidecar_env(spec), "promptcache.yaml": yaml.safe_dump(summary, sort_keys=True)}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(owner, f"{owner.name}-config"),
+            "data": data}
+
+
+def config_hash(cm: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(cm["data"], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _resources(spec: PromptCacheSpec) -> dict[str, Any]:
+    memory = format_bytes(quantity_bytes(spec.memory.host) + MEMORY_OVERHEAD)
+    requests: dict[str, Any] = {"cpu": "250m", "memory": memory}
+    limits: dict[str, Any] = {"memory": memory}
+    if spec.memory.disk:
+        disk = format_bytes(quantity_bytes(spec.memory.disk) + 2**30)
+        requests["ephemeral-storage"] = disk
+        limits["ephemeral-storage"] = disk
+    if spec.gpu.count > 0:
+        requests[spec.gpu.resourceName] = str(spec.gpu.count)
+        limits[spec.gpu.resourceName] = str(spec.gpu.count)
+    requests.update({k: str(v) for k, v in spec.resources.requests.items()})
+    limits.update({k: str(v) for k, v in spec.resources.limits.items()})
+    return {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items()))}
+
+
+def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, cfg_hash: str) -> dict[str, Any]:
+    image, pull = _image(spec, defaults)
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
+    data_volume: dict[str, Any] = {"name": "data", "emptyDir": {}}
+    if spec.memory.disk:
+        data_volume["emptyDir"]["sizeLimit"] = spec.memory.disk
+    volumes.insert(0, data_volume)
+    container = {
+        "name": CONTAINER,
+        "image": image,
+        "imagePullPolicy": pull,
+        "args": ["serve"],
+        "envFrom": [{"configMapRef": {"name": f"{owner.name}-config"}}],
+        "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        "startupProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 2, "failureThreshold": 60},
+        "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 10, "failureThreshold": 3,
+                          "timeoutSeconds": 5},
+        "resources": _resources(spec),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [{"name": "data", "mountPath": DATA_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": "default",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "hostNetwork": False,
+        "hostPID": False,
+        "hostIPC": False,
+        "priorityClassName": spec.placement.priorityClassName,
+        "nodeSelector": dict(sorted(spec.placement.nodeSelector.items())),
+        "tolerations": to_dict(spec.placement.tolerations),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.placement.affinity:
+        pod_spec["affinity"] = spec.placement.affinity
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": _meta(owner, owner.name),
+        "spec": {
+            "selector": {"matchLabels": selector(owner)},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": {
+                "metadata": {
+                    "labels": labels(owner),
+                    "annotations": {CONFIG_HASH_ANNOTATION: cfg_hash,
+                                    f"{GROUP}/model": spec.model.name},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def node_local_service(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, owner.name),
+        "spec": {
+            "type": "ClusterIP",
+            "internalTrafficPolicy": "Local",
+            "selector": selector(owner),
+            "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
+                       "appProtocol": "grpc"}],
+        },
+    }
+
+
+def metrics_service(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, f"{owner.name}-metrics", {f"{GROUP}/metrics": "true"}),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(owner),
+            "ports": [{"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],
+        },
+    }
+
+
+def resource_quota(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
+    """Caps what pods of the cache's PriorityClass may take in this namespace (one pod per node, at most
+    spec.placement.maxNodes nodes); inference pods of other priority classes are not counted."""
+    res = _resources(spec)
+    n = spec.placement.maxNodes
+    hard = {"pods": str(n)}
+    for kind, values in (("requests", res["requests"]), ("limits", res["limits"])):
+        for r, v in values.items():
+            if r in ("cpu", "memory", "ephemeral-storage"):
+                hard[f"{kind}.{r}"] = _times(v, n)
+            elif kind == "requests":
+                hard[f"requests.{r}"] = _times(v, n)  # extended resources: only requests.* is allowed
+    return {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": _meta(owner, f"{owner.name}-quota"),
+        "spec": {
+            "hard": dict(sorted(hard.items())),
+            "scopeSelector": {"matchExpressions": [
+                {"scopeName": "PriorityClass", "operator": "In", "values": [spec.placement.priorityClassName]}]},
+        },
+    }
+
+
+def _times(q: str, n: int) -> str:
+    if q.endswith("m") and q[:-1].isdigit():
+        return f"{int(q[:-1]) * n}m"
+    return format_bytes(int(quantity_bytes(q) * n))
+
+
+def vertical_pod_autoscaler(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
+    policy: dict[str, Any] = {"containerName": CONTAINER, "controlledResources": ["memory"],
+                              "controlledValues": "RequestsAndLimits"}
+    if spec.autoscaling.minMemory:
+        policy["minAllowed"] = {"memory": spec.autoscaling.minMemory}
+    if spec.autoscaling.maxMemory:
+        policy["maxAllowed"] = {"memory": spec.autoscaling.maxMemory}
+    return {
+        "apiVersion": VPA[0],
+        "kind": VPA[1],
+        "metadata": _meta(owner, owner.name),
+        "spec": {
+            "targetRef": {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": owner.name},
+            "updatePolicy": {"updateMode": "Recreate" if spec.autoscaling.enabled else "Off"},
+            "resourcePolicy": {"containerPolicies": [policy]},
+        },
+    }
+
+
+def service_monitor(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": SERVICE_MONITOR[0],
+        "kind": SERVICE_MONITOR[1],
+        "metadata": _meta(owner, owner.name),
+        "spec": {
+            "selector": {"matchLabels": {CACHE_LABEL: owner.name, f"{GROUP}/metrics": "true"}},
+            "endpoints": [{"port": "metrics", "interval": "30s", "path": "/metrics"}],
+        },
+    }
+
+
+def prometheus_rule(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
+    a = spec.alerts
+    sel = f'namespace="{owner.namespace}",service="{owner.name}-metrics"'
+    hits = f"sum(rate(promptcache_hit_tokens_total{{{sel}}}[10m]))"
+    misses = f"sum(rate(promptcache_missed_tokens_total{{{sel}}}[10m]))"
+    labels_ = {"severity": "warning", CACHE_LABEL: owner.name}
+    rules = [
+        {"alert": "PromptCacheHitRatioLow",
+         "expr": f"{hits} / clamp_min({hits} + {misses}, 1) < {a.hitRatioBelow}",
+         "for": a.for_, "labels": labels_,
+         "annotations": {"summary": f"PromptCache {owner.namespace}/{owner.name}: hit ratio below {a.hitRatioBelow}"}},
+        {"alert": "PromptCacheMemoryNearBudget",
+         "expr": (f"max by (pod, tier) (promptcache_committed_bytes{{{sel}}} / "
+                  f"clamp_min(promptcache_budget_bytes{{{sel}}}, 1)) > {a.memoryUtilizationAbove}"),
+         "for": a.for_, "labels": labels_,
+         "annotations": {"summary": f"PromptCache {owner.namespace}/{owner.name}: memory above "
+                                    f"{a.memoryUtilizationAbove:.0%} of budget"}},
+        {"alert": "PromptCacheEvictionStorm",
+         "expr": (f"max by (pod) (sum by (pod) (rate(promptcache_evictions_total{{{sel},reason=\"capacity\"}}[5m])))"
+                  f" > {a.evictionsPerSecondAbove:g}"),
+         "for": a.for_, "labels": labels_,
+         "annotations": {"summary": f"PromptCache {owner.namespace}/{owner.name}: more than "
+                                    f"{a.evictionsPerSecondAbove:g} capacity evictions/s on a node"}},
+        {"alert": "PromptCacheSidecarDown",
+         "expr": f"up{{{sel}}} == 0", "for": a.for_, "labels": labels_,
+         "annotations": {"summary": f"PromptCache {owner.namespace}/{owner.name}: a sidecar is not scraped"}},
+    ]
+    return {
+        "apiVersion": PROMETHEUS_RULE[0],
+        "kind": PROMETHEUS_RULE[1],
+        "metadata": _meta(owner, owner.name),
+        "spec": {"groups": [{"name": f"promptcache.{owner.namespace}.{owner.name}", "rules": rules}]},
+    }
+
+
+def desired_children(spec: PromptCacheSpec, owner: Owner, caps: Capabilities,
+                     defaults: OperatorDefaults = OperatorDefaults()) -> list[dict[str, Any]]:
+    """Every child this PromptCache should have, given which optional CRDs exist. Deterministic."""
+    cm = config_map(spec, owner)
+    children = [cm, daemon_set(spec, owner, defaults, config_hash(cm)), node_local_service(owner),
+                metrics_service(owner), resource_quota(spec, owner)]
+    if caps.vpa:
+        children.append(vertical_pod_autoscaler(spec, owner))
+    if caps.service_monitor:
+        children.append(service_monitor(owner))
+    if caps.prometheus_rule and spec.alerts.enabled:
+        children.append(prometheus_rule(spec, owner))
+    return children
+
+
+def child_key(obj: dict[str, Any]) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"

@@ -1,0 +1,81 @@
+"""kopf layer: create/update/resume handlers and a resync timer, all calling the same level-based reconcile.
+
+Importing this module registers the handlers in kopf's default registry.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from .builders import OperatorDefaults
+from .kube import Kube
+from .model import GROUP, PLURAL, VERSION
+from .reconcile import reconcile
+
+log = logging.getLogger("promptcache.operator")
+
+RESYNC_SECONDS = float(os.environ.get("PROMPTCACHE_OPERATOR_RESYNC_SECONDS", "30"))
+ANNOTATION_PREFIX = f"operator.{GROUP}"
+
+_kube: Kube | None = None
+
+
+def kube() -> Kube:
+    global _kube
+    if _kube is None:
+        _kube = Kube()
+    return _kube
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Keep kopf's bookkeeping under our own prefix, in annotations (status is schema-pruned).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"  # unused: no delete handlers
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = int(os.environ.get("PROMPTCACHE_OPERATOR_WORKERS", "16"))
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 60
+    settings.batching.idle_timeout = 5.0
+    settings.batching.batch_window = 0.05
+    kube()  # fail at startup, not at the first event, if the API server is unreachable
+
+
+def _reconcile(body: kopf.Body, logger: logging.Logger, reason: str) -> None:
+    # Objects of kopf are read-only views; reconcile wants plain dicts.
+    obj = {"metadata": dict(body.metadata), "spec": dict(body.spec), "status": dict(body.status)}
+    out = reconcile(kube(), obj, OperatorDefaults.from_env())
+    if out.errors:
+        logger.warning("%s: reconciled with errors: %s", reason, "; ".join(out.errors))
+        raise kopf.TemporaryError("; ".join(out.errors), delay=5)
+    logger.debug("%s: applied %s, deleted %s", reason, out.applied, out.deleted)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+def on_resume(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    _reconcile(body, logger, "resume")
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+def on_create(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    _reconcile(body, logger, "create")
+
+
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def on_update(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    _reconcile(body, logger, "update")
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS / 2, sharp=False)
+def resync(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """Level-based safety net: re-apply (repairs drift, picks up CRDs installed later) and refresh status."""
+    try:
+        _reconcile(body, logger, "resync")
+    except kopf.TemporaryError as exc:
+        logger.warning("resync: %s", exc)

@@ -1,0 +1,160 @@
+"""The thin Kubernetes I/O layer: server-side apply, delete, status patch, CRD discovery."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.parse
+from typing import Any
+
+import urllib3
+
+from kubernetes import client, config
+
+from .builders import OPTIONAL_CRDS, Capabilities
+from .model import GROUP, PLURAL, VERSION
+
+FIELD_MANAGER = "promptcache-operator"
+
+PLURALS = {
+    "ConfigMap": "configmaps",
+    "DaemonSet": "daemonsets",
+    "Service": "services",
+    "ResourceQuota": "resourcequotas",
+    "VerticalPodAutoscaler": "verticalpodautoscalers",
+    "ServiceMonitor": "servicemonitors",
+    "PrometheusRule": "prometheusrules",
+    "PromptCache": PLURAL,
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: str, headers: dict[str, str] | None = None):
+        self.status = status
+        self.body = body
+        self.headers = headers or {}
+        try:
+            self.message = json.loads(body).get("message", body)
+        except (ValueError, AttributeError):
+            self.message = body
+        super().__init__(f"HTTP {status}: {self.message}")
+
+
+def configuration_from_environment(kubeconfig: str | None = None) -> client.Configuration:
+    """In-cluster config if there is one, else kubeconfig ($KUBECONFIG / ~/.kube/config)."""
+    cfg = client.Configuration()
+    if kubeconfig is None:
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+            return cfg
+        except config.ConfigException:
+            pass
+    config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    return cfg
+
+
+def object_path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    path = f"{base}/namespaces/{namespace}/{PLURALS[kind]}" if namespace else f"{base}/{PLURALS[kind]}"
+    return f"{path}/{name}" if name else path
+
+
+class Kube:
+    def __init__(self, cfg: client.Configuration | None = None, crd_cache_seconds: float = 10.0):
+        self.cfg = cfg or configuration_from_environment()
+        self.pool = urllib3.PoolManager(
+            num_pools=4, maxsize=16,
+            cert_reqs="CERT_REQUIRED" if self.cfg.verify_ssl else "CERT_NONE",
+            ca_certs=self.cfg.ssl_ca_cert, cert_file=self.cfg.cert_file, key_file=self.cfg.key_file)
+        self.crd_cache_seconds = crd_cache_seconds
+        self._caps: tuple[float, Capabilities] | None = None
+        self._lock = threading.Lock()
+
+    # -- raw calls -------------------------------------------------------------------------------------------
+    def request(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
+                content_type: str = "application/json", with_headers: bool = False) -> Any:
+        cfg = self.cfg
+        headers = {"Accept": "application/json", "User-Agent": FIELD_MANAGER}
+        if cfg.refresh_api_key_hook is not None:
+            cfg.refresh_api_key_hook(cfg)
+        token = cfg.get_api_key_with_prefix("authorization")
+        if token:
+            headers["Authorization"] = token
+        if body is not None:
+            headers["Content-Type"] = content_type
+            if not isinstance(body, str | bytes):
+                body = json.dumps(body)
+        url = cfg.host.rstrip("/") + path
+        if query:
+            url += "?" + urllib.parse.urlencode(query)
+        resp = self.pool.request(method, url, body=body, headers=headers, timeout=30.0, retries=False)
+        data = resp.data
+        if resp.status >= 400:
+            raise ApiError(resp.status, data.decode(errors="replace"), dict(resp.headers))
+        obj = json.loads(data) if data else None
+        return (obj, dict(resp.headers), resp.headers.getlist("Warning")) if with_headers else obj
+
+    # -- objects ---------------------------------------------------------------------------------------------
+    def apply(self, obj: dict[str, Any], with_headers: bool = False) -> Any:
+        """Server-side apply with this operator's field manager; conflicts are forced (we own these fields)."""
+        md = obj["metadata"]
+        path = object_path(obj["apiVersion"], obj["kind"], md.get("namespace"), md["name"])
+        return self.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
+                            query=[("fieldManager", FIELD_MANAGER), ("force", "true")], with_headers=with_headers)
+
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", object_path(api_version, kind, namespace, name))
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+        try:
+            self.request("DELETE", object_path(api_version, kind, namespace, name),
+                         body={"propagationPolicy": "Background"})
+            return True
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        path = object_path(f"{GROUP}/{VERSION}", "PromptCache", namespace, name) + "/status"
+        return self.request("PATCH", path, body={"status": status}, content_type="application/merge-patch+json")
+
+    def priority_class_exists(self, name: str) -> bool:
+        try:
+            self.request("GET", f"/apis/scheduling.k8s.io/v1/priorityclasses/{name}")
+            return True
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            if exc.status == 403:  # not allowed to look: assume present rather than report a false problem
+                return True
+            raise
+
+    # -- optional CRDs ---------------------------------------------------------------------------------------
+    def crd_established(self, name: str) -> bool:
+        try:
+            crd = self.request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return any(c.get("type") == "Established" and c.get("status") == "True"
+                   for c in (crd.get("status") or {}).get("conditions") or [])
+
+    def capabilities(self, refresh: bool = False) -> Capabilities:
+        with self._lock:
+            now = time.monotonic()
+            if not refresh and self._caps and now - self._caps[0] < self.crd_cache_seconds:
+                return self._caps[1]
+            caps = Capabilities(
+                vpa=self.crd_established(OPTIONAL_CRDS["VerticalPodAutoscaler"]),
+                service_monitor=self.crd_established(OPTIONAL_CRDS["ServiceMonitor"]),
+                prometheus_rule=self.crd_established(OPTIONAL_CRDS["PrometheusRule"]),
+            )
+            self._caps = (now, caps)
+            return caps

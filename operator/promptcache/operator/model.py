@@ -1,0 +1,278 @@
+"""Typed model of the PromptCache spec (promptcache.io/v1alpha1).
+
+The API server applies the CRD's defaults before the operator sees an object; this model applies the same
+defaults so the pure builders (and their golden tests) can start from a minimal dict. tests/operator/
+test_consistency.py checks these dataclasses, the CRD schema and the chart's values.schema.json against each
+other (field names, defaults, enums).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+GROUP = "promptcache.io"
+VERSION = "v1alpha1"
+KIND = "PromptCache"
+PLURAL = "promptcaches"
+
+QUANTIZATION_MODES = ("none", "k8v8", "k8v4")
+EVICTION_POLICIES = ("lru", "lfu", "tinylfu")
+TENANCY_MODES = ("Shared", "Isolated")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+CHUNK_TOKENS_ALLOWED = tuple(2 ** i for i in range(4, 17))  # 16 .. 65536
+
+DEFAULT_NODE_SELECTOR = {"nvidia.com/gpu.present": "true"}
+DEFAULT_TOLERATIONS = ({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},)
+DEFAULT_PRIORITY_CLASS = "promptcache-node-cache"
+
+
+class SpecError(ValueError):
+    """The spec is invalid (the CRD's validation should have caught it first)."""
+
+
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eE][+-]?[0-9]+|[numkMGTPE]|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_SUFFIX = {None: 1, "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+           "P": 10**15, "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def parse_quantity(text: str | int | float) -> float:
+    """Kubernetes quantity -> number ('16Gi' -> 17179869184). Raises SpecError."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = _QUANTITY.match(str(text).strip())
+    if not m:
+        raise SpecError(f"{text!r} is not a Kubernetes quantity")
+    number, suffix = m.groups()
+    try:
+        value = float(number)
+    except ValueError as exc:
+        raise SpecError(f"{text!r} is not a Kubernetes quantity") from exc
+    if suffix and suffix[0] in "eE" and len(suffix) > 1:
+        return value * 10 ** int(suffix[1:])
+    return value * _SUFFIX[suffix]
+
+
+def quantity_bytes(text: str) -> int:
+    return int(parse_quantity(text))
+
+
+def _positive_quantity(path: str, value: str | None) -> None:
+    if value is not None and parse_quantity(value) <= 0:
+        raise SpecError(f"{path} must be a positive quantity, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Toleration:
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    tolerationSeconds: int | None = None
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    revision: str | None = None
+    weightsDigest: str | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    nodeSelector: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_NODE_SELECTOR))
+    affinity: dict[str, Any] | None = None
+    tolerations: tuple[Toleration, ...] = tuple(Toleration(**t) for t in DEFAULT_TOLERATIONS)
+    maxNodes: int = 100
+    priorityClassName: str = DEFAULT_PRIORITY_CLASS
+
+
+@dataclass(frozen=True)
+class Memory:
+    host: str
+    device: str | None = None
+    disk: str | None = None
+
+
+@dataclass(frozen=True)
+class Gpu:
+    resourceName: str = "nvidia.com/gpu"
+    count: int = 0
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    chunkTokens: int = 256
+    ttlSeconds: int = 14400
+    evictionPolicy: Literal["lru", "lfu", "tinylfu"] = "lru"
+    quantization: Literal["none", "k8v8", "k8v4"] = "none"
+    maxChunkBytes: str | None = None
+
+
+@dataclass(frozen=True)
+class Tenancy:
+    mode: Literal["Shared", "Isolated"] = "Shared"
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    enabled: bool = False
+    targetHitRatio: float = 0.8
+    minMemory: str | None = None
+    maxMemory: str | None = None
+
+
+@dataclass(frozen=True)
+class Alerts:
+    enabled: bool = True
+    hitRatioBelow: float = 0.2
+    memoryUtilizationAbove: float = 0.95
+    evictionsPerSecondAbove: float = 100
+    for_: str = field(default="10m", metadata={"json": "for"})
+
+
+@dataclass(frozen=True)
+class Image:
+    repository: str | None = None
+    tag: str | None = None
+    digest: str | None = None
+    pullPolicy: Literal["Always", "IfNotPresent", "Never"] | None = None
+
+
+@dataclass(frozen=True)
+class Resources:
+    requests: dict[str, str | int] = field(default_factory=dict)
+    limits: dict[str, str | int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptCacheSpec:
+    model: Model
+    memory: Memory
+    placement: Placement = field(default_factory=Placement)
+    gpu: Gpu = field(default_factory=Gpu)
+    cachePolicy: CachePolicy = field(default_factory=CachePolicy)
+    tenancy: Tenancy = field(default_factory=Tenancy)
+    autoscaling: Autoscaling = field(default_factory=Autoscaling)
+    alerts: Alerts = field(default_factory=Alerts)
+    image: Image = field(default_factory=Image)
+    resources: Resources = field(default_factory=Resources)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PromptCacheSpec":
+        spec = _build(cls, data or {}, "spec")
+        spec.validate()
+        return spec
+
+    def validate(self) -> "PromptCacheSpec":
+        """The CRD's rules, repeated so the builders never see a spec the API server would reject."""
+        if (self.model.revision is None) == (self.model.weightsDigest is None):
+            raise SpecError("exactly one of spec.model.revision or spec.model.weightsDigest must be set")
+        for name in ("host", "device", "disk"):
+            _positive_quantity(f"spec.memory.{name}", getattr(self.memory, name))
+        _positive_quantity("spec.cachePolicy.maxChunkBytes", self.cachePolicy.maxChunkBytes)
+        _positive_quantity("spec.autoscaling.minMemory", self.autoscaling.minMemory)
+        _positive_quantity("spec.autoscaling.maxMemory", self.autoscaling.maxMemory)
+        if self.cachePolicy.chunkTokens not in CHUNK_TOKENS_ALLOWED:
+            raise SpecError("spec.cachePolicy.chunkTokens must be a power of two between 16 and 65536")
+        if self.cachePolicy.ttlSeconds < 1:
+            raise SpecError("spec.cachePolicy.ttlSeconds must be at least 1")
+        if self.cachePolicy.quantization not in QUANTIZATION_MODES:
+            raise SpecError(f"spec.cachePolicy.quantization must be one of {', '.join(QUANTIZATION_MODES)}")
+        if self.cachePolicy.evictionPolicy not in EVICTION_POLICIES:
+            raise SpecError(f"spec.cachePolicy.evictionPolicy must be one of {', '.join(EVICTION_POLICIES)}")
+        a = self.autoscaling
+        if a.minMemory and a.maxMemory and parse_quantity(a.minMemory) > parse_quantity(a.maxMemory):
+            raise SpecError("spec.autoscaling.minMemory must not be greater than spec.autoscaling.maxMemory")
+        if self.gpu.count < 0:
+            raise SpecError("spec.gpu.count must not be negative")
+        return self
+
+
+def json_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("json", f.name)
+
+
+def _build(tp: Any, value: Any, path: str) -> Any:
+    """Build dataclass/typed value `tp` from JSON-like `value`, applying dataclass defaults."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise SpecError(f"{path} must be an object")
+        hints = typing.get_type_hints(tp)
+        kwargs = {}
+        known = set()
+        for f in dataclasses.fields(tp):
+            key = json_name(f)
+            known.add(key)
+            if key in value and value[key] is not None:
+                kwargs[f.name] = _build(hints[f.name], value[key], f"{path}.{key}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise SpecError(f"{path}.{key} is required")
+        unknown = set(value) - known
+        if unknown:
+            raise SpecError(f"{path} has unknown fields: {', '.join(sorted(unknown))}")
+        return tp(**kwargs)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        last: Exception | None = None
+        for a in args:
+            try:
+                return _build(a, value, path)
+            except SpecError as exc:
+                last = exc
+        raise last or SpecError(f"{path} has an invalid value")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise SpecError(f"{path} must be one of {', '.join(map(str, get_args(tp)))}, got {value!r}")
+        return value
+    if origin is tuple:
+        (item,) = [a for a in get_args(tp) if a is not Ellipsis]
+        if not isinstance(value, list | tuple):
+            raise SpecError(f"{path} must be a list")
+        return tuple(_build(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise SpecError(f"{path} must be an object")
+        _, vt = get_args(tp)
+        if vt is Any:
+            return dict(value)
+        return {str(k): _build(vt, v, f"{path}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise SpecError(f"{path} must be a boolean")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(f"{path} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise SpecError(f"{path} must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise SpecError(f"{path} must be a string")
+        return value
+    raise SpecError(f"{path}: unsupported type {tp!r}")
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass -> JSON-like dict (None fields left out)."""
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if v is not None:
+                out[json_name(f)] = to_dict(v)
+        return out
+    if isinstance(obj, tuple | list):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj

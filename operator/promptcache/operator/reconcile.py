@@ -1,0 +1,221 @@
+"""One level-based reconcile of a PromptCache: apply desired children, prune unwanted optional ones, write status.
+
+Idempotent: running it twice, or in two processes, or after a crash half-way, ends in the same state, because
+every child is written by server-side apply with the same field manager and fully computed desired state.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import builders
+from .builders import OPTIONAL_CRDS, Capabilities, OperatorDefaults, Owner
+from .kube import ApiError, Kube
+from .model import PromptCacheSpec, SpecError
+
+log = logging.getLogger("promptcache.operator")
+
+
+@dataclass
+class Outcome:
+    applied: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    status: dict[str, Any] = field(default_factory=dict)
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def condition(type_: str, ok: bool | None, reason: str, message: str, generation: int) -> dict[str, Any]:
+    return {"type": type_, "status": "Unknown" if ok is None else ("True" if ok else "False"),
+            "reason": reason, "message": message, "observedGeneration": generation}
+
+
+def merge_conditions(old: list[dict[str, Any]], new: list[dict[str, Any]], stamp: str) -> list[dict[str, Any]]:
+    """Keep lastTransitionTime when a condition's status did not change."""
+    before = {c.get("type"): c for c in old or []}
+    out = []
+    for c in new:
+        prev = before.get(c["type"])
+        t = prev.get("lastTransitionTime") if prev and prev.get("status") == c["status"] else None
+        out.append({**c, "lastTransitionTime": t or stamp})
+    return out
+
+
+def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilities, ds: dict[str, Any] | None,
+                       errors: list[str], priority_class_ok: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Pure: what the conditions and node counts say, given what the API server returned."""
+    ds_status = (ds or {}).get("status") or {}
+    ds_gen = ((ds or {}).get("metadata") or {}).get("generation")
+    observed = ds_status.get("observedGeneration")
+    desired = int(ds_status.get("desiredNumberScheduled") or 0)
+    ready = int(ds_status.get("numberReady") or 0)
+    updated = int(ds_status.get("updatedNumberScheduled") or 0)
+    conds = []
+
+    if ds is None:
+        prog = condition("Progressing", True, "Applying", "the DaemonSet has not been created yet", generation)
+    elif observed is None or (ds_gen is not None and observed < ds_gen):
+        prog = condition("Progressing", True, "WaitingForDaemonSetController",
+                         f"DaemonSet generation {ds_gen} not yet observed by the DaemonSet controller", generation)
+    elif updated < desired or ready < desired:
+        prog = condition("Progressing", True, "RollingOut",
+                         f"{updated}/{desired} sidecars updated, {ready}/{desired} ready", generation)
+    else:
+        prog = condition("Progressing", False, "RolloutComplete", f"{ready}/{desired} sidecars ready", generation)
+    progressing = prog["status"] == "True"
+
+    degraded_reasons = []
+    if errors:
+        degraded_reasons.append(("ApplyFailed", "; ".join(errors)))
+    if not priority_class_ok:
+        degraded_reasons.append(("PriorityClassNotFound",
+                                 f"PriorityClass {spec.placement.priorityClassName} does not exist; the API server "
+                                 "rejects the cache pods until it does (the chart installs it)"))
+    if spec.autoscaling.enabled and not caps.vpa:
+        degraded_reasons.append(("OptionalCRDMissing",
+                                 f"spec.autoscaling.enabled is true but {OPTIONAL_CRDS['VerticalPodAutoscaler']} "
+                                 "is not installed"))
+    if degraded_reasons:
+        deg = condition("Degraded", True, degraded_reasons[0][0], "; ".join(m for _, m in degraded_reasons),
+                        generation)
+    else:
+        deg = condition("Degraded", False, "AsExpected", "all children applied", generation)
+
+    if degraded_reasons and degraded_reasons[0][0] in ("ApplyFailed", "PriorityClassNotFound"):
+        rdy = condition("Ready", False, degraded_reasons[0][0], deg["message"], generation)
+    elif progressing:
+        rdy = condition("Ready", False, prog["reason"], prog["message"], generation)
+    elif desired == 0:
+        rdy = condition("Ready", False, "NoMatchingNodes",
+                        f"no node matches the node selector {spec.placement.nodeSelector}", generation)
+    else:
+        rdy = condition("Ready", True, "AllSidecarsReady", f"{ready}/{desired} sidecars ready", generation)
+    conds += [rdy, prog, deg]
+
+    crd = OPTIONAL_CRDS["VerticalPodAutoscaler"]
+    if caps.vpa:
+        mode = "Recreate" if spec.autoscaling.enabled else "Off (recommendations only)"
+        conds.append(condition("Autoscaling", True, "VerticalPodAutoscalerApplied", f"updateMode {mode}",
+                               generation))
+    else:
+        conds.append(condition("Autoscaling", False, "CRDNotInstalled",
+                               f"{crd} is not installed: no VerticalPodAutoscaler created", generation))
+    missing = [OPTIONAL_CRDS[k] for k, ok in (("ServiceMonitor", caps.service_monitor),
+                                              ("PrometheusRule", caps.prometheus_rule)) if not ok]
+    if missing:
+        conds.append(condition("Monitoring", False, "CRDNotInstalled",
+                               f"{', '.join(missing)} not installed: no "
+                               f"{' or '.join(m.split('.')[0] for m in missing)} created", generation))
+    else:
+        conds.append(condition("Monitoring", True, "Applied",
+                               "ServiceMonitor applied" + (", PrometheusRule applied" if spec.alerts.enabled
+                                                           else ", alerts disabled"), generation))
+    return conds, {"desiredNodes": desired, "readyNodes": ready}
+
+
+def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | None = None) -> Outcome:
+    defaults = defaults or OperatorDefaults.from_env()
+    md = body["metadata"]
+    owner = Owner(name=md["name"], namespace=md["namespace"], uid=md["uid"])
+    generation = int(md.get("generation") or 1)
+    old_status = body.get("status") or {}
+    out = Outcome()
+    stamp = now()
+
+    try:
+        spec = PromptCacheSpec.from_dict(body.get("spec") or {})
+    except SpecError as exc:
+        conds = [condition("Ready", False, "InvalidSpec", str(exc), generation),
+                 condition("Progressing", False, "InvalidSpec", str(exc), generation),
+                 condition("Degraded", True, "InvalidSpec", str(exc), generation)]
+        out.errors.append(str(exc))
+        out.status = {"observedGeneration": generation,
+                      "conditions": merge_conditions(old_status.get("conditions"), conds, stamp)}
+        _write_status(kube, owner, old_status, out.status)
+        return out
+
+    caps = kube.capabilities()
+    children = builders.desired_children(spec, owner, caps, defaults)
+    ds = None
+    for child in children:
+        key = builders.child_key(child)
+        try:
+            res = kube.apply(child)
+            out.applied.append(key)
+            if child["kind"] == "DaemonSet":
+                ds = res
+        except ApiError as exc:
+            if exc.status == 404 and child["apiVersion"] in (builders.VPA[0], builders.SERVICE_MONITOR[0]):
+                kube.capabilities(refresh=True)  # the CRD went away since we looked
+            out.errors.append(f"{key}: {exc.message}")
+            log.warning("apply %s/%s %s failed: %s", owner.namespace, owner.name, key, exc)
+
+    # Prune optional children that are no longer wanted (e.g. alerts disabled). Only those we know by name.
+    wanted = {builders.child_key(c) for c in children}
+    for (api_version, kind), present in ((builders.PROMETHEUS_RULE, caps.prometheus_rule),
+                                         (builders.SERVICE_MONITOR, caps.service_monitor),
+                                         (builders.VPA, caps.vpa)):
+        key = f"{kind}/{owner.name}"
+        if present and key not in wanted:
+            try:
+                if kube.delete(api_version, kind, owner.namespace, owner.name):
+                    out.deleted.append(key)
+            except ApiError as exc:
+                out.errors.append(f"delete {key}: {exc.message}")
+
+    nodes = _node_summary(kube, owner)
+    pc_ok = kube.priority_class_exists(spec.placement.priorityClassName)
+    conds, counts = compute_conditions(spec, generation, caps, ds, out.errors, pc_ok)
+    out.status = {
+        "observedGeneration": generation,
+        **counts,
+        "nodes": nodes,
+        "children": sorted(out.applied),
+        "conditions": merge_conditions(old_status.get("conditions"), conds, stamp),
+    }
+    _write_status(kube, owner, old_status, out.status)
+    return out
+
+
+def _node_summary(kube: Kube, owner: Owner) -> list[dict[str, Any]]:
+    """One entry per node running a cache pod: its gRPC endpoint and readiness."""
+    sel = ",".join(f"{k}={v}" for k, v in builders.selector(owner).items())
+    try:
+        pods = kube.request("GET", f"/api/v1/namespaces/{owner.namespace}/pods",
+                            query=[("labelSelector", sel), ("limit", "1000")])
+    except ApiError as exc:
+        log.warning("listing pods of %s/%s: %s", owner.namespace, owner.name, exc)
+        return []
+    nodes = []
+    for pod in pods.get("items") or []:
+        node = (pod.get("spec") or {}).get("nodeName")
+        if not node:
+            continue
+        st = pod.get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+        entry: dict[str, Any] = {"nodeName": node, "ready": ready}
+        if st.get("podIP"):
+            entry["endpoint"] = f"{st['podIP']}:{builders.GRPC_PORT}"
+        nodes.append(entry)
+    return sorted(nodes, key=lambda n: n["nodeName"])
+
+
+def _write_status(kube: Kube, owner: Owner, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """Patch status only when something besides timestamps changed (no churn on every timer tick)."""
+    def strip(s: dict[str, Any]) -> dict[str, Any]:
+        s = {k: v for k, v in s.items() if k in new}
+        s["conditions"] = [{k: v for k, v in c.items() if k != "lastTransitionTime"}
+                           for c in s.get("conditions") or []]
+        return s
+    if strip(old) == strip(new):
+        return
+    try:
+        kube.patch_status(owner.namespace, owner.name, new)
+    except ApiError as exc:
+        if exc.status != 404:  # deleted meanwhile: nothing to report to
+            raise

@@ -1,0 +1,148 @@
+"""Pure builders: golden files and invariants. No API server needed.
+
+Regenerate the golden files after an intended change:  PROMPTCACHE_UPDATE_GOLDEN=1 pytest tests/operator/test_builders.py
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from promptcache.operator import builders
+from promptcache.operator.builders import Capabilities, OperatorDefaults, Owner
+from promptcache.operator.model import (CHUNK_TOKENS_ALLOWED, EVICTION_POLICIES, QUANTIZATION_MODES,
+                                        PromptCacheSpec, SpecError)
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+OWNER = Owner(name="NAME", namespace="NS", uid="00000000-0000-0000-0000-000000000001")
+ALL = Capabilities(vpa=True, service_monitor=True, prometheus_rule=True)
+NONE = Capabilities()
+
+
+def example(name: str) -> dict:
+    return yaml.safe_load((ROOT / "examples" / f"promptcache-{name}.yaml").read_text())
+
+
+def render(name: str, caps: Capabilities) -> str:
+    doc = example(name)
+    owner = Owner(name=doc["metadata"]["name"], namespace="inference", uid=OWNER.uid)
+    spec = PromptCacheSpec.from_dict(doc["spec"])
+    return yaml.safe_dump_all(builders.desired_children(spec, owner, caps, OperatorDefaults()), sort_keys=True)
+
+
+@pytest.mark.parametrize("name", ["minimal", "full"])
+@pytest.mark.parametrize("caps_name,caps", [("all-crds", ALL), ("no-optional-crds", NONE)])
+def test_golden(name, caps_name, caps):
+    got = render(name, caps)
+    path = GOLDEN / f"{name}.{caps_name}.yaml"
+    if os.environ.get("PROMPTCACHE_UPDATE_GOLDEN") or not path.exists():
+        path.write_text(got)
+    assert got == path.read_text(), f"{path} differs; set PROMPTCACHE_UPDATE_GOLDEN=1 if the change is intended"
+
+
+def _pod(ds):
+    return ds["spec"]["template"]["spec"]
+
+
+def test_restricted_pod_security_fields():
+    spec = PromptCacheSpec.from_dict(example("full")["spec"])
+    ds = builders.daemon_set(spec, OWNER, OperatorDefaults(), "h")
+    pod = _pod(ds)
+    assert not pod["hostNetwork"] and not pod["hostPID"] and not pod["hostIPC"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                       "projected", "secret"}
+    for v in pod["volumes"]:
+        assert set(v) - {"name"} <= allowed_volumes
+    for c in pod["containers"]:
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] > 0
+        assert all("hostPort" not in p for p in c["ports"])
+
+
+def test_node_local_and_headless_services():
+    svc = builders.node_local_service(OWNER)
+    assert svc["spec"]["internalTrafficPolicy"] == "Local"
+    metrics = builders.metrics_service(OWNER)
+    assert metrics["spec"]["clusterIP"] == "None"
+
+
+def test_quota_is_scoped_to_priority_class():
+    spec = PromptCacheSpec.from_dict(example("full")["spec"])
+    q = builders.resource_quota(spec, OWNER)
+    assert q["spec"]["scopeSelector"]["matchExpressions"] == [
+        {"scopeName": "PriorityClass", "operator": "In", "values": ["promptcache-node-cache"]}]
+    assert q["spec"]["hard"]["pods"] == "32"
+    assert q["spec"]["hard"]["requests.nvidia.com/gpu"] == "32"
+
+
+def test_optional_children_follow_capabilities():
+    spec = PromptCacheSpec.from_dict(example("minimal")["spec"])
+    kinds = lambda caps: sorted(c["kind"] for c in builders.desired_children(spec, OWNER, caps))  # noqa: E731
+    assert kinds(NONE) == ["ConfigMap", "DaemonSet", "ResourceQuota", "Service", "Service"]
+    assert kinds(ALL) == ["ConfigMap", "DaemonSet", "PrometheusRule", "ResourceQuota", "Service", "Service",
+                          "ServiceMonitor", "VerticalPodAutoscaler"]
+
+
+def test_config_change_rolls_pods():
+    a = PromptCacheSpec.from_dict(example("minimal")["spec"])
+    b = PromptCacheSpec.from_dict({**example("minimal")["spec"], "cachePolicy": {"ttlSeconds": 60}})
+    ha = builders.config_hash(builders.config_map(a, OWNER))
+    hb = builders.config_hash(builders.config_map(b, OWNER))
+    assert ha != hb
+
+
+@pytest.mark.parametrize("patch,field", [
+    ({"memory": {"host": "0"}}, "spec.memory.host"),
+    ({"memory": {"host": "-1Gi"}}, "spec.memory.host"),
+    ({"cachePolicy": {"quantization": "int3"}}, "spec.cachePolicy.quantization"),
+    ({"cachePolicy": {"chunkTokens": 300}}, "spec.cachePolicy.chunkTokens"),
+    ({"cachePolicy": {"ttlSeconds": 0}}, "spec.cachePolicy.ttlSeconds"),
+    ({"autoscaling": {"minMemory": "8Gi", "maxMemory": "4Gi"}}, "spec.autoscaling.minMemory"),
+])
+def test_model_rejects_what_the_crd_rejects(patch, field):
+    spec = {**example("minimal")["spec"], **patch}
+    if "memory" not in patch:
+        spec["memory"] = {"host": "1Gi"}
+    with pytest.raises(SpecError, match=field.replace(".", r"\.")):
+        PromptCacheSpec.from_dict(spec)
+
+
+specs = st.fixed_dictionaries({
+    "model": st.just({"name": "m", "revision": "r"}),
+    "memory": st.fixed_dictionaries({"host": st.sampled_from(["1Gi", "512Mi", "100G"])},
+                                    optional={"disk": st.sampled_from(["10Gi", "1Ti"]),
+                                              "device": st.sampled_from(["4Gi"])}),
+    "gpu": st.fixed_dictionaries({"count": st.integers(0, 4)}),
+    "cachePolicy": st.fixed_dictionaries({
+        "chunkTokens": st.sampled_from(CHUNK_TOKENS_ALLOWED), "ttlSeconds": st.integers(1, 10**6),
+        "evictionPolicy": st.sampled_from(EVICTION_POLICIES), "quantization": st.sampled_from(QUANTIZATION_MODES)}),
+    "alerts": st.fixed_dictionaries({"enabled": st.booleans()}),
+    "autoscaling": st.fixed_dictionaries({"enabled": st.booleans()}),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=specs, caps=st.builds(Capabilities, st.booleans(), st.booleans(), st.booleans()))
+def test_every_child_is_owned_labelled_and_deterministic(spec, caps):
+    s = PromptCacheSpec.from_dict(spec)
+    children = builders.desired_children(s, OWNER, caps)
+    assert children == builders.desired_children(s, OWNER, caps)
+    keys = [builders.child_key(c) for c in children]
+    assert len(set(keys)) == len(keys)
+    for c in children:
+        assert c["metadata"]["namespace"] == "NS"
+        assert c["metadata"]["ownerReferences"] == [builders.owner_reference(OWNER)]
+        assert c["metadata"]["labels"][builders.CACHE_LABEL] == "NAME"
+    env = builders.sidecar_env(s)
+    assert int(env["PROMPTCACHE_MEMORY_BYTES"]) > 0
+    assert env["PROMPTCACHE_CHUNK_TOKENS"] == str(s.cachePolicy.chunkTokens)
