@@ -26,7 +26,7 @@ _kube: Kube | None = None
 def kube() -> Kube:
     global _kube
     if _kube is None:
-        _kube = Kube()
+        _kube = Kube(crd_cache_seconds=float(os.environ.get("PROMPTCACHE_OPERATOR_CRD_CACHE_SECONDS", "10")))
     return _kube
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import urllib.parse
@@ -15,6 +16,7 @@ from .builders import OPTIONAL_CRDS, Capabilities
 from .model import GROUP, PLURAL, VERSION
 
 FIELD_MANAGER = "promptcache-operator"
+log = logging.getLogger("promptcache.operator")
 
 PLURALS = {
     "ConfigMap": "configmaps",
@@ -70,14 +72,20 @@ class Kube:
         self._caps: tuple[float, Capabilities] | None = None
         self._lock = threading.Lock()
 
+    def authorization(self) -> str | None:
+        """The Authorization header (kubernetes-client versions keep the token under different keys)."""
+        cfg = self.cfg
+        token = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+        if token and not token.lower().startswith("bearer "):
+            token = f"Bearer {token}"
+        return token
+
     # -- raw calls -------------------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
                 content_type: str = "application/json", with_headers: bool = False) -> Any:
         cfg = self.cfg
         headers = {"Accept": "application/json", "User-Agent": FIELD_MANAGER}
-        if cfg.refresh_api_key_hook is not None:
-            cfg.refresh_api_key_hook(cfg)
-        token = cfg.get_api_key_with_prefix("authorization")
+        token = self.authorization()
         if token:
             headers["Authorization"] = token
         if body is not None:
@@ -96,11 +104,16 @@ class Kube:
 
     # -- objects ---------------------------------------------------------------------------------------------
     def apply(self, obj: dict[str, Any], with_headers: bool = False) -> Any:
-        """Server-side apply with this operator's field manager; conflicts are forced (we own these fields)."""
+        """Server-side apply with this operator's field manager; conflicts are forced (we own these fields).
+        Warnings the API server returns (Pod Security, deprecations) are logged."""
         md = obj["metadata"]
         path = object_path(obj["apiVersion"], obj["kind"], md.get("namespace"), md["name"])
-        return self.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
-                            query=[("fieldManager", FIELD_MANAGER), ("force", "true")], with_headers=with_headers)
+        got, headers, warnings = self.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
+                                              query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+                                              with_headers=True)
+        for w in warnings:
+            log.warning("API server warning on %s %s/%s: %s", obj["kind"], md.get("namespace"), md["name"], w)
+        return (got, headers, warnings) if with_headers else got
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:

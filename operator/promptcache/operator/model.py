@@ -20,7 +20,7 @@ KIND = "PromptCache"
 PLURAL = "promptcaches"
 
 QUANTIZATION_MODES = ("none", "k8v8", "k8v4")
-EVICTION_POLICIES = ("lru", "lfu", "tinylfu")
+EVICTION_POLICIES = ("lru", "lru-prefix", "lfu", "wtinylfu")
 TENANCY_MODES = ("Shared", "Isolated")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 CHUNK_TOKENS_ALLOWED = tuple(2 ** i for i in range(4, 17))  # 16 .. 65536
@@ -107,7 +107,7 @@ class Gpu:
 class CachePolicy:
     chunkTokens: int = 256
     ttlSeconds: int = 14400
-    evictionPolicy: Literal["lru", "lfu", "tinylfu"] = "lru"
+    evictionPolicy: Literal["lru", "lru-prefix", "lfu", "wtinylfu"] = "lru"
     quantization: Literal["none", "k8v8", "k8v4"] = "none"
     maxChunkBytes: str | None = None
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,7 +144,11 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
     caps = kube.capabilities()
     children = builders.desired_children(spec, owner, caps, defaults)
     ds = None
-    for child in children:
+    pause_after, pause_seconds = _fault_injection()
+    for i, child in enumerate(children):
+        if i == pause_after:
+            log.warning("fault injection: sleeping %ss after %d applies", pause_seconds, i)
+            time.sleep(pause_seconds)
         key = builders.child_key(child)
         try:
             res = kube.apply(child)
@@ -179,7 +185,19 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
         "conditions": merge_conditions(old_status.get("conditions"), conds, stamp),
     }
     _write_status(kube, owner, old_status, out.status)
+    log.info("reconciled %s/%s generation %d: %d applied, %d deleted, %d errors", owner.namespace, owner.name,
+             generation, len(out.applied), len(out.deleted), len(out.errors))
     return out
+
+
+def _fault_injection() -> tuple[int, float]:
+    """Test hook: PROMPTCACHE_OPERATOR_FAULT_PAUSE="N:SECONDS" sleeps after the N-th child apply, so a test can
+    kill the operator mid-reconcile. Unset in production."""
+    spec = os.environ.get("PROMPTCACHE_OPERATOR_FAULT_PAUSE")
+    if not spec:
+        return -1, 0.0
+    n, _, secs = spec.partition(":")
+    return int(n), float(secs or 60)
 
 
 def _node_summary(kube: Kube, owner: Owner) -> list[dict[str, Any]]:

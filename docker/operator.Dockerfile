@@ -1,0 +1,26 @@
+# PromptCache operator image (chart value image.repository: ghcr.io/promptcache/promptcache-operator).
+# Build from the repository root:
+#   docker build -f docker/operator.Dockerfile -t ghcr.io/promptcache/promptcache-operator:0.1.0 .
+# Only the operator's code and its three dependencies go in (no torch, no gRPC): promptcache.operator is a
+# PEP 420 namespace portion, runnable as `python -m promptcache.operator`.
+
+# Pinned base (by exact version; pin by digest as well in the release pipeline).
+ARG PYTHON_IMAGE=python:3.12.8-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /venv \
+ && /venv/bin/pip install --only-binary=:all: kopf==1.45.2 kubernetes==37.0.2 PyYAML==6.0.4 \
+ && /venv/bin/pip uninstall -y pip setuptools wheel || true
+COPY operator/promptcache/operator /app/promptcache/operator
+RUN /venv/bin/python -m compileall -q /app
+
+FROM ${PYTHON_IMAGE}
+# Final stage: no compiler, no pip, no package manager use; runs as an unprivileged user.
+RUN python -m pip uninstall -y pip setuptools wheel 2>/dev/null || true
+COPY --from=build /venv /venv
+COPY --from=build /app /app
+ENV PATH=/venv/bin:$PATH PYTHONPATH=/app PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+USER 65532:65532
+EXPOSE 8080
+ENTRYPOINT ["python", "-m", "promptcache.operator"]

@@ -1,0 +1,120 @@
+"""The PromptCache CRD in a real kube-apiserver: examples apply, defaults land, invalid specs are rejected with a
+message naming the field."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from promptcache.operator.kube import ApiError, object_path
+
+pytestmark = pytest.mark.apiserver
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def example(name: str) -> dict:
+    return yaml.safe_load((ROOT / "examples" / f"promptcache-{name}.yaml").read_text())
+
+
+def apply(kube, obj: dict, namespace: str, dry_run: bool = False):
+    obj = copy.deepcopy(obj)
+    obj["metadata"]["namespace"] = namespace
+    query = [("fieldManager", "kubectl"), ("force", "true")] + ([("dryRun", "All")] if dry_run else [])
+    return kube.request("PATCH", object_path(obj["apiVersion"], obj["kind"], namespace, obj["metadata"]["name"]),
+                        body=obj, content_type="application/apply-patch+yaml", query=query)
+
+
+def test_crd_established_and_discoverable(kube, crd):
+    res = kube.request("GET", "/apis/promptcache.io/v1alpha1")["resources"]
+    pc = next(r for r in res if r["name"] == "promptcaches")
+    assert pc["kind"] == "PromptCache" and pc["namespaced"] and pc["shortNames"] == ["pc"]
+    assert any(r["name"] == "promptcaches/status" for r in res)
+
+
+@pytest.mark.parametrize("name", ["minimal", "full"])
+def test_examples_apply(kube, crd, namespace, name):
+    got = apply(kube, example(name), namespace)
+    assert got["metadata"]["generation"] == 1
+    if name == "minimal":  # the CRD's defaults are filled in by the API server
+        spec = got["spec"]
+        assert spec["placement"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert spec["placement"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+        assert spec["placement"]["priorityClassName"] == "promptcache-node-cache"
+        assert spec["cachePolicy"] == {"chunkTokens": 256, "ttlSeconds": 14400, "evictionPolicy": "lru",
+                                       "quantization": "none"}
+        assert spec["gpu"] == {"resourceName": "nvidia.com/gpu", "count": 0}
+        assert spec["tenancy"] == {"mode": "Shared"}
+        assert spec["alerts"]["enabled"] is True and spec["alerts"]["for"] == "10m"
+
+
+def test_printer_columns_served(kube, crd, namespace):
+    """`kubectl get pc` asks for a Table: the CRD's printer columns are served."""
+    apply(kube, example("minimal"), namespace)
+    cfg = kube.cfg
+    r = kube.pool.request("GET", f"{cfg.host}/apis/promptcache.io/v1alpha1/namespaces/{namespace}/promptcaches",
+                          headers={"Authorization": kube.authorization(),
+                                   "Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"})
+    table = json.loads(r.data)
+    names = [c["name"] for c in table["columnDefinitions"]]
+    assert names[:1] == ["Name"] and {"Ready", "Hit-Ratio", "Memory", "Age"} <= set(names), names
+
+
+INVALID = [
+    ("memory.host zero", {"memory": {"host": "0"}}, "spec.memory.host"),
+    ("memory.host negative", {"memory": {"host": "-4Gi"}}, "spec.memory.host"),
+    ("memory.device negative", {"memory": {"host": "1Gi", "device": "-1"}}, "spec.memory.device"),
+    ("memory.disk zero", {"memory": {"host": "1Gi", "disk": "0Gi"}}, "spec.memory.disk"),
+    ("memory.host not a quantity", {"memory": {"host": "lots"}}, "spec.memory.host"),
+    ("unknown quantization", {"cachePolicy": {"quantization": "int3"}}, "spec.cachePolicy.quantization"),
+    ("unknown eviction policy", {"cachePolicy": {"evictionPolicy": "random"}}, "spec.cachePolicy.evictionPolicy"),
+    ("chunk not power of two", {"cachePolicy": {"chunkTokens": 300}}, "spec.cachePolicy.chunkTokens"),
+    ("chunk too small", {"cachePolicy": {"chunkTokens": 8}}, "spec.cachePolicy.chunkTokens"),
+    ("TTL zero", {"cachePolicy": {"ttlSeconds": 0}}, "spec.cachePolicy.ttlSeconds"),
+    ("autoscaling min > max", {"autoscaling": {"minMemory": "64Gi", "maxMemory": "32Gi"}},
+     "spec.autoscaling.minMemory"),
+    ("hit ratio above 1", {"autoscaling": {"targetHitRatio": 1.5}}, "spec.autoscaling.targetHitRatio"),
+    ("both revision and digest", {"model": {"name": "m", "revision": "r", "weightsDigest": "sha256:" + "a" * 64}},
+     "spec.model"),
+    ("no model name", {"model": {"revision": "r"}}, "spec.model.name"),
+    ("negative gpu count", {"gpu": {"count": -1}}, "spec.gpu.count"),
+]
+
+
+@pytest.mark.parametrize("label,patch,field", INVALID, ids=[i[0] for i in INVALID])
+def test_invalid_specs_rejected_naming_the_field(kube, crd, namespace, label, patch, field):
+    obj = example("minimal")
+    obj["metadata"]["name"] = "bad"
+    obj["spec"].update(patch)
+    with pytest.raises(ApiError) as info:
+        apply(kube, obj, namespace)
+    err = info.value
+    assert err.status == 422, err
+    assert field in err.message, f"{label}: {err.message}"
+
+
+def test_valid_autoscaling_bounds_accepted(kube, crd, namespace):
+    obj = example("minimal")
+    obj["spec"]["autoscaling"] = {"enabled": True, "minMemory": "512Mi", "maxMemory": "1Gi"}
+    apply(kube, obj, namespace, dry_run=True)
+
+
+def test_name_too_long_for_children_rejected(kube, crd, namespace):
+    obj = example("minimal")
+    obj["metadata"]["name"] = "x" * 60
+    with pytest.raises(ApiError) as info:
+        apply(kube, obj, namespace)
+    assert "metadata.name" in info.value.message
+
+
+def test_status_is_a_subresource(kube, crd, namespace):
+    """Writes to the main resource ignore status; /status ignores spec."""
+    obj = example("minimal")
+    obj["status"] = {"readyNodes": 7}
+    got = apply(kube, obj, namespace)
+    assert "readyNodes" not in (got.get("status") or {})
+    got = kube.patch_status(namespace, "llama-8b", {"readyNodes": 3, "observedGeneration": 1})
+    assert got["status"]["readyNodes"] == 3

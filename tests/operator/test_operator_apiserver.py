@@ -1,0 +1,320 @@
+"""The operator (`python -m promptcache.operator`, a subprocess authenticated as the chart's ServiceAccount, so it
+runs with exactly the chart's RBAC) against the real API server."""
+from __future__ import annotations
+
+import copy
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from opharness import apply_crd, wait_for
+from promptcache.operator import builders
+from promptcache.operator.builders import Capabilities, OperatorDefaults, Owner
+from promptcache.operator.kube import ApiError, object_path
+from promptcache.operator.model import PromptCacheSpec
+
+pytestmark = pytest.mark.apiserver
+
+ROOT = Path(__file__).resolve().parents[2]
+PC_API = "promptcache.io/v1alpha1"
+CORE_CHILDREN = [("v1", "ConfigMap", "{}-config"), ("apps/v1", "DaemonSet", "{}"), ("v1", "Service", "{}"),
+                 ("v1", "Service", "{}-metrics"), ("v1", "ResourceQuota", "{}-quota")]
+OPTIONAL_CHILDREN = [(builders.VPA[0], builders.VPA[1], "{}"),
+                     (builders.SERVICE_MONITOR[0], builders.SERVICE_MONITOR[1], "{}"),
+                     (builders.PROMETHEUS_RULE[0], builders.PROMETHEUS_RULE[1], "{}")]
+
+
+def example(name: str = "minimal") -> dict:
+    return yaml.safe_load((ROOT / "examples" / f"promptcache-{name}.yaml").read_text())
+
+
+def apply_pc(kube, namespace: str, doc: dict, name: str | None = None) -> dict:
+    doc = copy.deepcopy(doc)
+    if name:
+        doc["metadata"]["name"] = name
+    doc["metadata"]["namespace"] = namespace
+    return kube.request("PATCH", object_path(PC_API, "PromptCache", namespace, doc["metadata"]["name"]), body=doc,
+                        content_type="application/apply-patch+yaml",
+                        query=[("fieldManager", "kubectl"), ("force", "true")])
+
+
+def get_pc(kube, namespace: str, name: str) -> dict | None:
+    return kube.get(PC_API, "PromptCache", namespace, name)
+
+
+def children(kube, namespace: str, name: str, kinds=CORE_CHILDREN) -> dict[str, dict | None]:
+    return {f"{k}/{n.format(name)}": kube.get(a, k, namespace, n.format(name)) for a, k, n in kinds}
+
+
+def all_present(kube, namespace, name, kinds=CORE_CHILDREN):
+    got = children(kube, namespace, name, kinds)
+    return got if all(got.values()) else None
+
+
+def conditions(pc: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in (pc.get("status") or {}).get("conditions") or []}
+
+
+def optional_crd(group: str, kind: str, plural: str) -> dict:
+    """A minimal CRD for an optional integration (the operator only needs the resource to exist)."""
+    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"{plural}.{group}"},
+            "spec": {"group": group, "scope": "Namespaced",
+                     "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+                     "versions": [{"name": "v1", "served": True, "storage": True,
+                                   "schema": {"openAPIV3Schema": {"type": "object",
+                                                                  "x-kubernetes-preserve-unknown-fields": True}}}]}}
+
+
+OPTIONAL_CRDS = [optional_crd("autoscaling.k8s.io", "VerticalPodAutoscaler", "verticalpodautoscalers"),
+                 optional_crd("monitoring.coreos.com", "ServiceMonitor", "servicemonitors"),
+                 optional_crd("monitoring.coreos.com", "PrometheusRule", "prometheusrules")]
+
+FAST = {"PROMPTCACHE_OPERATOR_RESYNC_SECONDS": "2", "PROMPTCACHE_OPERATOR_CRD_CACHE_SECONDS": "1"}
+
+
+@pytest.fixture
+def operator(start_operator, crd, kube, namespace):
+    """One standalone operator, warmed up: it has reconciled a canary PromptCache."""
+    op = start_operator("--standalone", env=FAST)
+    apply_pc(kube, namespace, example(), name="canary")
+    wait_for(lambda: all_present(kube, namespace, "canary"), timeout=60, what="operator warm-up (canary children)\n"
+             + op.log.name)
+    return op
+
+
+def test_children_created_with_owner_references_within_5s(operator, kube, namespace):
+    start = time.monotonic()
+    pc = apply_pc(kube, namespace, example())
+    got = wait_for(lambda: all_present(kube, namespace, "llama-8b"), timeout=5, interval=0.02,
+                   what="all children within 5 s")
+    elapsed = time.monotonic() - start
+    print(f"apply -> all {len(got)} children: {elapsed * 1000:.0f} ms")
+    uid = pc["metadata"]["uid"]
+    for key, obj in got.items():
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": PC_API, "kind": "PromptCache", "name": "llama-8b", "uid": uid,
+                       "controller": True, "blockOwnerDeletion": True}, key
+        assert any(m["manager"] == "promptcache-operator" and m["operation"] == "Apply"
+                   for m in obj["metadata"]["managedFields"]), key
+    # What was applied is exactly what the pure builders compute.
+    spec = PromptCacheSpec.from_dict(get_pc(kube, namespace, "llama-8b")["spec"])
+    want = builders.config_map(spec, Owner("llama-8b", namespace, uid))
+    assert got["ConfigMap/llama-8b-config"]["data"] == want["data"]
+    svc = got["Service/llama-8b"]
+    assert svc["spec"]["internalTrafficPolicy"] == "Local"
+    assert got["Service/llama-8b-metrics"]["spec"]["clusterIP"] == "None"
+    quota = got["ResourceQuota/llama-8b-quota"]
+    assert quota["spec"]["scopeSelector"]["matchExpressions"][0]["scopeName"] == "PriorityClass"
+
+    # Status tells the truth: no DaemonSet controller runs here, so the rollout is pending.
+    def status_written():
+        s = get_pc(kube, namespace, "llama-8b").get("status") or {}
+        return s if s.get("observedGeneration") == 1 and s.get("conditions") else None
+    status = wait_for(status_written, timeout=5, what="status")
+    c = conditions({"status": status})
+    assert c["Ready"]["status"] == "False" and c["Ready"]["reason"] == "WaitingForDaemonSetController"
+    assert c["Progressing"]["status"] == "True"
+    assert c["Degraded"]["status"] == "False", c["Degraded"]
+    assert all(x["observedGeneration"] == 1 and x["lastTransitionTime"] for x in c.values())
+    assert c["Autoscaling"]["status"] == "False" and c["Autoscaling"]["reason"] == "CRDNotInstalled"
+    assert "verticalpodautoscalers.autoscaling.k8s.io" in c["Autoscaling"]["message"]
+    assert c["Monitoring"]["reason"] == "CRDNotInstalled"
+    assert sorted(status["children"]) == sorted(got)
+
+
+def test_spec_change_updates_children(operator, kube, namespace):
+    apply_pc(kube, namespace, example())
+    before = wait_for(lambda: all_present(kube, namespace, "llama-8b"), timeout=5)
+    doc = example()
+    doc["spec"]["memory"]["host"] = "8Gi"
+    doc["spec"]["cachePolicy"] = {"ttlSeconds": 60, "quantization": "k8v8"}
+    apply_pc(kube, namespace, doc)
+
+    def updated():
+        got = children(kube, namespace, "llama-8b")
+        cm = got["ConfigMap/llama-8b-config"]["data"]
+        return got if cm["PROMPTCACHE_TTL_SECONDS"] == "60" and cm["PROMPTCACHE_QUANTIZATION"] == "k8v8" else None
+    after = wait_for(updated, timeout=5, what="children updated")
+    ds_b = before["DaemonSet/llama-8b"]["spec"]["template"]
+    ds_a = after["DaemonSet/llama-8b"]["spec"]["template"]
+    assert ds_a["metadata"]["annotations"][builders.CONFIG_HASH_ANNOTATION] != \
+        ds_b["metadata"]["annotations"][builders.CONFIG_HASH_ANNOTATION]  # pods roll on config change
+    assert ds_a["spec"]["containers"][0]["resources"]["requests"]["memory"] == "8704Mi"
+    assert after["ResourceQuota/llama-8b-quota"]["spec"]["hard"]["requests.memory"] == "850Gi"  # 100 x 8704Mi
+    assert after["ConfigMap/llama-8b-config"]["data"]["PROMPTCACHE_MEMORY_BYTES"] == str(8 * 2**30)
+    wait_for(lambda: (get_pc(kube, namespace, "llama-8b").get("status") or {}).get("observedGeneration") == 2,
+             timeout=5, what="observedGeneration 2")
+
+
+def test_delete_leaves_only_what_gc_removes(operator, kube, namespace):
+    pc = apply_pc(kube, namespace, example())
+    got = wait_for(lambda: all_present(kube, namespace, "llama-8b"), timeout=5)
+    kube.delete(PC_API, "PromptCache", namespace, "llama-8b")
+    # No finalizer holds the PromptCache back (the operator registers no delete handler).
+    wait_for(lambda: get_pc(kube, namespace, "llama-8b") is None, timeout=5, what="PromptCache gone")
+    # Everything the operator made for it carries an owner reference to the deleted uid, so the garbage
+    # collector (absent here) removes all of it.
+    labelled = []
+    for api, plural in (("api/v1", "configmaps"), ("apis/apps/v1", "daemonsets"), ("api/v1", "services"),
+                        ("api/v1", "resourcequotas")):
+        items = kube.request("GET", f"/{api}/namespaces/{namespace}/{plural}",
+                             query=[("labelSelector", f"{builders.CACHE_LABEL}=llama-8b")])["items"]
+        labelled += items
+    assert len(labelled) == len(got)
+    for obj in labelled:
+        refs = obj["metadata"]["ownerReferences"]
+        assert [r["uid"] for r in refs] == [pc["metadata"]["uid"]], obj["metadata"]["name"]
+    time.sleep(3)  # a resync period: the operator does not recreate anything for the deleted object
+    assert get_pc(kube, namespace, "llama-8b") is None
+
+
+def test_optional_crds_missing_then_installed(operator, kube, namespace):
+    doc = example()
+    doc["spec"]["autoscaling"] = {"enabled": True, "minMemory": "8Gi", "maxMemory": "32Gi"}
+    apply_pc(kube, namespace, doc)
+
+    def cond(type_, status, reason=None):
+        def check():
+            c = conditions(get_pc(kube, namespace, "llama-8b")).get(type_)
+            return c if c and c["status"] == status and (reason is None or c["reason"] == reason) else None
+        return check
+    deg = wait_for(cond("Degraded", "True", "OptionalCRDMissing"), timeout=5, what="Degraded: VPA CRD missing")
+    assert "verticalpodautoscalers.autoscaling.k8s.io" in deg["message"]
+    assert cond("Autoscaling", "False", "CRDNotInstalled")()
+    assert all_present(kube, namespace, "llama-8b")  # the core children exist regardless
+
+    try:
+        for c in OPTIONAL_CRDS:
+            apply_crd(kube, c)
+        # Picked up by the resync timer (no event on the PromptCache itself).
+        got = wait_for(lambda: all_present(kube, namespace, "llama-8b", CORE_CHILDREN + OPTIONAL_CHILDREN),
+                       timeout=15, what="VPA, ServiceMonitor, PrometheusRule created")
+        vpa = got["VerticalPodAutoscaler/llama-8b"]
+        assert vpa["spec"]["updatePolicy"]["updateMode"] == "Recreate"
+        assert vpa["spec"]["resourcePolicy"]["containerPolicies"][0]["maxAllowed"] == {"memory": "32Gi"}
+        for key in ("VerticalPodAutoscaler/llama-8b", "ServiceMonitor/llama-8b", "PrometheusRule/llama-8b"):
+            assert got[key]["metadata"]["ownerReferences"][0]["kind"] == "PromptCache"
+        wait_for(cond("Degraded", "False"), timeout=10, what="Degraded False once the VPA CRD exists")
+        wait_for(cond("Autoscaling", "True"), timeout=5)
+        wait_for(cond("Monitoring", "True"), timeout=5)
+        # Disabling alerts removes the PrometheusRule.
+        doc["spec"]["alerts"] = {"enabled": False}
+        apply_pc(kube, namespace, doc)
+        wait_for(lambda: kube.get(*builders.PROMETHEUS_RULE, namespace, "llama-8b") is None, timeout=5,
+                 what="PrometheusRule pruned")
+    finally:
+        for c in OPTIONAL_CRDS:
+            try:
+                kube.request("DELETE", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{c['metadata']['name']}")
+            except ApiError:
+                pass
+        for c in OPTIONAL_CRDS:
+            wait_for(lambda c=c: _crd_gone(kube, c), timeout=30, what="optional CRD removed")
+
+
+def _crd_gone(kube, c) -> bool:
+    try:
+        kube.request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{c['metadata']['name']}")
+        return False
+    except ApiError as exc:
+        return exc.status == 404
+
+
+def test_daemonset_draws_no_pod_security_warning(kube, crd, namespace):
+    kube.request("PATCH", f"/api/v1/namespaces/{namespace}", content_type="application/merge-patch+json",
+                 body={"metadata": {"labels": {"pod-security.kubernetes.io/warn": "restricted",
+                                               "pod-security.kubernetes.io/warn-version": "latest",
+                                               "pod-security.kubernetes.io/audit": "restricted"}}})
+    owner = Owner("llama-8b", namespace, "00000000-0000-0000-0000-000000000009")
+    for name in ("minimal", "full"):
+        spec = PromptCacheSpec.from_dict(example(name)["spec"])
+        ds = builders.desired_children(spec, owner, Capabilities(), OperatorDefaults())[1]
+        assert ds["kind"] == "DaemonSet"
+        ds["metadata"].pop("ownerReferences")  # the owner uid is made up here
+        _, _, warnings = kube.apply(ds, with_headers=True)
+        assert warnings == [], warnings
+    # Control: the same API server does warn about a DaemonSet that breaks the restricted profile.
+    bad = copy.deepcopy(ds)
+    bad["metadata"]["name"] = "bad"
+    bad["spec"]["template"]["spec"]["hostNetwork"] = True
+    bad["spec"]["template"]["spec"]["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
+    _, _, warnings = kube.apply(bad, with_headers=True)
+    assert any("restricted" in w for w in warnings), warnings
+
+
+def test_operator_created_daemonset_passes_restricted(start_operator, crd, kube, namespace):
+    """With `enforce=restricted` on the namespace as well, the operator's own DaemonSet is admitted, and a dry-run
+    re-apply of it returns no warning."""
+    kube.request("PATCH", f"/api/v1/namespaces/{namespace}", content_type="application/merge-patch+json",
+                 body={"metadata": {"labels": {"pod-security.kubernetes.io/warn": "restricted",
+                                               "pod-security.kubernetes.io/enforce": "restricted"}}})
+    op = start_operator("--standalone", env=FAST)
+    apply_pc(kube, namespace, example("full"))
+    got = wait_for(lambda: all_present(kube, namespace, "qwen-32b"), timeout=30, what="children")
+    ds = got["DaemonSet/qwen-32b"]
+    body = {"apiVersion": "apps/v1", "kind": "DaemonSet",
+            "metadata": {"name": "qwen-32b", "namespace": namespace}, "spec": ds["spec"]}
+    _, _, warnings = kube.request("PATCH", object_path("apps/v1", "DaemonSet", namespace, "qwen-32b"), body=body,
+                                  content_type="application/apply-patch+yaml", with_headers=True,
+                                  query=[("fieldManager", "check"), ("dryRun", "All"), ("force", "true")])
+    assert warnings == []
+    assert "API server warning" not in op.output()
+
+
+def test_restart_mid_reconcile_converges(start_operator, crd, kube, namespace):
+    # The first operator stops for 60 s after applying 2 of the 5 children; it is killed there.
+    first = start_operator("--standalone", env={**FAST, "PROMPTCACHE_OPERATOR_FAULT_PAUSE": "2:60"}, name="first")
+    pc = apply_pc(kube, namespace, example("full"))
+    wait_for(lambda: "fault injection" in first.output(), timeout=60, what="first operator paused mid-reconcile")
+    partial = children(kube, namespace, "qwen-32b")
+    assert sum(v is not None for v in partial.values()) == 2, {k: v is not None for k, v in partial.items()}
+    first.kill(signal.SIGKILL)
+
+    start_operator("--standalone", env=FAST, name="second")
+    got = wait_for(lambda: all_present(kube, namespace, "qwen-32b"), timeout=60, what="convergence after restart")
+    # Same state as an uninterrupted reconcile computes.
+    spec = PromptCacheSpec.from_dict(get_pc(kube, namespace, "qwen-32b")["spec"])
+    owner = Owner("qwen-32b", namespace, pc["metadata"]["uid"])
+    want = {builders.child_key(c): c for c in builders.desired_children(spec, owner, Capabilities())}
+    assert set(want) == set(got)
+    assert got["ConfigMap/qwen-32b-config"]["data"] == want["ConfigMap/qwen-32b-config"]["data"]
+    assert got["DaemonSet/qwen-32b"]["spec"]["template"]["metadata"]["annotations"] == \
+        want["DaemonSet/qwen-32b"]["spec"]["template"]["metadata"]["annotations"]
+    assert got["ResourceQuota/qwen-32b-quota"]["spec"]["hard"] == want["ResourceQuota/qwen-32b-quota"]["spec"]["hard"]
+    wait_for(lambda: (get_pc(kube, namespace, "qwen-32b").get("status") or {}).get("observedGeneration") == 1,
+             timeout=10, what="status after restart")
+    # And it stays put: resyncs re-apply identical state without bumping resourceVersions.
+    rv = {k: v["metadata"]["resourceVersion"] for k, v in got.items()}
+    time.sleep(4.5)
+    assert {k: v["metadata"]["resourceVersion"] for k, v in children(kube, namespace, "qwen-32b").items()} == rv
+
+
+def test_two_replicas_do_not_fight(start_operator, crd, kube, namespace):
+    """Two replicas with kopf peering (as the chart deploys them): one works, the other stands by; when the
+    active one stops, the standby takes over."""
+    a = start_operator(env=FAST, name="replica-a")
+    b = start_operator(env=FAST, name="replica-b")
+    wait_for(lambda: "Pausing operations in favour of" in a.output() + b.output(), timeout=60,
+             what="one replica pausing in favour of the other")
+    active, standby = (b, a) if "Pausing operations in favour of" in a.output() else (a, b)
+    names = [f"pc-{i}" for i in range(3)]
+    for n in names:
+        apply_pc(kube, namespace, example(), name=n)
+    for n in names:
+        wait_for(lambda n=n: all_present(kube, namespace, n), timeout=15, what=f"children of {n}")
+    rv = {n: {k: v["metadata"]["resourceVersion"] for k, v in children(kube, namespace, n).items()} for n in names}
+    time.sleep(5)  # two resync periods
+    assert {n: {k: v["metadata"]["resourceVersion"] for k, v in children(kube, namespace, n).items()}
+            for n in names} == rv, "children keep changing: the replicas fight"
+    assert f"reconciled {namespace}/pc-0" in active.output()
+    assert f"reconciled {namespace}/" not in standby.output()
+
+    # Hand-over: the active replica stops (as in a rolling update); the standby resumes and serves new objects.
+    active.kill(signal.SIGTERM)
+    apply_pc(kube, namespace, example(), name="after-handover")
+    wait_for(lambda: all_present(kube, namespace, "after-handover"), timeout=30, what="standby took over")
+    assert f"reconciled {namespace}/after-handover" in standby.output()
