@@ -1,0 +1,322 @@
+"""HF transformers integration: reuse cached prompt prefixes from the PromptCache sidecar around generation.
+
+    from promptcache.client import PromptCacheClient
+    from promptcache.client.hf import PromptCacheHF
+
+    pc = PromptCacheHF(model, PromptCacheClient("unix:///run/promptcache.sock"), revision="weights-sha256...",
+                       quantization="k8v4")
+    out = pc.generate(input_ids, max_new_tokens=64)       # drop-in for model.generate(input_ids, ...)
+    # or, around your own decoding loop:
+    res = pc.prefill(input_ids)      # res.logits (last position), res.cache (a DynamicCache over all the tokens)
+
+What happens on each request:
+
+1. **Fetch** (critical path, bounded by ``fetch_timeout``): ``Lookup`` then ``Get`` of the longest run of cached whole
+   chunks (at least one prompt token is always left to compute). Blobs are checked (transit checksum, length; for
+   quantized modes the crc32, scales and zero points; for ``none`` that every value is finite) *before* they are turned
+   into a fresh ``transformers.DynamicCache`` that this request owns (the tensors are copied into it, so nothing
+   ``generate()`` mutates is shared with anything else).
+2. **Compute** only the remaining tokens with that cache.
+3. **Store** (off the critical path): the new whole chunks are snapshotted (one copy) and handed to a background
+   thread that quantizes them (if the mode says so) and ``Put``s them; the caller never waits for it. The queue is
+   bounded; when it is full the store is dropped and counted, never blocking.
+
+A sidecar that is down, slow or returns bad bytes costs at most ``fetch_timeout`` and falls back to a full prefill:
+a warning is logged and ``promptcache_client_fallbacks_total{reason}`` counts it; the request never fails because of
+the cache. Batch size 1 (one prompt per call); GQA, and fp32, fp16 and bf16 models, are handled by the ModelSpec
+(KV heads, head dim and KV dtype are read from the model).
+
+transformers 5.x: the cache is passed as ``past_key_values`` (the keyword the installed transformers' Llama forward
+and ``generate()`` take) and built with ``DynamicCache(ddp_cache_data=..., config=model.config)``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from prometheus_client import Counter, Histogram
+
+from promptcache.client import errors
+from promptcache.client.client import PromptCacheClient, decode_chunks, encode_chunk
+from promptcache.keys import ModelSpec
+
+log = logging.getLogger("promptcache.client.hf")
+
+FALLBACKS = Counter("promptcache_client_fallbacks_total",
+                    "Requests that fell back to a full prefill because the cache could not be used, by reason",
+                    ["reason"])
+REUSED_TOKENS = Counter("promptcache_client_reused_tokens_total", "Prompt tokens loaded from the cache, not computed")
+COMPUTED_TOKENS = Counter("promptcache_client_computed_tokens_total", "Prompt tokens computed by the model")
+STORES = Counter("promptcache_client_stores_total", "Background stores by outcome (ok, error, dropped)", ["outcome"])
+FETCH_SECONDS = Histogram("promptcache_client_fetch_seconds", "Time to fetch and decode a cached prefix",
+                          buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+
+_REASONS = {
+    errors.Unavailable: "unavailable",
+    errors.DeadlineExceeded: "deadline",
+    errors.CorruptChunk: "corrupt",
+}
+
+
+def fallback_reason(exc: BaseException) -> str:
+    for cls, reason in _REASONS.items():
+        if isinstance(exc, cls):
+            return reason
+    if isinstance(exc, errors.PromptCacheError):
+        return "error"
+    return "client_bug"
+
+
+@dataclass
+class Prefix:
+    """The cached prefix of one request: `cache` holds `cached_tokens` tokens (None when nothing was reused)."""
+
+    cached_tokens: int = 0
+    cache: object | None = None  # transformers.DynamicCache
+    fallback: str | None = None  # reason, when the cache could not be used
+    seconds: float = 0.0
+    chunk_tokens: int = 0
+
+
+@dataclass
+class PrefillResult:
+    logits: torch.Tensor  # [1, logits_to_keep, vocab]
+    cache: object  # DynamicCache over every input token
+    cached_tokens: int
+    computed_tokens: int
+    fallback: str | None
+    fetch_seconds: float
+    compute_seconds: float
+    store: Future | None = field(default=None, repr=False)
+
+
+def _as_ids(input_ids) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"PromptCacheHF handles one prompt at a time; input_ids has shape {tuple(ids.shape)}")
+    if ids.shape[1] == 0:
+        raise ValueError("input_ids is empty")
+    return ids
+
+
+def cache_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) tensors [1, H, T, D] of a transformers Cache (DynamicCache in 5.x: .layers[i].keys)."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer.keys, layer.values) for layer in layers]
+    return [(k, v) for k, v in cache]  # legacy tuple-of-tuples
+
+
+def make_cache(model, kv) -> object:
+    """A fresh DynamicCache that owns copies of `kv` (per-layer (K, V), each [1, H, T, D])."""
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=kv, config=model.config)
+
+
+class PromptCacheHF:
+    """Prefix reuse for one `transformers` causal LM through a PromptCache sidecar. Thread-safe.
+
+    client: a PromptCacheClient, a target string ("unix:///path.sock", "host:port"), or None (cache disabled: every
+    call is a plain prefill). quantization: "none" (bit-exact), "k8v8" or "k8v4" (part of the fingerprint).
+    revision: identifies the weights (their digest or a revision the operator supplies); it is hashed into every key,
+    so two different checkpoints never share chunks. fetch_timeout: the whole budget of the fetch (Lookup + Get +
+    decode) on the critical path. max_pending_stores: background stores queued at most; more are dropped.
+    """
+
+    def __init__(self, model, client: PromptCacheClient | str | None, *, quantization: str = "none",
+                 model_id: str | None = None, revision: str = "", tenant_salt: bytes = b"",
+                 fetch_timeout: float = 1.0, store_timeout: float = 30.0, store: bool = True,
+                 max_pending_stores: int = 8, verify_finite: bool = True):
+        from promptcache.layout import DTYPE_NAMES
+
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        heads = cfg.num_attention_heads
+        self.model = model
+        self.spec = ModelSpec(
+            model_id=model_id or getattr(cfg, "_name_or_path", "") or cfg.model_type,
+            revision=revision, kv_dtype=DTYPE_NAMES[model.dtype], num_layers=cfg.num_hidden_layers,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            quantization=quantization, tenant_salt=tenant_salt).validate()
+        self._owns_client = isinstance(client, str)
+        self.client = PromptCacheClient(client, timeout=fetch_timeout, retries=1) if isinstance(client, str) else client
+        self.fetch_timeout = fetch_timeout
+        self.store_timeout = store_timeout
+        self.store_enabled = store
+        self.verify_finite = verify_finite
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-store")
+        self._slots = threading.BoundedSemaphore(max_pending_stores)
+        self._pending: set[Future] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------------- fetch
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def fetch(self, input_ids) -> Prefix:
+        """The longest cached whole-chunk prefix of `input_ids` (leaving at least one token to compute)."""
+        ids = _as_ids(input_ids)
+        if self.client is None or ids.shape[1] < 2:
+            return Prefix()
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.fetch_timeout
+        tokens = ids[0].tolist()
+        try:
+            found = self.client.lookup(self.spec, tokens[:-1], timeout=self.fetch_timeout)
+            ct = found.chunk_tokens
+            usable = min(found.cached_tokens, len(tokens) - 1) // ct if ct else 0
+            if usable == 0:
+                return Prefix(seconds=time.perf_counter() - t0, chunk_tokens=ct)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.DeadlineExceeded("fetch deadline spent on Lookup")
+            blobs = self.client.get_blobs(self.spec, tokens[:usable * ct], max_chunks=usable, timeout=remaining)
+            if not blobs:  # evicted between Lookup and Get
+                return Prefix(seconds=time.perf_counter() - t0, chunk_tokens=ct)
+            kv = decode_chunks(self.spec, blobs, ct, self.device)
+            if self.verify_finite and self.spec.quantization == "none":
+                # quantized modes prove finiteness from their scales; raw chunks are scanned (cheap next to compute)
+                for layer, (k, v) in enumerate(kv):
+                    if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+                        raise errors.CorruptChunk(f"cached prefix has NaN or Inf in layer {layer}")
+            cache = make_cache(self.model, kv)
+            if time.monotonic() > deadline:
+                raise errors.DeadlineExceeded(f"fetch took longer than {self.fetch_timeout}s")
+            cached = len(blobs) * ct
+            seconds = time.perf_counter() - t0
+            FETCH_SECONDS.observe(seconds)
+            REUSED_TOKENS.inc(cached)
+            return Prefix(cached, cache, None, seconds, ct)
+        except Exception as exc:  # noqa: BLE001 - the cache must never fail a request
+            reason = fallback_reason(exc)
+            FALLBACKS.labels(reason).inc()
+            log.warning("promptcache: falling back to full prefill (%s): %s", reason, exc)
+            return Prefix(fallback=reason, seconds=time.perf_counter() - t0)
+
+    # ---------------------------------------------------------------------------------------------- prefill
+    @torch.inference_mode()
+    def prefill(self, input_ids, *, logits_to_keep: int = 1, store: bool | None = None,
+                **model_kwargs) -> PrefillResult:
+        """Fetch the cached prefix, run the model over the rest, schedule the store of new whole chunks.
+
+        Returns the logits of the last `logits_to_keep` positions and a DynamicCache over all the input tokens,
+        ready for decoding (it is this request's own object).
+        """
+        ids = _as_ids(input_ids).to(self.device)
+        n = ids.shape[1]
+        prefix = self.fetch(ids)
+        t0 = time.perf_counter()
+        cache = prefix.cache if prefix.cache is not None else make_cache(self.model, None)
+        out = self.model(input_ids=ids[:, prefix.cached_tokens:], past_key_values=cache, use_cache=True,
+                         logits_to_keep=logits_to_keep, **model_kwargs)
+        compute = time.perf_counter() - t0
+        COMPUTED_TOKENS.inc(n - prefix.cached_tokens)
+        fut = None
+        if store if store is not None else self.store_enabled:
+            fut = self.store_async(ids, out.past_key_values, prefix.cached_tokens)
+        return PrefillResult(out.logits, out.past_key_values, prefix.cached_tokens, n - prefix.cached_tokens,
+                             prefix.fallback, prefix.seconds, compute, fut)
+
+    @torch.inference_mode()
+    def generate(self, input_ids, attention_mask=None, **generate_kwargs):
+        """`model.generate(input_ids, **generate_kwargs)` with the prompt prefix reused and stored.
+
+        The prompt minus its last token is prefilled here (from the cache where possible; new whole chunks are stored
+        in the background right away), then `generate()` continues from that cache, computing the last prompt token
+        and decoding. Same output as plain `generate()` for mode "none".
+        """
+        ids = _as_ids(input_ids).to(self.device)
+        n = ids.shape[1]
+        if generate_kwargs.get("past_key_values") is not None:
+            raise ValueError("PromptCacheHF.generate builds the cache itself; do not pass past_key_values")
+        prefix = self.fetch(ids)
+        cache = prefix.cache if prefix.cache is not None else make_cache(self.model, None)
+        start = prefix.cached_tokens
+        if n - 1 > start:
+            out = self.model(input_ids=ids[:, start:n - 1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+        COMPUTED_TOKENS.inc(n - start)
+        if self.store_enabled and n - 1 > start:
+            self.store_async(ids[:, :n - 1], cache, start)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(ids)
+        self.last_prefix = prefix
+        return self.model.generate(ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
+
+    # ------------------------------------------------------------------------------------------------ store
+    def store_async(self, input_ids, cache, cached_tokens: int = 0) -> Future | None:
+        """Store the whole chunks of `input_ids` not yet cached, in the background. Never blocks on the network.
+
+        The K/V of those chunks is copied here (the caller's cache may be mutated or freed afterwards); the
+        background thread quantizes and Puts. Returns a Future (None when nothing is new or the queue is full).
+        """
+        if self.client is None:
+            return None
+        ids = _as_ids(input_ids)
+        ct = getattr(self.client, "_chunk_tokens", None)
+        if not ct:
+            return None  # chunk size learnt on the first successful Lookup; until then there is nothing to store
+        first, last = cached_tokens // ct, ids.shape[1] // ct
+        if last <= first:
+            return None
+        if not self._slots.acquire(blocking=False):
+            STORES.labels("dropped").inc()
+            log.warning("promptcache: background store queue full; dropping the store of %d chunks", last - first)
+            return None
+        try:
+            a, b = first * ct, last * ct
+            snapshot = [(k[..., a:b, :].clone(), v[..., a:b, :].clone()) for k, v in cache_kv(cache)]
+            tokens = ids[0, :b].tolist()
+        except BaseException:
+            self._slots.release()
+            raise
+        fut = self._pool.submit(self._store, tokens, snapshot, first, last, ct)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, fut: Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+        self._slots.release()
+
+    def _store(self, tokens, snapshot, first, last, ct):
+        try:
+            blobs = {i: encode_chunk(self.spec, snapshot, (i - first) * ct, (i - first + 1) * ct)
+                     for i in range(first, last)}
+            res = self.client.put_blobs(self.spec, tokens, blobs, timeout=self.store_timeout)
+            STORES.labels("ok").inc()
+            return res
+        except Exception as exc:  # noqa: BLE001 - a failed store only costs a future cache miss
+            STORES.labels("error").inc()
+            log.warning("promptcache: background store of chunks %d..%d failed: %s", first, last - 1, exc)
+            return None
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the background stores queued so far; True when all finished in time."""
+        from concurrent.futures import wait
+
+        with self._lock:
+            pending = list(self._pending)
+        done, not_done = wait(pending, timeout=timeout)
+        return not not_done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self._owns_client and self.client is not None:
+            self.client.close()
+
+    def __enter__(self) -> "PromptCacheHF":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
