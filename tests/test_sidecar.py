@@ -244,3 +244,46 @@ def test_client_maps_unreachable_sidecar_to_unavailable():
     with PromptCacheClient(f"127.0.0.1:{free_port()}", timeout=1, retries=1) as c:
         with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
             c.lookup(SMALL, list(range(CHUNK)))
+
+
+def test_shared_memory_fast_path_round_trip(sidecar_factory, tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    sidecar = sidecar_factory(grpc_address=f"unix:{tmp_path / 's.sock'}", shm_dir=str(shm))
+    tokens = list(range(3 * CHUNK + 5))
+    kv = make_kv(SMALL, len(tokens), seed=3)
+    with PromptCacheClient(sidecar.address, shm_dir=str(shm)) as fast, \
+            PromptCacheClient(sidecar.address) as streamed:
+        assert fast.put(SMALL, tokens, kv).stored_chunks == 3
+        cached, got = fast.get(SMALL, tokens)
+        assert cached == 3 * CHUNK
+        for (k, v), (gk, gv) in zip(kv, got):
+            assert torch.equal(gk, k[:, :, :cached]) and torch.equal(gv, v[:, :, :cached])
+        # Both transports see the same bytes.
+        assert [b.tolist() for b in fast.get_blobs(SMALL, tokens)] == \
+            [b.tolist() for b in streamed.get_blobs(SMALL, tokens)]
+        assert len(list(shm.iterdir())) == 1  # one reusable buffer for this client thread
+    assert list(shm.iterdir()) == []  # removed on close
+
+
+def test_shared_buffer_names_are_confined_to_the_shm_dir(sidecar_factory, tmp_path):
+    from promptcache.v1 import kvcache_pb2 as pb
+    from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+    from promptcache.wire import model_to_proto
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (tmp_path / "secret").write_bytes(b"x" * 10_000)
+    (shm / "link").symlink_to(tmp_path / "secret")
+    sidecar = sidecar_factory(shm_dir=str(shm))
+    plain = sidecar_factory()
+    for address, name, fragment in ((sidecar.address, "../secret", "not a plain file name"),
+                                    (sidecar.address, "link", "cannot be opened"),
+                                    (sidecar.address, "missing", "cannot be opened"),
+                                    (plain.address, "anything", "disabled on this sidecar")):
+        with grpc.insecure_channel(address) as ch:
+            req = pb.GetRequest(model=model_to_proto(SMALL), tokens=list(range(CHUNK)),
+                                shared_buffer=pb.SharedBuffer(name=name, length=4096))
+            with pytest.raises(grpc.RpcError) as info:
+                list(pb_grpc.KVCacheStub(ch).Get(req, timeout=5))
+            assert fragment in info.value.details()

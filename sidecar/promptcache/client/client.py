@@ -19,6 +19,7 @@ import xxhash
 from promptcache.client import errors
 from promptcache.keys import ModelSpec
 from promptcache.layout import TORCH_DTYPES, chunk_nbytes, chunk_shape
+from promptcache.shm import ClientBuffers
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
 from promptcache.wire import NAME_TO_DTYPE, TIER_NAMES, model_to_proto
@@ -67,7 +68,7 @@ class PromptCacheClient:
     """
 
     def __init__(self, target: str, *, timeout: float = 5.0, retries: int = 2, backoff: float = 0.05,
-                 frame_bytes: int = 1 << 20, chunk_tokens: int | None = None,
+                 frame_bytes: int = 1 << 20, chunk_tokens: int | None = None, shm_dir: str | None = None,
                  channel: grpc.Channel | None = None):
         self.target = target
         self.timeout = timeout
@@ -77,9 +78,13 @@ class PromptCacheClient:
         self._channel = channel or grpc.insecure_channel(target)
         self._stub = pb_grpc.KVCacheStub(self._channel)
         self._chunk_tokens = chunk_tokens
+        # Node-local fast path: chunk bytes go through shared memory in this folder (the sidecar's --shm-dir).
+        self._shm = ClientBuffers(shm_dir) if shm_dir else None
 
     def close(self) -> None:
         self._channel.close()
+        if self._shm is not None:
+            self._shm.close()
 
     def __enter__(self) -> "PromptCacheClient":
         return self
@@ -142,14 +147,25 @@ class PromptCacheClient:
         shape = list(chunk_shape(spec, self.chunk_tokens))
         dtype = NAME_TO_DTYPE[spec.kv_dtype]
         arrays = {i: _as_bytes_array(b) for i, b in sorted(blobs.items())}
+        sums = {i: xxhash.xxh3_64_intdigest(arr) for i, arr in arrays.items()}
+        shared = None
+        if self._shm is not None and arrays:
+            shared = self._shm.get(sum(a.size for a in arrays.values()))
+            offsets, pos = {}, 0
+            for i, arr in arrays.items():
+                shared.array[pos:pos + arr.size] = arr
+                offsets[i], pos = pos, pos + arr.size
 
         def frames() -> Iterator[pb.PutRequest]:
-            yield pb.PutRequest(header=pb.PutHeader(model=model_to_proto(spec), tokens=token_list))
+            yield pb.PutRequest(header=pb.PutHeader(model=model_to_proto(spec), tokens=token_list,
+                                                    shared_buffer=shared.name if shared else ""))
             for index, arr in arrays.items():
                 yield pb.PutRequest(chunk=pb.ChunkBegin(index=index, nbytes=arr.size, shape=shape, dtype=dtype,
-                                                        xxh3_64=xxhash.xxh3_64_intdigest(arr)))
-                for off in range(0, arr.size, self.frame_bytes):
-                    yield pb.PutRequest(data=arr[off:off + self.frame_bytes].tobytes())
+                                                        xxh3_64=sums[index],
+                                                        buffer_offset=offsets[index] if shared else 0))
+                if shared is None:
+                    for off in range(0, arr.size, self.frame_bytes):
+                        yield pb.PutRequest(data=arr[off:off + self.frame_bytes].tobytes())
 
         resp = self._call(lambda t: self._stub.Put(frames(), timeout=t), timeout)
         return PutResult(resp.stored_chunks, resp.skipped_chunks, resp.rejected_chunks, resp.stored_bytes)
@@ -157,9 +173,26 @@ class PromptCacheClient:
     def get_blobs(self, spec: ModelSpec, tokens, start_chunk: int = 0, max_chunks: int = 0,
                   timeout: float | None = None) -> list[torch.Tensor]:
         """The longest run of cached chunk blobs from start_chunk on, each verified against its checksum."""
-        req = pb.GetRequest(model=model_to_proto(spec), tokens=_tokens(tokens), start_chunk=start_chunk,
+        return [b.clone() if self._shm is not None else b
+                for b in self._get_blobs(spec, tokens, start_chunk, max_chunks, timeout)]
+
+    def _get_blobs(self, spec, tokens, start_chunk, max_chunks, timeout) -> list[torch.Tensor]:
+        """Like get_blobs, but with shared memory the blobs are views of this thread's buffer, valid until
+        its next call: decode or copy them at once."""
+        token_list = _tokens(tokens)
+        req = pb.GetRequest(model=model_to_proto(spec), tokens=token_list, start_chunk=start_chunk,
                             max_chunks=max_chunks)
-        return self._call(lambda t: _receive(self._stub.Get(req, timeout=t), start_chunk), timeout)
+        if self._shm is None:
+            return self._call(lambda t: _receive(self._stub.Get(req, timeout=t), start_chunk), timeout)
+        n = len(token_list) // self.chunk_tokens - start_chunk
+        n = min(n, max_chunks) if max_chunks else n
+        if n <= 0:
+            return []
+        size = n * chunk_nbytes(spec, self.chunk_tokens)
+        shared = self._shm.get(size)
+        req.shared_buffer.name, req.shared_buffer.length = shared.name, size
+        return self._call(lambda t: _receive_shared(self._stub.Get(req, timeout=t), start_chunk, shared.array),
+                          timeout)
 
     # --- tensors ----------------------------------------------------------------------------------------
     def put(self, spec: ModelSpec, tokens, kv: KV, start_chunk: int = 0, timeout: float | None = None) -> PutResult:
@@ -174,7 +207,7 @@ class PromptCacheClient:
     def get(self, spec: ModelSpec, tokens, start_chunk: int = 0, max_chunks: int = 0,
             device: torch.device | str = "cpu", timeout: float | None = None) -> tuple[int, list]:
         """(cached_tokens, per-layer [(K, V)] each [1, H, cached_tokens, D]) of the longest cached prefix."""
-        blobs = self.get_blobs(spec, tokens, start_chunk, max_chunks, timeout)
+        blobs = self._get_blobs(spec, tokens, start_chunk, max_chunks, timeout)
         if not blobs:
             return 0, []
         return len(blobs) * self.chunk_tokens, decode_chunks(spec, blobs, self.chunk_tokens, device)
@@ -224,6 +257,27 @@ def _receive(stream: Iterable[pb.GetResponse], start_chunk: int) -> list[torch.T
     if current is not None:
         finish()
     return blobs
+
+
+def _receive_shared(stream: Iterable[pb.GetResponse], start_chunk: int, buffer: np.ndarray) -> list[torch.Tensor]:
+    blobs = []
+    for msg in stream:
+        if msg.WhichOneof("frame") != "batch":
+            raise errors.CorruptChunk("unexpected frame in a shared-memory Get")
+        for c in msg.batch.chunks:
+            blobs.append(_shared_chunk(c, start_chunk + len(blobs), buffer))
+    return blobs
+
+
+def _shared_chunk(c: pb.ChunkBegin, expected_index: int, buffer: np.ndarray) -> torch.Tensor:
+    if c.index != expected_index:
+        raise errors.CorruptChunk(f"expected chunk {expected_index}, got {c.index}")
+    if c.buffer_offset + c.nbytes > buffer.size:
+        raise errors.CorruptChunk(f"chunk {c.index} was placed outside the shared buffer")
+    view = buffer[c.buffer_offset:c.buffer_offset + c.nbytes]
+    if xxhash.xxh3_64_intdigest(view) != c.xxh3_64:
+        raise errors.CorruptChunk(f"chunk {c.index} failed its checksum in shared memory")
+    return torch.from_numpy(view)
 
 
 def _kv_tokens(kv: KV) -> int:

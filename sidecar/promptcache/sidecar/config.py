@@ -44,6 +44,7 @@ class Settings:
     device: str = "auto"
     data_dir: str = "./promptcache-data"
     disk_bytes: int = 0
+    shm_dir: str = ""
     workers: int = 32
     frame_bytes: int = 1 << 20
     log_level: str = "info"
@@ -93,6 +94,8 @@ HELP = {
     "device": "where the device tier lives: auto (CUDA if present, else CPU), cpu, cuda, cuda:N",
     "data_dir": "folder for the disk tier (RocksDB)",
     "disk_bytes": "byte budget of the disk tier; 0 disables it",
+    "shm_dir": "folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which node-local "
+               "clients pass chunk bytes instead of streaming them; empty disables the fast path",
     "workers": "gRPC worker threads (concurrent calls served at once)",
     "frame_bytes": "bytes per streamed data frame in Put and Get",
     "log_level": "debug, info, warning or error",

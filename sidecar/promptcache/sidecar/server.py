@@ -24,6 +24,7 @@ from prometheus_client import start_http_server
 
 from promptcache import keys as keyspec
 from promptcache.layout import chunk_nbytes, chunk_shape
+from promptcache.shm import SharedBufferError, open_shared
 from promptcache.sidecar import logs
 from promptcache.sidecar.config import Settings, settings_from_args
 from promptcache.sidecar.metrics import Metrics
@@ -137,6 +138,15 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         stop = n if limit == 0 else min(n, start + limit)
         return keyspec.chunk_keys(fp, tokens, self.chunk_tokens, limit=stop)[start:]
 
+    def _shared(self, name: str, need: int | None, writable: bool):
+        if not self.settings.shm_dir:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
+                             "shared-memory transfer is disabled on this sidecar (start it with --shm-dir)")
+        try:
+            return open_shared(self.settings.shm_dir, name, need, writable)
+        except SharedBufferError as exc:
+            raise invalid(str(exc)) from None
+
     # --- RPCs -------------------------------------------------------------------------------------------
     @_observed("Lookup")
     def Lookup(self, request, context):
@@ -166,7 +176,11 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         spec, fp = self._model(request.model, request.HasField("model"))
         self._tokens(request.tokens)
         frame = self.settings.frame_bytes
-        served = 0
+        mm = shared = None
+        if request.HasField("shared_buffer"):
+            mm, shared = self._shared(request.shared_buffer.name, request.shared_buffer.length, writable=True)
+        served = position = 0
+        batch: list[pb.ChunkBegin] = []
         try:
             for i, key in enumerate(self._keys(fp, request.tokens, request.start_chunk, request.max_chunks),
                                     start=request.start_chunk):
@@ -174,8 +188,15 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 if entry is None:
                     break
                 try:
-                    host = entry.data if entry.data.device.type == "cpu" else entry.data.cpu()
-                    view = host.numpy()
+                    if shared is not None:
+                        if position + entry.nbytes > shared.size:
+                            break
+                        # Copy first, then verify the bytes exactly where the client will read them.
+                        view = shared[position:position + entry.nbytes]
+                        torch.from_numpy(view).copy_(entry.data)
+                    else:
+                        host = entry.data if entry.data.device.type == "cpu" else entry.data.cpu()
+                        view = host.numpy()
                     if checksum(view) != entry.checksum:
                         # Never served: drop it and end the prefix here, as if it had been evicted.
                         self.tier.drop_corrupt(entry)
@@ -183,17 +204,28 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         log.error("chunk failed its checksum and was dropped",
                                   extra={"chunk_index": i, "key": key.hex()})
                         break
-                    yield pb.GetResponse(chunk=pb.ChunkBegin(index=i, nbytes=entry.nbytes, shape=entry.shape,
-                                                             dtype=entry.dtype, xxh3_64=entry.checksum))
-                    for off in range(0, entry.nbytes, frame):
-                        yield pb.GetResponse(data=view[off:off + frame].tobytes())
+                    begin = pb.ChunkBegin(index=i, nbytes=entry.nbytes, shape=entry.shape, dtype=entry.dtype,
+                                          xxh3_64=entry.checksum, buffer_offset=position)
+                    if shared is not None:
+                        batch.append(begin)
+                        position += entry.nbytes
+                    else:
+                        yield pb.GetResponse(chunk=begin)
+                        for off in range(0, entry.nbytes, frame):
+                            yield pb.GetResponse(data=view[off:off + frame].tobytes())
                     self.metrics.sent_bytes.labels("device").inc(entry.nbytes)
                     served += 1
                 finally:
+                    view = None
                     self.tier.release_lease(entry)
+            if batch:
+                yield pb.GetResponse(batch=pb.ChunkBatch(chunks=batch))
         finally:
             self._count_lookup("get", served * self.chunk_tokens,
                                max(0, len(request.tokens) - request.start_chunk * self.chunk_tokens))
+            if mm is not None:
+                shared = view = None
+                mm.close()
 
     @_observed("Put")
     def Put(self, request_iterator, context):
@@ -214,6 +246,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         stored = skipped = rejected = stored_bytes = 0
         seen: set[int] = set()
         current: _Incoming | None = None
+        mm = shared = None
+        if header.shared_buffer:
+            mm, shared = self._shared(header.shared_buffer, None, writable=False)
         try:
             for msg in request_iterator:
                 kind = msg.WhichOneof("frame")
@@ -228,19 +263,33 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     current = _Incoming(begin, key, parent, None, None, None)
                     if self.tier.peek(key, fp) is not None:
                         skipped += 1
+                        current = None if shared is not None else current
                         continue
                     try:
                         current.reservation = self.tier.reserve(begin.nbytes, key, parent)
                     except AdmissionRejected:
                         rejected += 1
                         self.metrics.admission_rejections.labels("device").inc()
+                        current = None if shared is not None else current
                         continue
                     except (ChunkTooLarge, NoRoom) as exc:
                         raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"chunk {begin.index}: {exc}") from None
                     # Received into host memory first, checksummed, then moved to the device in one copy.
                     current.host = torch.empty(begin.nbytes, dtype=torch.uint8)
                     current.buffer = current.host.numpy()
+                    if shared is not None:
+                        end = begin.buffer_offset + begin.nbytes
+                        if end > shared.size:
+                            raise invalid(f"chunk {begin.index}: buffer_offset {begin.buffer_offset} + nbytes "
+                                          f"{begin.nbytes} runs past the shared buffer's {shared.size} bytes")
+                        current.buffer[:] = shared[begin.buffer_offset:end]
+                        self.metrics.received_bytes.inc(begin.nbytes)
+                        stored_bytes += self._store(current, fp)
+                        stored += 1
+                        current = None
                 elif kind == "data":
+                    if shared is not None:
+                        raise invalid("data frames are not allowed when the header names a shared buffer")
                     if current is None:
                         raise invalid("a data frame arrived before any chunk frame")
                     n = len(msg.data)
@@ -265,6 +314,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         finally:
             if current is not None and current.reservation is not None:
                 self.tier.release(current.reservation)
+            if mm is not None:
+                shared = None
+                mm.close()
         self.metrics.stored_chunks.inc(stored)
         return pb.PutResponse(stored_chunks=stored, skipped_chunks=skipped, stored_bytes=stored_bytes,
                               rejected_chunks=rejected)

@@ -1,0 +1,178 @@
+"""Put/Get throughput of 1, 8 and 64 MB prefixes over TCP and a unix socket, against memcpy and Redis.
+
+Everything is measured in the same run: an in-process copy of the same bytes (the ceiling), a sidecar
+subprocess driven by PromptCacheClient, and a redis-server subprocess driven by redis-py (with hiredis) from
+the same Python process, with the same chunk payloads (one Redis key per chunk, pipelined).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes-mb", default="1,8,64", help="prefix sizes in MiB (comma separated)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repetitions per cell (median reported)")
+    p.add_argument("--transports", default="tcp,unix,shm",
+                   help="tcp, unix (bytes streamed over the socket), shm (unix socket for metadata, bytes through "
+                        "shared memory)")
+    p.add_argument("--output", default="bench-results/throughput.md", help="where to write the markdown table")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(check, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} did not come up")
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(args) -> int:
+    import redis
+    import torch
+
+    from promptcache.client import PromptCacheClient
+    from promptcache.keys import ModelSpec
+
+    # A layout whose chunks are exactly 1 MiB: 4 layers x (K, V) x 4 heads x 256 tokens x 64 dims x fp16.
+    spec = ModelSpec("bench/1mib-chunks", "v1", "float16", num_layers=4, num_kv_heads=4, head_dim=64)
+    chunk_tokens, chunk_bytes = 256, 1 << 20
+    sizes = [int(s) for s in args.sizes_mb.split(",")]
+    transports = args.transports.split(",")
+    redis_bin = shutil.which("redis-server")
+    if not redis_bin:
+        print("redis-server is not installed: run `make system-deps` (Debian package redis-server)", file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp(prefix="promptcache-bench-"))
+    shm_dir = Path(tempfile.mkdtemp(prefix="promptcache-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    procs = []
+    try:
+        addresses = {}
+        tcp_port = _free_port()
+        sock = tmp / "sidecar.sock"
+        budget = 4 * max(sizes) * chunk_bytes + (64 << 20)
+        sidecar = subprocess.Popen(
+            [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", f"127.0.0.1:{tcp_port}",
+             "--metrics-port", "0", "--memory-bytes", str(budget), "--chunk-tokens", str(chunk_tokens),
+             "--max-chunk-bytes", str(chunk_bytes), "--log-level", "warning", "--shm-dir", str(shm_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(sidecar)
+        # A second sidecar process on a unix socket: each transport gets a server of its own.
+        sidecar_unix = subprocess.Popen(
+            [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", f"unix:{sock}",
+             "--metrics-port", "0", "--memory-bytes", str(budget), "--chunk-tokens", str(chunk_tokens),
+             "--max-chunk-bytes", str(chunk_bytes), "--log-level", "warning", "--shm-dir", str(shm_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(sidecar_unix)
+        addresses = {"tcp": f"127.0.0.1:{tcp_port}", "unix": f"unix://{sock}", "shm": f"unix://{sock}"}
+        redis_port = _free_port()
+        redis_sock = tmp / "redis.sock"
+        procs.append(subprocess.Popen(
+            [redis_bin, "--port", str(redis_port), "--bind", "127.0.0.1", "--unixsocket", str(redis_sock),
+             "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--maxmemory", "0"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        # Redis has no shared-memory path: the shm rows compare against Redis over its unix socket.
+        rclients = {"tcp": redis.Redis(host="127.0.0.1", port=redis_port),
+                    "unix": redis.Redis(unix_socket_path=str(redis_sock))}
+        rclients["shm"] = rclients["unix"]
+        clients = {t: PromptCacheClient(addresses[t], timeout=120, chunk_tokens=chunk_tokens,
+                                        shm_dir=str(shm_dir) if t == "shm" else None) for t in transports}
+        for t in transports:
+            _wait(lambda: clients[t].healthy(), f"sidecar ({t})")
+            _wait(lambda: rclients[t].ping(), f"redis ({t})")
+
+        rows = []
+        for size in sizes:
+            blobs = {i: torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8) for i in range(size)}
+            payloads = [b.numpy().tobytes() for b in blobs.values()]
+            src = torch.cat(list(blobs.values()))
+            dst = torch.empty_like(src)
+            memcpy = _median_seconds(lambda: dst.copy_(src), args.repeats)
+            for t in transports:
+                client, rc = clients[t], rclients[t]
+                counter = iter(range(10**9))
+
+                def put_once():
+                    n = next(counter)
+                    tokens = [n * 1_000_003 % 2**31 + i for i in range(size * chunk_tokens)]
+                    res = client.put_blobs(spec, tokens, blobs)
+                    assert res.stored_chunks == size, res
+
+                put_s = _median_seconds(put_once, args.repeats)
+                tokens = list(range(size * chunk_tokens))
+                client.put_blobs(spec, tokens, blobs)
+
+                def get_once():
+                    got = client.get_blobs(spec, tokens)
+                    assert len(got) == size
+
+                get_s = _median_seconds(get_once, args.repeats)
+                keys = [f"bench:{size}:{i}" for i in range(size)]
+
+                def redis_put():
+                    pipe = rc.pipeline(transaction=False)
+                    for k, v in zip(keys, payloads):
+                        pipe.set(k, v)
+                    pipe.execute()
+
+                def redis_get():
+                    got = rc.mget(keys)
+                    assert len(got) == size and all(len(g) == chunk_bytes for g in got)
+
+                rput_s = _median_seconds(redis_put, args.repeats)
+                rget_s = _median_seconds(redis_get, args.repeats)
+                rc.flushall()
+                mb = size * chunk_bytes / 1e6
+                rows.append((size, t, mb / put_s, mb / get_s, mb / memcpy, mb / rput_s, mb / rget_s))
+                client.purge(spec)
+        lines = ["| prefix | transport | Put MB/s | Get MB/s | memcpy MB/s | Redis SET MB/s | Redis GET MB/s "
+                 "| Put / Redis | Get / Redis | Get / memcpy |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
+        for size, t, put, get, mc, rput, rget in rows:
+            lines.append(f"| {size} MiB | {t} | {put:,.0f} | {get:,.0f} | {mc:,.0f} | {rput:,.0f} | {rget:,.0f} "
+                         f"| {put / rput:.2f}x | {get / rget:.2f}x | {get / mc:.3f} |")
+        table = "\n".join(lines)
+        print(table)
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(f"<!-- promptcache bench throughput, {time.strftime('%Y-%m-%d %H:%M')}, "
+                       f"{os.cpu_count()} CPUs, median of {args.repeats} -->\n{table}\n")
+        return 0
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(shm_dir, ignore_errors=True)
