@@ -1,0 +1,118 @@
+"""The `promptcache serve` command as users run it: flags, environment, help, errors, signals."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, SidecarProcess
+from promptcache.client import PromptCacheClient
+from promptcache.sidecar import config
+
+
+def parse(argv, env=None):
+    p = argparse.ArgumentParser()
+    config.add_arguments(p)
+    return config.settings_from_args(p.parse_args(argv), environ=env or {})
+
+
+def test_defaults_are_the_embedded_ones():
+    assert parse([]) == config.Settings()
+    assert config.Settings().grpc_address.startswith("127.0.0.1:")  # loopback unless told otherwise
+
+
+def test_every_setting_is_a_flag_and_an_environment_variable():
+    for f in dataclasses.fields(config.Settings):
+        if f.type in ("bool", bool):
+            flag_value, env_value, expected = [], "true", True
+            argv = ["--" + f.name.replace("_", "-")]
+        else:
+            value = {"int": "7", "float": "1.5", "str": "json"}[f.type]
+            if f.name in ("memory_bytes", "max_chunk_bytes", "disk_bytes", "frame_bytes"):
+                value = "8192"
+            if f.name == "log_level":
+                value = "debug"
+            if f.name == "device":
+                value = "cpu"
+            if f.name == "eviction_policy":
+                value = "lru"
+            if f.name == "chunk_tokens":
+                value = "64"
+            argv, env_value = ["--" + f.name.replace("_", "-"), value], value
+            expected = {"int": int, "float": float, "str": str}[f.type](value)
+        from_flag = getattr(parse(argv), f.name)
+        from_env = getattr(parse([], {config.env_name(f.name): env_value}), f.name)
+        assert from_flag == from_env == expected, f.name
+
+
+def test_flag_beats_environment_and_quantities_parse():
+    s = parse(["--memory-bytes", "2Gi"], {"PROMPTCACHE_MEMORY_BYTES": "1Gi", "PROMPTCACHE_TTL_SECONDS": "60"})
+    assert s.memory_bytes == 2 << 30 and s.ttl_seconds == 60
+
+
+@pytest.mark.parametrize("argv,env,fragment", [
+    (["--memory-bytes", "0"], {}, "--memory-bytes must be positive"),
+    (["--memory-bytes", "lots"], {}, "--memory-bytes='lots': 'lots' is not a byte size"),
+    ([], {"PROMPTCACHE_MEMORY_BYTES": "-5"}, "PROMPTCACHE_MEMORY_BYTES='-5'"),
+    (["--chunk-tokens", "100"], {}, "--chunk-tokens must be a positive power of two, got 100"),
+    (["--ttl-seconds", "0"], {}, "--ttl-seconds must be positive"),
+    (["--eviction-policy", "random"], {}, "--eviction-policy must be one of"),
+    (["--device", "tpu"], {}, "--device must be auto, cpu, cuda or cuda:N"),
+    ([], {"PROMPTCACHE_ALLOW_INSECURE_REMOTE": "maybe"}, "PROMPTCACHE_ALLOW_INSECURE_REMOTE='maybe'"),
+    (["--workers", "x"], {}, "--workers='x'"),
+])
+def test_bad_settings_name_the_flag_or_variable(argv, env, fragment):
+    with pytest.raises(ValueError) as info:
+        parse(argv, env)
+    assert fragment in str(info.value)
+
+
+def run_cli(*args, env=None, timeout=60):
+    return subprocess.run([sys.executable, "-m", "promptcache.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_help_explains_every_flag_and_its_variable():
+    out = run_cli("serve", "--help").stdout
+    for f in dataclasses.fields(config.Settings):
+        assert "--" + f.name.replace("_", "-") in out and config.env_name(f.name) in out
+
+
+def test_bad_flag_exits_nonzero_with_a_message():
+    result = run_cli("serve", "--memory-bytes", "0", "--metrics-port", "0")
+    assert result.returncode == 2 and "--memory-bytes must be positive" in result.stdout + result.stderr
+
+
+def test_plaintext_on_a_public_address_needs_an_explicit_flag():
+    result = run_cli("serve", "--grpc-address", "0.0.0.0:0", "--metrics-port", "0")
+    assert result.returncode == 2 and "--allow-insecure-remote" in result.stdout + result.stderr
+
+
+def test_serve_logs_json_and_stops_cleanly_on_sigterm(tmp_path):
+    proc = SidecarProcess("--memory-bytes", "16Mi", "--log-format", "json")
+    try:
+        proc.wait_ready()
+        with PromptCacheClient(proc.address) as c:
+            assert c.stats().device == "cpu"
+        proc.proc.send_signal(signal.SIGTERM)
+        out, _ = proc.proc.communicate(timeout=20)
+    finally:
+        proc.stop()
+    assert proc.proc.returncode == 0
+    import json
+
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    serving = next(r for r in records if r["msg"] == "promptcache sidecar serving")
+    assert serving["grpc"] == proc.address and serving["metrics"].endswith(f":{proc.metrics_port}/metrics")
+    assert any(r["msg"] == "shutting down" for r in records)
+
+
+def test_make_run_target_uses_embedded_defaults():
+    """`make run` is the README's first command: check it asks for nothing but embedded defaults."""
+    out = subprocess.run(["make", "-n", "run"], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+    assert "promptcache serve" in out and "127.0.0.1:50051" in out
