@@ -25,7 +25,7 @@ from prometheus_client import start_http_server
 from promptcache import keys as keyspec
 from promptcache.layout import chunk_nbytes, chunk_shape
 from promptcache.shm import SharedBufferError, open_shared
-from promptcache.sidecar import logs
+from promptcache.sidecar import cgroup, logs
 from promptcache.sidecar.config import Settings, settings_from_args
 from promptcache.sidecar.metrics import Metrics
 from promptcache.sidecar.policies import make_policy
@@ -113,6 +113,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self.tier = tier
         self.metrics = metrics
         self.chunk_tokens = settings.chunk_tokens
+        self.memory_limit: int | None = None  # the container's cgroup limit; budgets must fit under it
         self._totals_lock = threading.Lock()
         self.hit_tokens = 0
         self.missed_tokens = 0
@@ -392,6 +393,11 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def Resize(self, request, context):
         if request.memory_bytes <= 0:
             raise invalid(f"memory_bytes must be positive, got {request.memory_bytes}")
+        try:
+            cgroup.check_budget(request.memory_bytes, self.tier.device.type == "cpu", self.memory_limit,
+                                what="memory_bytes")
+        except ValueError as exc:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         previous, evicted = self.tier.resize(request.memory_bytes)
         self.metrics.resizes.inc()
         u = self.tier.usage()
@@ -431,11 +437,14 @@ class Sidecar:
             raise ValueError(f"--grpc-address {settings.grpc_address} is not loopback or a unix socket; "
                              "plaintext gRPC there needs --allow-insecure-remote")
         self.device = resolve_device(settings.device)
+        self.memory_limit = cgroup.memory_limit()
+        cgroup.check_budget(settings.memory_bytes, self.device.type == "cpu", self.memory_limit)
         self.metrics = Metrics()
         self.tier = MemoryTier(settings.memory_bytes, self.device, make_policy(settings.eviction_policy),
                                settings.ttl_seconds, on_evict=self._evicted)
         self.metrics.watch({"device": self.tier})
         self.service = KVCacheService(settings, self.tier, self.metrics)
+        self.service.memory_limit = self.memory_limit
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers,
                                                              thread_name_prefix="grpc"),
                                   options=[("grpc.so_reuseport", 0)])
