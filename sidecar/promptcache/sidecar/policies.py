@@ -1,13 +1,30 @@
-"""Eviction and admission policies.
+"""Eviction and admission policies (design and measurements: docs/eviction.md).
 
 A policy only orders keys; the store owns the bytes. The store calls every hook under its own lock, so a
 policy needs no locking of its own. Pure and I/O-free, so the trace replayer (promptcache.bench.replay)
 drives the very same classes that the server uses.
+
+Policies:
+  lru         plain least-recently-used, admits everything (prefix-blind; the baseline).
+  lru-prefix  LRU restricted to the leaves of the cached prefix forest.
+  lfu         LFU with dynamic ageing (LFU-DA), leaves only.
+  wtinylfu    W-TinyLFU as in Caffeine (count-min sketch + doorkeeper + periodic halving, LRU window in front of
+              a segmented-LRU main space, hill-climbed window size), size-aware and prefix-aware. The default.
+
+Prefix awareness: a chunk's key is chained over its parent's key, so a cached chunk whose parent is gone can
+never be reached by a lookup. The prefix-aware policies therefore only ever offer a *leaf* as the victim - a
+cached key that no cached key names as its parent - so a prefix is always trimmed from its tail and a parent
+is never evicted while one of its cached descendants remains.
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
-from typing import Protocol
+from typing import Hashable, Protocol
+
+Key = Hashable  # bytes in the server (32-byte chained chunk keys); ints in the trace replayer
+
+ROOT_PARENT = bytes(32)  # promptcache.keys.ROOT_PARENT; chunk 0 names it as parent
 
 
 class EvictionPolicy(Protocol):
@@ -30,11 +47,11 @@ class EvictionPolicy(Protocol):
 
 
 class LRU:
-    """Least recently used; admits everything."""
+    """Least recently used; admits everything. Blind to prefixes: may evict a parent before its children."""
 
     name = "lru"
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int | None = None) -> None:
         self._order: OrderedDict[bytes, None] = OrderedDict()
 
     def requested(self, key: bytes) -> None:
@@ -58,11 +75,463 @@ class LRU:
         return next(iter(self._order), None)
 
 
-POLICIES = {"lru": LRU}
+# --------------------------------------------------------------------------------------------------------------
+# Frequency sketch
 
 
-def make_policy(name: str) -> EvictionPolicy:
+def _mix64(x: int) -> int:
+    """splitmix64 finaliser: a deterministic 64-bit mix (never Python's randomised hash())."""
+    x &= 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def key_hash64(key: Key) -> int:
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        return _mix64(int.from_bytes(bytes(key[:8]), "little") ^ len(key))
+    if isinstance(key, int):
+        return _mix64(key)
+    if isinstance(key, str):
+        return key_hash64(key.encode())
+    raise TypeError(f"cannot hash policy key of type {type(key).__name__}")
+
+
+class FrequencySketch:
+    """TinyLFU's popularity estimate: a 4-row count-min sketch of 4-bit counters (saturating at 15), a doorkeeper
+    that absorbs the first occurrence of each key, and ageing by halving every counter (and clearing the
+    doorkeeper) after `sample_size` increments."""
+
+    DEPTH = 4
+    MAX = 15
+
+    def __init__(self, entries: int = 1024, sample_factor: float = 10.0) -> None:
+        self.sample_factor = sample_factor
+        self.resize(entries)
+
+    def resize(self, entries: int) -> None:
+        entries = max(16, int(entries))
+        width = 1
+        while width < entries:
+            width <<= 1
+        self.entries = entries
+        self.width = width
+        self._mask = width - 1
+        self._rows = [bytearray(width) for _ in range(self.DEPTH)]
+        self._door: set[int] = set()
+        self.sample_size = int(self.sample_factor * entries)
+        self.additions = 0
+        self.resets = 0
+
+    def _indexes(self, h: int) -> tuple[int, int, int, int]:
+        a, b = h & 0xFFFFFFFF, (h >> 32) | 1
+        m = self._mask
+        return a & m, (a + b) & m, (a + 2 * b) & m, (a + 3 * b) & m
+
+    def frequency(self, key: Key) -> int:
+        h = key_hash64(key)
+        i0, i1, i2, i3 = self._indexes(h)
+        r = self._rows
+        est = min(r[0][i0], r[1][i1], r[2][i2], r[3][i3])
+        return est + (1 if h in self._door else 0)
+
+    def increment(self, key: Key) -> None:
+        h = key_hash64(key)
+        if h not in self._door:
+            self._door.add(h)
+        else:
+            idx = self._indexes(h)
+            rows = self._rows
+            est = min(rows[d][i] for d, i in enumerate(idx))
+            if est < self.MAX:  # conservative update: raise only the minimal counters
+                for d, i in enumerate(idx):
+                    if rows[d][i] == est:
+                        rows[d][i] = est + 1
+        self.additions += 1
+        if self.additions >= self.sample_size:
+            self._age()
+
+    def _age(self) -> None:
+        self._rows = [bytearray(v >> 1 for v in row) for row in self._rows]
+        self._door.clear()
+        self.additions //= 2
+        self.resets += 1
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Prefix-aware base: victims are leaves of the cached prefix forest, chosen from lazy priority heaps.
+
+
+class _PrefixAware:
+    """Tracks sizes, parents and child counts; keeps one lazy min-heap of leaves per segment.
+
+    Heap entries are (priority, stamp, key); an entry is live iff the key is present, still in that segment,
+    its stamp is the newest one pushed for it and it has no cached child. A key that loses its last cached child
+    is pushed again, so it becomes a candidate with its own (older) priority. Amortised O(log n) per hook.
+    """
+
+    SEGMENTS = 1
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity
+        self.size: dict[Key, int] = {}
+        self.parent: dict[Key, Key | None] = {}
+        self.children: dict[Key, set] = {}  # parent key -> the cached keys naming it (the parent may be absent)
+        self.seg: dict[Key, int] = {}
+        self.prio: dict[Key, object] = {}
+        self.stamp: dict[Key, int] = {}
+        self.heaps: list[list] = [[] for _ in range(self.SEGMENTS)]
+        self.order: list[OrderedDict] = [OrderedDict() for _ in range(self.SEGMENTS)]  # recency, leaves or not
+        self.count = [0] * self.SEGMENTS
+        self.bytes = [0] * self.SEGMENTS
+        self.used = 0
+        self._clock = 0
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    # helpers ---------------------------------------------------------------------------------------------------
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _is_leaf(self, key: Key) -> bool:
+        return key not in self.children
+
+    def _push(self, key: Key) -> None:
+        st = self._tick()
+        self.stamp[key] = st
+        s = self.seg[key]
+        heap = self.heaps[s]
+        heapq.heappush(heap, (self.prio[key], st, key))
+        if len(heap) > 4 * self.count[s] + 64:
+            self._compact(s)
+
+    def _live(self, s: int, entry) -> bool:
+        _, st, key = entry
+        return self.stamp.get(key) == st and self.seg.get(key) == s and key not in self.children
+
+    def _compact(self, s: int) -> None:
+        heap = [e for e in self.heaps[s] if self._live(s, e)]
+        heapq.heapify(heap)
+        self.heaps[s] = heap
+
+    def _peek(self, s: int) -> Key | None:
+        heap = self.heaps[s]
+        while heap:
+            entry = heap[0]
+            if self._live(s, entry):
+                return entry[2]
+            heapq.heappop(heap)
+        return None
+
+    def _set_seg(self, key: Key, s: int) -> None:
+        old = self.seg[key]
+        sz = self.size[key]
+        self.count[old] -= 1
+        self.bytes[old] -= sz
+        self.count[s] += 1
+        self.bytes[s] += sz
+        self.seg[key] = s
+        del self.order[old][key]
+        self.order[s][key] = None
+
+    # protocol --------------------------------------------------------------------------------------------------
+    def requested(self, key: Key) -> None:
+        pass
+
+    def admit(self, key: Key, size: int, parent: Key | None) -> bool:
+        return self.capacity is None or size <= self.capacity
+
+    def _add(self, key: Key, size: int, parent: Key | None, s: int, prio: object) -> None:
+        if parent == ROOT_PARENT:
+            parent = None
+        if key in self.size:
+            self.removed(key)
+        self.size[key] = size
+        self.parent[key] = parent
+        self.seg[key] = s
+        self.order[s][key] = None
+        self.count[s] += 1
+        self.bytes[s] += size
+        self.used += size
+        if parent is not None:
+            kids = self.children.get(parent)
+            if kids is None:
+                self.children[parent] = {key}
+            else:
+                kids.add(key)
+        self.prio[key] = prio
+        self._push(key)
+
+    def removed(self, key: Key) -> None:
+        if key not in self.size:
+            return
+        s = self.seg.pop(key)
+        sz = self.size.pop(key)
+        del self.order[s][key]
+        self.count[s] -= 1
+        self.bytes[s] -= sz
+        self.used -= sz
+        self.prio.pop(key, None)
+        self.stamp.pop(key, None)
+        self._forget(key)
+        p = self.parent.pop(key)
+        if p is not None:
+            kids = self.children[p]
+            kids.discard(key)
+            if not kids:
+                del self.children[p]
+                if p in self.size:  # the parent is a leaf again
+                    self._push(p)
+
+    def _forget(self, key: Key) -> None:
+        """Subclass hook: drop per-key state on removal."""
+
+    def leaves(self) -> list[Key]:
+        return [k for k in self.size if k not in self.children]
+
+
+class PrefixLRU(_PrefixAware):
+    """LRU over the leaves of the prefix forest: the least recently used chunk that has no cached child."""
+
+    name = "lru-prefix"
+
+    def inserted(self, key: Key, size: int, parent: Key | None) -> None:
+        self._add(key, size, parent, 0, self._clock + 1)
+
+    def accessed(self, key: Key) -> None:
+        if key in self.size:
+            self.prio[key] = self._clock + 1
+            self.order[0].move_to_end(key)
+            self._push(key)
+
+    def victim(self) -> Key | None:
+        return self._peek(0)
+
+
+class LFUDA(_PrefixAware):
+    """LFU with dynamic ageing (Arlitt et al.): priority = L + hits, where the inflation value L is raised to the
+    priority of each evicted entry, so formerly popular but idle entries age out. Ties go to the least recent.
+    Leaves only."""
+
+    name = "lfu"
+
+    def __init__(self, capacity: int | None = None) -> None:
+        super().__init__(capacity)
+        self.hits: dict[Key, int] = {}
+        self.age = 0
+        self._last_victim: Key | None = None
+
+    def inserted(self, key: Key, size: int, parent: Key | None) -> None:
+        self.hits[key] = 1
+        self._add(key, size, parent, 0, (self.age + 1, self._clock + 1))
+
+    def accessed(self, key: Key) -> None:
+        if key in self.size:
+            self.hits[key] += 1
+            self.prio[key] = (self.age + self.hits[key], self._clock + 1)
+            self._push(key)
+
+    def victim(self) -> Key | None:
+        self._last_victim = v = self._peek(0)
+        return v
+
+    def _forget(self, key: Key) -> None:
+        if key == self._last_victim:
+            self.age = max(self.age, self.prio_of_victim)
+        self.hits.pop(key, None)
+
+    def removed(self, key: Key) -> None:
+        if key == self._last_victim and key in self.prio:
+            self.prio_of_victim = self.prio[key][0]
+        else:
+            self.prio_of_victim = self.age
+        super().removed(key)
+
+
+WINDOW, PROBATION, PROTECTED = 0, 1, 2
+
+
+class WTinyLFU(_PrefixAware):
+    """W-TinyLFU (Einziger, Friedman, Manes; Caffeine's design), size-aware and prefix-aware.
+
+    New entries enter an LRU *window*. When the window is over its share, its least recent leaf (the candidate)
+    competes with the main space's victim (the least recent leaf of *probation*): the candidate moves to
+    probation only if the sketch says it is requested more often, otherwise the candidate itself is evicted.
+    A hit in probation promotes to *protected* (80 % of main); protected overflow demotes back to probation.
+    The window share is hill-climbed on the observed hit rate (Caffeine's adaptive window).
+
+    Size-aware: budgets are in bytes, an entry larger than the whole capacity is refused, and a candidate that
+    displaces several smaller victims has to out-score each one in turn. Prefix-aware: victims are leaves.
+    """
+
+    name = "wtinylfu"
+    SEGMENTS = 3
+
+    def __init__(self, capacity: int | None = None, window: float = 0.5, protected: float = 0.8,
+                 adaptive: bool = True, climb_period: float = 1.0, tie_admit: bool = False,
+                 inherit: bool = False, sample_factor: float = 10.0, max_window: float = 1.0) -> None:
+        super().__init__(capacity)
+        self.tie_admit = tie_admit
+        self.max_window = max_window
+        self.inherit = inherit
+        self.climb_period = climb_period
+        self.window_fraction = window
+        self.protected_fraction = protected
+        self.adaptive = adaptive
+        self.sketch = FrequencySketch(1024, sample_factor)
+        self._peak_count = 0
+        self._mean_size = 0.0
+        self._n_sizes = 0
+        # hill climber state
+        self._sample_requests = 0
+        self._sample_hits = 0
+        self._prev_hit_rate = 0.0
+        self._step = 0.0625
+        self.admissions_rejected = 0
+
+    # capacity / sizing ----------------------------------------------------------------------------------------
+    def _cap(self) -> int:
+        return self.capacity if self.capacity is not None else max(self.used, 1)
+
+    def _entries_estimate(self) -> int:
+        if self.capacity is not None and self._mean_size > 0:
+            return int(self.capacity / self._mean_size)
+        return self._peak_count
+
+    def _maybe_resize_sketch(self) -> None:
+        n = self._entries_estimate()
+        if n > 2 * self.sketch.entries or (n > self.sketch.entries and self.sketch.additions == 0):
+            self.sketch.resize(n)
+
+    # protocol ---------------------------------------------------------------------------------------------------
+    def requested(self, key: Key) -> None:
+        self.sketch.increment(key)
+        if self.adaptive:
+            self._sample_requests += 1
+            if self._sample_requests >= self.climb_period * self.sketch.entries:
+                self._climb()
+
+    def admit(self, key: Key, size: int, parent: Key | None) -> bool:
+        if self.capacity is not None and size > self.capacity:
+            self.admissions_rejected += 1
+            return False
+        return True
+
+    def inserted(self, key: Key, size: int, parent: Key | None) -> None:
+        self._n_sizes += 1
+        self._mean_size += (size - self._mean_size) / self._n_sizes
+        self._add(key, size, parent, WINDOW, self._clock + 1)
+        n = len(self.size)
+        if n > self._peak_count:
+            self._peak_count = n
+            if n & (n - 1) == 0:
+                self._maybe_resize_sketch()
+        self._drain_window()
+
+    def accessed(self, key: Key) -> None:
+        if key not in self.size:
+            return
+        self._sample_hits += 1
+        self.prio[key] = self._clock + 1
+        self.order[self.seg[key]].move_to_end(key)
+        if self.seg[key] == PROBATION:
+            self._set_seg(key, PROTECTED)
+            self._push(key)
+            self._demote_protected()
+        else:
+            self._push(key)
+
+    def victim(self) -> Key | None:
+        cap = self._cap()
+        wmax = cap * self.window_fraction
+        while self.bytes[WINDOW] > wmax:
+            cand = next(iter(self.order[WINDOW]))
+            if self.bytes[PROBATION] + self.bytes[PROTECTED] + self.size[cand] <= cap - wmax:
+                self._move_to_probation(cand)  # the main space still has room: no contest
+                continue
+            vic = self._peek(PROBATION)
+            if vic is None:
+                vic = self._peek(PROTECTED)
+            if vic is None:  # no leaf in the main space: every main entry is an ancestor of window entries
+                return self._deepest_leaf(cand)
+            fc, fv = self._freq(cand), self._freq(vic)
+            if fc > fv or (self.tie_admit and fc == fv):
+                self._move_to_probation(cand)
+                return vic
+            # The candidate loses. If it is a prefix of cached chunks, those go first, deepest first: the
+            # contest is decided for the head of the chain and the store keeps asking until the head is gone.
+            self.admissions_rejected += 1
+            return self._deepest_leaf(cand)
+        for s in (PROBATION, PROTECTED, WINDOW):
+            v = self._peek(s)
+            if v is not None:
+                return v
+        return None
+
+    # internals ----------------------------------------------------------------------------------------------------
+    def _deepest_leaf(self, key: Key) -> Key:
+        while True:
+            kids = self.children.get(key)
+            if not kids:
+                return key
+            present = [k for k in kids if k in self.size]
+            if not present:
+                return key
+            key = max(present, key=lambda k: self.prio[k])
+
+    def _freq(self, key: Key) -> int:
+        f = self.sketch.frequency(key)
+        if self.inherit:
+            p = self.parent.get(key)
+            if p is not None:
+                f = max(f, self.sketch.frequency(p))
+        return f
+
+    def _move_to_probation(self, key: Key) -> None:
+        self._set_seg(key, PROBATION)
+        self.prio[key] = self._tick()
+        self._push(key)
+
+    def _drain_window(self) -> None:
+        """While the cache is not yet full, window overflow moves to probation without any contest."""
+        if self.capacity is None:
+            return
+        cap = self.capacity
+        wmax = cap * self.window_fraction
+        while self.bytes[WINDOW] > wmax:
+            cand = next(iter(self.order[WINDOW]))
+            if self.bytes[PROBATION] + self.bytes[PROTECTED] + self.size[cand] > cap - wmax:
+                return
+            self._move_to_probation(cand)
+
+    def _demote_protected(self) -> None:
+        pmax = (self._cap() * (1 - self.window_fraction)) * self.protected_fraction
+        while self.bytes[PROTECTED] > pmax:
+            self._move_to_probation(next(iter(self.order[PROTECTED])))
+
+    def _climb(self) -> None:
+        """Caffeine's hill climber: move the window share in the direction that last raised the hit rate."""
+        hit_rate = self._sample_hits / max(1, self._sample_requests)
+        delta = hit_rate - self._prev_hit_rate
+        step = self._step if delta >= 0 else -self._step
+        self._prev_hit_rate = hit_rate
+        self._sample_hits = self._sample_requests = 0
+        self._step = step * 0.98 if abs(delta) < 0.05 else 0.0625 * (1 if step >= 0 else -1)
+        self.window_fraction = min(self.max_window, max(0.0, self.window_fraction + step))
+        self._demote_protected()
+
+
+POLICIES = {"lru": LRU, "lru-prefix": PrefixLRU, "lfu": LFUDA, "wtinylfu": WTinyLFU}
+DEFAULT_POLICY = "wtinylfu"
+
+
+def make_policy(name: str, capacity: int | None = None) -> EvictionPolicy:
+    """A fresh policy. `capacity` (bytes) lets size-proportioned policies (W-TinyLFU) set their segments before
+    the cache first fills; without it they infer it from the occupancy at the first eviction."""
     try:
-        return POLICIES[name]()
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"eviction policy {name!r} is not one of {', '.join(sorted(POLICIES))}") from None
+    return cls(capacity)

@@ -1,0 +1,104 @@
+"""Offline references for trace replay: Belady's OPT and an infinite cache, under prefix semantics.
+
+Model (shared with promptcache.bench.replay): a request's blocks are looked up in order and it hits the longest
+leading run of cached blocks; afterwards its missing blocks are stored in order (a block is stored only if its
+parent block is cached, since an orphan could never be reached). Sizes are in tokens (bytes are proportional to
+tokens for one model), the capacity is a token budget, and the hit ratio is hit tokens / input tokens.
+
+OPT here is Belady's farthest-next-use with bypass: when a block must be stored and there is no room, the cached
+blocks whose next use (the index of the next request that contains them) lies strictly farther in the future than
+the incoming block's are evicted, farthest first, until it fits; if that is not possible, the block - and with it
+the rest of the request's chain, whose next uses are never earlier - is not stored. Because every request that
+uses a block also uses all of its ancestors, an ancestor's next use is never later than a descendant's, so this
+never evicts a parent before its child and every block hit it counts is also a prefix hit. For uniform block sizes
+this is the optimal (maximum block hits) offline policy; with the partial last blocks of a trace it is the
+standard farthest-next-use heuristic (exact size-aware OPT is NP-hard), and counts tokens, not blocks.
+"""
+from __future__ import annotations
+
+import heapq
+
+INF = float("inf")
+
+
+def next_uses(reqs: list[tuple[list, list[int]]]) -> list[list[float]]:
+    """For every request i and block position j: index of the next request > i that contains block j."""
+    nxt: list[list[float]] = [None] * len(reqs)  # type: ignore[list-item]
+    seen: dict = {}
+    for i in range(len(reqs) - 1, -1, -1):
+        ids = reqs[i][0]
+        row = [seen.get(k, INF) for k in ids]
+        nxt[i] = row
+        for k in ids:
+            seen[k] = i
+    return nxt
+
+
+def simulate_opt(reqs: list[tuple[list, list[int]]], capacity: int) -> tuple[int, int]:
+    """Return (hit tokens, total tokens) of Belady's OPT with bypass under prefix semantics."""
+    nxt = next_uses(reqs)
+    present: dict = {}  # key -> size
+    nu: dict = {}  # key -> next use
+    heap: list = []  # (-next use, key-stamp, key)
+    used = 0
+    hit = total = 0
+    stamp = 0
+    for i, (ids, sizes) in enumerate(reqs):
+        n = 0
+        while n < len(ids) and ids[n] in present:
+            n += 1
+        hit += sum(sizes[:n])
+        total += sum(sizes)
+        row = nxt[i]
+        for j, k in enumerate(ids):
+            if k in present:
+                stamp += 1
+                nu[k] = (row[j], stamp)
+                heapq.heappush(heap, (-row[j], -stamp, k))
+        for j in range(n, len(ids)):
+            k = ids[j]
+            if j and ids[j - 1] not in present:
+                break
+            if k in present:
+                continue
+            mine = row[j]
+            s = sizes[j]
+            if mine == INF or s > capacity:
+                break
+            ok = True
+            while used + s > capacity:
+                while heap:
+                    negnu, negst, v = heap[0]
+                    if v in present and nu[v][1] == -negst:
+                        break
+                    heapq.heappop(heap)
+                if not heap or -heap[0][0] <= mine:
+                    ok = False
+                    break
+                v = heapq.heappop(heap)[2]
+                used -= present.pop(v)
+                del nu[v]
+            if not ok:
+                break
+            present[k] = s
+            used += s
+            stamp += 1
+            nu[k] = (mine, stamp)
+            heapq.heappush(heap, (-mine, -stamp, k))
+        if len(heap) > 4 * len(present) + 1024:
+            heap = [e for e in heap if e[2] in present and nu[e[2]][1] == -e[1]]
+            heapq.heapify(heap)
+    return hit, total
+
+
+def simulate_infinite(reqs: list[tuple[list, list[int]]]) -> tuple[int, int]:
+    seen: set = set()
+    hit = total = 0
+    for ids, sizes in reqs:
+        n = 0
+        while n < len(ids) and ids[n] in seen:
+            n += 1
+        hit += sum(sizes[:n])
+        total += sum(sizes)
+        seen.update(ids)
+    return hit, total

@@ -1,0 +1,219 @@
+"""Replay a Mooncake-format trace against the eviction policies; token hit ratio beside OPT and infinite.
+
+The replay drives the very policy classes the server uses (promptcache.sidecar.policies) through a small
+simulated store with the server's prefix semantics: every block of a request is `requested`; the request hits
+its longest leading run of cached blocks (`accessed`); its missing blocks are then stored in order - a block whose
+parent is not cached is not stored (unreachable), `admit` is asked when room must be made, and `victim` is asked
+until the block fits. Sizes are tokens, the capacity is a fraction of the trace's working set (the tokens of its
+unique blocks). OPT and the infinite cache: promptcache.bench.opt.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEFAULT_FRACTIONS = (0.02, 0.05, 0.10, 0.25)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", action="append", metavar="FILE.jsonl",
+                     help="Mooncake-format JSONL trace (repeatable)")
+    src.add_argument("--synthetic", action="append", metavar="NAME",
+                     help="generate a synthetic trace on the fly: chat, agent, rag, scan or all (repeatable)")
+    parser.add_argument("--capacity-fraction", type=float, action="append", metavar="F",
+                        help="cache capacity as a fraction of the working set (repeatable; "
+                             "default 0.02 0.05 0.10 0.25)")
+    parser.add_argument("--policy", action="append", metavar="P",
+                        help="eviction policy (repeatable), or 'all' (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of synthetic traces (default 0)")
+    parser.add_argument("--scale", type=float, default=1.0, help="size multiplier of synthetic traces")
+    parser.add_argument("--no-opt", action="store_true", help="skip Belady's OPT")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    parser.add_argument("--save-trace", metavar="DIR", help="also write the synthetic traces as JSONL into DIR")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+
+
+def prepare(reqs) -> tuple[list[tuple[list, list[int]]], int]:
+    """(ids, block token sizes) per request, and the working set in tokens."""
+    from promptcache.bench.traces import block_sizes
+
+    out = []
+    size_of: dict = {}
+    for r in reqs:
+        sizes = block_sizes(r)
+        for k, s in zip(r.hash_ids, sizes):
+            size_of.setdefault(k, s)
+        out.append((r.hash_ids, [size_of[k] for k in r.hash_ids]))
+    return out, sum(size_of.values())
+
+
+def simulate_policy(reqs, policy, capacity: int) -> dict:
+    """Replay through a policy; returns hit/total tokens and counters."""
+    present: dict = {}
+    used = 0
+    hit = total = 0
+    evictions = rejections = orphan_skips = 0
+    req_hook, acc_hook, ins_hook, rem_hook = policy.requested, policy.accessed, policy.inserted, policy.removed
+    for ids, sizes in reqs:
+        for k in ids:
+            req_hook(k)
+        n = 0
+        while n < len(ids) and ids[n] in present:
+            n += 1
+        hit += sum(sizes[:n])
+        total += sum(sizes)
+        for k in ids[:n]:
+            acc_hook(k)
+        parent = ids[n - 1] if n else None
+        for j in range(n, len(ids)):
+            k = ids[j]
+            if parent is not None and parent not in present:
+                orphan_skips += 1
+                break
+            if k in present:
+                acc_hook(k)
+                parent = k
+                continue
+            s = sizes[j]
+            if used + s > capacity:
+                if s > capacity or not policy.admit(k, s, parent):
+                    rejections += 1
+                    break
+                while used + s > capacity:
+                    v = policy.victim()
+                    if v is None:
+                        break
+                    if v not in present:
+                        raise AssertionError(f"{policy.name}: victim {v!r} is not cached")
+                    used -= present.pop(v)
+                    rem_hook(v)
+                    evictions += 1
+                if used + s > capacity:
+                    break
+                if parent is not None and parent not in present:
+                    orphan_skips += 1
+                    break
+            present[k] = s
+            used += s
+            ins_hook(k, s, parent)
+            parent = k
+        if used > capacity:
+            raise AssertionError(f"{policy.name}: {used} tokens cached over capacity {capacity}")
+    return {"hit": hit, "total": total, "evictions": evictions, "rejections": rejections,
+            "orphan_skips": orphan_skips}
+
+
+def _one(job):
+    trace_name, policy_name, fraction = job
+    from promptcache.bench import opt
+    from promptcache.sidecar.policies import make_policy
+
+    reqs, ws = _TRACES[trace_name]
+    cap = max(1, int(ws * fraction))
+    t0 = time.perf_counter()
+    if policy_name == "opt":
+        hit, total = opt.simulate_opt(reqs, cap)
+    elif policy_name == "infinite":
+        hit, total = opt.simulate_infinite(reqs)
+    else:
+        r = simulate_policy(reqs, make_policy(policy_name, capacity=cap), cap)
+        hit, total = r["hit"], r["total"]
+    return trace_name, policy_name, fraction, hit / max(1, total), time.perf_counter() - t0
+
+
+_TRACES: dict = {}
+
+
+def load_traces(args) -> dict:
+    from promptcache.bench import traces
+
+    out = {}
+    if args.trace:
+        for path in args.trace:
+            out[path] = traces.read_trace(path)
+    else:
+        names = []
+        for n in args.synthetic:
+            names.extend(traces.GENERATORS if n == "all" else [n])
+        for n in names:
+            reqs = traces.generate(n, seed=args.seed, scale=args.scale)
+            if args.save_trace:
+                import os
+
+                os.makedirs(args.save_trace, exist_ok=True)
+                traces.write_trace(os.path.join(args.save_trace, f"{n}.jsonl"), reqs)
+            out[n] = reqs
+    return out
+
+
+def run(args) -> int:
+    from promptcache.bench import traces
+    from promptcache.sidecar.policies import DEFAULT_POLICY, POLICIES
+
+    try:
+        raw = load_traces(args)
+    except (OSError, ValueError) as exc:
+        print(f"promptcache bench replay: {exc}", file=sys.stderr)
+        return 2
+    policies = []
+    for p in args.policy or ["all"]:
+        if p == "all":
+            policies.extend(POLICIES)
+        elif p in POLICIES:
+            policies.append(p)
+        else:
+            print(f"promptcache bench replay: unknown policy {p!r} (one of {', '.join(POLICIES)}, all)",
+                  file=sys.stderr)
+            return 2
+    policies = list(dict.fromkeys(policies))
+    fractions = args.capacity_fraction or list(DEFAULT_FRACTIONS)
+    for f in fractions:
+        if not 0 < f <= 1:
+            print(f"promptcache bench replay: --capacity-fraction {f} is not in (0, 1]", file=sys.stderr)
+            return 2
+    for name, reqs in raw.items():
+        _TRACES[name], ws = prepare(reqs)
+        _TRACES[name] = (_TRACES[name], ws)
+        st = traces.stats(reqs)
+        print(f"# trace {name}: {st['requests']} requests, {st['block_refs']} block refs, "
+              f"{st['unique_blocks']} unique blocks, working set {ws} tokens", file=sys.stderr)
+    cols = policies + ([] if args.no_opt else ["opt"])
+    jobs = [(t, p, f) for t in _TRACES for f in fractions for p in cols]
+    jobs += [(t, "infinite", 1.0) for t in _TRACES]
+    if args.jobs > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("fork").Pool(args.jobs) as pool:
+            results = pool.map(_one, jobs, chunksize=1)
+    else:
+        results = [_one(j) for j in jobs]
+    table = {(t, p, f): r for t, p, f, r, _ in results}
+    print_table(table, list(_TRACES), fractions, cols, markdown=args.markdown, default=DEFAULT_POLICY)
+    return 0
+
+
+def print_table(table, trace_names, fractions, cols, markdown=False, default=None) -> None:
+    head = ["trace", "capacity"] + cols + ["infinite"]
+    if "opt" in cols and default in cols:
+        head.append(f"{default}/opt")
+    rows = []
+    for t in trace_names:
+        for f in fractions:
+            row = [t, f"{f * 100:g}%"] + [f"{table[(t, p, f)]:.3f}" for p in cols]
+            row.append(f"{table[(t, 'infinite', 1.0)]:.3f}")
+            if "opt" in cols and default in cols:
+                o = table[(t, "opt", f)]
+                row.append(f"{table[(t, default, f)] / o:.2f}" if o else "-")
+            rows.append(row)
+    if markdown:
+        print("| " + " | ".join(head) + " |")
+        print("|" + "|".join("---" for _ in head) + "|")
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+    else:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
+        for r in rows:
+            print("  ".join(c.rjust(w) for c, w in zip(r, widths)))

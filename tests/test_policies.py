@@ -1,0 +1,193 @@
+"""Eviction policies: protocol behaviour and property tests (hypothesis)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from promptcache.bench.replay import simulate_policy
+from promptcache.sidecar.policies import (DEFAULT_POLICY, LRU, POLICIES, ROOT_PARENT, FrequencySketch, WTinyLFU,
+                                          make_policy)
+
+PREFIX_AWARE = [n for n in POLICIES if n != "lru"]
+
+
+def test_make_policy_names_and_default():
+    assert DEFAULT_POLICY in POLICIES
+    for name in POLICIES:
+        p = make_policy(name, capacity=1000)
+        assert p.name == name
+        assert p.victim() is None
+    with pytest.raises(ValueError, match="not one of"):
+        make_policy("nope")
+
+
+def test_lru_unchanged():
+    p = LRU()
+    for k in (b"a", b"b", b"c"):
+        p.inserted(k, 1, None)
+    p.accessed(b"a")
+    assert p.victim() == b"b"
+    p.removed(b"b")
+    assert p.victim() == b"c"
+
+
+@pytest.mark.parametrize("name", PREFIX_AWARE)
+def test_parent_outlives_child(name):
+    p = make_policy(name, capacity=3)
+    p.inserted(b"root", 1, ROOT_PARENT)
+    p.inserted(b"mid", 1, b"root")
+    p.inserted(b"leaf", 1, b"mid")
+    order = []
+    while (v := p.victim()) is not None:
+        order.append(v)
+        p.removed(v)
+    assert order == [b"leaf", b"mid", b"root"]
+
+
+def test_frequency_sketch_counts_and_ages():
+    s = FrequencySketch(64)
+    assert s.frequency(b"x" * 32) == 0
+    s.increment(b"x" * 32)
+    assert s.frequency(b"x" * 32) == 1  # doorkeeper
+    for _ in range(20):
+        s.increment(b"x" * 32)
+    assert s.frequency(b"x" * 32) == 16  # 15 (saturated) + doorkeeper
+    for i in range(s.sample_size):
+        s.increment(i)
+    assert s.resets >= 1
+    assert s.frequency(b"x" * 32) <= 8
+
+
+def test_wtinylfu_resists_a_scan():
+    """A hot set survives a long one-off scan under W-TinyLFU, not under LRU."""
+    hot = [(i,) for i in range(50)]
+    cap = 100
+
+    def trace():
+        reqs = []
+        rng = random.Random(1)
+        for _ in range(400):
+            reqs.append(([rng.choice(hot)[0]], [1]))
+        for i in range(1000, 1600):  # scan: each block once
+            reqs.append(([i], [1]))
+            reqs.append(([rng.choice(hot)[0]], [1]))
+        return reqs
+
+    results = {}
+    for name in ("lru", "wtinylfu"):
+        r = simulate_policy(trace(), make_policy(name, capacity=cap), cap)
+        results[name] = r["hit"] / r["total"]
+    assert results["wtinylfu"] > results["lru"] + 0.05, results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Property tests: random chained workloads through the simulated store, and random hook sequences.
+
+chains = st.lists(
+    st.tuples(st.integers(0, 5), st.integers(1, 8), st.integers(0, 3)),  # (prefix family, length, branch)
+    min_size=1, max_size=120)
+
+
+def _requests(spec):
+    """Chained block ids: block j of (family, branch) shares ids with other branches up to the branch point."""
+    reqs = []
+    for fam, length, branch in spec:
+        ids, sizes = [], []
+        for j in range(length):
+            ids.append(fam * 10_000 + j * 10 + (branch + 1 if j >= 2 else 0))
+            sizes.append(1 + (fam + j) % 3)
+        reqs.append((ids, sizes))
+    return reqs
+
+
+class CheckingPolicy:
+    """Wraps a policy and checks the protocol invariants at every victim() call."""
+
+    def __init__(self, inner, prefix_aware):
+        self.inner = inner
+        self.name = inner.name
+        self.prefix_aware = prefix_aware
+        self.present: dict = {}  # key -> parent
+
+    def requested(self, key):
+        self.inner.requested(key)
+
+    def admit(self, key, size, parent):
+        return self.inner.admit(key, size, parent)
+
+    def inserted(self, key, size, parent):
+        self.present[key] = parent
+        self.inner.inserted(key, size, parent)
+
+    def accessed(self, key):
+        self.inner.accessed(key)
+
+    def removed(self, key):
+        del self.present[key]
+        self.inner.removed(key)
+
+    def victim(self):
+        v = self.inner.victim()
+        if self.present:
+            assert v is not None, "victim() is None while entries are cached"
+            assert v in self.present, "victim is not a cached key"
+            if self.prefix_aware:
+                assert v not in set(self.present.values()), "a parent was offered before its cached child"
+        else:
+            assert v is None
+        return v
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@settings(max_examples=60, deadline=None)
+@given(spec=chains, cap=st.integers(1, 40), known=st.booleans())
+def test_replay_invariants(name, spec, cap, known):
+    pol = CheckingPolicy(make_policy(name, capacity=cap if known else None), name != "lru")
+    r = simulate_policy(_requests(spec), pol, cap)  # asserts the capacity is never exceeded
+    assert 0 <= r["hit"] <= r["total"]
+
+
+ops = st.lists(st.tuples(st.sampled_from(["ins", "acc", "rem", "evict", "req"]), st.integers(0, 30)),
+               min_size=1, max_size=300)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@settings(max_examples=80, deadline=None)
+@given(seq=ops)
+def test_random_hook_sequences(name, seq):
+    """Arbitrary interleavings, including removals the policy did not choose (TTL, delete, purge) that can leave
+    orphans: the victim is always a cached key, and a leaf for prefix-aware policies."""
+    pol = CheckingPolicy(make_policy(name), name != "lru")
+    for op, k in seq:
+        key = k.to_bytes(2, "big")
+        parent = (k // 2).to_bytes(2, "big") if k > 0 else ROOT_PARENT  # a binary tree of keys
+        if op == "ins" and key not in pol.present:
+            pol.inserted(key, 1 + k % 4, parent if k > 0 else None)
+        elif op == "acc" and key in pol.present:
+            pol.accessed(key)
+        elif op == "rem" and key in pol.present:
+            pol.removed(key)
+        elif op == "req":
+            pol.requested(key)
+        elif op == "evict":
+            v = pol.victim()
+            if v is not None:
+                pol.removed(v)
+    while pol.present:  # drains completely, leaves first
+        pol.removed(pol.victim())
+    assert pol.victim() is None
+
+
+def test_wtinylfu_without_capacity_infers_it():
+    p = WTinyLFU()
+    for i in range(100):
+        p.inserted(i, 1, i - 1 if i else None)
+    seen = []
+    for _ in range(100):
+        v = p.victim()
+        seen.append(v)
+        p.removed(v)
+    assert seen == list(range(99, -1, -1))
