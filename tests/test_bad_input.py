@@ -7,7 +7,7 @@ import dataclasses
 import grpc
 import pytest
 
-from conftest import CHUNK, SMALL, make_kv
+from support import CHUNK, SMALL, make_kv
 from promptcache.client import PromptCacheClient, errors
 from promptcache.client.client import encode_chunk
 from promptcache.layout import chunk_nbytes

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SidecarProcess
+from support import REPO, SidecarProcess
 from promptcache.client import PromptCacheClient
 from promptcache.sidecar import config
 

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conftest import REPO
+from support import REPO
 from promptcache.keys import ModelSpec, chunk_keys, fingerprint
 
 VECTORS = json.loads((REPO / "docs/key-vectors.json").read_text())

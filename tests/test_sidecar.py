@@ -12,7 +12,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import CHUNK, SMALL, make_kv
+from support import CHUNK, SMALL, make_kv
 from promptcache.client import PromptCacheClient, errors
 from promptcache.layout import chunk_nbytes
 
@@ -239,7 +239,7 @@ def test_metrics_follow_prometheus_naming(sidecar, client):
 
 
 def test_client_maps_unreachable_sidecar_to_unavailable():
-    from conftest import free_port
+    from support import free_port
 
     with PromptCacheClient(f"127.0.0.1:{free_port()}", timeout=1, retries=1) as c:
         with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):

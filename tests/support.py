@@ -1,0 +1,69 @@
+"""Helpers shared by the tests (importable as `support`; conftest.py holds only fixtures, since two conftest
+modules in one run would shadow each other)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from promptcache.client import PromptCacheClient
+from promptcache.keys import ModelSpec
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ModelSpec("test/tiny-llama", "rev-1", "float32", num_layers=2, num_kv_heads=2, head_dim=8)
+CHUNK = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_kv(spec: ModelSpec, tokens: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random per-layer (K, V), [1, H, tokens, D] in the spec's dtype."""
+    from promptcache.layout import TORCH_DTYPES
+
+    g = torch.Generator().manual_seed(seed)
+    dtype = TORCH_DTYPES[spec.kv_dtype]
+    shape = (1, spec.num_kv_heads, tokens, spec.head_dim)
+    return [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+            for _ in range(spec.num_layers)]
+
+
+class SidecarProcess:
+    """`promptcache serve` as a real subprocess, for what needs a process: exit codes, signals, kill -9."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", self.address,
+               "--metrics-port", str(self.metrics_port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 30.0) -> "SidecarProcess":
+        deadline = time.monotonic() + timeout
+        with PromptCacheClient(self.address, timeout=1) as c:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"sidecar exited {self.proc.returncode}: {self.proc.stdout.read()}")
+                if c.healthy(timeout=0.5):
+                    return self
+                time.sleep(0.1)
+        raise TimeoutError("sidecar did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
