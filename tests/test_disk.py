@@ -1,0 +1,277 @@
+"""Disk tier (RocksDB via rocksdict): round trip, restart, corruption, budget, TTL, faults, kill -9 loop."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import rocksdict
+import torch
+
+from promptcache.sidecar import disk as disk_mod
+from promptcache.sidecar.disk import DiskTier, DiskTierError, open_or_exit
+
+
+class Clock:
+    def __init__(self, t=1_000_000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def _payload(seed: int, n: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def _raw_db(path):
+    opts = rocksdict.Options(raw_mode=True)
+    return rocksdict.Rdict(path, opts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_bit_identical(tmp_path, dtype):
+    t = torch.randn(4, 2, 3, 16, 8).to(dtype)
+    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+    with DiskTier(str(tmp_path / "db"), 1 << 24) as d:
+        assert d.put(b"k" * 32, raw, meta=b"meta")
+        assert d.get(b"k" * 32) == raw  # served from the write queue or the database
+        assert d.flush()
+        got = d.get(b"k" * 32)
+        assert d.meta(b"k" * 32) == b"meta"
+    back = torch.frombuffer(bytearray(got), dtype=torch.uint8).view(dtype).view(t.shape)
+    assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_restart_serves_what_was_stored(tmp_path):
+    path = str(tmp_path / "db")
+    with DiskTier(path, 1 << 24) as d:
+        for i in range(50):
+            assert d.put(i.to_bytes(32, "big"), _payload(i, 1000 + i), parent=(i - 1).to_bytes(32, "big") if i else None)
+        d.flush()
+    d = DiskTier(path, 1 << 24)
+    try:
+        assert d.open_report["entries"] == 50
+        assert not d.open_report["repaired"] and d.open_report["quarantined"] is None
+        for i in range(50):
+            assert d.get(i.to_bytes(32, "big")) == _payload(i, 1000 + i)
+        assert d.stats()["bytes_used"] == sum(1000 + i + disk_mod.RECORD_OVERHEAD for i in range(50))
+    finally:
+        d.close()
+
+
+def test_corrupt_payload_is_never_served(tmp_path):
+    path = str(tmp_path / "db")
+    key = b"c" * 32
+    with DiskTier(path, 1 << 24) as d:
+        d.put(key, _payload(1, 5000))
+        d.put(b"o" * 32, _payload(2, 5000))
+    db = _raw_db(path)
+    good = db[b"d" + key]
+    db[b"d" + key] = good[:100] + bytes([good[100] ^ 1]) + good[101:]  # one flipped bit
+    db.close()
+    with DiskTier(path, 1 << 24) as d:
+        assert key in d  # the index record is fine; the payload is checked when read
+        assert d.get(key) is None
+        assert d.stats()["dropped_corrupt"] == 1
+        assert key not in d
+        assert d.get(b"o" * 32) == _payload(2, 5000)
+    db = _raw_db(path)
+    assert db.get(b"d" + key) is None and db.get(b"i" + key) is None  # dropped from disk too
+    db.close()
+
+
+def test_torn_or_corrupt_index_records_are_dropped_at_open(tmp_path):
+    path = str(tmp_path / "db")
+    with DiskTier(path, 1 << 24) as d:
+        for i in range(5):
+            d.put(bytes([i]) * 32, _payload(i, 3000))
+    db = _raw_db(path)
+    rec = db[b"i" + bytes([3]) * 32]
+    db[b"i" + bytes([3]) * 32] = rec[: len(rec) // 2]  # torn
+    db[b"i" + bytes([4]) * 32] = rec  # another key's (valid) record under the wrong key
+    db[b"d" + b"z" * 32] = b"payload without index"
+    db.close()
+    with DiskTier(path, 1 << 24) as d:
+        assert d.open_report["dropped_corrupt"] == 2
+        assert d.open_report["dropped_orphans"] == 3  # the two payloads of dropped records and the stray one
+        assert len(d) == 3
+        for i in range(3):
+            assert d.get(bytes([i]) * 32) == _payload(i, 3000)
+
+
+def test_budget_never_exceeded(tmp_path):
+    budget = 200_000
+    rng = random.Random(7)
+    path = str(tmp_path / "db")
+    with DiskTier(path, budget) as d:
+        for i in range(400):
+            n = rng.randint(100, 30_000)
+            d.put(i.to_bytes(8, "big"), _payload(i, n))
+            assert d.stats()["bytes_used"] <= budget
+            if i % 50 == 0:
+                d.flush()
+        d.flush()
+        st = d.stats()
+        assert st["evicted_capacity"] > 0
+        assert not d.put(b"huge", bytes(budget))  # larger than the whole budget
+    db = _raw_db(path)
+    committed = 0
+    for k, v in db.items():
+        if k.startswith(b"i"):
+            e = disk_mod._decode_index(k[1:], v)
+            committed += e.nbytes
+    db.close()
+    assert 0 < committed <= budget
+
+
+def test_ttl_on_disk(tmp_path):
+    clock = Clock()
+    path = str(tmp_path / "db")
+    with DiskTier(path, 1 << 24, ttl_seconds=60, clock=clock) as d:
+        d.put(b"a" * 32, b"x" * 100)
+        d.put(b"b" * 32, b"y" * 100, ttl_seconds=600)
+        d.flush()
+        clock.t += 61
+        assert d.get(b"a" * 32) is None
+        assert d.get(b"b" * 32) == b"y" * 100
+    clock.t += 600
+    with DiskTier(path, 1 << 24, ttl_seconds=60, clock=clock) as d:
+        assert d.open_report["dropped_expired"] == 1
+        assert len(d) == 0
+
+
+def test_ttl_sweep_in_background(tmp_path):
+    clock = Clock()
+    with DiskTier(str(tmp_path / "db"), 1 << 24, ttl_seconds=5, clock=clock, sweep_interval=0.05) as d:
+        d.put(b"a" * 32, b"x" * 100)
+        d.flush()
+        clock.t += 10
+        deadline = time.time() + 5
+        while d.stats()["entries"] and time.time() < deadline:
+            time.sleep(0.02)
+        assert d.stats()["entries"] == 0 and d.stats()["bytes_used"] == 0
+
+
+def test_unwritable_path_names_it(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    bad = str(blocker / "db")
+    with pytest.raises(DiskTierError, match=str(bad).replace("/", ".")):
+        DiskTier(bad, 1 << 20)
+    with pytest.raises(SystemExit, match="not writable"):
+        open_or_exit(bad, 1 << 20)
+
+
+def test_disk_full_stops_spilling(tmp_path, caplog):
+    path = str(tmp_path / "db")
+    with DiskTier(path, 1 << 24, min_free_bytes=1 << 62) as d:  # "no free space"
+        assert d.put(b"a" * 32, b"x" * 1000)  # accepted; the writer finds the disk full
+        d.flush()
+        st = d.stats()
+        assert st["disk_full"] and st["put_failed"] == 1 and st["entries"] == 0 and st["bytes_used"] == 0
+        assert not d.put(b"b" * 32, b"y" * 1000)
+        assert d.stats()["put_rejected_disk_full"] >= 1
+        assert "disk full" in caplog.text
+        d.min_free_bytes = 0  # space comes back
+        time.sleep(1.1)
+        assert d.put(b"c" * 32, b"z" * 1000)
+        d.flush()
+        assert d.get(b"c" * 32) == b"z" * 1000 and not d.stats()["disk_full"]
+
+
+def test_write_error_sets_disk_full(tmp_path, monkeypatch):
+    with DiskTier(str(tmp_path / "db"), 1 << 24) as d:
+        real = d._db
+
+        class Failing:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def write(self, *a, **k):
+                raise Exception("IO error: No space left on device")
+
+        d._db = Failing()
+        d.put(b"a" * 32, b"x" * 100)
+        d.flush()
+        assert d.stats()["disk_full"] and d.get(b"a" * 32) is None
+        d._db = real
+
+
+def test_queue_bound_refuses_instead_of_blocking(tmp_path):
+    with DiskTier(str(tmp_path / "db"), 1 << 24, max_queue_bytes=50) as d:
+        t0 = time.perf_counter()
+        assert not d.put(b"a" * 32, b"x" * 100)
+        assert time.perf_counter() - t0 < 0.5
+        assert d.stats()["put_rejected_queue_full"] == 1
+
+
+def test_corrupt_rocksdb_files_start_anyway(tmp_path):
+    path = str(tmp_path / "db")
+    with DiskTier(path, 1 << 24) as d:
+        for i in range(20):
+            d.put(bytes([i]) * 32, _payload(i, 20_000))
+    for name in os.listdir(path):  # wreck every table, blob and manifest file
+        if name.endswith((".sst", ".blob")) or name.startswith("MANIFEST"):
+            with open(os.path.join(path, name), "r+b") as f:
+                f.seek(0)
+                f.write(b"\xff" * 64)
+    with DiskTier(path, 1 << 24) as d:  # starts; serves only what verifies
+        assert d.open_report["repaired"] or d.open_report["quarantined"]
+        for i in range(20):
+            got = d.get(bytes([i]) * 32)
+            assert got is None or got == _payload(i, 20_000)
+        d.put(b"n" * 32, b"new" * 100)
+        d.flush()
+        assert d.get(b"n" * 32) == b"new" * 100
+
+
+_WRITER = textwrap.dedent("""
+    import random, sys
+    from promptcache.sidecar.disk import DiskTier
+    path, start = sys.argv[1], int(sys.argv[2])
+    d = DiskTier(path, 8 << 20, max_queue_items=64)
+    print("ready", flush=True)
+    i = start
+    while True:
+        n = random.Random(i).randint(1, 200_000)
+        d.put(i.to_bytes(8, "big"), random.Random(i).randbytes(n), parent=(i - 1).to_bytes(8, "big"))
+        i += 1
+""")
+
+
+def test_kill9_loop_never_serves_bad_chunks(tmp_path):
+    path = str(tmp_path / "db")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    rng = random.Random(3)
+    start = 0
+    served = 0
+    for round_ in range(20):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, path, str(start)], stdout=subprocess.PIPE, env=env)
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(rng.uniform(0.1, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        d = DiskTier(path, 8 << 20)
+        try:
+            rep = d.open_report
+            assert not rep["repaired"] and rep["quarantined"] is None, rep
+            assert rep["dropped_corrupt"] == 0, rep
+            keys = list(d.index)
+            for k in keys:
+                i = int.from_bytes(k, "big")
+                n = random.Random(i).randint(1, 200_000)
+                got = d.get(k)
+                assert got == random.Random(i).randbytes(n), f"round {round_}: wrong bytes for chunk {i}"
+                served += 1
+            assert d.stats().get("dropped_corrupt", 0) == 0
+            assert d.stats()["bytes_used"] <= 8 << 20
+            start = max([int.from_bytes(k, "big") for k in keys], default=start) + 1_000_000
+        finally:
+            d.close()
+    assert served > 0
