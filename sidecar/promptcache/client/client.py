@@ -65,17 +65,29 @@ class PromptCacheClient:
 
     target: "HOST:PORT" or "unix:///path/to.sock". timeout: deadline of each call in seconds. retries: extra
     attempts after UNAVAILABLE (sidecar restarting), with jittered exponential backoff inside the deadline.
+
+    Security (docs/security.md): tls_ca (PEM bytes or path; the CA that signed the sidecar's certificate) turns
+    TLS on; tls_cert and tls_key add a client certificate (mTLS; its common name is the tenant); token or
+    token_file (re-read when it changes) sends `authorization: Bearer ...` with every call; tls_server_name
+    overrides the name checked against the server certificate.
     """
 
     def __init__(self, target: str, *, timeout: float = 5.0, retries: int = 2, backoff: float = 0.05,
                  frame_bytes: int = 1 << 20, chunk_tokens: int | None = None, shm_dir: str | None = None,
-                 channel: grpc.Channel | None = None):
+                 channel: grpc.Channel | None = None, tls_ca: str | bytes | None = None,
+                 tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
+                 tls_server_name: str | None = None, token: str | None = None, token_file: str | None = None):
         self.target = target
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
         self.frame_bytes = frame_bytes
-        self._channel = channel or grpc.insecure_channel(target)
+        if channel is None:
+            from promptcache.sidecar.auth import client_channel
+
+            channel = client_channel(target, root_certificates=tls_ca, client_cert=tls_cert, client_key=tls_key,
+                                     server_name=tls_server_name, token=token, token_file=token_file)
+        self._channel = channel
         self._stub = pb_grpc.KVCacheStub(self._channel)
         self._chunk_tokens = chunk_tokens
         # Node-local fast path: chunk bytes go through shared memory in this folder (the sidecar's --shm-dir).

@@ -50,6 +50,19 @@ class Settings:
     log_level: str = "info"
     log_format: str = "json"
     allow_insecure_remote: bool = False
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+    token_file: str = ""
+    token_reload_seconds: float = 1.0
+    tenant_secret_file: str = ""
+    sharing_groups: str = ""
+    admin_tenants: str = ""
+    tenant_quota_bytes: int = 0
+    tenant_quotas: str = ""
+    max_calls_per_client: int = 0
+    stream_idle_seconds: float = 30.0
+    max_call_seconds: float = 600.0
 
     def validate(self) -> "Settings":
         if self.memory_bytes <= 0:
@@ -74,6 +87,12 @@ class Settings:
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not self.grpc_address:
             raise ValueError("--grpc-address is empty")
+        if self.token_reload_seconds < 0:
+            raise ValueError("--token-reload-seconds must not be negative")
+        if self.max_calls_per_client < 0:
+            raise ValueError("--max-calls-per-client must not be negative (0: no limit)")
+        if self.stream_idle_seconds < 0 or self.max_call_seconds < 0:
+            raise ValueError("--stream-idle-seconds and --max-call-seconds must not be negative (0: no limit)")
         from promptcache.sidecar.policies import POLICIES
 
         if self.eviction_policy not in POLICIES:
@@ -100,10 +119,28 @@ HELP = {
     "frame_bytes": "bytes per streamed data frame in Put and Get",
     "log_level": "debug, info, warning or error",
     "log_format": "json (one object per line) or text",
-    "allow_insecure_remote": "allow plaintext gRPC on a non-loopback address",
+    "allow_insecure_remote": "allow plaintext gRPC on a non-loopback address (without --tls-cert-file)",
+    "tls_cert_file": "PEM server certificate (chain); with --tls-key-file, gRPC is served over TLS",
+    "tls_key_file": "PEM private key of --tls-cert-file",
+    "tls_client_ca_file": "PEM CA bundle: require client certificates signed by it (mTLS); the tenant is the "
+                          "certificate's common name. Turns authentication on",
+    "token_file": "bearer tokens: a folder (one file per tenant, named after it, holding its tokens; a mounted "
+                  "Secret) or a file of TENANT:TOKEN lines; reloaded when it changes. Turns authentication on",
+    "token_reload_seconds": "how often the token file is checked for changes",
+    "tenant_secret_file": "file with the server secret (>= 16 bytes) that tenant key salts are derived from; "
+                          "random per start when empty",
+    "sharing_groups": "opt-in shared namespaces, GROUP=TENANT,TENANT or GROUP=* separated by ';'; a client "
+                      "selects one with the model tenant_salt 'share:GROUP'",
+    "admin_tenants": "comma-separated tenants allowed to Resize and to see whole-cache Stats when auth is on",
+    "tenant_quota_bytes": "bytes each tenant (and sharing group) may hold in the memory tier; 0: no quota",
+    "tenant_quotas": "per-tenant quotas overriding --tenant-quota-bytes: TENANT=BYTES,group:GROUP=BYTES",
+    "max_calls_per_client": "calls in flight per client (tenant, or peer address without auth); more get "
+                            "RESOURCE_EXHAUSTED. 0: no limit",
+    "stream_idle_seconds": "cancel a Put stream whose client sent nothing for this long (0: never)",
+    "max_call_seconds": "cancel any call running longer than this (0: never)",
 }
 
-_BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "frame_bytes"}
+_BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "frame_bytes", "tenant_quota_bytes"}
 
 
 def env_name(field_name: str) -> str:

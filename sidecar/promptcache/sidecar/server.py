@@ -6,6 +6,7 @@ is checksummed before its first byte leaves).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 import logging
@@ -26,11 +27,14 @@ from promptcache import keys as keyspec
 from promptcache.layout import chunk_nbytes, chunk_shape
 from promptcache.shm import SharedBufferError, open_shared
 from promptcache.sidecar import cgroup, logs
+from promptcache.sidecar.auth import Authenticator, TokenStore, identity_of, server_credentials
 from promptcache.sidecar.config import Settings, settings_from_args
+from promptcache.sidecar.limits import CallLimiter, CallRejected, Guard, Watchdog
 from promptcache.sidecar.metrics import Metrics
 from promptcache.sidecar.policies import make_policy
 from promptcache.sidecar.store import (AdmissionRejected, ChunkTooLarge, MemoryTier, NoRoom, Reservation,
                                        checksum)
+from promptcache.sidecar.tenancy import Tenancy, TenancyError
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
 from promptcache.wire import NAME_TO_DTYPE, model_from_proto
@@ -56,7 +60,7 @@ def _observed(rpc: str, streaming_response: bool = False):
 
     def wrap(fn):
         def fail(self, context, exc):
-            if isinstance(exc, RpcFailure):
+            if isinstance(exc, (RpcFailure, CallRejected)):
                 code, message = exc.code, exc.message
             else:
                 log.exception("unexpected error in %s", rpc)
@@ -105,12 +109,16 @@ class _Incoming:
     buffer: np.ndarray | None
     host: torch.Tensor | None
     offset: int = 0
+    charged: int = 0  # bytes charged to the owner's quota (tenancy)
 
 
 class KVCacheService(pb_grpc.KVCacheServicer):
-    def __init__(self, settings: Settings, tier: MemoryTier, metrics: Metrics):
+    def __init__(self, settings: Settings, tier: MemoryTier, metrics: Metrics, tenancy: Tenancy | None = None):
         self.settings = settings
         self.tier = tier
+        self.tenancy = tenancy or Tenancy(enabled=False)
+        if self.tenancy.tier is None:
+            self.tenancy.bind(tier)
         self.metrics = metrics
         self.chunk_tokens = settings.chunk_tokens
         self.memory_limit: int | None = None  # the container's cgroup limit; budgets must fit under it
@@ -119,14 +127,21 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self.missed_tokens = 0
 
     # --- validation helpers -----------------------------------------------------------------------------
-    def _model(self, msg: pb.Model, present: bool):
+    def _model(self, msg: pb.Model, present: bool, context):
+        """(spec, fingerprint, owner). With tenancy on, the salt is derived from the caller's identity."""
         if not present:
             raise invalid("model is missing")
         try:
             spec = model_from_proto(msg)
-            return spec, keyspec.fingerprint(spec)
         except ValueError as exc:
             raise invalid(str(exc)) from None
+        try:
+            salt, owner = self.tenancy.namespace(identity_of(context), spec.tenant_salt)
+        except TenancyError as exc:
+            raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, exc.message) from None
+        if self.tenancy.enabled:
+            spec = dataclasses.replace(spec, tenant_salt=salt)
+        return spec, keyspec.fingerprint(spec), owner
 
     def _tokens(self, tokens) -> None:
         if len(tokens) == 0:
@@ -151,7 +166,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     # --- RPCs -------------------------------------------------------------------------------------------
     @_observed("Lookup")
     def Lookup(self, request, context):
-        spec, fp = self._model(request.model, request.HasField("model"))
+        spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
         chunks = []
         for i, key in enumerate(self._keys(fp, request.tokens)):
@@ -160,10 +175,11 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 break
             chunks.append(pb.ChunkInfo(index=i, key=key, tier=pb.TIER_DEVICE, nbytes=entry.nbytes))
         cached = len(chunks) * self.chunk_tokens
-        self._count_lookup("lookup", cached, len(request.tokens))
+        self._count_lookup("lookup", cached, len(request.tokens), owner)
         return pb.LookupResponse(cached_tokens=cached, chunk_tokens=self.chunk_tokens, chunks=chunks)
 
-    def _count_lookup(self, rpc: str, cached: int, total: int) -> None:
+    def _count_lookup(self, rpc: str, cached: int, total: int, owner: str = "") -> None:
+        self.tenancy.count_lookup(owner, cached, total)
         self.metrics.lookups.labels(rpc).inc()
         if cached:
             self.metrics.hit_tokens.labels(rpc, "device").inc(cached)
@@ -174,7 +190,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     @_observed("Get", streaming_response=True)
     def Get(self, request, context):
-        spec, fp = self._model(request.model, request.HasField("model"))
+        spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
         frame = self.settings.frame_bytes
         mm = shared = None
@@ -215,6 +231,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         for off in range(0, entry.nbytes, frame):
                             yield pb.GetResponse(data=view[off:off + frame].tobytes())
                     self.metrics.sent_bytes.labels("device").inc(entry.nbytes)
+                    self.tenancy.touched(owner, key)
                     served += 1
                 finally:
                     view = None
@@ -223,7 +240,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 yield pb.GetResponse(batch=pb.ChunkBatch(chunks=batch))
         finally:
             self._count_lookup("get", served * self.chunk_tokens,
-                               max(0, len(request.tokens) - request.start_chunk * self.chunk_tokens))
+                               max(0, len(request.tokens) - request.start_chunk * self.chunk_tokens), owner)
             if mm is not None:
                 shared = view = None
                 mm.close()
@@ -234,7 +251,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         if first is None or first.WhichOneof("frame") != "header":
             raise invalid("a Put stream must start with a header frame")
         header = first.header
-        spec, fp = self._model(header.model, header.HasField("model"))
+        spec, fp, owner = self._model(header.model, header.HasField("model"), context)
         self._tokens(header.tokens)
         n_chunks = len(header.tokens) // self.chunk_tokens
         if n_chunks == 0:
@@ -267,13 +284,22 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         current = None if shared is not None else current
                         continue
                     try:
+                        current.charged = self.tenancy.reserve(owner, begin.nbytes, fp)
+                    except TenancyError as exc:
+                        raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                         f"chunk {begin.index}: {exc.message}") from None
+                    try:
                         current.reservation = self.tier.reserve(begin.nbytes, key, parent)
                     except AdmissionRejected:
+                        self.tenancy.release(owner, current.charged)
+                        current.charged = 0
                         rejected += 1
                         self.metrics.admission_rejections.labels("device").inc()
                         current = None if shared is not None else current
                         continue
                     except (ChunkTooLarge, NoRoom) as exc:
+                        self.tenancy.release(owner, current.charged)
+                        current.charged = 0
                         raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"chunk {begin.index}: {exc}") from None
                     # Received into host memory first, checksummed, then moved to the device in one copy.
                     current.host = torch.empty(begin.nbytes, dtype=torch.uint8)
@@ -285,7 +311,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                                           f"{begin.nbytes} runs past the shared buffer's {shared.size} bytes")
                         current.buffer[:] = shared[begin.buffer_offset:end]
                         self.metrics.received_bytes.inc(begin.nbytes)
-                        stored_bytes += self._store(current, fp)
+                        stored_bytes += self._store(current, fp, owner)
                         stored += 1
                         current = None
                 elif kind == "data":
@@ -303,7 +329,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     self.metrics.received_bytes.inc(n)
                     if current.offset == current.begin.nbytes:
                         if current.reservation is not None:
-                            stored_bytes += self._store(current, fp)
+                            stored_bytes += self._store(current, fp, owner)
                             stored += 1
                         current = None
                 elif kind == "header":
@@ -315,6 +341,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         finally:
             if current is not None and current.reservation is not None:
                 self.tier.release(current.reservation)
+            if current is not None and current.charged:
+                self.tenancy.release(owner, current.charged)
             if mm is not None:
                 shared = None
                 mm.close()
@@ -351,7 +379,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return invalid(f"chunk {current.begin.index} ended after {current.offset} of its "
                        f"{current.begin.nbytes} bytes; nothing of it was stored")
 
-    def _store(self, incoming: _Incoming, fp: bytes) -> int:
+    def _store(self, incoming: _Incoming, fp: bytes, owner: str = "") -> int:
         begin = incoming.begin
         value = checksum(incoming.buffer)
         if begin.xxh3_64 and begin.xxh3_64 != value:
@@ -359,28 +387,43 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                              f"chunk {begin.index}: checksum of the received bytes does not match xxh3_64")
         data = incoming.host if self.tier.device.type == "cpu" else incoming.host.to(self.tier.device)
         reservation, incoming.reservation = incoming.reservation, None
+        charged, incoming.charged = incoming.charged, 0
         if self.tier.commit(reservation, key=incoming.key, fingerprint=fp, parent=incoming.parent,
                             index=begin.index, data=data, checksum_value=value, shape=tuple(begin.shape),
                             dtype=begin.dtype):
+            self.tenancy.committed(owner, incoming.key, charged)
             return begin.nbytes
+        self.tenancy.release(owner, charged)
         return 0
 
     @_observed("Delete")
     def Delete(self, request, context):
-        spec, fp = self._model(request.model, request.HasField("model"))
+        spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
         deleted = self.tier.delete(self._keys(fp, request.tokens, request.start_chunk), fp)
         return pb.DeleteResponse(deleted_chunks=deleted)
 
     @_observed("Purge")
     def Purge(self, request, context):
-        spec, fp = self._model(request.model, request.HasField("model"))
+        spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         count, nbytes = self.tier.purge(fp)
         log.info("purged model", extra={"model_id": spec.model_id, "chunks": count, "bytes": nbytes})
         return pb.PurgeResponse(deleted_chunks=count, deleted_bytes=nbytes)
 
     @_observed("Stats")
     def Stats(self, request, context):
+        identity = identity_of(context)
+        if not self.tenancy.is_admin(identity):
+            # A tenant sees its own chunks and hit counts only: whole-cache counts would show other tenants'
+            # activity.
+            own = self.tenancy.usage(identity.tenant)
+            budget = min(own["quota"], self.tier.budget) if own["quota"] else self.tier.budget
+            return pb.StatsResponse(
+                tiers=[pb.TierStats(tier=pb.TIER_DEVICE, entries=own["entries"], bytes_used=own["used"],
+                                    bytes_budget=budget)],
+                chunk_tokens=self.chunk_tokens, max_chunk_bytes=self.settings.max_chunk_bytes,
+                hit_tokens=own["hit_tokens"], missed_tokens=own["missed_tokens"], device=str(self.tier.device),
+                eviction_policy=self.tier.policy.name)
         u = self.tier.usage()
         return pb.StatsResponse(
             tiers=[pb.TierStats(tier=pb.TIER_DEVICE, entries=u["entries"], bytes_used=u["used"],
@@ -391,6 +434,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     @_observed("Resize")
     def Resize(self, request, context):
+        if not self.tenancy.is_admin(identity_of(context)):
+            raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED,
+                             f"tenant {identity_of(context).tenant!r} may not Resize (--admin-tenants)")
         if request.memory_bytes <= 0:
             raise invalid(f"memory_bytes must be positive, got {request.memory_bytes}")
         try:
@@ -433,28 +479,45 @@ class Sidecar:
 
     def __init__(self, settings: Settings):
         self.settings = settings.validate()
-        if not is_local_address(settings.grpc_address) and not settings.allow_insecure_remote:
+        # Cross-field checks of the security settings (the tenancy ones are in Tenancy.from_settings).
+        if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
+            raise ValueError("--tls-cert-file and --tls-key-file go together")
+        if settings.tls_client_ca_file and not settings.tls_cert_file:
+            raise ValueError("--tls-client-ca-file (mTLS) needs --tls-cert-file and --tls-key-file")
+        tls = bool(settings.tls_cert_file)
+        if not tls and not is_local_address(settings.grpc_address) and not settings.allow_insecure_remote:
             raise ValueError(f"--grpc-address {settings.grpc_address} is not loopback or a unix socket; "
-                             "plaintext gRPC there needs --allow-insecure-remote")
+                             "serve TLS there (--tls-cert-file, --tls-key-file) or, for plaintext, pass "
+                             "--allow-insecure-remote")
+        credentials = (server_credentials(settings.tls_cert_file, settings.tls_key_file,
+                                          settings.tls_client_ca_file) if tls else None)
+        tokens = TokenStore(settings.token_file, settings.token_reload_seconds) if settings.token_file else None
+        self.authenticator = Authenticator(tokens, mtls=bool(settings.tls_client_ca_file))
+        self.tenancy = Tenancy.from_settings(settings)
         self.device = resolve_device(settings.device)
         self.memory_limit = cgroup.memory_limit()
         cgroup.check_budget(settings.memory_bytes, self.device.type == "cpu", self.memory_limit)
         self.metrics = Metrics()
         self.tier = MemoryTier(settings.memory_bytes, self.device, make_policy(settings.eviction_policy),
                                settings.ttl_seconds, on_evict=self._evicted)
+        self.tenancy.bind(self.tier)
         self.metrics.watch({"device": self.tier})
-        self.service = KVCacheService(settings, self.tier, self.metrics)
+        self.service = KVCacheService(settings, self.tier, self.metrics, self.tenancy)
         self.service.memory_limit = self.memory_limit
+        self.watchdog = Watchdog(settings.max_call_seconds, settings.stream_idle_seconds)
+        self.guard = Guard(self.authenticator, CallLimiter(settings.max_calls_per_client), self.watchdog,
+                           self.metrics)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers,
                                                              thread_name_prefix="grpc"),
-                                  options=[("grpc.so_reuseport", 0)])
+                                  interceptors=[self.guard], options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_KVCacheServicer_to_server(self.service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
-        self.port = self.server.add_insecure_port(settings.grpc_address)
+        self.port = (self.server.add_secure_port(settings.grpc_address, credentials) if tls
+                     else self.server.add_insecure_port(settings.grpc_address))
         if self.port == 0:
             raise OSError(f"cannot listen on --grpc-address {settings.grpc_address}")
         self._stop = threading.Event()
@@ -462,6 +525,7 @@ class Sidecar:
         self.metrics_port = None
 
     def _evicted(self, entry, reason: str, age: float) -> None:
+        self.tenancy.on_evicted(entry)
         self.metrics.evictions.labels("device", reason).inc()
         self.metrics.evicted_bytes.labels("device", reason).inc(entry.nbytes)
         self.metrics.eviction_age.labels(reason).observe(age)
@@ -489,6 +553,7 @@ class Sidecar:
 
     def stop(self, grace: float = 2.0) -> None:
         self._stop.set()
+        self.watchdog.stop()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
         if self._http is not None:

@@ -1,0 +1,290 @@
+"""Authentication: who is calling. mTLS (tenant = the client certificate's common name) and bearer tokens read
+from a mounted file or folder, reloaded when it changes.
+
+The sidecar's `Guard` interceptor authenticates every call except the gRPC health service (probes carry no
+credentials and health reveals nothing), enforces the per-client call limit and the stream watchdog
+(promptcache.sidecar.limits), and attaches the caller's `Identity` to the call context for the service
+(promptcache.sidecar.tenancy derives the tenant's key salt from it).
+
+Token file formats (docs/security.md):
+  * a folder, as Kubernetes mounts a Secret: each file is a tenant, its name the tenant name, its content
+    one or more tokens (one per line);
+  * a file of lines `TENANT:TOKEN` (blank lines and lines starting with # are ignored).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger("promptcache.sidecar.auth")
+
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+AUTHORIZATION = "authorization"
+_IDENTITY_ATTR = "promptcache_identity"
+
+
+@dataclass(frozen=True)
+class Identity:
+    tenant: str      # "" for anonymous callers (auth off)
+    method: str      # "none", "token" or "mtls"
+
+    @property
+    def anonymous(self) -> bool:
+        return self.method == "none"
+
+
+ANONYMOUS = Identity("", "none")
+
+
+def identity_of(context) -> Identity:
+    """The identity the Guard attached to this call (ANONYMOUS when auth is off or no Guard ran)."""
+    return getattr(context, _IDENTITY_ATTR, ANONYMOUS)
+
+
+def check_tenant_name(name: str, where: str) -> str:
+    if not TENANT_NAME.match(name):
+        raise ValueError(f"{where}: tenant name {name!r} must be 1-128 characters of letters, digits, "
+                         "'.', '_', '@' and '-', starting with a letter or digit")
+    return name
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+class TokenStore:
+    """Bearer tokens -> tenant, from a file or a folder; re-read when a file's (inode, size, mtime) changes.
+
+    Only SHA-256 digests of the tokens are kept, and a presented token is looked up by its digest, so the
+    time a lookup takes does not depend on how many leading characters of a real token it shares. A reload
+    that fails (file missing, malformed) keeps the previous tokens and logs why.
+    """
+
+    def __init__(self, path: str, reload_seconds: float = 1.0, clock=time.monotonic):
+        self.path = Path(path)
+        self.reload_seconds = reload_seconds
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._tokens: dict[bytes, str] = {}
+        self._signature = None
+        self._checked = float("-inf")
+        self.reloads = 0
+        self.reload_errors = 0
+        tokens, self._signature = self._read()  # the first read must succeed: a bad path fails the start
+        self._tokens = tokens
+        self._checked = self.clock()
+
+    def _files(self) -> list[Path]:
+        if self.path.is_dir():
+            # Kubernetes Secret mounts hold the real files in ..data/ behind symlinks; skip dotted entries.
+            return sorted(p for p in self.path.iterdir() if not p.name.startswith(".") and p.is_file())
+        return [self.path]
+
+    def _stat_signature(self):
+        files = self._files()
+        sig = []
+        for p in files:
+            st = p.stat()
+            sig.append((p.name, st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(sig)
+
+    def _read(self):
+        if not self.path.exists():
+            raise ValueError(f"token file {self.path} does not exist")
+        signature = self._stat_signature()
+        tokens: dict[bytes, str] = {}
+        if self.path.is_dir():
+            for p in self._files():
+                tenant = check_tenant_name(p.name, str(p))
+                for line in p.read_text().splitlines():
+                    if line.strip():
+                        tokens[_digest(line.strip())] = tenant
+        else:
+            for n, line in enumerate(self.path.read_text().splitlines(), 1):
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                tenant, sep, token = line.partition(":")
+                if not sep or not token.strip():
+                    raise ValueError(f"{self.path}:{n}: expected TENANT:TOKEN")
+                tokens[_digest(token.strip())] = check_tenant_name(tenant.strip(), f"{self.path}:{n}")
+        if any(len(t) == 0 for t in tokens):
+            raise ValueError(f"{self.path}: empty token")
+        return tokens, signature
+
+    def maybe_reload(self) -> None:
+        now = self.clock()
+        if now - self._checked < self.reload_seconds:
+            return
+        with self._lock:
+            if now - self._checked < self.reload_seconds:
+                return
+            self._checked = now
+            try:
+                current = self._stat_signature()
+                if current == self._signature:
+                    return
+                tokens, signature = self._read()
+            except (OSError, ValueError) as exc:
+                # Logged once per change of the files, not on every check.
+                self._signature = locals().get("current", self._signature)
+                self.reload_errors += 1
+                log.error("cannot reload bearer tokens, keeping the previous ones: %s", exc)
+                return
+            self._tokens, self._signature = tokens, signature
+            self.reloads += 1
+            log.info("reloaded bearer tokens", extra={"path": str(self.path), "tenants": len(set(tokens.values()))})
+
+    def tenant(self, token: str) -> str | None:
+        self.maybe_reload()
+        return self._tokens.get(_digest(token))
+
+
+class Authenticator:
+    """Decides the identity of one call from its metadata and its TLS peer."""
+
+    def __init__(self, tokens: TokenStore | None, mtls: bool):
+        self.tokens = tokens
+        self.mtls = mtls
+
+    @property
+    def enabled(self) -> bool:
+        return self.tokens is not None or self.mtls
+
+    def authenticate(self, context) -> Identity | None:
+        """The caller's identity; None when auth is on and the call carries no valid credential.
+
+        A bearer token, when present, must be valid and names the tenant; without one, the verified client
+        certificate's common name does (mTLS).
+        """
+        if not self.enabled:
+            return ANONYMOUS
+        token = None
+        for key, value in context.invocation_metadata() or ():
+            if key == AUTHORIZATION:
+                token = value
+                break
+        if token is not None:
+            if self.tokens is None:
+                return None
+            scheme, _, credential = token.partition(" ")
+            if scheme.lower() != "bearer" or not credential.strip():
+                return None
+            tenant = self.tokens.tenant(credential.strip())
+            return Identity(tenant, "token") if tenant is not None else None
+        if self.mtls:
+            auth = context.auth_context() or {}
+            names = auth.get("x509_common_name") or []
+            if names:
+                name = names[0].decode("utf-8", "replace")
+                if TENANT_NAME.match(name):
+                    return Identity(name, "mtls")
+        return None
+
+
+def server_credentials(cert_file: str, key_file: str, client_ca_file: str) -> grpc.ServerCredentials:
+    """TLS credentials; with a client CA, client certificates signed by it are required (mTLS)."""
+    def read(path, what):
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from None
+
+    cert, key = read(cert_file, "--tls-cert-file"), read(key_file, "--tls-key-file")
+    ca = read(client_ca_file, "--tls-client-ca-file") if client_ca_file else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+# --- client side ----------------------------------------------------------------------------------------
+class _TokenSource:
+    """A fixed token, or one read from a file and re-read when the file changes (rotation)."""
+
+    def __init__(self, token: str | None, token_file: str | None):
+        self._token = token
+        self._file = Path(token_file) if token_file else None
+        self._sig = None
+        self._lock = threading.Lock()
+
+    def get(self) -> str:
+        if self._file is None:
+            return self._token or ""
+        st = self._file.stat()
+        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            if sig != self._sig:
+                self._token, self._sig = self._file.read_text().strip(), sig
+            return self._token
+
+
+class _Details:
+    def __init__(self, base, metadata):
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
+
+
+class BearerTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                             grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer TOKEN` to every call; works on plaintext (loopback) and TLS channels."""
+
+    def __init__(self, token: str | None = None, token_file: str | None = None):
+        self.source = _TokenSource(token, token_file)
+
+    def _details(self, details):
+        metadata = [m for m in (details.metadata or ()) if m[0] != AUTHORIZATION]
+        metadata.append((AUTHORIZATION, f"Bearer {self.source.get()}"))
+        return _Details(details, metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+def client_channel(target: str, *, root_certificates: str | bytes | None = None,
+                   client_cert: str | bytes | None = None, client_key: str | bytes | None = None,
+                   tls: bool | None = None, server_name: str | None = None, token: str | None = None,
+                   token_file: str | None = None, options: list | None = None) -> grpc.Channel:
+    """A channel to the sidecar. Certificate arguments are PEM bytes or paths to PEM files. TLS is on when
+    any certificate is given or tls=True (system roots then)."""
+    def pem(value):
+        if value is None or isinstance(value, bytes):
+            return value
+        return Path(value).read_bytes()
+
+    options = list(options or [])
+    use_tls = tls if tls is not None else any(v is not None for v in (root_certificates, client_cert, client_key))
+    if use_tls:
+        creds = grpc.ssl_channel_credentials(root_certificates=pem(root_certificates),
+                                             private_key=pem(client_key), certificate_chain=pem(client_cert))
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        channel = grpc.secure_channel(target, creds, options=options)
+    else:
+        channel = grpc.insecure_channel(target, options=options)
+    if token is not None or token_file is not None:
+        channel = grpc.intercept_channel(channel, BearerTokenInterceptor(token, token_file))
+    return channel
+
+
+def attach_identity(context, identity: Identity) -> None:
+    setattr(context, _IDENTITY_ATTR, identity)
+

@@ -1,0 +1,258 @@
+"""Per-call limits, so that clients that open streams and stall cannot starve the others.
+
+* `CallLimiter`: at most N calls in flight per client (the authenticated tenant, or the peer address when
+  auth is off); the next one is refused at once with RESOURCE_EXHAUSTED instead of taking a worker thread.
+* `Watchdog`: one thread that cancels calls that run longer than --max-call-seconds, and Put streams whose
+  client sent nothing for --stream-idle-seconds. A cancelled Put releases its reservation (nothing partial is
+  stored); a cancelled Get releases its lease. The client sees DEADLINE_EXCEEDED with a message naming the
+  limit.
+* `Guard`: the server interceptor that applies authentication (promptcache.sidecar.auth) and both limits to
+  every method except the health service.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Iterator
+
+import grpc
+
+from promptcache.sidecar.auth import HEALTH_PREFIX, Authenticator, Identity, attach_identity
+
+log = logging.getLogger("promptcache.sidecar.limits")
+
+
+class CallRejected(Exception):
+    """A refusal with a gRPC status, raised below the service layer (the service maps it like its own)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class CallLimiter:
+    def __init__(self, max_per_client: int):
+        self.max_per_client = max_per_client
+        self._lock = threading.Lock()
+        self._active: dict[str, int] = defaultdict(int)
+
+    def acquire(self, client: str) -> bool:
+        if self.max_per_client <= 0:
+            return True
+        with self._lock:
+            if self._active[client] >= self.max_per_client:
+                return False
+            self._active[client] += 1
+            return True
+
+    def release(self, client: str) -> None:
+        if self.max_per_client <= 0:
+            return
+        with self._lock:
+            self._active[client] -= 1
+            if self._active[client] <= 0:
+                del self._active[client]
+
+    def active(self, client: str) -> int:
+        with self._lock:
+            return self._active.get(client, 0)
+
+
+class _Watch:
+    __slots__ = ("context", "rpc", "started", "last", "idle", "max_seconds", "expired", "reason")
+
+    def __init__(self, context, rpc: str, max_seconds: float, idle: float):
+        self.context = context
+        self.rpc = rpc
+        self.started = self.last = time.monotonic()
+        self.max_seconds = max_seconds
+        self.idle = idle          # 0: no idle limit (unary calls, Get)
+        self.expired = False
+        self.reason = ""
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+
+def _cancel(context, code: grpc.StatusCode, details: str) -> None:
+    """Cancel a server-side call from another thread, sending `code` and `details` to the client.
+
+    grpc's public ServicerContext.cancel() always sends CANCELLED; the underlying call object accepts a status
+    (grpcio 1.85). Fall back to the public API if that ever changes.
+    """
+    try:
+        from grpc._cython import cygrpc
+
+        context._rpc_event.call.cancel(getattr(cygrpc.StatusCode, code.name.lower()), details)
+    except Exception:  # noqa: BLE001
+        context.cancel()
+
+
+class Watchdog:
+    def __init__(self, max_call_seconds: float, stream_idle_seconds: float, on_expire=None):
+        self.max_call_seconds = max_call_seconds
+        self.stream_idle_seconds = stream_idle_seconds
+        self.on_expire = on_expire or (lambda rpc, reason: None)
+        self._lock = threading.Lock()
+        self._watches: set[_Watch] = set()
+        self._stop = threading.Event()
+        limits = [s for s in (max_call_seconds, stream_idle_seconds) if s > 0]
+        self.tick = min([0.25] + [s / 4 for s in limits])
+        self._thread = threading.Thread(target=self._run, name="call-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(self, context, rpc: str, idle: bool) -> _Watch:
+        w = _Watch(context, rpc, self.max_call_seconds, self.stream_idle_seconds if idle else 0.0)
+        with self._lock:
+            self._watches.add(w)
+        return w
+
+    def unwatch(self, w: _Watch) -> None:
+        with self._lock:
+            self._watches.discard(w)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick):
+            now = time.monotonic()
+            with self._lock:
+                due = []
+                for w in self._watches:
+                    if w.max_seconds > 0 and now - w.started > w.max_seconds:
+                        w.reason = (f"{w.rpc} ran longer than {w.max_seconds:g} s (--max-call-seconds); "
+                                    "cancelled, nothing partial was stored")
+                    elif w.idle > 0 and now - w.last > w.idle:
+                        w.reason = (f"{w.rpc} stream sent nothing for {w.idle:g} s (--stream-idle-seconds); "
+                                    "cancelled, nothing partial was stored")
+                    else:
+                        continue
+                    due.append(w)
+                for w in due:
+                    self._watches.discard(w)
+            for w in due:
+                w.expired = True
+                log.warning("cancelled a call", extra={"rpc": w.rpc, "reason": w.reason})
+                self.on_expire(w.rpc, w.reason)
+                _cancel(w.context, grpc.StatusCode.DEADLINE_EXCEEDED, w.reason)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class _WatchedRequests:
+    """A request iterator that tells the watchdog each time a frame arrives."""
+
+    def __init__(self, inner: Iterator, watch: _Watch):
+        self._inner = inner
+        self._watch = watch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            item = next(self._inner)
+        except grpc.RpcError:
+            if self._watch.expired:
+                raise CallRejected(grpc.StatusCode.DEADLINE_EXCEEDED, self._watch.reason) from None
+            raise CallRejected(grpc.StatusCode.CANCELLED, "the client cancelled the call") from None
+        self._watch.touch()
+        return item
+
+
+def _method_name(full: str) -> str:
+    return full.rsplit("/", 1)[-1]
+
+
+class Guard(grpc.ServerInterceptor):
+    """Authentication, per-client call limit and the watchdog around every method but health."""
+
+    def __init__(self, authenticator: Authenticator, limiter: CallLimiter, watchdog: Watchdog, metrics=None):
+        self.authenticator = authenticator
+        self.limiter = limiter
+        self.watchdog = watchdog
+        self.metrics = metrics
+
+    def _refuse(self, context, rpc: str, code: grpc.StatusCode, message: str):
+        if self.metrics is not None:
+            self.metrics.requests.labels(rpc, code.name).inc()
+        context.abort(code, message)
+
+    def _admit(self, context, rpc: str) -> tuple[Identity, str]:
+        identity = self.authenticator.authenticate(context)
+        if identity is None:
+            self._refuse(context, rpc, grpc.StatusCode.UNAUTHENTICATED,
+                         "this sidecar requires authentication: a valid bearer token (authorization: Bearer ...) "
+                         "or a client certificate signed by its client CA")
+        attach_identity(context, identity)
+        client = f"tenant:{identity.tenant}" if not identity.anonymous else f"peer:{context.peer()}"
+        if not self.limiter.acquire(client):
+            self._refuse(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"too many calls in flight from this client (at most {self.limiter.max_per_client}, "
+                         "--max-calls-per-client); retry later")
+        return identity, client
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler
+        rpc = _method_name(handler_call_details.method)
+        guard = self
+
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            def unary_unary(request, context):
+                _, client = guard._admit(context, rpc)
+                w = guard.watchdog.watch(context, rpc, idle=False)
+                try:
+                    return inner(request, context)
+                finally:
+                    guard.watchdog.unwatch(w)
+                    guard.limiter.release(client)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,
+                                                       handler.response_serializer)
+        if handler.unary_stream:
+            inner = handler.unary_stream
+
+            def unary_stream(request, context):
+                _, client = guard._admit(context, rpc)
+                w = guard.watchdog.watch(context, rpc, idle=False)
+                try:
+                    yield from inner(request, context)
+                finally:
+                    guard.watchdog.unwatch(w)
+                    guard.limiter.release(client)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        if handler.stream_unary:
+            inner = handler.stream_unary
+
+            def stream_unary(request_iterator, context):
+                _, client = guard._admit(context, rpc)
+                w = guard.watchdog.watch(context, rpc, idle=True)
+                try:
+                    return inner(_WatchedRequests(request_iterator, w), context)
+                finally:
+                    guard.watchdog.unwatch(w)
+                    guard.limiter.release(client)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, handler.request_deserializer,
+                                                        handler.response_serializer)
+        inner = handler.stream_stream
+
+        def stream_stream(request_iterator, context):
+            _, client = guard._admit(context, rpc)
+            w = guard.watchdog.watch(context, rpc, idle=True)
+            try:
+                yield from inner(_WatchedRequests(request_iterator, w), context)
+            finally:
+                guard.watchdog.unwatch(w)
+                guard.limiter.release(client)
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, handler.request_deserializer,
+                                                     handler.response_serializer)

@@ -1,0 +1,254 @@
+"""Tenancy: which key namespace a call reads and writes, and how many bytes each tenant may hold.
+
+With authentication on, the client's Model.tenant_salt never reaches the fingerprint as sent. The server
+replaces it with HMAC-SHA256(server secret, tenant, client salt): a tenant can subdivide its own namespace,
+but cannot name, guess or collide with another tenant's, so lookups, gets, puts (skipped vs stored), deletes
+and purges of one tenant never touch another's chunks — every such call takes the same code path as a plain
+miss. A client salt of the form `share:GROUP` selects an opt-in sharing group instead (a public system prompt):
+every member of the group reads and writes the group's namespace, salted with HMAC(secret, group). Groups and
+their members are configuration (--sharing-groups "public=*;team-a=alice,bob").
+
+Quotas: every stored chunk is charged to its owner (the tenant, or the sharing group) in this layer, from the
+store's own entries (its eviction callback tells when bytes leave). A Put that would take its owner over quota
+first evicts the owner's least recently used chunks (never another tenant's); if the owner's bytes are all held
+by Puts in flight, the chunk is refused with RESOURCE_EXHAUSTED.
+
+With authentication off every caller is the anonymous tenant and the client's salt is used as sent (the
+behaviour of docs/keys.md).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from promptcache.sidecar.auth import Identity, check_tenant_name
+
+log = logging.getLogger("promptcache.sidecar.tenancy")
+
+SHARE_PREFIX = b"share:"
+_SALT_DOMAIN = b"promptcache/tenant-salt/v1\x00"
+
+
+class TenancyError(Exception):
+    """code: 'permission' (PERMISSION_DENIED), 'quota' (RESOURCE_EXHAUSTED) or 'invalid' (INVALID_ARGUMENT)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def parse_groups(text: str) -> dict[str, frozenset[str] | None]:
+    """'public=*;team-a=alice,bob' -> {'public': None (everyone), 'team-a': {'alice', 'bob'}}."""
+    groups: dict[str, frozenset[str] | None] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, sep, members = part.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ValueError(f"--sharing-groups: {part!r} is not GROUP=MEMBER,MEMBER or GROUP=*")
+        check_tenant_name(name, "--sharing-groups")
+        names = [m.strip() for m in members.split(",") if m.strip()]
+        if names == ["*"]:
+            groups[name] = None
+        else:
+            if not names:
+                raise ValueError(f"--sharing-groups: group {name!r} has no members")
+            groups[name] = frozenset(check_tenant_name(m, f"--sharing-groups {name}") for m in names)
+    return groups
+
+
+def parse_quotas(text: str) -> dict[str, int]:
+    """'alice=1Gi,group:public=256Mi' -> {'alice': 1073741824, 'group:public': 268435456}."""
+    from promptcache.sidecar.config import parse_bytes
+
+    quotas = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        owner, sep, amount = part.partition("=")
+        if not sep:
+            raise ValueError(f"--tenant-quotas: {part!r} is not TENANT=BYTES")
+        owner = owner.strip()
+        name = owner[len("group:"):] if owner.startswith("group:") else owner
+        check_tenant_name(name, "--tenant-quotas")
+        try:
+            quotas[owner] = parse_bytes(amount.strip())
+        except ValueError as exc:
+            raise ValueError(f"--tenant-quotas {owner}: {exc}") from None
+    return quotas
+
+
+def load_secret(path: str) -> bytes:
+    if not path:
+        return secrets.token_bytes(32)
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read --tenant-secret-file {path}: {exc.strerror}") from None
+    if len(secret) < 16:
+        raise ValueError(f"--tenant-secret-file {path} holds {len(secret)} bytes; at least 16 are needed")
+    return secret
+
+
+@dataclass
+class _Usage:
+    used: int = 0
+    reserved: int = 0
+    entries: OrderedDict = field(default_factory=OrderedDict)  # key -> Entry, least recently used first
+    hit_tokens: int = 0
+    missed_tokens: int = 0
+
+
+class Tenancy:
+    def __init__(self, *, enabled: bool, secret: bytes | None = None, groups: dict | None = None,
+                 admins: frozenset[str] = frozenset(), default_quota: int = 0, quotas: dict | None = None):
+        self.enabled = enabled
+        self.secret = secret if secret is not None else secrets.token_bytes(32)
+        self.groups = groups or {}
+        self.admins = admins
+        self.default_quota = default_quota
+        self.quotas = quotas or {}
+        self._lock = threading.Lock()
+        self._usage: dict[str, _Usage] = {}
+        self._owner_of: dict[bytes, str] = {}
+        self.tier = None  # set by bind()
+
+    @classmethod
+    def from_settings(cls, settings) -> "Tenancy":
+        enabled = bool(settings.token_file or settings.tls_client_ca_file)
+        if settings.tenant_secret_file:
+            secret = load_secret(settings.tenant_secret_file)
+        else:
+            secret = secrets.token_bytes(32)
+            if enabled and settings.disk_bytes:
+                log.warning("no --tenant-secret-file: tenant salts change on every restart, so chunks kept on "
+                            "disk across a restart will not be found again")
+        admins = frozenset(check_tenant_name(a.strip(), "--admin-tenants")
+                           for a in settings.admin_tenants.split(",") if a.strip())
+        return cls(enabled=enabled, secret=secret, groups=parse_groups(settings.sharing_groups), admins=admins,
+                   default_quota=settings.tenant_quota_bytes, quotas=parse_quotas(settings.tenant_quotas))
+
+    def bind(self, tier) -> None:
+        self.tier = tier
+
+    # --- namespaces -------------------------------------------------------------------------------------
+    def namespace(self, identity: Identity, client_salt: bytes) -> tuple[bytes, str]:
+        """(salt to hash into the fingerprint, owner charged for the chunks)."""
+        if not self.enabled:
+            return client_salt, ""
+        if client_salt.startswith(SHARE_PREFIX):
+            group = client_salt[len(SHARE_PREFIX):].decode("utf-8", "replace")
+            members = self.groups.get(group, frozenset())
+            if group not in self.groups or (members is not None and identity.tenant not in members):
+                raise TenancyError("permission", f"tenant {identity.tenant!r} is not a member of sharing group "
+                                                 f"{group!r} (--sharing-groups)")
+            return self._mac(b"group\x00" + group.encode()), "group:" + group
+        tenant = identity.tenant.encode()
+        return self._mac(b"tenant\x00" + len(tenant).to_bytes(2, "little") + tenant + client_salt), identity.tenant
+
+    def _mac(self, message: bytes) -> bytes:
+        return hmac.new(self.secret, _SALT_DOMAIN + message, hashlib.sha256).digest()
+
+    def is_admin(self, identity: Identity) -> bool:
+        return not self.enabled or identity.tenant in self.admins
+
+    # --- quotas -----------------------------------------------------------------------------------------
+    def quota(self, owner: str) -> int:
+        return self.quotas.get(owner, self.default_quota)
+
+    def _usage_of(self, owner: str) -> _Usage:
+        u = self._usage.get(owner)
+        if u is None:
+            u = self._usage[owner] = _Usage()
+        return u
+
+    def _accounted(self, nbytes: int) -> int:
+        r = 512 if self.tier is not None and self.tier.device.type == "cuda" else 1
+        return -(-nbytes // r) * r
+
+    def reserve(self, owner: str, nbytes: int, fingerprint: bytes) -> int:
+        """Charge a chunk about to be received to `owner`; evict the owner's own LRU chunks to make room.
+        Returns the bytes charged (give them to committed() or release())."""
+        need = self._accounted(nbytes)
+        limit = self.quota(owner)
+        for _ in range(64):
+            with self._lock:
+                u = self._usage_of(owner)
+                if not limit or u.used + u.reserved + need <= limit:
+                    u.reserved += need
+                    return need
+                if need > limit:
+                    raise TenancyError("quota", f"a chunk of {nbytes} bytes exceeds the quota of {limit} bytes "
+                                                f"of {owner or 'the anonymous tenant'}")
+                victims, freed = [], 0
+                for key, entry in u.entries.items():
+                    if u.used + u.reserved + need - freed <= limit:
+                        break
+                    victims.append(entry)
+                    freed += entry.accounted
+            if not victims:
+                raise TenancyError("quota", f"quota of {limit} bytes of {owner or 'the anonymous tenant'} is held "
+                                            "by Puts in flight; retry later")
+            for entry in victims:
+                self.tier.delete([entry.key], entry.fingerprint, reason="quota")
+        raise TenancyError("quota", f"could not make room within the quota of {owner}")
+
+    def release(self, owner: str, charged: int) -> None:
+        if charged:
+            with self._lock:
+                self._usage_of(owner).reserved -= charged
+
+    def committed(self, owner: str, key: bytes, charged: int) -> None:
+        """A chunk was stored: move its charge from reserved to used, tracking the store's entry."""
+        entry = self.tier._entries.get(key) if self.tier is not None else None  # read-only peek, no policy hit
+        with self._lock:
+            u = self._usage_of(owner)
+            u.reserved -= charged
+            # The store sets entry.evicted before it calls on_evicted (which takes this lock), so an entry
+            # evicted between commit and here is seen as evicted and never charged.
+            if entry is None or entry.evicted or key in self._owner_of:
+                return
+            self._owner_of[key] = owner
+            u.entries[key] = entry
+            u.used += entry.accounted
+
+    def on_evicted(self, entry) -> None:
+        """Called by the store (under its lock) for every entry removed, whatever the reason."""
+        with self._lock:
+            owner = self._owner_of.get(entry.key)
+            if owner is None:
+                return
+            u = self._usage[owner]
+            if u.entries.get(entry.key) is not entry:
+                return
+            del self._owner_of[entry.key]
+            del u.entries[entry.key]
+            u.used -= entry.accounted
+
+    def touched(self, owner: str, key: bytes) -> None:
+        with self._lock:
+            u = self._usage.get(owner)
+            if u is not None and key in u.entries:
+                u.entries.move_to_end(key)
+
+    def count_lookup(self, owner: str, cached: int, total: int) -> None:
+        with self._lock:
+            u = self._usage_of(owner)
+            u.hit_tokens += cached
+            u.missed_tokens += total - cached
+
+    def usage(self, owner: str) -> dict[str, int]:
+        with self._lock:
+            u = self._usage.get(owner) or _Usage()
+            return {"entries": len(u.entries), "used": u.used, "reserved": u.reserved, "quota": self.quota(owner),
+                    "hit_tokens": u.hit_tokens, "missed_tokens": u.missed_tokens}
+
+    def owners(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            names = list(self._usage)
+        return {name: self.usage(name) for name in names}
+

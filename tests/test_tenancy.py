@@ -1,0 +1,170 @@
+"""Tenant isolation: with auth on, neither the content nor the existence of another tenant's chunks is
+observable — not through results, status codes or timing — except through opt-in sharing groups; per-tenant
+quotas evict only the tenant's own chunks."""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import grpc
+import pytest
+
+from support import CHUNK, SMALL, make_kv
+from promptcache.client import PromptCacheClient, errors
+from promptcache.layout import chunk_nbytes
+from promptcache.v1 import kvcache_pb2 as pb
+from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+from promptcache.wire import model_to_proto
+from test_auth import write_secret_dir
+
+NBYTES = chunk_nbytes(SMALL, CHUNK)
+TENANTS = ("alice", "bob", "carol", "ops")
+
+
+@pytest.fixture
+def tokens(tmp_path):
+    d = tmp_path / "tokens"
+    write_secret_dir(d, {t: f"{t}-token" for t in TENANTS})
+    return str(d)
+
+
+@pytest.fixture
+def multi(sidecar_factory, tokens):
+    sidecar = sidecar_factory(token_file=tokens, sharing_groups="public=*;team=alice,bob", admin_tenants="ops")
+    clients = {t: PromptCacheClient(sidecar.address, token=f"{t}-token", retries=0, timeout=10) for t in TENANTS}
+    yield sidecar, clients
+    for c in clients.values():
+        c.close()
+
+
+def prefix(seed: int, chunks: int = 2) -> list[int]:
+    return [seed * 100_000 + i for i in range(chunks * CHUNK)]
+
+
+def test_another_tenants_chunks_are_invisible(multi):
+    sidecar, c = multi
+    alice, bob = c["alice"], c["bob"]
+    tokens = prefix(1, 3)
+    kv = make_kv(SMALL, len(tokens))
+    assert alice.put(SMALL, tokens, kv).stored_chunks == 3
+    fresh = prefix(2, 3)
+    # Whatever salt bob sends (none, alice's, random), he sees a plain miss: same result, same status.
+    for salt in (b"", b"alice", b"\x00" * 32):
+        spec = dataclasses.replace(SMALL, tenant_salt=salt)
+        assert bob.lookup(spec, tokens).cached_tokens == bob.lookup(spec, fresh).cached_tokens == 0
+        assert bob.get_blobs(spec, tokens) == bob.get_blobs(spec, fresh) == []
+        assert bob.delete(spec, tokens) == bob.delete(spec, fresh) == 0
+    # Bob's Put of the same prefix is stored as his own (not "skipped": that would reveal alice's copy).
+    r = bob.put(SMALL, tokens, make_kv(SMALL, len(tokens), seed=9))
+    assert (r.stored_chunks, r.skipped_chunks) == (3, 0)
+    assert bob.purge(SMALL) == (3, 3 * NBYTES)  # only his own
+    cached, got = alice.get(SMALL, tokens)
+    assert cached == 3 * CHUNK and all((g[0] == k[0]).all() and (g[1] == k[1]).all() for g, k in zip(got, kv))
+    # Stats of a tenant show its own usage only; whole-cache Stats and Resize are for admin tenants.
+    assert bob.stats().tiers[0].entries == 0 and alice.stats().tiers[0].entries == 3
+    assert c["ops"].stats().tiers[0].entries == 3
+    with pytest.raises(errors.PermissionDenied):
+        alice.resize(4 << 20)
+    assert c["ops"].resize(16 << 20).memory_bytes == 16 << 20
+
+
+def test_sharing_groups_are_opt_in(multi):
+    _, c = multi
+    public = dataclasses.replace(SMALL, tenant_salt=b"share:public")
+    team = dataclasses.replace(SMALL, tenant_salt=b"share:team")
+    tokens = prefix(3)
+    assert c["alice"].put(public, tokens, make_kv(SMALL, len(tokens))).stored_chunks == 2
+    assert c["carol"].lookup(public, tokens).cached_tokens == 2 * CHUNK  # public=*: everyone
+    assert c["carol"].lookup(SMALL, tokens).cached_tokens == 0           # not without opting in
+    assert c["alice"].lookup(SMALL, tokens).cached_tokens == 0           # alice's own namespace is separate
+    c["bob"].put(team, tokens, make_kv(SMALL, len(tokens)))
+    assert c["alice"].lookup(team, tokens).cached_tokens == 2 * CHUNK
+    with pytest.raises(errors.PermissionDenied, match="not a member of sharing group 'team'"):
+        c["carol"].lookup(team, tokens)
+    with pytest.raises(errors.PermissionDenied):
+        c["carol"].lookup(dataclasses.replace(SMALL, tenant_salt=b"share:nonexistent"), tokens)
+
+
+def test_quota_evicts_only_the_tenants_own_chunks(sidecar_factory, tokens):
+    sidecar = sidecar_factory(token_file=tokens, tenant_quota_bytes=3 * NBYTES,
+                              tenant_quotas=f"carol={NBYTES // 2}", admin_tenants="ops")
+    with PromptCacheClient(sidecar.address, token="alice-token") as alice, \
+            PromptCacheClient(sidecar.address, token="bob-token") as bob, \
+            PromptCacheClient(sidecar.address, token="carol-token", retries=0) as carol:
+        bob_tokens = prefix(10, 2)
+        bob.put(SMALL, bob_tokens, make_kv(SMALL, len(bob_tokens)))
+        for seed in range(5):
+            t = prefix(20 + seed, 2)
+            assert alice.put(SMALL, t, make_kv(SMALL, len(t), seed=seed)).stored_chunks == 2
+            own = alice.stats().tiers[0]
+            assert own.bytes_used <= 3 * NBYTES and own.bytes_budget == 3 * NBYTES
+        # Alice's newest prefix is cached; her oldest were evicted; bob's are untouched.
+        assert alice.lookup(SMALL, prefix(24, 2)).cached_tokens == 2 * CHUNK
+        assert alice.lookup(SMALL, prefix(20, 2)).cached_tokens == 0
+        assert bob.lookup(SMALL, bob_tokens).cached_tokens == 2 * CHUNK
+        with pytest.raises(errors.ResourceExhausted, match="exceeds the quota"):
+            carol.put(SMALL, bob_tokens, make_kv(SMALL, len(bob_tokens)))
+        assert sidecar.tenancy.usage("alice")["used"] == 3 * NBYTES
+        # Accounting agrees with the store: the tenants' charges add up to the bytes it holds.
+        total = sum(u["used"] for u in sidecar.tenancy.owners().values())
+        assert total == sidecar.tier.usage()["used"]
+        assert all(u["reserved"] == 0 for u in sidecar.tenancy.owners().values())
+
+
+def _ks(a: list[float], b: list[float]) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic: max |F_a - F_b|; 0.5 + D/2 is the accuracy of the best
+    threshold classifier an attacker could build from one latency."""
+    xs = sorted(set(a) | set(b))
+    a, b = sorted(a), sorted(b)
+    import bisect
+
+    return max(abs(bisect.bisect_right(a, x) / len(a) - bisect.bisect_right(b, x) / len(b)) for x in xs)
+
+
+def _latencies(stub, token, model, targets, kinds, rpc):
+    out = {k: [] for k in set(kinds)}
+    md = [("authorization", f"Bearer {token}")]
+    for kind, tokens in zip(kinds, targets):
+        if rpc == "lookup":
+            req = pb.LookupRequest(model=model, tokens=tokens)
+            t0 = time.perf_counter()
+            stub.Lookup(req, metadata=md, timeout=10)
+        else:
+            req = pb.GetRequest(model=model, tokens=tokens)
+            t0 = time.perf_counter()
+            list(stub.Get(req, metadata=md, timeout=10))
+        out[kind].append(time.perf_counter() - t0)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_no_timing_channel_across_tenants(multi):
+    """Bob times Lookup and Get of prefixes alice cached against prefixes nobody cached, interleaved at random.
+    The two latency distributions must be indistinguishable (KS distance below 0.2: an attacker's best
+    single-sample guess is right at most 60% of the time), while the same measurement on his own cached
+    prefixes (the positive control: a shared cache) tells them apart."""
+    sidecar, c = multi
+    n, chunks = 250, 16
+    cached = [prefix(1000 + i, chunks) for i in range(20)]
+    for t in cached:
+        c["alice"].put(SMALL, t, make_kv(SMALL, len(t)))
+        c["bob"].put(dataclasses.replace(SMALL, tenant_salt=b"bob-own"), t, make_kv(SMALL, len(t)))
+    rng = random.Random(7)
+    model = model_to_proto(SMALL)
+    own = model_to_proto(dataclasses.replace(SMALL, tenant_salt=b"bob-own"))
+    results = {}
+    with grpc.insecure_channel(sidecar.address) as ch:
+        stub = pb_grpc.KVCacheStub(ch)
+        _latencies(stub, "bob-token", model, cached[:5], ["w"] * 5, "lookup")  # warm-up
+        for rpc in ("lookup", "get"):
+            kinds = [rng.choice(("other", "fresh")) for _ in range(2 * n)]
+            targets = [rng.choice(cached) if k == "other" else prefix(5000 + i, chunks) for i, k in enumerate(kinds)]
+            lat = _latencies(stub, "bob-token", model, targets, kinds, rpc)
+            results[rpc] = _ks(lat["other"], lat["fresh"])
+            # Positive control: the same measurement where the prefixes are in bob's own namespace.
+            ctrl = _latencies(stub, "bob-token", own, targets, kinds, rpc)
+            results[rpc + "-control"] = _ks(ctrl["other"], ctrl["fresh"])
+    print("KS distances:", {k: round(v, 3) for k, v in results.items()})
+    assert results["lookup"] < 0.2 and results["get"] < 0.2, results
+    assert results["get-control"] > 0.5, results  # the method detects a real hit/miss difference
