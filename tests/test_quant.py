@@ -45,6 +45,12 @@ def _check_roundtrip(mode, x, dtype):
     # quantization bound plus the final rounding to the KV dtype
     bound = quant.error_bound(mode, x) * 1.0001 + y.float().abs() * torch.finfo(x.dtype).eps + 1e-30
     assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
+    if mode == "k8v4" and x.shape[3] > 1:
+        L, _, H, T, D = x.shape
+        g = quant.v_group_size(D)
+        e = (y.float() - x.float())[:, 1, :, 1:].reshape(L, H, T - 1, D // g, g)
+        slack = y.float()[:, 1, :, 1:].abs().reshape(L, H, T - 1, D // g, g).amax(-1) * torch.finfo(x.dtype).eps * g
+        assert (e.norm(dim=-1) <= quant.value_group_l2_bound(x) + slack).all()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -156,8 +162,8 @@ def test_bad_fp16_scales_rejected(mode, value):
     bad[off:off + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
     with pytest.raises(quant.CorruptChunk, match="key scales"):
         quant.unpack(mode, _refresh_crc(bad), SHAPE, "float16")
-    if mode == "k8v8":
-        off, _ = _section_offset(mode, "float16", "v_scale")
+    for sec in (["v_scale"] if mode == "k8v8" else ["v0_scale"]):
+        off, _ = _section_offset(mode, "float16", sec)
         bad = blob.clone()
         bad[off:off + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
         with pytest.raises(quant.CorruptChunk, match="value scales"):
