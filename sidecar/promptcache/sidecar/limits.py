@@ -194,65 +194,103 @@ class Guard(grpc.ServerInterceptor):
                          "--max-calls-per-client); retry later")
         return identity, client
 
+    def _parse(self, deserializer, raw: bytes, rpc: str):
+        if deserializer is None:
+            return raw
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and anything else a parser raises
+            raise CallRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"malformed {rpc} request: the bytes are not a valid protobuf message "
+                               f"({type(exc).__name__})") from None
+
     def intercept_service(self, continuation, handler_call_details):
+        """Wrap the handler: requests arrive as raw bytes and are parsed here, so that bytes that are not a
+        valid message get INVALID_ARGUMENT (grpc's own deserialization failure is INTERNAL); then
+        authentication (not for health), the per-client limit and the watchdog."""
         handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
-            return handler
+        if handler is None:
+            return None
         rpc = _method_name(handler_call_details.method)
+        guarded = not handler_call_details.method.startswith(HEALTH_PREFIX)
         guard = self
+        parse = handler.request_deserializer
+
+        def admit(context):
+            if not guarded:
+                return None
+            return guard._admit(context, rpc)[1]
+
+        def done(w, client):
+            if w is not None:
+                guard.watchdog.unwatch(w)
+            if client is not None:
+                guard.limiter.release(client)
+
+        def parsed_or_abort(raw, context):
+            try:
+                return guard._parse(parse, raw, rpc)
+            except CallRejected as exc:
+                guard._refuse(context, rpc, exc.code, exc.message)
+
+        def parsed_stream(raw_iterator):
+            for raw in raw_iterator:
+                yield guard._parse(parse, raw, rpc)
 
         if handler.unary_unary:
             inner = handler.unary_unary
 
-            def unary_unary(request, context):
-                _, client = guard._admit(context, rpc)
-                w = guard.watchdog.watch(context, rpc, idle=False)
+            def unary_unary(raw, context):
+                client = admit(context)  # credentials first: an unauthenticated caller learns nothing more
+                w = None
                 try:
+                    request = parsed_or_abort(raw, context)
+                    w = guard.watchdog.watch(context, rpc, idle=False) if guarded else None
                     return inner(request, context)
                 finally:
-                    guard.watchdog.unwatch(w)
-                    guard.limiter.release(client)
+                    done(w, client)
 
-            return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,
-                                                       handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
         if handler.unary_stream:
             inner = handler.unary_stream
 
-            def unary_stream(request, context):
-                _, client = guard._admit(context, rpc)
-                w = guard.watchdog.watch(context, rpc, idle=False)
+            def unary_stream(raw, context):
+                client = admit(context)  # credentials first: an unauthenticated caller learns nothing more
+                w = None
                 try:
+                    request = parsed_or_abort(raw, context)
+                    w = guard.watchdog.watch(context, rpc, idle=False) if guarded else None
                     yield from inner(request, context)
                 finally:
-                    guard.watchdog.unwatch(w)
-                    guard.limiter.release(client)
+                    done(w, client)
 
-            return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
-                                                        handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(unary_stream, None, handler.response_serializer)
         if handler.stream_unary:
             inner = handler.stream_unary
 
-            def stream_unary(request_iterator, context):
-                _, client = guard._admit(context, rpc)
-                w = guard.watchdog.watch(context, rpc, idle=True)
+            def stream_unary(raw_iterator, context):
+                client = admit(context)
+                w = guard.watchdog.watch(context, rpc, idle=True) if guarded else None
+                requests = parsed_stream(raw_iterator if w is None else _WatchedRequests(raw_iterator, w))
                 try:
-                    return inner(_WatchedRequests(request_iterator, w), context)
+                    return inner(requests, context)
+                except CallRejected as exc:  # raised inside a handler that does not map it itself
+                    guard._refuse(context, rpc, exc.code, exc.message)
                 finally:
-                    guard.watchdog.unwatch(w)
-                    guard.limiter.release(client)
+                    done(w, client)
 
-            return grpc.stream_unary_rpc_method_handler(stream_unary, handler.request_deserializer,
-                                                        handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(stream_unary, None, handler.response_serializer)
         inner = handler.stream_stream
 
-        def stream_stream(request_iterator, context):
-            _, client = guard._admit(context, rpc)
-            w = guard.watchdog.watch(context, rpc, idle=True)
+        def stream_stream(raw_iterator, context):
+            client = admit(context)
+            w = guard.watchdog.watch(context, rpc, idle=True) if guarded else None
+            requests = parsed_stream(raw_iterator if w is None else _WatchedRequests(raw_iterator, w))
             try:
-                yield from inner(_WatchedRequests(request_iterator, w), context)
+                yield from inner(requests, context)
+            except CallRejected as exc:
+                guard._refuse(context, rpc, exc.code, exc.message)
             finally:
-                guard.watchdog.unwatch(w)
-                guard.limiter.release(client)
+                done(w, client)
 
-        return grpc.stream_stream_rpc_method_handler(stream_stream, handler.request_deserializer,
-                                                     handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(stream_stream, None, handler.response_serializer)

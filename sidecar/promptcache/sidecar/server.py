@@ -259,7 +259,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                           "only whole chunks are stored")
         keys = self._keys(fp, header.tokens)
         expected_shape = list(chunk_shape(spec, self.chunk_tokens))
-        expected_nbytes = chunk_nbytes(spec, self.chunk_tokens)
+        try:
+            expected_nbytes = chunk_nbytes(spec, self.chunk_tokens)
+        except ValueError as exc:  # e.g. k8v4 with an odd head_dim (found by promptcache.fuzz)
+            raise invalid(f"model: {exc}") from None
         expected_dtype = NAME_TO_DTYPE[spec.kv_dtype]
         stored = skipped = rejected = stored_bytes = 0
         seen: set[int] = set()

@@ -1,0 +1,481 @@
+"""Fuzz the sidecar's gRPC surface: `python -m promptcache.fuzz --requests 100000`.
+
+Starts a real sidecar subprocess on loopback (or fuzzes --target) and sends it generated and mutated requests
+through generic channel calls, so that any bytes at all reach the server:
+
+* structured: valid Lookup/Get/Put/Delete/Purge/Stats/Resize requests with fields mutated towards their edges
+  (empty and oversized strings, unknown enum values, zero and huge dimensions, token lists of every length,
+  Put streams with frames missing, repeated, reordered, cut short or oversized, shared-memory buffer names with
+  path traversal, huge offsets);
+* raw: serialized valid requests with their bytes flipped, inserted, deleted, truncated or spliced, and random
+  bytes, sent to every method, including unknown ones;
+* credentials: with auth on (the default), valid tokens of two tenants, wrong, empty and malformed ones.
+
+Every answer is classified by status code. A crash is the sidecar process dying (it is restarted and the run
+goes on); a hang is a call that reaches its deadline; a bad status is UNKNOWN or INTERNAL (an unhandled error
+or a request the server could not even parse answered without a proper status). Every 500 requests a valid
+Put/Get round trip checks that the sidecar still serves correct bytes. Exit status 0 only when crashes, hangs
+and bad statuses are all 0.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+BAD_CODES = ("UNKNOWN", "INTERNAL")
+CHUNK = 16
+SERVICE = "/promptcache.v1.KVCache/"
+METHODS = {  # name -> (arity, request message name)
+    "Lookup": ("uu", "LookupRequest"), "Put": ("su", "PutRequest"), "Get": ("us", "GetRequest"),
+    "Delete": ("uu", "DeleteRequest"), "Purge": ("uu", "PurgeRequest"), "Stats": ("uu", "StatsRequest"),
+    "Resize": ("uu", "ResizeRequest"),
+}
+TOKENS = {"fuzz-a": "token-a-0123456789", "fuzz-b": "token-b-0123456789"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SidecarUnderTest:
+    """`promptcache serve` as a subprocess, restartable."""
+
+    def __init__(self, auth: bool, memory: str = "32Mi", extra: list[str] | None = None):
+        self.dir = Path(tempfile.mkdtemp(prefix="promptcache-fuzz-"))
+        self.shm = self.dir / "shm"
+        self.shm.mkdir()
+        self.auth = auth
+        self.memory = memory
+        self.extra = extra or []
+        if auth:
+            tokens = self.dir / "tokens"
+            tokens.mkdir()
+            for tenant, token in TOKENS.items():
+                (tokens / tenant).write_text(token + "\n")
+            self.extra += ["--token-file", str(tokens), "--sharing-groups", "public=*;pair=fuzz-a",
+                           "--tenant-quota-bytes", "8Mi", "--admin-tenants", "fuzz-a"]
+        self.proc = None
+        self.log = open(self.dir / "sidecar.log", "ab")
+        self.start()
+
+    def start(self) -> None:
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", self.address,
+               "--metrics-port", "0", "--chunk-tokens", str(CHUNK), "--memory-bytes", self.memory,
+               "--shm-dir", str(self.shm), "--stream-idle-seconds", "5", "--max-call-seconds", "30",
+               "--log-level", "error", *self.extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"sidecar exited {self.proc.returncode}; log: {self.dir / 'sidecar.log'}")
+                try:
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                    return
+                except grpc.RpcError:
+                    time.sleep(0.1)
+        raise TimeoutError("sidecar did not become healthy")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class Generator:
+    """Seeded request generator: structured mutations of valid requests, and raw byte mutations."""
+
+    def __init__(self, rng: random.Random, shm_dir: str | None):
+        from promptcache.keys import ModelSpec
+        from promptcache.layout import chunk_nbytes, chunk_shape
+        from promptcache.v1 import kvcache_pb2 as pb
+        from promptcache.wire import model_to_proto
+
+        self.pb = pb
+        self.rng = rng
+        self.shm_dir = shm_dir
+        self.spec = ModelSpec("fuzz/model", "r1", "float32", num_layers=2, num_kv_heads=2, head_dim=8)
+        self.model = model_to_proto(self.spec)
+        self.nbytes = chunk_nbytes(self.spec, CHUNK)
+        self.shape = list(chunk_shape(self.spec, CHUNK))
+        self.prefixes = [[p * 1000 + i for i in range(4 * CHUNK)] for p in range(8)]  # a small hot set
+
+    # --- field mutators ---------------------------------------------------------------------------------
+    def _string(self, valid: str) -> str:
+        r = self.rng.random()
+        if r < 0.6:
+            return valid
+        return self.rng.choice(["", "x" * self.rng.choice([511, 512, 513, 5000]), "é\u0000\U0001F600",
+                                valid + "\n", "../../etc/passwd", "none", "k8v8", "k8v4", "bogus"])
+
+    def _uint(self, valid: int, bits: int = 32) -> int:
+        if self.rng.random() < 0.7:
+            return valid
+        return self.rng.choice([0, 1, 2, 3, 7, 16, 65535, 65536, 65537, 2**31 - 1, 2**bits - 1,
+                                self.rng.randrange(2**bits)])
+
+    def model_msg(self):
+        pb, m = self.pb, self.pb.Model()
+        m.CopyFrom(self.model)
+        if self.rng.random() < 0.5:
+            return m
+        m.model_id = self._string(m.model_id)
+        m.revision = self._string(m.revision)
+        m.quantization = self._string(m.quantization)
+        if self.rng.random() < 0.2:
+            m.kv_dtype = self.rng.choice([0, 1, 2, 3, 4, 99, 2**31 - 1, -1])
+        m.num_layers = self._uint(m.num_layers)
+        m.num_kv_heads = self._uint(m.num_kv_heads)
+        m.head_dim = self._uint(m.head_dim)
+        r = self.rng.random()
+        if r < 0.15:
+            m.tenant_salt = self.rng.choice([b"share:public", b"share:pair", b"share:", b"share:nope"])
+        elif r < 0.3:
+            m.tenant_salt = self.rng.randbytes(self.rng.choice([0, 1, 32, 64, 65, 200]))
+        return m
+
+    def tokens(self) -> list[int]:
+        r = self.rng.random()
+        if r < 0.5:
+            return list(self.rng.choice(self.prefixes))[: CHUNK * self.rng.randint(1, 4)]
+        if r < 0.6:
+            return []
+        if r < 0.65:
+            return [self.rng.randrange(2**32) for _ in range(self.rng.randint(1, 64))]
+        if r < 0.652:
+            return [1] * self.rng.choice([CHUNK * 4096, (1 << 22) + 1])  # far past limits (message size)
+        return [self.rng.randrange(50_000) for _ in range(self.rng.randint(1, 8 * CHUNK))]
+
+    def _shared_name(self) -> str:
+        return self.rng.choice(["", "", "", "missing.buf", "../escape", "a/b", ".", "..", "x" * 300,
+                                "ok-name_1.buf", "\u00e9", "/abs"])
+
+    # --- structured requests ----------------------------------------------------------------------------
+    def structured(self):
+        pb = self.pb
+        method = self.rng.choices(list(METHODS), weights=[3, 4, 3, 1, 1, 1, 1])[0]
+        if method == "Lookup":
+            req = pb.LookupRequest(model=self.model_msg(), tokens=self.tokens())
+            if self.rng.random() < 0.05:
+                req.ClearField("model")
+            return method, req.SerializeToString()
+        if method == "Get":
+            req = pb.GetRequest(model=self.model_msg(), tokens=self.tokens(),
+                                start_chunk=self._uint(0), max_chunks=self._uint(0))
+            if self.rng.random() < 0.15:
+                req.shared_buffer.name = self._shared_name()
+                req.shared_buffer.length = self.rng.choice([0, 1, self.nbytes, 2**40, 2**64 - 1])
+            return method, req.SerializeToString()
+        if method == "Delete":
+            return method, pb.DeleteRequest(model=self.model_msg(), tokens=self.tokens(),
+                                            start_chunk=self._uint(0)).SerializeToString()
+        if method == "Purge":
+            return method, pb.PurgeRequest(model=self.model_msg()).SerializeToString()
+        if method == "Stats":
+            return method, pb.StatsRequest().SerializeToString()
+        if method == "Resize":
+            # Mostly refused values; valid ones stay near the configured budget so the run keeps its cache.
+            value = self.rng.choice([0, -1, -(2**63), 1, 2**63 - 1, 32 << 20, 24 << 20, 40 << 20])
+            return method, pb.ResizeRequest(memory_bytes=value).SerializeToString()
+        return method, [f.SerializeToString() for f in self.put_frames()]
+
+    def put_frames(self):
+        pb, rng = self.pb, self.rng
+        tokens = self.tokens()
+        header = pb.PutHeader(model=self.model_msg(), tokens=tokens)
+        if rng.random() < 0.1:
+            header.shared_buffer = self._shared_name()
+        frames = [] if rng.random() < 0.03 else [pb.PutRequest(header=header)]
+        n = max(1, len(tokens) // CHUNK)
+        for i in range(rng.randint(0, min(n, 4))):
+            begin = pb.ChunkBegin(index=i, nbytes=self.nbytes, shape=self.shape, dtype=pb.DTYPE_FLOAT32)
+            r = rng.random()
+            if r < 0.05:
+                begin.index = rng.choice([i + 1, n, 2**32 - 1, 0])
+            elif r < 0.1:
+                begin.nbytes = rng.choice([0, 1, self.nbytes - 1, self.nbytes + 1, 2**40, 2**64 - 1])
+            elif r < 0.15:
+                begin.shape[rng.randrange(len(self.shape))] = rng.choice([0, 1, 17, 2**32 - 1])
+            elif r < 0.18:
+                del begin.shape[:]
+            elif r < 0.22:
+                begin.dtype = rng.choice([0, 2, 3, 77])
+            elif r < 0.26:
+                begin.xxh3_64 = rng.randrange(2**64)
+            elif r < 0.3:
+                begin.buffer_offset = rng.choice([1, 2**63, 2**64 - 1])
+            frames.append(pb.PutRequest(chunk=begin))
+            data = rng.randbytes(self.nbytes) if rng.random() < 0.5 else bytes(self.nbytes)
+            r = rng.random()
+            if r < 0.05:
+                data = data[: rng.randrange(self.nbytes)]
+            elif r < 0.1:
+                data += b"\x00" * rng.randint(1, 100)
+            cut = sorted(rng.sample(range(1, max(2, len(data))), k=min(rng.randint(0, 3), max(0, len(data) - 1))))
+            pieces = [data[a:b] for a, b in zip([0] + cut, cut + [len(data)])]
+            frames.extend(pb.PutRequest(data=p) for p in pieces)
+        r = rng.random()
+        if r < 0.05 and frames:
+            frames.insert(rng.randrange(len(frames) + 1), pb.PutRequest(header=header))
+        elif r < 0.1:
+            frames.insert(rng.randrange(len(frames) + 1), pb.PutRequest())
+        elif r < 0.15 and len(frames) > 1:
+            rng.shuffle(frames)
+        elif r < 0.2 and len(frames) > 1:
+            del frames[rng.randrange(len(frames))]
+        return frames
+
+    # --- raw bytes --------------------------------------------------------------------------------------
+    def mutate(self, data: bytes) -> bytes:
+        b = bytearray(data)
+        for _ in range(self.rng.randint(1, 8)):
+            op = self.rng.randrange(6)
+            if op == 0 and b:
+                i = self.rng.randrange(len(b))
+                b[i] ^= 1 << self.rng.randrange(8)
+            elif op == 1:
+                i = self.rng.randrange(len(b) + 1)
+                b[i:i] = self.rng.randbytes(self.rng.randint(1, 16))
+            elif op == 2 and b:
+                i = self.rng.randrange(len(b))
+                del b[i:i + self.rng.randint(1, 16)]
+            elif op == 3 and b:
+                del b[self.rng.randrange(len(b)):]
+            elif op == 4 and b:
+                i = self.rng.randrange(len(b))
+                b[i] = self.rng.choice([0x00, 0xFF, 0x7F, 0x80, 0x0A, 0x12, 0x1A, 0x22])
+            elif op == 5 and b:
+                i, j = sorted(self.rng.randrange(len(b) + 1) for _ in range(2))
+                b[i:i] = b[i:j]  # splice a copy of a piece of itself
+        return bytes(b)
+
+    def raw(self):
+        method, payload = self.structured()
+        if self.rng.random() < 0.1:
+            method = self.rng.choice(list(METHODS) + ["NoSuchMethod"])
+        if isinstance(payload, list):
+            frames = [self.mutate(p) if self.rng.random() < 0.3 else p for p in payload]
+            if self.rng.random() < 0.2:
+                frames.append(self.rng.randbytes(self.rng.randint(0, 64)))
+            payload = frames
+        else:
+            payload = self.mutate(payload) if self.rng.random() < 0.9 else self.rng.randbytes(
+                self.rng.randint(0, 256))
+        return method, payload
+
+
+def _metadata(rng: random.Random, auth: bool):
+    if not auth:
+        return None if rng.random() < 0.95 else [("authorization", "Bearer whatever")]
+    r = rng.random()
+    if r < 0.45:
+        return [("authorization", f"Bearer {TOKENS['fuzz-a']}")]
+    if r < 0.85:
+        return [("authorization", f"Bearer {TOKENS['fuzz-b']}")]
+    return rng.choice([None, [("authorization", "Bearer nope")], [("authorization", "Bearer ")],
+                       [("authorization", "Basic Zm9v")], [("authorization", TOKENS["fuzz-a"])]])
+
+
+def _call(channel, method: str, payload, metadata, timeout: float):
+    """Send raw bytes through a generic call; return the status code name."""
+    import grpc
+
+    path = SERVICE + method
+    arity = METHODS.get(method, ("uu", None))[0]
+    try:
+        if arity == "uu":
+            channel.unary_unary(path)(payload if isinstance(payload, bytes) else b"".join(payload),
+                                      timeout=timeout, metadata=metadata)
+        elif arity == "us":
+            for _ in channel.unary_stream(path)(payload if isinstance(payload, bytes) else b"".join(payload),
+                                                timeout=timeout, metadata=metadata):
+                pass
+        else:
+            frames = payload if isinstance(payload, list) else [payload]
+            channel.stream_unary(path)(iter(frames), timeout=timeout, metadata=metadata)
+        return "OK", ""
+    except grpc.RpcError as exc:
+        return exc.code().name, exc.details() or ""
+
+
+def _round_trip(address: str, auth: bool, rng: random.Random) -> str | None:
+    """A valid Put then Get through the real client; None if the bytes came back identical."""
+    import torch
+
+    from promptcache.client import PromptCacheClient, errors
+    from promptcache.keys import ModelSpec
+
+    spec = ModelSpec("fuzz/check", "r1", "float32", num_layers=2, num_kv_heads=2, head_dim=8)
+    tokens = [rng.randrange(50_000) for _ in range(2 * CHUNK)]
+    kv = [(torch.randn(1, 2, 2 * CHUNK, 8), torch.randn(1, 2, 2 * CHUNK, 8)) for _ in range(2)]
+    kwargs = {"token": TOKENS["fuzz-a"]} if auth else {}
+    problem = None
+    with PromptCacheClient(address, timeout=10, chunk_tokens=CHUNK, **kwargs) as c:
+        # Other fuzzing threads may Resize the budget down or evict in between: retry a few times; bytes
+        # that come back different are a failure at once.
+        for _ in range(10):
+            try:
+                c.resize(32 << 20)
+                c.put(spec, tokens, kv)
+                cached, got = c.get(spec, tokens)
+            except errors.ResourceExhausted as exc:
+                problem = f"round trip: {exc}"
+                continue
+            for (k, v), (gk, gv) in zip(kv, got):
+                if not (torch.equal(k[:, :, :cached], gk) and torch.equal(v[:, :, :cached], gv)):
+                    return "round trip: bytes differ"
+            if cached == 2 * CHUNK:
+                return None
+            problem = f"round trip: {cached} of {2 * CHUNK} tokens came back"
+    return problem
+
+
+def fuzz(requests: int, seed: int = 0, workers: int = 4, auth: bool = True, timeout: float = 10.0,
+         target: str | None = None, token: str | None = None, max_seconds: float = 0,
+         progress: bool = True) -> dict:
+    import grpc
+
+    sidecar = None if target else SidecarUnderTest(auth)
+    address = target or sidecar.address
+    lock = threading.Lock()
+    stats = {"requests": 0, "crashes": 0, "hangs": 0, "bad_statuses": 0, "round_trip_failures": 0,
+             "codes": collections.Counter(), "examples": []}
+    counter = iter(range(requests))
+    stop = threading.Event()
+    started = time.monotonic()
+
+    def record(code: str, details: str, method: str, payload) -> None:
+        with lock:
+            stats["requests"] += 1
+            stats["codes"][code] += 1
+            if code in BAD_CODES or code == "DEADLINE_EXCEEDED":
+                stats["hangs" if code == "DEADLINE_EXCEEDED" else "bad_statuses"] += 1
+                if len(stats["examples"]) < 20:
+                    raw = payload if isinstance(payload, bytes) else b"|".join(payload)
+                    stats["examples"].append({"method": method, "code": code, "details": details[:300],
+                                              "payload_hex": raw[:512].hex()})
+
+    def check_alive(rng) -> None:
+        if sidecar is None:
+            return
+        with lock:
+            if not sidecar.alive():
+                stats["crashes"] += 1
+                stats["examples"].append({"crash": f"exit {sidecar.proc.returncode}",
+                                          "log": str(sidecar.dir / "sidecar.log")})
+                sidecar.start()
+
+    def worker(wid: int) -> None:
+        rng = random.Random(seed * 1000 + wid)
+        gen = Generator(rng, str(sidecar.shm) if sidecar else None)
+        channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        current = address
+        try:
+            for i in counter:
+                if stop.is_set():
+                    break
+                if max_seconds and time.monotonic() - started > max_seconds:
+                    stop.set()
+                    break
+                if sidecar is not None and sidecar.address != current:
+                    channel.close()
+                    current = sidecar.address
+                    channel = grpc.insecure_channel(current, options=[("grpc.use_local_subchannel_pool", 1)])
+                method, payload = gen.raw() if rng.random() < 0.4 else gen.structured()
+                md = ([("authorization", f"Bearer {token}")] if token else _metadata(rng, auth and target is None))
+                code, details = _call(channel, method, payload, md, timeout)
+                if code == "UNAVAILABLE":
+                    check_alive(rng)
+                record(code, details, method, payload)
+                if i % 500 == 499:
+                    check_alive(rng)
+                    try:
+                        problem = _round_trip(sidecar.address if sidecar else address,
+                                              auth and target is None, rng) if not token else None
+                    except Exception as exc:  # noqa: BLE001
+                        problem = f"round trip raised {type(exc).__name__}: {exc}"
+                    if problem:
+                        with lock:
+                            stats["round_trip_failures"] += 1
+                            stats["examples"].append({"round_trip": problem})
+                    if progress and wid == 0:
+                        print(f"  {stats['requests']} requests, {dict(stats['codes'])}", file=sys.stderr,
+                              flush=True)
+        finally:
+            channel.close()
+
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    check_alive(random.Random(0))
+    elapsed = time.monotonic() - started
+    if sidecar is not None:
+        alive = sidecar.alive()
+        sidecar.stop()
+        if not alive:
+            stats["crashes"] += 1
+    stats["codes"] = dict(stats["codes"].most_common())
+    stats.update(seconds=round(elapsed, 1), requests_per_second=round(stats["requests"] / max(elapsed, 1e-9)),
+                 seed=seed, auth=auth, workers=workers)
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m promptcache.fuzz", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=100_000, help="requests to send (default 100000)")
+    p.add_argument("--seed", type=int, default=int(os.environ.get("PROMPTCACHE_FUZZ_SEED", "0")))
+    p.add_argument("--workers", type=int, default=4, help="concurrent fuzzing threads")
+    p.add_argument("--timeout", type=float, default=10.0, help="deadline of each call; reaching it is a hang")
+    p.add_argument("--no-auth", action="store_true", help="fuzz a sidecar without authentication")
+    p.add_argument("--target", help="fuzz this running sidecar instead of starting one")
+    p.add_argument("--token", help="bearer token for --target")
+    p.add_argument("--max-seconds", type=float, default=0, help="stop early after this long (0: no limit)")
+    p.add_argument("--json", metavar="FILE", help="also write the report here")
+    args = p.parse_args(argv)
+    report = fuzz(args.requests, args.seed, args.workers, not args.no_auth, args.timeout, args.target, args.token,
+                  args.max_seconds)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    ok = not (report["crashes"] or report["hangs"] or report["bad_statuses"] or report["round_trip_failures"])
+    print(f"fuzz: {report['requests']} requests in {report['seconds']} s, crashes {report['crashes']}, hangs "
+          f"{report['hangs']}, bad statuses {report['bad_statuses']}, round-trip failures "
+          f"{report['round_trip_failures']}: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
