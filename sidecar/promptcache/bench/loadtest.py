@@ -1,0 +1,326 @@
+"""Load test: N concurrent clients, mixed lookup/get/put, for a bounded time; throughput, p50/p99, errors.
+
+`promptcache bench loadtest --clients 64 --duration 120` starts a sidecar subprocess on loopback (or drives
+--target) and runs the clients as threads, spread over --processes worker processes, each client with its
+own connection. Prefixes are drawn from a working set with a Zipf-like popularity, so the cache sees hits,
+misses and evictions. Every chunk a Get returns is checked against the bytes that were put for it (not only
+its checksum): a chunk with the wrong content counts as corrupt. While it runs, the sidecar's RSS and its
+budget accounting (/metrics: promptcache_committed_bytes against promptcache_budget_bytes) are sampled.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+OPS = ("lookup", "get", "put")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds to run (default 60)")
+    p.add_argument("--processes", type=int, default=0,
+                   help="client processes the clients are spread over (0: one per 16 clients, at most CPUs)")
+    p.add_argument("--mix", default="lookup=4,get=4,put=2", help="relative weights of the operations")
+    p.add_argument("--prefixes", type=int, default=512, help="distinct prefixes in the working set")
+    p.add_argument("--chunks", type=int, default=4, help="chunks per prefix")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="float16", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--memory-bytes", default="256Mi", help="budget of the sidecar started by the test")
+    p.add_argument("--workers", type=int, default=32, help="gRPC workers of the sidecar started by the test")
+    p.add_argument("--timeout", type=float, default=10.0, help="deadline of each call")
+    p.add_argument("--target", help="drive this running sidecar instead of starting one")
+    p.add_argument("--metrics-url", help="with --target: its /metrics URL, for the budget samples")
+    p.add_argument("--token", help="bearer token for --target")
+    p.add_argument("--tls-ca", help="CA file for a --target that serves TLS")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON here")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mix(text: str) -> dict[str, float]:
+    weights = {}
+    for part in text.split(","):
+        op, _, w = part.partition("=")
+        if op.strip() not in OPS:
+            raise ValueError(f"--mix: unknown operation {op!r} (lookup, get, put)")
+        weights[op.strip()] = float(w or 1)
+    return weights
+
+
+def _spec(cfg):
+    from promptcache.keys import ModelSpec
+
+    return ModelSpec("loadtest/model", "r1", cfg["dtype"], cfg["layers"], cfg["kv_heads"], cfg["head_dim"])
+
+
+def _tokens(prefix: int, cfg) -> list[int]:
+    n = cfg["chunks"] * cfg["chunk_tokens"]
+    return [(prefix * 7919 + i) % 50_000 for i in range(n)] if prefix else list(range(n))
+
+
+def _blob(prefix: int, index: int, nbytes: int, blobs: list[bytes]) -> bytes:
+    """The bytes of chunk `index` of `prefix`: a shared random block with (prefix, index) stamped in front."""
+    base = blobs[(prefix * 31 + index) % len(blobs)]
+    return (prefix.to_bytes(8, "little") + index.to_bytes(8, "little") + base[16:])[:nbytes]
+
+
+def _client_worker(cfg, client_id: int, deadline: float, out: dict, lock: threading.Lock, blobs) -> None:
+    import grpc
+
+    from promptcache.client import PromptCacheClient, errors
+    from promptcache.layout import chunk_nbytes
+    from promptcache.sidecar.auth import client_channel
+
+    rng = random.Random(cfg["seed"] * 100_003 + client_id)
+    spec = _spec(cfg)
+    nbytes = chunk_nbytes(spec, cfg["chunk_tokens"])
+    ops, weights = zip(*cfg["mix"].items())
+    channel = client_channel(cfg["target"], root_certificates=cfg.get("tls_ca"), token=cfg.get("token"),
+                             options=[("grpc.use_local_subchannel_pool", 1)])
+    lat = {op: [] for op in OPS}
+    errs: dict[str, int] = {}
+    hits = gets = corrupt = 0
+    with PromptCacheClient(cfg["target"], channel=channel, timeout=cfg["timeout"], retries=1,
+                           chunk_tokens=cfg["chunk_tokens"]) as client:
+        while time.monotonic() < deadline:
+            # Zipf-like popularity over the working set.
+            prefix = min(int(rng.paretovariate(1.1)) - 1, cfg["prefixes"] - 1)
+            tokens = _tokens(prefix, cfg)
+            op = rng.choices(ops, weights)[0]
+            t0 = time.perf_counter()
+            try:
+                if op == "lookup":
+                    client.lookup(spec, tokens)
+                elif op == "get":
+                    got = client.get_blobs(spec, tokens)
+                    gets += 1
+                    hits += bool(got)
+                    for i, blob in enumerate(got):
+                        if blob.numpy().tobytes() != _blob(prefix, i, nbytes, blobs):
+                            corrupt += 1
+                else:
+                    client.put_blobs(spec, tokens, {i: _blob(prefix, i, nbytes, blobs)
+                                                    for i in range(cfg["chunks"])})
+            except errors.PromptCacheError as exc:
+                name = exc.code.name if isinstance(exc.code, grpc.StatusCode) else type(exc).__name__
+                errs[name] = errs.get(name, 0) + 1
+            lat[op].append(time.perf_counter() - t0)
+    with lock:
+        for op in OPS:
+            out["latencies"][op].extend(lat[op])
+        for k, v in errs.items():
+            out["errors"][k] = out["errors"].get(k, 0) + v
+        out["gets"] += gets
+        out["hits"] += hits
+        out["corrupt"] += corrupt
+
+
+def _process_main(cfg, client_ids, deadline_wall, queue) -> None:
+    """One client process: its share of the clients as threads; results to the queue."""
+    rng = random.Random(cfg["seed"])
+    from promptcache.keys import ModelSpec  # noqa: F401 - import before the clock starts
+    from promptcache.layout import chunk_nbytes
+
+    nbytes = chunk_nbytes(_spec(cfg), cfg["chunk_tokens"])
+    blobs = [rng.randbytes(nbytes) for _ in range(8)]
+    out = {"latencies": {op: [] for op in OPS}, "errors": {}, "gets": 0, "hits": 0, "corrupt": 0}
+    lock = threading.Lock()
+    deadline = time.monotonic() + max(0.0, deadline_wall - time.time())
+    threads = [threading.Thread(target=_client_worker, args=(cfg, cid, deadline, out, lock, blobs), daemon=True)
+               for cid in client_ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    queue.put(out)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class _Sampler(threading.Thread):
+    """Samples the sidecar's RSS (psutil) and its budget accounting from /metrics."""
+
+    def __init__(self, pid: int | None, metrics_url: str | None, interval: float = 0.2):
+        super().__init__(daemon=True)
+        self.pid, self.url, self.interval = pid, metrics_url, interval
+        self.stop_event = threading.Event()
+        self.peak_rss = 0
+        self.baseline_rss = 0
+        self.peak_committed = 0
+        self.budget = 0
+        self.over_budget_samples = 0
+        self.samples = 0
+
+    def run(self) -> None:
+        proc = None
+        if self.pid:
+            import psutil
+
+            proc = psutil.Process(self.pid)
+        while not self.stop_event.is_set():
+            try:
+                if proc is not None:
+                    rss = proc.memory_info().rss
+                    self.baseline_rss = self.baseline_rss or rss
+                    self.peak_rss = max(self.peak_rss, rss)
+                if self.url:
+                    committed, budget = _scrape(self.url)
+                    self.samples += 1
+                    self.peak_committed = max(self.peak_committed, committed)
+                    self.budget = budget
+                    if committed > budget:
+                        self.over_budget_samples += 1
+            except Exception:  # noqa: BLE001 - a sample missed while the sidecar is busy is not fatal
+                pass
+            self.stop_event.wait(self.interval)
+
+
+def _scrape(url: str) -> tuple[int, int]:
+    text = urllib.request.urlopen(url, timeout=2).read().decode()
+    values = {}
+    for line in text.splitlines():
+        for name in ("promptcache_committed_bytes", "promptcache_budget_bytes"):
+            if line.startswith(name + "{") and 'tier="device"' in line:
+                values[name] = int(float(line.rsplit(" ", 1)[1]))
+    return values["promptcache_committed_bytes"], values["promptcache_budget_bytes"]
+
+
+def _start_sidecar(args) -> tuple[subprocess.Popen, str, str]:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    port, mport = _free_port(), _free_port()
+    address = f"127.0.0.1:{port}"
+    log = open(Path(tempfile.mkdtemp(prefix="promptcache-load-")) / "sidecar.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", address,
+                             "--metrics-port", str(mport), "--chunk-tokens", str(args.chunk_tokens),
+                             "--memory-bytes", str(args.memory_bytes), "--workers", str(args.workers),
+                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    with grpc.insecure_channel(address) as ch:
+        while True:
+            try:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                break
+            except grpc.RpcError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"sidecar did not start; see {log.name}") from None
+                time.sleep(0.1)
+    return proc, address, f"http://127.0.0.1:{mport}/metrics"
+
+
+def load(args) -> dict:
+    import multiprocessing as mp
+
+    cfg = {k: getattr(args, k) for k in ("chunks", "chunk_tokens", "layers", "kv_heads", "head_dim", "dtype",
+                                         "prefixes", "timeout", "seed", "token", "tls_ca")}
+    cfg["dtype"] = args.dtype
+    cfg["mix"] = _mix(args.mix)
+    proc = None
+    if args.target:
+        cfg["target"], metrics_url = args.target, args.metrics_url
+    else:
+        proc, cfg["target"], metrics_url = _start_sidecar(args)
+    sampler = _Sampler(proc.pid if proc else None, metrics_url)
+    sampler.start()
+    try:
+        n_proc = args.processes or max(1, min(os.cpu_count() or 1, -(-args.clients // 16)))
+        n_proc = min(n_proc, args.clients)
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        start_wall = time.time() + 3.0 + n_proc  # let every process import before the clock starts
+        deadline_wall = start_wall + args.duration
+        groups = [list(range(args.clients))[i::n_proc] for i in range(n_proc)]
+        workers = [ctx.Process(target=_process_main, args=(cfg, g, deadline_wall, queue)) for g in groups]
+        for w in workers:
+            w.start()
+        results = [queue.get(timeout=args.duration + 300) for _ in workers]
+        for w in workers:
+            w.join(30)
+        elapsed = time.time() - start_wall
+    finally:
+        sampler.stop_event.set()
+        sampler.join(5)
+        alive = proc.poll() is None if proc else True
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    lat = {op: [x for r in results for x in r["latencies"][op]] for op in OPS}
+    every = [x for op in OPS for x in lat[op]]
+    errors_total: dict[str, int] = {}
+    for r in results:
+        for k, v in r["errors"].items():
+            errors_total[k] = errors_total.get(k, 0) + v
+    gets = sum(r["gets"] for r in results)
+    report = {
+        "clients": args.clients, "processes": n_proc, "seconds": round(elapsed, 1),
+        "requests": len(every), "throughput_rps": round(len(every) / max(elapsed, 1e-9), 1),
+        "p50_ms": round(_percentile(every, 0.5) * 1e3, 2), "p99_ms": round(_percentile(every, 0.99) * 1e3, 2),
+        "by_op": {op: {"requests": len(lat[op]), "p50_ms": round(_percentile(lat[op], 0.5) * 1e3, 2),
+                       "p99_ms": round(_percentile(lat[op], 0.99) * 1e3, 2)} for op in OPS},
+        "errors": sum(errors_total.values()), "errors_by_code": errors_total,
+        "get_hit_ratio": round(sum(r["hits"] for r in results) / gets, 3) if gets else None,
+        "corrupt_chunks": sum(r["corrupt"] for r in results),
+        "sidecar_alive": alive,
+        "baseline_rss_bytes": sampler.baseline_rss or None,
+        "peak_rss_bytes": sampler.peak_rss or None, "budget_bytes": sampler.budget or None,
+        "peak_committed_bytes": sampler.peak_committed or None, "budget_samples": sampler.samples,
+        "over_budget_samples": sampler.over_budget_samples,
+    }
+    return report
+
+
+def run(args) -> int:
+    report = load(args)
+    print(json.dumps(report, indent=2))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    mib = 1 << 20
+    print(f"loadtest: {report['clients']} clients, {report['seconds']} s, {report['requests']} requests, "
+          f"{report['throughput_rps']} req/s, p50 {report['p50_ms']} ms, p99 {report['p99_ms']} ms, "
+          f"errors {report['errors']}, corrupt chunks {report['corrupt_chunks']}"
+          + (f", RSS {report['baseline_rss_bytes'] / mib:.0f} MiB at start, peak {report['peak_rss_bytes'] / mib:.0f} MiB"
+             f", peak committed "
+             f"{report['peak_committed_bytes'] / mib:.1f} of {report['budget_bytes'] / mib:.0f} MiB budget"
+             if report["peak_rss_bytes"] and report["budget_bytes"] else ""))
+    ok = report["errors"] == 0 and report["corrupt_chunks"] == 0 and report["over_budget_samples"] == 0 \
+        and report["sidecar_alive"]
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m promptcache.bench.loadtest", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
