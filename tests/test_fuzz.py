@@ -54,7 +54,7 @@ METHODS = sorted(fuzz.METHODS)
 def raw_channel():
     import dataclasses
 
-    from conftest import CHUNK
+    from support import CHUNK
     from promptcache.sidecar.config import Settings
     from promptcache.sidecar.server import Sidecar
 
