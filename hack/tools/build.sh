@@ -62,7 +62,12 @@ for n in "${names[@]}"; do
     ldflags="$ldflags -X $x.gitVersion=$v -X $x.gitMajor=1 -X $x.gitMinor=$(echo "$v" | cut -d. -f2) -X $x.gitTreeState=clean"
   fi
   if [ "$n" = helm ]; then
+    # As helm's Makefile does: the default Kubernetes version of `helm template`/`lint` follows client-go.
+    kminor="$(awk '$1 == "k8s.io/client-go" && $2 ~ /^v0\./ {split($2, a, "."); print a[2]; exit}' "$here/go.mod")"
     ldflags="$ldflags -X helm.sh/helm/v3/internal/version.version=$v"
+    for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+      ldflags="$ldflags -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$kminor"
+    done
   fi
   (cd "$here" && CGO_ENABLED=0 nice -n 10 go build -trimpath -ldflags "$ldflags" -o "$tmp" "${pkg[$n]}")
   mv -f "$tmp" "$out"

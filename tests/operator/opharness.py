@@ -240,7 +240,12 @@ def namespace(kube, request):
     name = "".join(c for c in name if c.isalnum() or c == "-").strip("-")[:63]
     kube.request("POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace",
                                                      "metadata": {"name": name}})
-    return name
+    yield name
+    # Keep later tests' operators (which watch all namespaces) from resuming this test's PromptCaches.
+    try:
+        kube.request("DELETE", f"/apis/promptcache.io/v1alpha1/namespaces/{name}/promptcaches")
+    except Exception:  # noqa: BLE001 - the CRD may not be installed in this session
+        pass
 
 
 class OperatorProcess:
@@ -268,22 +273,35 @@ class OperatorProcess:
                 self.proc.wait()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)
+
+
 @pytest.fixture
-def start_operator(operator_kubeconfig, tmp_path):
-    """Start `python -m promptcache.operator` subprocesses authenticated as the chart's ServiceAccount."""
+def start_operator(operator_kubeconfig, control_plane, request):
+    """Start `python -m promptcache.operator` subprocesses authenticated as the chart's ServiceAccount.
+    Logs go to <control plane dir>/operator-logs/ (kept with PROMPTCACHE_KEEP_CONTROL_PLANE_DIR=1) and their
+    tails are printed when the test fails."""
     started: list[OperatorProcess] = []
+    logs = control_plane.dir / "operator-logs"
+    logs.mkdir(exist_ok=True)
 
     def start(*args: str, env: dict[str, str] | None = None, name: str = "operator") -> OperatorProcess:
-        op = OperatorProcess(operator_kubeconfig, tmp_path / f"{name}-{len(started)}.log", *args, env=env)
+        op = OperatorProcess(operator_kubeconfig, logs / f"{request.node.name}-{name}-{len(started)}.log", *args,
+                             env=env)
         started.append(op)
         return op
 
     yield start
     for op in started:
         op.kill(signal.SIGTERM)
-    for op in started:
-        if op.proc.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL, None):
-            print(op.output()[-5000:])
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        for op in started:
+            print(f"===== {op.log} (exit {op.proc.returncode}) =====\n{op.output()[-6000:]}")
 
 
 CHART = ROOT / "charts" / "promptcache-operator"

@@ -3,6 +3,7 @@ runs with exactly the chart's RBAC) against the real API server."""
 from __future__ import annotations
 
 import copy
+import re
 import signal
 import time
 from pathlib import Path
@@ -61,7 +62,10 @@ def conditions(pc: dict) -> dict[str, dict]:
 def optional_crd(group: str, kind: str, plural: str) -> dict:
     """A minimal CRD for an optional integration (the operator only needs the resource to exist)."""
     return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "metadata": {"name": f"{plural}.{group}"},
+            "metadata": {"name": f"{plural}.{group}",
+                         # *.k8s.io groups need this (the upstream VPA CRD carries the same annotation)
+                         "annotations": {"api-approved.kubernetes.io":
+                                         "https://github.com/kubernetes/kubernetes/pull/63797"}},
             "spec": {"group": group, "scope": "Namespaced",
                      "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
                      "versions": [{"name": "v1", "served": True, "storage": True,
@@ -137,7 +141,10 @@ def test_spec_change_updates_children(operator, kube, namespace):
     def updated():
         got = children(kube, namespace, "llama-8b")
         cm = got["ConfigMap/llama-8b-config"]["data"]
-        return got if cm["PROMPTCACHE_TTL_SECONDS"] == "60" and cm["PROMPTCACHE_QUANTIZATION"] == "k8v8" else None
+        quota = got["ResourceQuota/llama-8b-quota"]["spec"]["hard"]
+        return got if (cm["PROMPTCACHE_TTL_SECONDS"] == "60" and cm["PROMPTCACHE_QUANTIZATION"] == "k8v8"
+                       and quota["requests.memory"] != before["ResourceQuota/llama-8b-quota"]["spec"]["hard"][
+                           "requests.memory"]) else None
     after = wait_for(updated, timeout=5, what="children updated")
     ds_b = before["DaemonSet/llama-8b"]["spec"]["template"]
     ds_a = after["DaemonSet/llama-8b"]["spec"]["template"]
@@ -267,9 +274,11 @@ def test_operator_created_daemonset_passes_restricted(start_operator, crd, kube,
 
 def test_restart_mid_reconcile_converges(start_operator, crd, kube, namespace):
     # The first operator stops for 60 s after applying 2 of the 5 children; it is killed there.
-    first = start_operator("--standalone", env={**FAST, "PROMPTCACHE_OPERATOR_FAULT_PAUSE": "2:60"}, name="first")
+    first = start_operator("--standalone", name="first",
+                           env={**FAST, "PROMPTCACHE_OPERATOR_FAULT_PAUSE": f"2:60:{namespace}/qwen-32b"})
     pc = apply_pc(kube, namespace, example("full"))
-    wait_for(lambda: "fault injection" in first.output(), timeout=60, what="first operator paused mid-reconcile")
+    wait_for(lambda: f"fault injection: {namespace}/qwen-32b" in first.output(), timeout=60,
+             what="first operator paused mid-reconcile")
     partial = children(kube, namespace, "qwen-32b")
     assert sum(v is not None for v in partial.values()) == 2, {k: v is not None for k, v in partial.items()}
     first.kill(signal.SIGKILL)
@@ -293,28 +302,45 @@ def test_restart_mid_reconcile_converges(start_operator, crd, kube, namespace):
     assert {k: v["metadata"]["resourceVersion"] for k, v in children(kube, namespace, "qwen-32b").items()} == rv
 
 
+def _priority(op) -> int:
+    m = wait_for(lambda: re.search(r"peering promptcache-operator, priority (\d+)", op.output()), timeout=60,
+                 what="operator start")
+    return int(m.group(1))
+
+
 def test_two_replicas_do_not_fight(start_operator, crd, kube, namespace):
-    """Two replicas with kopf peering (as the chart deploys them): one works, the other stands by; when the
-    active one stops, the standby takes over."""
+    """Two replicas with kopf peering (as the chart deploys them): the one with the higher priority works, the
+    other stands by; no resourceVersion churn; when the active one stops, the standby takes over."""
     a = start_operator(env=FAST, name="replica-a")
     b = start_operator(env=FAST, name="replica-b")
-    wait_for(lambda: "Pausing operations in favour of" in a.output() + b.output(), timeout=60,
-             what="one replica pausing in favour of the other")
-    active, standby = (b, a) if "Pausing operations in favour of" in a.output() else (a, b)
+    active, standby = (a, b) if _priority(a) > _priority(b) else (b, a)
+
+    def peers():
+        st = kube.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/promptcache-operator").get("status") or {}
+        return len(st) == 2
+    wait_for(peers, timeout=60, what="both replicas registered in the ClusterKopfPeering")
     names = [f"pc-{i}" for i in range(3)]
     for n in names:
         apply_pc(kube, namespace, example(), name=n)
     for n in names:
         wait_for(lambda n=n: all_present(kube, namespace, n), timeout=15, what=f"children of {n}")
+    for n in names:
+        wait_for(lambda n=n: (get_pc(kube, namespace, n).get("status") or {}).get("observedGeneration") == 1,
+                 timeout=10, what=f"status of {n}")
+    time.sleep(1)  # kopf's own bookkeeping patch right after the handler
     rv = {n: {k: v["metadata"]["resourceVersion"] for k, v in children(kube, namespace, n).items()} for n in names}
+    pc_rv = {n: get_pc(kube, namespace, n)["metadata"]["resourceVersion"] for n in names}
     time.sleep(5)  # two resync periods
     assert {n: {k: v["metadata"]["resourceVersion"] for k, v in children(kube, namespace, n).items()}
             for n in names} == rv, "children keep changing: the replicas fight"
-    assert f"reconciled {namespace}/pc-0" in active.output()
-    assert f"reconciled {namespace}/" not in standby.output()
+    assert {n: get_pc(kube, namespace, n)["metadata"]["resourceVersion"] for n in names} == pc_rv
+    wait_for(lambda: all(f"reconciled {namespace}/{n}" in active.output() for n in names), timeout=10,
+             what="the active replica reconciled every PromptCache")
+    assert f"reconciled {namespace}/" not in standby.output(), "the standby replica worked too"
 
     # Hand-over: the active replica stops (as in a rolling update); the standby resumes and serves new objects.
     active.kill(signal.SIGTERM)
     apply_pc(kube, namespace, example(), name="after-handover")
     wait_for(lambda: all_present(kube, namespace, "after-handover"), timeout=30, what="standby took over")
-    assert f"reconciled {namespace}/after-handover" in standby.output()
+    wait_for(lambda: f"reconciled {namespace}/after-handover" in standby.output(), timeout=10,
+             what="the standby reconciled it")

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None, stop_flag: threading.Event | None = None
     import kopf
     from kopf._core.actions.loggers import LogFormat
 
-    kopf.configure(debug=args.debug, verbose=args.verbose, log_format=LogFormat(args.log_format))
+    kopf.configure(debug=args.debug, verbose=args.verbose, log_format=LogFormat[args.log_format.upper()])
     from . import handlers  # noqa: F401  (registers the handlers)
 
     namespaces = args.namespace or [n for n in os.environ.get("PROMPTCACHE_OPERATOR_NAMESPACES", "").split(",")

@@ -282,12 +282,14 @@ def resource_quota(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
     res = _resources(spec)
     n = spec.placement.maxNodes
     hard = {"pods": str(n)}
+    # A PriorityClass-scoped quota may only track pods, cpu and memory (the API server rejects ephemeral-storage
+    # with "unsupported scope applied to resource") and extended resources (only as requests.*).
     for kind, values in (("requests", res["requests"]), ("limits", res["limits"])):
         for r, v in values.items():
-            if r in ("cpu", "memory", "ephemeral-storage"):
+            if r in ("cpu", "memory"):
                 hard[f"{kind}.{r}"] = _times(v, n)
-            elif kind == "requests":
-                hard[f"requests.{r}"] = _times(v, n)  # extended resources: only requests.* is allowed
+            elif kind == "requests" and "/" in r:
+                hard[f"requests.{r}"] = _times(v, n)
     return {
         "apiVersion": "v1",
         "kind": "ResourceQuota",

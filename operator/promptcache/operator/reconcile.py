@@ -144,10 +144,11 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
     caps = kube.capabilities()
     children = builders.desired_children(spec, owner, caps, defaults)
     ds = None
-    pause_after, pause_seconds = _fault_injection()
+    pause_after, pause_seconds = _fault_injection(owner)
     for i, child in enumerate(children):
         if i == pause_after:
-            log.warning("fault injection: sleeping %ss after %d applies", pause_seconds, i)
+            log.warning("fault injection: %s/%s sleeping %ss after %d applies", owner.namespace, owner.name,
+                        pause_seconds, i)
             time.sleep(pause_seconds)
         key = builders.child_key(child)
         try:
@@ -190,14 +191,16 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
     return out
 
 
-def _fault_injection() -> tuple[int, float]:
-    """Test hook: PROMPTCACHE_OPERATOR_FAULT_PAUSE="N:SECONDS" sleeps after the N-th child apply, so a test can
-    kill the operator mid-reconcile. Unset in production."""
+def _fault_injection(owner: Owner) -> tuple[int, float]:
+    """Test hook: PROMPTCACHE_OPERATOR_FAULT_PAUSE="N:SECONDS[:NAMESPACE/NAME]" sleeps after the N-th child apply
+    (of that PromptCache only, if named), so a test can kill the operator mid-reconcile. Unset in production."""
     spec = os.environ.get("PROMPTCACHE_OPERATOR_FAULT_PAUSE")
     if not spec:
         return -1, 0.0
-    n, _, secs = spec.partition(":")
-    return int(n), float(secs or 60)
+    parts = spec.split(":")
+    if len(parts) > 2 and parts[2] != f"{owner.namespace}/{owner.name}":
+        return -1, 0.0
+    return int(parts[0]), float(parts[1]) if len(parts) > 1 else 60.0
 
 
 def _node_summary(kube: Kube, owner: Owner) -> list[dict[str, Any]]:
