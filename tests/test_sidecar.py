@@ -287,3 +287,25 @@ def test_shared_buffer_names_are_confined_to_the_shm_dir(sidecar_factory, tmp_pa
             with pytest.raises(grpc.RpcError) as info:
                 list(pb_grpc.KVCacheStub(ch).Get(req, timeout=5))
             assert fragment in info.value.details()
+
+
+def test_pre_encoded_data_frames_are_plain_proto_on_the_wire(client, sidecar):
+    """The server's fast data frames must parse as ordinary GetResponse messages for any other client."""
+    from promptcache import frames
+    from promptcache.v1 import kvcache_pb2 as pb
+    from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+    from promptcache.wire import model_to_proto
+
+    payload = bytes(range(256)) * 1000
+    encoded = frames.encode_data_frame(memoryview(payload))
+    assert pb.GetResponse.FromString(encoded).data == payload
+    assert bytes(frames.parse_get_response(encoded)) == payload
+    begin = pb.GetResponse(chunk=pb.ChunkBegin(index=3, nbytes=7)).SerializeToString()
+    assert frames.parse_get_response(begin).chunk.index == 3
+    tokens = list(range(2 * CHUNK))
+    kv = make_kv(SMALL, len(tokens), seed=9)
+    client.put(SMALL, tokens, kv)
+    with grpc.insecure_channel(sidecar.address) as ch:  # the generated stub, protobuf all the way
+        msgs = list(pb_grpc.KVCacheStub(ch).Get(pb.GetRequest(model=model_to_proto(SMALL), tokens=tokens), timeout=5))
+    data = b"".join(m.data for m in msgs if m.WhichOneof("frame") == "data")
+    assert data == b"".join(b.numpy().tobytes() for b in client.get_blobs(SMALL, tokens))

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import xxhash
 
+from promptcache import frames
 from promptcache.client import errors
 from promptcache.keys import ModelSpec
 from promptcache.layout import TORCH_DTYPES, chunk_nbytes, chunk_shape
@@ -89,6 +90,7 @@ class PromptCacheClient:
                                      server_name=tls_server_name, token=token, token_file=token_file)
         self._channel = channel
         self._stub = pb_grpc.KVCacheStub(self._channel)
+        self._get = frames.get_callable(self._channel)  # data frames arrive as memoryviews, not copied
         self._chunk_tokens = chunk_tokens
         # Node-local fast path: chunk bytes go through shared memory in this folder (the sidecar's --shm-dir).
         self._shm = ClientBuffers(shm_dir) if shm_dir else None
@@ -195,7 +197,7 @@ class PromptCacheClient:
         req = pb.GetRequest(model=model_to_proto(spec), tokens=token_list, start_chunk=start_chunk,
                             max_chunks=max_chunks)
         if self._shm is None:
-            return self._call(lambda t: _receive(self._stub.Get(req, timeout=t), start_chunk), timeout)
+            return self._call(lambda t: _receive(self._get(req, timeout=t), start_chunk), timeout)
         n = len(token_list) // self.chunk_tokens - start_chunk
         n = min(n, max_chunks) if max_chunks else n
         if n <= 0:
@@ -240,7 +242,7 @@ def _as_bytes_array(blob: torch.Tensor | bytes) -> np.ndarray:
     return blob.detach().reshape(-1).view(torch.uint8).cpu().numpy()
 
 
-def _receive(stream: Iterable[pb.GetResponse], start_chunk: int) -> list[torch.Tensor]:
+def _receive(stream: Iterable, start_chunk: int) -> list[torch.Tensor]:
     blobs: list[torch.Tensor] = []
     current = buf = None
     offset = 0
@@ -252,7 +254,9 @@ def _receive(stream: Iterable[pb.GetResponse], start_chunk: int) -> list[torch.T
             raise errors.CorruptChunk(f"chunk {current.index} failed its checksum in transit")
 
     for msg in stream:
-        if msg.WhichOneof("frame") == "chunk":
+        if isinstance(msg, memoryview):  # a data frame (promptcache.frames), or a parsed message otherwise
+            data = msg
+        elif msg.WhichOneof("frame") == "chunk":
             if current is not None:
                 finish()
             current = msg.chunk
@@ -260,12 +264,16 @@ def _receive(stream: Iterable[pb.GetResponse], start_chunk: int) -> list[torch.T
                 raise errors.CorruptChunk(f"expected chunk {start_chunk + len(blobs)}, got {current.index}")
             blobs.append(torch.empty(current.nbytes, dtype=torch.uint8))
             buf, offset = blobs[-1].numpy(), 0
+            continue
+        elif msg.WhichOneof("frame") == "data":
+            data = memoryview(msg.data)
         else:
-            n = len(msg.data)
-            if current is None or offset + n > current.nbytes:
-                raise errors.CorruptChunk("data frame outside a chunk's announced length")
-            buf[offset:offset + n] = np.frombuffer(msg.data, dtype=np.uint8)
-            offset += n
+            raise errors.CorruptChunk(f"unexpected {msg.WhichOneof('frame')} frame in a streamed Get")
+        n = data.nbytes
+        if current is None or offset + n > current.nbytes:
+            raise errors.CorruptChunk("data frame outside a chunk's announced length")
+        buf[offset:offset + n] = np.frombuffer(data, dtype=np.uint8)
+        offset += n
     if current is not None:
         finish()
     return blobs

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from promptcache import keys as keyspec
+from promptcache import frames
 from promptcache.layout import chunk_nbytes, chunk_shape
 from promptcache.shm import SharedBufferError, open_shared
 from promptcache.sidecar import cgroup, logs
@@ -229,7 +230,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     else:
                         yield pb.GetResponse(chunk=begin)
                         for off in range(0, entry.nbytes, frame):
-                            yield pb.GetResponse(data=view[off:off + frame].tobytes())
+                            yield frames.encode_data_frame(view[off:off + frame])
                     self.metrics.sent_bytes.labels("device").inc(entry.nbytes)
                     self.tenancy.touched(owner, key)
                     served += 1
@@ -513,7 +514,7 @@ class Sidecar:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers,
                                                              thread_name_prefix="grpc"),
                                   interceptors=[self.guard], options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_KVCacheServicer_to_server(self.service, self.server)
+        frames.add_service(self.service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
