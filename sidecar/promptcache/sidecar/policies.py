@@ -370,9 +370,18 @@ class WTinyLFU(_PrefixAware):
     SEGMENTS = 3
 
     def __init__(self, capacity: int | None = None, window: float = 0.5, protected: float = 0.8,
-                 adaptive: bool = True, climb_period: float = 1.0, tie_admit: bool = False,
-                 inherit: bool = False, sample_factor: float = 10.0, max_window: float = 1.0) -> None:
+                 adaptive: bool = True, climb_period: float = 3.0, tie_admit: bool = False,
+                 inherit: bool = False, sample_factor: float = 10.0, max_window: float = 1.0,
+                 adapt: str = "climb", min_window: float = 0.0, climb_decay: float = 0.9,
+                 climb_restart: float = 0.1) -> None:
         super().__init__(capacity)
+        self.adapt = adapt if adaptive else "none"
+        self.min_window = min_window
+        self.climb_decay = climb_decay
+        self.climb_restart = climb_restart
+        self._ghost_w: OrderedDict = OrderedDict()  # recently evicted from the window (lost the contest)
+        self._ghost_m: OrderedDict = OrderedDict()  # recently evicted from the main space
+        self._last: tuple | None = None
         self.tie_admit = tie_admit
         self.max_window = max_window
         self.inherit = inherit
@@ -408,7 +417,10 @@ class WTinyLFU(_PrefixAware):
     # protocol ---------------------------------------------------------------------------------------------------
     def requested(self, key: Key) -> None:
         self.sketch.increment(key)
-        if self.adaptive:
+        if self.adapt == "ghost":
+            if self._ghost_w or self._ghost_m:
+                self._ghost_adapt(key)
+        elif self.adapt == "climb":
             self._sample_requests += 1
             if self._sample_requests >= self.climb_period * self.sketch.entries:
                 self._climb()
@@ -455,20 +467,52 @@ class WTinyLFU(_PrefixAware):
             if vic is None:
                 vic = self._peek(PROTECTED)
             if vic is None:  # no leaf in the main space: every main entry is an ancestor of window entries
-                return self._deepest_leaf(cand)
+                return self._chosen(self._deepest_leaf(cand), WINDOW)
             fc, fv = self._freq(cand), self._freq(vic)
             if fc > fv or (self.tie_admit and fc == fv):
                 self._move_to_probation(cand)
-                return vic
+                return self._chosen(vic, PROBATION)
             # The candidate loses. If it is a prefix of cached chunks, those go first, deepest first: the
             # contest is decided for the head of the chain and the store keeps asking until the head is gone.
             self.admissions_rejected += 1
-            return self._deepest_leaf(cand)
+            return self._chosen(self._deepest_leaf(cand), WINDOW)
         for s in (PROBATION, PROTECTED, WINDOW):
             v = self._peek(s)
             if v is not None:
-                return v
+                return self._chosen(v, s)
         return None
+
+    def _chosen(self, key: Key, seg: int) -> Key:
+        self._last = (key, seg)
+        return key
+
+    def removed(self, key: Key) -> None:
+        last = self._last
+        if last is not None and last[0] == key and key in self.size and self.adapt == "ghost":
+            ghost, other = (self._ghost_w, self._ghost_m) if last[1] == WINDOW else (self._ghost_m, self._ghost_w)
+            ghost[key] = self.size[key]
+            ghost.move_to_end(key)
+            other.pop(key, None)
+            limit = max(16, len(self.size))
+            while len(ghost) > limit:
+                ghost.popitem(last=False)
+            self._last = None
+        super().removed(key)
+
+    def _ghost_adapt(self, key: Key) -> None:
+        """ARC-style: a request for a key the window recently let go says the window is too small; one for a
+        key the main space recently let go says it is too big. Steps are the key's share of the capacity,
+        scaled by the ratio of the ghost lists (as ARC does)."""
+        sz = self._ghost_w.pop(key, None)
+        if sz is not None:
+            ratio = max(1.0, len(self._ghost_m) / max(1, len(self._ghost_w)))
+            self.window_fraction = min(self.max_window, self.window_fraction + ratio * sz / self._cap())
+            self._demote_protected()
+            return
+        sz = self._ghost_m.pop(key, None)
+        if sz is not None:
+            ratio = max(1.0, len(self._ghost_w) / max(1, len(self._ghost_m)))
+            self.window_fraction = max(self.min_window, self.window_fraction - ratio * sz / self._cap())
 
     # internals ----------------------------------------------------------------------------------------------------
     def _deepest_leaf(self, key: Key) -> Key:
@@ -518,8 +562,8 @@ class WTinyLFU(_PrefixAware):
         step = self._step if delta >= 0 else -self._step
         self._prev_hit_rate = hit_rate
         self._sample_hits = self._sample_requests = 0
-        self._step = step * 0.98 if abs(delta) < 0.05 else 0.0625 * (1 if step >= 0 else -1)
-        self.window_fraction = min(self.max_window, max(0.0, self.window_fraction + step))
+        self._step = step * self.climb_decay if abs(delta) < self.climb_restart else 0.0625 * (1 if step >= 0 else -1)
+        self.window_fraction = min(self.max_window, max(self.min_window, self.window_fraction + step))
         self._demote_protected()
 
 
