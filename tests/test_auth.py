@@ -224,3 +224,32 @@ def test_cli_flags_and_environment(tmp_path, token_dir, pki):
     bad = SidecarProcess("--token-file", str(tmp_path / "missing"))
     assert bad.proc.wait(30) == 2
     assert "token file" in bad.proc.stdout.read()
+
+
+def test_server_certificate_is_reloaded_when_rotated(sidecar_factory, tmp_path):
+    from test_auth_pki import CA
+
+    pki = make_pki(tmp_path / "pki")
+    sidecar = sidecar_factory(tls_cert_file=pki.server_cert, tls_key_file=pki.server_key,
+                              token_reload_seconds=0.05)
+    new_ca = CA.create("rotated CA")
+    with PromptCacheClient(sidecar.address, tls_ca=pki.ca_file, retries=0, timeout=3) as c:
+        c.stats()
+    cert, key = new_ca.issue("promptcache-sidecar", server=True)
+    (tmp_path / "pki" / "server.key.new").write_bytes(key)
+    (tmp_path / "pki" / "server.pem.new").write_bytes(cert)
+    os.replace(tmp_path / "pki" / "server.key.new", pki.server_key)
+    os.replace(tmp_path / "pki" / "server.pem.new", pki.server_cert)
+    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while True:  # new connections get the rotated certificate
+        with PromptCacheClient(sidecar.address, tls_ca=new_ca.pem, retries=0, timeout=3) as c:
+            try:
+                c.stats()
+                break
+            except (errors.Unavailable, errors.DeadlineExceeded):
+                assert time.monotonic() < deadline, "the rotated certificate was never served"
+                time.sleep(0.1)
+    with PromptCacheClient(sidecar.address, tls_ca=pki.ca_file, retries=0, timeout=3) as c, \
+            pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
+        c.stats()

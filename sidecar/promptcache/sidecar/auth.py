@@ -190,17 +190,68 @@ class Authenticator:
         return None
 
 
-def server_credentials(cert_file: str, key_file: str, client_ca_file: str) -> grpc.ServerCredentials:
-    """TLS credentials; with a client CA, client certificates signed by it are required (mTLS)."""
-    def read(path, what):
-        try:
-            return Path(path).read_bytes()
-        except OSError as exc:
-            raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from None
+class CertificateFiles:
+    """The server's TLS files, re-read when they change (cert-manager rotates the Secret in place): grpc asks
+    `fetch` on every new handshake; it answers a new configuration when a file changed, else None."""
 
-    cert, key = read(cert_file, "--tls-cert-file"), read(key_file, "--tls-key-file")
-    ca = read(client_ca_file, "--tls-client-ca-file") if client_ca_file else None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+    def __init__(self, cert_file: str, key_file: str, client_ca_file: str, reload_seconds: float = 1.0):
+        self.files = {"--tls-cert-file": cert_file, "--tls-key-file": key_file}
+        if client_ca_file:
+            self.files["--tls-client-ca-file"] = client_ca_file
+        self.reload_seconds = reload_seconds
+        self._lock = threading.Lock()
+        self._checked = time.monotonic()
+        self.reloads = 0
+        self._signature = self._stat()
+        self.initial = self._configuration()
+
+    def _stat(self):
+        sig = []
+        for path in self.files.values():
+            try:
+                st = Path(path).stat()
+                sig.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                sig.append(None)
+        return tuple(sig)
+
+    def _configuration(self):
+        data = {}
+        for flag, path in self.files.items():
+            try:
+                data[flag] = Path(path).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"cannot read {flag} {path}: {exc.strerror}") from None
+        return grpc.ssl_server_certificate_configuration(
+            [(data["--tls-key-file"], data["--tls-cert-file"])], root_certificates=data.get("--tls-client-ca-file"))
+
+    def fetch(self):
+        now = time.monotonic()
+        if now - self._checked < self.reload_seconds:
+            return None
+        with self._lock:
+            self._checked = now
+            signature = self._stat()
+            if signature == self._signature:
+                return None
+            self._signature = signature
+            try:
+                config = self._configuration()
+            except ValueError as exc:
+                log.error("cannot reload the TLS certificate, keeping the previous one: %s", exc)
+                return None
+            self.reloads += 1
+            log.info("reloaded the TLS certificate", extra={"path": self.files["--tls-cert-file"]})
+            return config
+
+
+def server_credentials(cert_file: str, key_file: str, client_ca_file: str,
+                       reload_seconds: float = 1.0) -> grpc.ServerCredentials:
+    """TLS credentials, reloaded when the files change; with a client CA, client certificates signed by it are
+    required (mTLS)."""
+    files = CertificateFiles(cert_file, key_file, client_ca_file, reload_seconds)
+    return grpc.dynamic_ssl_server_credentials(files.initial, files.fetch,
+                                               require_client_authentication=bool(client_ca_file))
 
 
 # --- client side ----------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ HELP = {
                           "certificate's common name. Turns authentication on",
     "token_file": "bearer tokens: a folder (one file per tenant, named after it, holding its tokens; a mounted "
                   "Secret) or a file of TENANT:TOKEN lines; reloaded when it changes. Turns authentication on",
-    "token_reload_seconds": "how often the token file is checked for changes",
+    "token_reload_seconds": "how often the token file and the TLS files are checked for changes",
     "tenant_secret_file": "file with the server secret (>= 16 bytes) that tenant key salts are derived from; "
                           "random per start when empty",
     "sharing_groups": "opt-in shared namespaces, GROUP=TENANT,TENANT or GROUP=* separated by ';'; a client "

@@ -494,7 +494,8 @@ class Sidecar:
                              "serve TLS there (--tls-cert-file, --tls-key-file) or, for plaintext, pass "
                              "--allow-insecure-remote")
         credentials = (server_credentials(settings.tls_cert_file, settings.tls_key_file,
-                                          settings.tls_client_ca_file) if tls else None)
+                                          settings.tls_client_ca_file, settings.token_reload_seconds)
+                       if tls else None)
         tokens = TokenStore(settings.token_file, settings.token_reload_seconds) if settings.token_file else None
         self.authenticator = Authenticator(tokens, mtls=bool(settings.tls_client_ca_file))
         self.tenancy = Tenancy.from_settings(settings)

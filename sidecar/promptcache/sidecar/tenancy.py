@@ -204,7 +204,8 @@ class Tenancy:
 
     def committed(self, owner: str, key: bytes, charged: int) -> None:
         """A chunk was stored: move its charge from reserved to used, tracking the store's entry."""
-        entry = self.tier._entries.get(key) if self.tier is not None else None  # read-only peek, no policy hit
+        # A read-only look at the store's index (no policy side effects, unlike peek()); proposed as a store hook.
+        entry = getattr(self.tier, "_entries", {}).get(key) if self.tier is not None else None
         with self._lock:
             u = self._usage_of(owner)
             u.reserved -= charged
