@@ -64,8 +64,9 @@ def test_stalled_put_is_cancelled_and_releases_its_reservation(sidecar_factory):
 def test_stalled_clients_do_not_starve_others(sidecar_factory):
     """Twelve stalled Puts from one client (a connection) against a sidecar with 8 workers: at most 2 hold a
     worker (--max-calls-per-client), the rest are refused at once with RESOURCE_EXHAUSTED, and eight other
-    clients keep being served with low latency the whole time; the stalled ones are cut after the idle limit."""
-    sidecar = sidecar_factory(workers=8, max_calls_per_client=2, stream_idle_seconds=3)
+    clients keep being served the whole time, none waiting for a stalled stream; the stalled ones are cut after the
+    idle limit."""
+    sidecar = sidecar_factory(workers=8, max_calls_per_client=2, stream_idle_seconds=5)
     release = threading.Event()
     staller = grpc.insecure_channel(sidecar.address, options=OWN_CONNECTION)
     stub = pb_grpc.KVCacheStub(staller)
@@ -77,7 +78,7 @@ def test_stalled_clients_do_not_starve_others(sidecar_factory):
         assert all(f.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED for f in refused)
         assert "--max-calls-per-client" in refused[0].exception().details()
 
-        latencies, failures = [], []
+        latencies, failures, rounds = [], [], [0] * 8
 
         def worker(seed):
             ch = grpc.insecure_channel(sidecar.address, options=OWN_CONNECTION)
@@ -94,6 +95,7 @@ def test_stalled_clients_do_not_starve_others(sidecar_factory):
                     except Exception as exc:  # noqa: BLE001
                         failures.append(exc)
                     latencies.append(time.perf_counter() - t0)
+                    rounds[seed] += 1
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
         for t in threads:
@@ -101,8 +103,8 @@ def test_stalled_clients_do_not_starve_others(sidecar_factory):
         for t in threads:
             t.join()
         assert not failures, failures[:3]
-        assert len(latencies) > 50 and statistics.median(latencies) < 0.25, (len(latencies),
-                                                                            statistics.median(latencies))
+        # Every client kept going, and none waited for a stalled stream to be cut (5 s): nobody was starved.
+        assert min(rounds) >= 2 and max(latencies) < 4.0, (rounds, max(latencies), statistics.median(latencies))
         # The two admitted stalled streams are cancelled by the idle limit, not left holding workers forever.
         for f in futures:
             with pytest.raises(grpc.RpcError):
