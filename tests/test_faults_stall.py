@@ -140,8 +140,11 @@ def test_per_tenant_limit_with_tokens(sidecar_factory, tmp_path):
             ch.close()
 
 
-def test_get_whose_reader_stalls_is_cancelled_and_releases_its_lease(sidecar_factory):
-    sidecar = sidecar_factory(memory_bytes=64 << 20, max_call_seconds=1.5)
+@pytest.mark.parametrize("limit", ["--stream-idle-seconds", "--max-call-seconds"])
+def test_get_whose_reader_stalls_is_cancelled_and_releases_its_lease(sidecar_factory, limit):
+    setting = {"--stream-idle-seconds": dict(stream_idle_seconds=1.5),
+               "--max-call-seconds": dict(max_call_seconds=1.5, stream_idle_seconds=0)}[limit]
+    sidecar = sidecar_factory(memory_bytes=64 << 20, **setting)
     chunks = 48  # 24 MiB: far more than the transport buffers for a reader that does not read
     tokens = list(range(chunks * CHUNK))
     with PromptCacheClient(sidecar.address, timeout=30) as c:
@@ -160,7 +163,7 @@ def test_get_whose_reader_stalls_is_cancelled_and_releases_its_lease(sidecar_fac
                 for _ in stream:
                     pass
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "--max-call-seconds" in info.value.details()
+            assert limit in info.value.details()
         deadline = time.monotonic() + 5
         while sidecar.tier.usage()["draining"] and time.monotonic() < deadline:
             time.sleep(0.05)

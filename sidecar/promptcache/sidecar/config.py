@@ -136,7 +136,8 @@ HELP = {
     "tenant_quotas": "per-tenant quotas overriding --tenant-quota-bytes: TENANT=BYTES,group:GROUP=BYTES",
     "max_calls_per_client": "calls in flight per client (tenant, or peer address without auth); more get "
                             "RESOURCE_EXHAUSTED. 0: no limit",
-    "stream_idle_seconds": "cancel a Put stream whose client sent nothing for this long (0: never)",
+    "stream_idle_seconds": "cancel a stream that made no progress this long: a Put whose client sent nothing, "
+                           "a Get whose client read nothing (0: never)",
     "max_call_seconds": "cancel any call running longer than this (0: never)",
 }
 

@@ -2,10 +2,10 @@
 
 * `CallLimiter`: at most N calls in flight per client (the authenticated tenant, or the peer address when
   auth is off); the next one is refused at once with RESOURCE_EXHAUSTED instead of taking a worker thread.
-* `Watchdog`: one thread that cancels calls that run longer than --max-call-seconds, and Put streams whose
-  client sent nothing for --stream-idle-seconds. A cancelled Put releases its reservation (nothing partial is
-  stored); a cancelled Get releases its lease. The client sees DEADLINE_EXCEEDED with a message naming the
-  limit.
+* `Watchdog`: one thread that cancels calls that run longer than --max-call-seconds, and streams idle for
+  --stream-idle-seconds: a Put whose client sent nothing, a Get whose client stopped reading. A cancelled Put
+  releases its reservation (nothing partial is stored); a cancelled Get releases its lease. The client sees
+  DEADLINE_EXCEEDED with a message naming the limit.
 * `Guard`: the server interceptor that applies authentication (promptcache.sidecar.auth) and both limits to
   every method except the health service.
 """
@@ -124,8 +124,8 @@ class Watchdog:
                         w.reason = (f"{w.rpc} ran longer than {w.max_seconds:g} s (--max-call-seconds); "
                                     "cancelled, nothing partial was stored")
                     elif w.idle > 0 and now - w.last > w.idle:
-                        w.reason = (f"{w.rpc} stream sent nothing for {w.idle:g} s (--stream-idle-seconds); "
-                                    "cancelled, nothing partial was stored")
+                        w.reason = (f"{w.rpc} stream made no progress for {w.idle:g} s (--stream-idle-seconds: "
+                                    "the client sent or read nothing); cancelled, nothing partial was stored")
                     else:
                         continue
                     due.append(w)
@@ -259,8 +259,13 @@ class Guard(grpc.ServerInterceptor):
                 w = None
                 try:
                     request = parsed_or_abort(raw, context)
-                    w = guard.watchdog.watch(context, rpc, idle=False) if guarded else None
-                    yield from inner(request, context)
+                    # Idle here means: gRPC did not ask for the next frame (the previous one could not be
+                    # sent: a reader that stopped reading) for --stream-idle-seconds.
+                    w = guard.watchdog.watch(context, rpc, idle=True) if guarded else None
+                    for response in inner(request, context):
+                        yield response
+                        if w is not None:
+                            w.touch()
                 finally:
                     done(w, client)
 
