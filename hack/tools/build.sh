@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Build the real Kubernetes control-plane binaries the operator tests run against:
-#   kube-apiserver (k8s.io/kubernetes), etcd (go.etcd.io/etcd/server/v3), helm (helm.sh/helm/v3).
+#   kube-apiserver and kubectl (k8s.io/kubernetes), etcd (go.etcd.io/etcd/server/v3), helm (helm.sh/helm/v3).
 #
 # Binaries go into a cache folder OUTSIDE the checkout, keyed by version, so every clone on this machine
 # (CI included) reuses them:
 #   ${PROMPTCACHE_TOOLS_CACHE:-$HOME/.cache/promptcache-tools}/<name>-<version>/<name>
 # A binary that is already there is not rebuilt, so this is quick and idempotent once cached.
 #
-# Usage: hack/tools/build.sh [--print-dir] [NAME...]     (NAME in: kube-apiserver etcd helm; default: all)
+# Usage: hack/tools/build.sh [--print-dir] [NAME...]     (NAME in: etcd kube-apiserver helm kubectl; default: all)
 #   --print-dir  print "name=path" lines only (used by tests/operator/conftest.py)
 # Env:   PROMPTCACHE_TOOLS_CACHE  cache root;  GOFLAGS etc. pass through to `go build`.
 set -euo pipefail
@@ -20,11 +20,13 @@ modver() { awk -v m="$1" '$1 == m && $2 ~ /^v/ {print $2; exit}' "$here/go.mod";
 
 declare -A pkg=(
   [kube-apiserver]="k8s.io/kubernetes/cmd/kube-apiserver"
+  [kubectl]="k8s.io/kubernetes/cmd/kubectl"
   [etcd]="./cmd/etcd"
   [helm]="helm.sh/helm/v3/cmd/helm"
 )
 declare -A ver=(
   [kube-apiserver]="$(modver k8s.io/kubernetes)"
+  [kubectl]="$(modver k8s.io/kubernetes)"
   [etcd]="$(modver go.etcd.io/etcd/server/v3)"
   [helm]="$(modver helm.sh/helm/v3)"
 )
@@ -35,11 +37,11 @@ for a in "$@"; do
   case "$a" in
     --print-dir) print_only=1 ;;
     -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
-    kube-apiserver|etcd|helm) names+=("$a") ;;
+    kube-apiserver|etcd|helm|kubectl) names+=("$a") ;;
     *) echo "build.sh: unknown argument: $a" >&2; exit 2 ;;
   esac
 done
-[ ${#names[@]} -gt 0 ] || names=(etcd kube-apiserver helm)
+[ ${#names[@]} -gt 0 ] || names=(etcd kube-apiserver helm kubectl)
 
 for n in "${names[@]}"; do
   v="${ver[$n]}"
@@ -56,7 +58,7 @@ for n in "${names[@]}"; do
   echo "building $n $v -> $out (this takes a while on a small machine)"
   start=$(date +%s)
   ldflags="-s -w"
-  if [ "$n" = kube-apiserver ]; then
+  if [ "$n" = kube-apiserver ] || [ "$n" = kubectl ]; then
     # Let `kube-apiserver --version` and the /version endpoint report the real version.
     x=k8s.io/component-base/version
     ldflags="$ldflags -X $x.gitVersion=$v -X $x.gitMajor=1 -X $x.gitMinor=$(echo "$v" | cut -d. -f2) -X $x.gitTreeState=clean"

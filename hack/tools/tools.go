@@ -7,4 +7,5 @@ import (
 	_ "go.etcd.io/etcd/server/v3/etcdmain"
 	_ "helm.sh/helm/v3/cmd/helm"
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kubectl"
 )

@@ -40,7 +40,7 @@ def test_crd_names_and_shape():
     assert doc["metadata"]["name"] == f"{model.PLURAL}.{model.GROUP}"
     assert doc["spec"]["group"] == model.GROUP
     assert doc["spec"]["names"]["kind"] == model.KIND
-    assert doc["spec"]["names"]["shortNames"] == ["pc"]
+    assert doc["spec"]["names"]["shortNames"] == ["pc", "pcache"]
     (v,) = doc["spec"]["versions"]
     assert v["name"] == model.VERSION and v["subresources"] == {"status": {}}
     cols = {c["name"] for c in v["additionalPrinterColumns"]}

@@ -31,7 +31,7 @@ def apply(kube, obj: dict, namespace: str, dry_run: bool = False):
 def test_crd_established_and_discoverable(kube, crd):
     res = kube.request("GET", "/apis/promptcache.io/v1alpha1")["resources"]
     pc = next(r for r in res if r["name"] == "promptcaches")
-    assert pc["kind"] == "PromptCache" and pc["namespaced"] and pc["shortNames"] == ["pc"]
+    assert pc["kind"] == "PromptCache" and pc["namespaced"] and pc["shortNames"] == ["pc", "pcache"]
     assert any(r["name"] == "promptcaches/status" for r in res)
 
 
@@ -118,3 +118,38 @@ def test_status_is_a_subresource(kube, crd, namespace):
     assert "readyNodes" not in (got.get("status") or {})
     got = kube.patch_status(namespace, "llama-8b", {"readyNodes": 3, "observedGeneration": 1})
     assert got["status"]["readyNodes"] == 3
+
+
+@pytest.fixture(scope="session")
+def kubectl(control_plane):
+    from opharness import require_tools
+    binary = require_tools("kubectl")["kubectl"]
+
+    def run(*args: str, check: bool = True):
+        import subprocess
+        p = subprocess.run([str(binary), "--kubeconfig", str(control_plane.kubeconfig), *args],
+                           capture_output=True, text=True, timeout=60)
+        if check and p.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: {p.stdout}{p.stderr}")
+        return p
+    return run
+
+
+@pytest.mark.parametrize("name", ["minimal", "full"])
+def test_kubectl_apply_examples(kubectl, crd, namespace, name):
+    out = kubectl("apply", "-n", namespace, "-f", str(ROOT / "examples" / f"promptcache-{name}.yaml"))
+    assert "promptcache.promptcache.io/" in out.stdout and "created" in out.stdout
+    out = kubectl("apply", "-n", namespace, "-f", str(ROOT / "examples" / f"promptcache-{name}.yaml"))
+    assert "unchanged" in out.stdout
+    table = kubectl("get", "pcache", "-n", namespace).stdout  # `pc` is PriorityClass's short name in kubectl
+    assert table.split()[:7] == ["NAME", "READY", "DESIRED", "HIT-RATIO", "MEMORY", "STATUS", "AGE"], table
+
+
+def test_kubectl_apply_invalid_names_the_field(kubectl, crd, namespace, tmp_path):
+    obj = example("minimal")
+    obj["spec"]["cachePolicy"] = {"chunkTokens": 100, "ttlSeconds": 0}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(obj))
+    out = kubectl("apply", "-n", namespace, "-f", str(path), check=False)
+    assert out.returncode != 0
+    assert "spec.cachePolicy.chunkTokens" in out.stderr and "spec.cachePolicy.ttlSeconds" in out.stderr, out.stderr
