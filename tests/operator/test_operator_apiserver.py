@@ -344,3 +344,73 @@ def test_two_replicas_do_not_fight(start_operator, crd, kube, namespace):
     wait_for(lambda: all_present(kube, namespace, "after-handover"), timeout=30, what="standby took over")
     wait_for(lambda: f"reconciled {namespace}/after-handover" in standby.output(), timeout=10,
              what="the standby reconciled it")
+
+
+def test_status_reports_nodes_hit_ratio_and_readiness(start_operator, crd, kube, namespace):
+    """Stand-ins for what a kubelet and the DaemonSet controller would write (a Pod bound to a node with an IP,
+    the DaemonSet's status), plus a metrics endpoint on loopback: the operator's status follows them."""
+    import http.server
+    import threading
+
+    from opharness import free_port
+
+    body = "\n".join(['promptcache_hit_tokens_total{rpc="Lookup",tier="device"} 750',
+                      'promptcache_missed_tokens_total{rpc="Lookup"} 250',
+                      'promptcache_stored_bytes{tier="device"} 123456']).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        start_operator("--standalone", env={**FAST, "PROMPTCACHE_OPERATOR_SCRAPE_PORT": str(port)})
+        pc = apply_pc(kube, namespace, example())
+        got = wait_for(lambda: all_present(kube, namespace, "llama-8b"), timeout=30, what="children")
+        owner = Owner("llama-8b", namespace, pc["metadata"]["uid"])
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": "llama-8b-abcde", "namespace": namespace, "labels": builders.labels(owner)},
+               "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "sidecar", "image": "sidecar:test"}]}}
+        kube.request("POST", f"/api/v1/namespaces/{namespace}/pods", body=pod)
+        kube.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/llama-8b-abcde/status",
+                     content_type="application/merge-patch+json",
+                     body={"status": {"phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
+                                      "conditions": [{"type": "Ready", "status": "True"}]}})
+        gen = got["DaemonSet/llama-8b"]["metadata"]["generation"]
+        kube.request("PATCH", f"/apis/apps/v1/namespaces/{namespace}/daemonsets/llama-8b/status",
+                     content_type="application/merge-patch+json",
+                     body={"status": {"observedGeneration": gen, "desiredNumberScheduled": 1, "numberReady": 1,
+                                      "updatedNumberScheduled": 1, "currentNumberScheduled": 1,
+                                      "numberMisscheduled": 0, "numberAvailable": 1}})
+
+        def ready():
+            st = get_pc(kube, namespace, "llama-8b").get("status") or {}
+            return st if conditions({"status": st}).get("Ready", {}).get("status") == "True" else None
+        st = wait_for(ready, timeout=15, what="Ready=True")
+        assert st["nodes"] == [{"nodeName": "gpu-node-1", "endpoint": "127.0.0.1:50051", "ready": True}]
+        assert st["hitRatio"] == 0.75 and st["memoryBytes"] == 123456
+        assert (st["desiredNodes"], st["readyNodes"]) == (1, 1)
+        c = conditions({"status": st})
+        assert c["Ready"]["reason"] == "AllSidecarsReady"
+        assert c["Progressing"]["status"] == "False"
+        # kubectl's view: the printer columns show it.
+        cfg = kube.cfg
+        r = kube.pool.request("GET", f"{cfg.host}/apis/promptcache.io/v1alpha1/namespaces/{namespace}/promptcaches",
+                              headers={"Authorization": kube.authorization(),
+                                       "Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"})
+        import json
+        table = json.loads(r.data)
+        cols = [c["name"] for c in table["columnDefinitions"]]
+        row = dict(zip(cols, table["rows"][0]["cells"]))
+        assert (row["Ready"], row["Desired"], row["Hit-Ratio"], row["Memory"], row["Status"]) == \
+            (1, 1, 0.75, "16Gi", "AllSidecarsReady")
+    finally:
+        server.shutdown()

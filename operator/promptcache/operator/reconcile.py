@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import builders
+from . import builders, metrics
 from .builders import OPTIONAL_CRDS, Capabilities, OperatorDefaults, Owner
 from .kube import ApiError, Kube
 from .model import PromptCacheSpec, SpecError
@@ -175,13 +175,16 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
             except ApiError as exc:
                 out.errors.append(f"delete {key}: {exc.message}")
 
-    nodes = _node_summary(kube, owner)
+    nodes, urls = _node_summary(kube, owner)
+    # Unknown (no ready sidecar answered): null removes stale values from the status.
+    usage = {"hitRatio": None, "memoryBytes": None, **metrics.summarize(metrics.scrape_all(urls))}
     pc_ok = kube.priority_class_exists(spec.placement.priorityClassName)
     conds, counts = compute_conditions(spec, generation, caps, ds, out.errors, pc_ok)
     out.status = {
         "observedGeneration": generation,
         **counts,
         "nodes": nodes,
+        **usage,
         "children": sorted(out.applied),
         "conditions": merge_conditions(old_status.get("conditions"), conds, stamp),
     }
@@ -203,16 +206,21 @@ def _fault_injection(owner: Owner) -> tuple[int, float]:
     return int(parts[0]), float(parts[1]) if len(parts) > 1 else 60.0
 
 
-def _node_summary(kube: Kube, owner: Owner) -> list[dict[str, Any]]:
-    """One entry per node running a cache pod: its gRPC endpoint and readiness."""
+def metrics_port() -> int:
+    """Port the operator scrapes on each sidecar (the sidecar's metrics port; overridable for tests)."""
+    return int(os.environ.get("PROMPTCACHE_OPERATOR_SCRAPE_PORT", builders.METRICS_PORT))
+
+
+def _node_summary(kube: Kube, owner: Owner) -> tuple[list[dict[str, Any]], list[str]]:
+    """One entry per node running a cache pod (gRPC endpoint, readiness), and the metrics URLs of the ready ones."""
     sel = ",".join(f"{k}={v}" for k, v in builders.selector(owner).items())
     try:
         pods = kube.request("GET", f"/api/v1/namespaces/{owner.namespace}/pods",
                             query=[("labelSelector", sel), ("limit", "1000")])
     except ApiError as exc:
         log.warning("listing pods of %s/%s: %s", owner.namespace, owner.name, exc)
-        return []
-    nodes = []
+        return [], []
+    nodes, urls = [], []
     for pod in pods.get("items") or []:
         node = (pod.get("spec") or {}).get("nodeName")
         if not node:
@@ -220,16 +228,20 @@ def _node_summary(kube: Kube, owner: Owner) -> list[dict[str, Any]]:
         st = pod.get("status") or {}
         ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
         entry: dict[str, Any] = {"nodeName": node, "ready": ready}
-        if st.get("podIP"):
-            entry["endpoint"] = f"{st['podIP']}:{builders.GRPC_PORT}"
+        ip = st.get("podIP")
+        if ip:
+            host = f"[{ip}]" if ":" in ip else ip
+            entry["endpoint"] = f"{host}:{builders.GRPC_PORT}"
+            if ready:
+                urls.append(f"http://{host}:{metrics_port()}/metrics")
         nodes.append(entry)
-    return sorted(nodes, key=lambda n: n["nodeName"])
+    return sorted(nodes, key=lambda n: n["nodeName"]), urls
 
 
 def _write_status(kube: Kube, owner: Owner, old: dict[str, Any], new: dict[str, Any]) -> None:
     """Patch status only when something besides timestamps changed (no churn on every timer tick)."""
     def strip(s: dict[str, Any]) -> dict[str, Any]:
-        s = {k: v for k, v in s.items() if k in new}
+        s = {k: v for k, v in s.items() if k in new and v is not None}
         s["conditions"] = [{k: v for k, v in c.items() if k != "lastTransitionTime"}
                            for c in s.get("conditions") or []]
         return s
