@@ -190,3 +190,10 @@ def test_full_example_sets_every_field():
                 out += missing(tp, data[k], f"{path}.{k}")
         return out
     assert missing(PromptCacheSpec, doc["spec"], "spec") == []
+
+
+def test_chart_readme_is_current():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, str(ROOT / "hack" / "gen-chart-readme.py"), "--check"])
+    assert r.returncode == 0, "charts/promptcache-operator/README.md is stale: run hack/gen-chart-readme.py"

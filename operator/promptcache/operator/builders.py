@@ -175,7 +175,7 @@ def _resources(spec: PromptCacheSpec) -> dict[str, Any]:
 
 def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, cfg_hash: str) -> dict[str, Any]:
     image, pull = _image(spec, defaults)
-    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
     data_volume: dict[str, Any] = {"name": "data", "emptyDir": {}}
     if spec.memory.disk:
         data_volume["emptyDir"]["sizeLimit"] = spec.memory.disk
@@ -186,6 +186,8 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
         "imagePullPolicy": pull,
         "args": ["serve"],
         "envFrom": [{"configMapRef": {"name": f"{owner.name}-config"}}],
+        # The root filesystem is read-only: libraries that cache under $HOME (torch, triton) use the tmp volume.
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TMPDIR", "value": "/tmp"}],
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         "startupProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 2, "failureThreshold": 60},
