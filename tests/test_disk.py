@@ -158,6 +158,16 @@ def test_ttl_sweep_in_background(tmp_path):
         assert d.stats()["entries"] == 0 and d.stats()["bytes_used"] == 0
 
 
+def test_purge_by_meta_prefix(tmp_path):
+    path = str(tmp_path / "db")
+    with DiskTier(path, 1 << 24) as d:
+        for i in range(6):
+            d.put(bytes([i]) * 32, b"x" * 10, meta=(b"A" if i % 2 else b"B") * 32 + b"rest")
+        assert d.purge(b"A" * 32) == 3
+    with DiskTier(path, 1 << 24) as d:
+        assert sorted(k[0] for k in d.index) == [0, 2, 4]
+
+
 def test_unwritable_path_names_it(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

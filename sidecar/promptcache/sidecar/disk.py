@@ -344,6 +344,15 @@ class DiskTier:
         with self._lock:
             return self._drop_locked(key)
 
+    def purge(self, meta_prefix: bytes) -> int:
+        """Delete every record whose meta starts with `meta_prefix` (e.g. a model fingerprint). Returns the count."""
+        with self._lock:
+            dead = [k for k, e in self.index.items() if e.meta.startswith(meta_prefix)]
+            dead += [k for k, (e, _) in self.pending.items() if e.meta.startswith(meta_prefix)]
+            for k in dead:
+                self._drop_locked(k)
+            return len(dead)
+
     def _drop_locked(self, key: bytes) -> bool:
         p = self.pending.pop(key, None)
         e = self.index.pop(key, None) if p is None else p[0]
