@@ -1,0 +1,146 @@
+"""Memory tuning policy: a pure function from what the cache observes to its next memory target.
+
+No I/O and no clock: the caller passes `now` and the time of the last change, so the policy is unit- and
+property-tested (tests/operator/test_tuning.py). docs/autoscaling.md explains the reasoning; in short:
+
+* Grow (multiplicatively, up to `maximum`) only while the hit ratio is below the target AND the misses are
+  capacity misses: entries are being evicted for room (rate above a floor) while still young (median age at eviction
+  below the reuse horizon). Cold misses and entries evicted long after their last chance of reuse are not helped by
+  more memory, so they do not grow the cache.
+* Shrink (multiplicatively, down to `minimum`) only when memory sits idle: no traffic at all, or the hit ratio is
+  comfortably above the target (target + hysteresis), nothing is evicted for room and the cache holds less than
+  `underuse_fraction` of its budget. Growing and shrinking need disjoint conditions, so a constant signal moves memory
+  in one direction only (no flapping), and the band between "below target" and "target + hysteresis" holds.
+* A cooldown after each change (longer before shrinking than before growing) lets the effect of a change reach the
+  measurement window before the next decision; steps smaller than `min_step_fraction` are not worth a resize.
+* The result is always within [minimum, maximum] (a current value outside them is brought back first).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+ALIGN = 1 << 20  # targets are whole MiB
+
+GROW, SHRINK, HOLD = "grow", "shrink", "hold"
+
+
+@dataclass(frozen=True)
+class Signal:
+    """What the caches observed over the last measurement window (aggregated over the nodes)."""
+
+    hit_ratio: float | None            # hit tokens / (hit + missed tokens); None when there were no lookups
+    lookup_tokens_per_s: float          # hit + missed tokens per second (traffic); 0 when idle
+    capacity_evictions_per_s: float     # entries evicted to make room, per second (worst node)
+    eviction_age_s: float | None = None  # mean age of the entries evicted for room; None when none were
+    stored_bytes: float = 0.0           # bytes the cache holds (fullest node)
+
+
+@dataclass(frozen=True)
+class Policy:
+    target_hit_ratio: float = 0.8
+    grow_factor: float = 1.5             # memory x this per grow step
+    shrink_factor: float = 0.8           # memory x this per shrink step (at most)
+    grow_cooldown_s: float = 300.0       # no change within this long of the last one, before growing again
+    shrink_cooldown_s: float = 900.0     # ... before shrinking (giving memory back is never urgent)
+    hysteresis: float = 0.05             # shrink under load only above target + this
+    min_eviction_rate: float = 0.05      # capacity evictions/s below this are not pressure
+    reuse_horizon_s: float = 3600.0      # entries evicted older than this would not have been reused anyway
+    idle_tokens_per_s: float = 1.0       # traffic below this is "no load"
+    underuse_fraction: float = 0.5       # holds less than this share of its budget: memory sits idle
+    headroom: float = 0.25               # when shrinking an under-used cache, keep stored x (1 + this)
+    min_step_fraction: float = 0.05      # smaller changes are not worth a resize
+
+    def validate(self) -> "Policy":
+        if not 0 <= self.target_hit_ratio <= 1:
+            raise ValueError("target_hit_ratio must be within 0..1")
+        if self.grow_factor <= 1 or not 0 < self.shrink_factor < 1:
+            raise ValueError("grow_factor must be > 1 and shrink_factor within (0, 1)")
+        if min(self.grow_cooldown_s, self.shrink_cooldown_s, self.hysteresis, self.min_eviction_rate,
+               self.idle_tokens_per_s, self.headroom, self.min_step_fraction) < 0:
+            raise ValueError("cooldowns, thresholds and fractions must not be negative")
+        return self
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str          # grow | shrink | hold
+    memory_bytes: int    # the new target (== current for hold)
+    reason: str          # machine-readable, CamelCase (Event reason)
+    message: str         # for people
+
+
+def _align_up(n: float) -> int:
+    return int(math.ceil(n / ALIGN) * ALIGN)
+
+
+def _align_down(n: float) -> int:
+    return int(math.floor(n / ALIGN) * ALIGN)
+
+
+def decide(signal: Signal, current: int, minimum: int, maximum: int, policy: Policy,
+           last_change: float | None, now: float) -> Decision:
+    """The next memory target for a cache using `current` bytes, bounded by [minimum, maximum]."""
+    if minimum > maximum:
+        raise ValueError(f"minimum {minimum} is above maximum {maximum}")
+    if current < minimum or current > maximum:
+        to = min(max(current, minimum), maximum)
+        action = GROW if to > current else SHRINK
+        return Decision(action, to, "OutsideBounds",
+                        f"memory {current} outside [{minimum}, {maximum}]: brought to {to}")
+
+    p = policy
+    ratio = signal.hit_ratio
+    since = math.inf if last_change is None else now - last_change
+    idle = signal.lookup_tokens_per_s < p.idle_tokens_per_s
+    pressure = signal.capacity_evictions_per_s >= p.min_eviction_rate
+    young = signal.eviction_age_s is None or signal.eviction_age_s < p.reuse_horizon_s
+    ratio_text = "n/a" if ratio is None else f"{ratio:.3f}"
+
+    want: str = HOLD
+    to = current
+    reason, message = "OnTarget", f"hit ratio {ratio_text}, target {p.target_hit_ratio}"
+    if not idle and ratio is not None and ratio < p.target_hit_ratio:
+        if not pressure:
+            reason = "ColdMisses"
+            message = (f"hit ratio {ratio_text} below target {p.target_hit_ratio} but only "
+                       f"{signal.capacity_evictions_per_s:.3g} capacity evictions/s: more memory would not help")
+        elif not young:
+            reason = "StaleEvictions"
+            message = (f"hit ratio {ratio_text} below target {p.target_hit_ratio}; evicted entries were "
+                       f"{signal.eviction_age_s:.0f}s old (horizon {p.reuse_horizon_s:.0f}s): more memory would "
+                       "not help")
+        elif current >= maximum:
+            reason = "AtMaximum"
+            message = f"hit ratio {ratio_text} below target {p.target_hit_ratio} but memory is at its maximum"
+        else:
+            want, to = GROW, min(maximum, _align_up(current * p.grow_factor))
+            reason = "HitRatioBelowTarget"
+            message = (f"hit ratio {ratio_text} < target {p.target_hit_ratio} with "
+                       f"{signal.capacity_evictions_per_s:.3g} capacity evictions/s: grow {current} -> {to}")
+    elif idle:
+        if current > minimum:
+            want, to = SHRINK, max(minimum, _align_down(current * p.shrink_factor))
+            reason = "Idle"
+            message = (f"no load ({signal.lookup_tokens_per_s:.3g} tokens/s looked up): shrink {current} -> {to}")
+    elif (ratio is not None and ratio >= p.target_hit_ratio + p.hysteresis and not pressure
+          and signal.stored_bytes < p.underuse_fraction * current and current > minimum):
+        floor = max(minimum, _align_up(signal.stored_bytes * (1 + p.headroom)), _align_down(current * p.shrink_factor))
+        want, to = SHRINK, min(current, floor)
+        reason = "Underused"
+        message = (f"hit ratio {ratio_text} >= {p.target_hit_ratio + p.hysteresis:.3f}, holding "
+                   f"{signal.stored_bytes:.0f} of {current} bytes: shrink {current} -> {to}")
+
+    if want == HOLD or to == current:
+        return Decision(HOLD, current, reason, message)
+    cooldown = p.grow_cooldown_s if want == GROW else p.shrink_cooldown_s
+    if since < cooldown:
+        return Decision(HOLD, current, "Cooldown",
+                        f"would {want} ({reason}) but the last change was {since:.0f}s ago (cooldown {cooldown:.0f}s)")
+    if abs(to - current) < p.min_step_fraction * current and to not in (minimum, maximum):
+        return Decision(HOLD, current, "StepTooSmall", f"would {want} {current} -> {to}: below the minimum step")
+    return Decision(want, to, reason, message)
+
+
+def policy_for(target_hit_ratio: float, base: Policy | None = None) -> Policy:
+    return replace(base or Policy(), target_hit_ratio=target_hit_ratio).validate()
