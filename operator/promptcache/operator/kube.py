@@ -70,6 +70,7 @@ class Kube:
             ca_certs=self.cfg.ssl_ca_cert, cert_file=self.cfg.cert_file, key_file=self.cfg.key_file)
         self.crd_cache_seconds = crd_cache_seconds
         self._caps: tuple[float, Capabilities] | None = None
+        self._pcs: dict[str, tuple[float, bool]] = {}
         self._lock = threading.Lock()
 
     def authorization(self) -> str | None:
@@ -138,6 +139,17 @@ class Kube:
         return self.request("PATCH", path, body={"status": status}, content_type="application/merge-patch+json")
 
     def priority_class_exists(self, name: str) -> bool:
+        """Cached like the CRD lookups (crd_cache_seconds)."""
+        with self._lock:
+            hit = self._pcs.get(name)
+            if hit and time.monotonic() - hit[0] < self.crd_cache_seconds:
+                return hit[1]
+        ok = self._priority_class_exists(name)
+        with self._lock:
+            self._pcs[name] = (time.monotonic(), ok)
+        return ok
+
+    def _priority_class_exists(self, name: str) -> bool:
         try:
             self.request("GET", f"/apis/scheduling.k8s.io/v1/priorityclasses/{name}")
             return True

@@ -175,7 +175,11 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
             except ApiError as exc:
                 out.errors.append(f"delete {key}: {exc.message}")
 
-    nodes, urls = _node_summary(kube, owner)
+    ds_status = (ds or {}).get("status") or {}
+    if ds_status.get("desiredNumberScheduled") or ds_status.get("currentNumberScheduled"):
+        nodes, urls = _node_summary(kube, owner)
+    else:  # no pod scheduled anywhere: nothing to list or scrape
+        nodes, urls = [], []
     # Unknown (no ready sidecar answered): null removes stale values from the status.
     usage = {"hitRatio": None, "memoryBytes": None, **metrics.summarize(metrics.scrape_all(urls))}
     pc_ok = kube.priority_class_exists(spec.placement.priorityClassName)
