@@ -370,7 +370,7 @@ class WTinyLFU(_PrefixAware):
     SEGMENTS = 3
 
     def __init__(self, capacity: int | None = None, window: float = 0.5, protected: float = 0.8,
-                 adaptive: bool = True, climb_period: float = 3.0, tie_admit: bool = False,
+                 adaptive: bool = True, climb_period: float = 10.0, tie_admit: bool = False,
                  inherit: bool = False, sample_factor: float = 10.0, max_window: float = 1.0,
                  adapt: str = "climb", min_window: float = 0.0, climb_decay: float = 0.9,
                  climb_restart: float = 0.1) -> None:
