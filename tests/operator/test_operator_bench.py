@@ -49,7 +49,7 @@ def test_apply_to_children_latency(start_operator, crd, kube, namespace, capsys)
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda i: apply_pc(kube, namespace, example(), name=f"many-{i:03d}"), range(n)))
     applied = time.monotonic() - t0
-    wait_for(lambda: count_children(kube, namespace) == want, timeout=180, interval=0.1,
+    wait_for(lambda: count_children(kube, namespace) == want, timeout=180, interval=0.25,
              what=f"children of {n} PromptCaches")
     all_children = time.monotonic() - t0
 
