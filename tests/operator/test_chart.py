@@ -91,3 +91,14 @@ def test_helm_install_establishes_crds(helm_release, helm, kube):
     assert kube.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/promptcache-operator")
     assert kube.request("GET", "/apis/scheduling.k8s.io/v1/priorityclasses/promptcache-node-cache")
     print(f"helm install took {helm_release['seconds']:.2f}s")
+
+
+@pytest.mark.apiserver
+def test_chart_deployment_draws_no_pod_security_warning(helm_release, helm_offline, kube, namespace):
+    kube.request("PATCH", f"/api/v1/namespaces/{namespace}", content_type="application/merge-patch+json",
+                 body={"metadata": {"labels": {"pod-security.kubernetes.io/warn": "restricted",
+                                               "pod-security.kubernetes.io/enforce": "restricted"}}})
+    out = helm_offline("template", "promptcache", str(CHART), "--namespace", namespace)
+    dep = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment")
+    _, _, warnings = kube.apply(dep, with_headers=True)
+    assert warnings == []

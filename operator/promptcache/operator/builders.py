@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from . import alerts
 from .model import GROUP, KIND, VERSION, PromptCacheSpec, quantity_bytes, to_dict
 
 GRPC_PORT = 50051
@@ -49,6 +50,8 @@ class OperatorDefaults:
     image_repository: str = "ghcr.io/promptcache/promptcache-sidecar"
     image_tag: str = "0.1.0"
     image_pull_policy: str = "IfNotPresent"
+    rule_labels: tuple[tuple[str, str], ...] = tuple(alerts.DEFAULT_RULE_LABELS.items())
+    runbook_base_url: str = alerts.RUNBOOK_BASE
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "OperatorDefaults":
@@ -58,6 +61,8 @@ class OperatorDefaults:
             image_repository=env.get("PROMPTCACHE_SIDECAR_IMAGE_REPOSITORY", d.image_repository),
             image_tag=env.get("PROMPTCACHE_SIDECAR_IMAGE_TAG", d.image_tag),
             image_pull_policy=env.get("PROMPTCACHE_SIDECAR_IMAGE_PULL_POLICY", d.image_pull_policy),
+            rule_labels=tuple(sorted(alerts.rule_labels_from_env(env).items())),
+            runbook_base_url=env.get("PROMPTCACHE_OPERATOR_RUNBOOK_BASE_URL", d.runbook_base_url),
         )
 
 
@@ -341,37 +346,17 @@ def service_monitor(owner: Owner) -> dict[str, Any]:
     }
 
 
-def prometheus_rule(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
-    a = spec.alerts
+def prometheus_rule(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults = OperatorDefaults()
+                    ) -> dict[str, Any]:
+    """The cache alerts of promptcache.operator.alerts (shared with the chart), for this cache's series only."""
     sel = f'namespace="{owner.namespace}",service="{owner.name}-metrics"'
-    hits = f"sum(rate(promptcache_hit_tokens_total{{{sel}}}[10m]))"
-    misses = f"sum(rate(promptcache_missed_tokens_total{{{sel}}}[10m]))"
-    labels_ = {"severity": "warning", CACHE_LABEL: owner.name}
-    rules = [
-        {"alert": "PromptCacheHitRatioLow",
-         "expr": f"{hits} / clamp_min({hits} + {misses}, 1) < {a.hitRatioBelow}",
-         "for": a.for_, "labels": labels_,
-         "annotations": {"summary": f"PromptCache {owner.namespace}/{owner.name}: hit ratio below {a.hitRatioBelow}"}},
-        {"alert": "PromptCacheMemoryNearBudget",
-         "expr": (f"max by (pod, tier) (promptcache_committed_bytes{{{sel}}} / "
-                  f"clamp_min(promptcache_budget_bytes{{{sel}}}, 1)) > {a.memoryUtilizationAbove}"),
-         "for": a.for_, "labels": labels_,
-         "annotations": {"summary": f"PromptCache {owner.namespace}/{owner.name}: memory above "
-                                    f"{a.memoryUtilizationAbove:.0%} of budget"}},
-        {"alert": "PromptCacheEvictionStorm",
-         "expr": (f"max by (pod) (sum by (pod) (rate(promptcache_evictions_total{{{sel},reason=\"capacity\"}}[5m])))"
-                  f" > {a.evictionsPerSecondAbove:g}"),
-         "for": a.for_, "labels": labels_,
-         "annotations": {"summary": f"PromptCache {owner.namespace}/{owner.name}: more than "
-                                    f"{a.evictionsPerSecondAbove:g} capacity evictions/s on a node"}},
-        {"alert": "PromptCacheSidecarDown",
-         "expr": f"up{{{sel}}} == 0", "for": a.for_, "labels": labels_,
-         "annotations": {"summary": f"PromptCache {owner.namespace}/{owner.name}: a sidecar is not scraped"}},
-    ]
+    rules = alerts.rules(sel, alerts.thresholds_from_spec(spec.alerts), defaults.runbook_base_url)
+    meta = _meta(owner, owner.name)
+    meta["labels"].update(dict(defaults.rule_labels))
     return {
         "apiVersion": PROMETHEUS_RULE[0],
         "kind": PROMETHEUS_RULE[1],
-        "metadata": _meta(owner, owner.name),
+        "metadata": meta,
         "spec": {"groups": [{"name": f"promptcache.{owner.namespace}.{owner.name}", "rules": rules}]},
     }
 
@@ -387,7 +372,7 @@ def desired_children(spec: PromptCacheSpec, owner: Owner, caps: Capabilities,
     if caps.service_monitor:
         children.append(service_monitor(owner))
     if caps.prometheus_rule and spec.alerts.enabled:
-        children.append(prometheus_rule(spec, owner))
+        children.append(prometheus_rule(spec, owner, defaults))
     return children
 
 

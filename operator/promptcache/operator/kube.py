@@ -21,6 +21,7 @@ log = logging.getLogger("promptcache.operator")
 PLURALS = {
     "ConfigMap": "configmaps",
     "DaemonSet": "daemonsets",
+    "Deployment": "deployments",
     "Service": "services",
     "ResourceQuota": "resourcequotas",
     "VerticalPodAutoscaler": "verticalpodautoscalers",

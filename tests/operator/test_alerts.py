@@ -1,0 +1,190 @@
+"""The cache alerts (promptcache.operator.alerts): `promtool check rules` and `promtool test rules` on the operator's
+per-cache PrometheusRule and on the chart's cluster-wide one; every alert has a case where it fires and one where it
+stays silent. Also: every alert has summary, description and a runbook_url whose anchor exists in docs/runbooks.md,
+and the chart's template is what alerts.py generates."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from promptcache.operator import alerts, builders
+from promptcache.operator.builders import OperatorDefaults, Owner
+from promptcache.operator.model import PromptCacheSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "promptcache-operator"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+NS, NAME = "ml", "llama"
+SVC = f"{NAME}-metrics"
+BASE = {"namespace": NS, "service": SVC}
+POD = {**BASE, "pod": "llama-abcde"}
+
+
+def series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
+    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return {"series": f"{name}{{{inner}}}", "values": values}
+
+
+def lbl(extra: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in extra.items()}
+
+
+# alert -> (eval time, firing input, expected labels of the firing alert, silent input)
+CASES = {
+    "PromptCacheHitRatioLow": (
+        "30m",
+        [series("promptcache_hit_tokens_total", {**POD, "rpc": "Lookup", "tier": "device"}, "0+10x40"),
+         series("promptcache_missed_tokens_total", {**POD, "rpc": "Lookup"}, "0+90x40")],
+        {**BASE, "severity": "warning"},
+        # 50 % hits; plus an idle cache (no lookups at all), which is not alerted on.
+        [series("promptcache_hit_tokens_total", {**POD, "rpc": "Lookup", "tier": "device"}, "0+50x40"),
+         series("promptcache_missed_tokens_total", {**POD, "rpc": "Lookup"}, "0+50x40"),
+         series("promptcache_hit_tokens_total", {**POD, "service": "idle-metrics", "rpc": "Lookup",
+                                                 "tier": "device"}, "0x40"),
+         series("promptcache_missed_tokens_total", {**POD, "service": "idle-metrics", "rpc": "Lookup"}, "0x40")]),
+    "PromptCacheEvictionStorm": (
+        "30m",
+        [series("promptcache_evictions_total", {**POD, "tier": "device", "reason": "capacity"}, "0+12000x40")],
+        {**POD, "severity": "warning"},
+        # 1/s capacity evictions, and a TTL storm (not capacity).
+        [series("promptcache_evictions_total", {**POD, "tier": "device", "reason": "capacity"}, "0+60x40"),
+         series("promptcache_evictions_total", {**POD, "tier": "device", "reason": "ttl"}, "0+12000x40")]),
+    "PromptCacheMemoryNearLimit": (
+        "30m",
+        [series("promptcache_committed_bytes", {**POD, "tier": "device"}, "99x40"),
+         series("promptcache_budget_bytes", {**POD, "tier": "device"}, "100x40")],
+        {**POD, "tier": "device", "severity": "warning"},
+        # half full in memory; a full disk tier is another alert's business.
+        [series("promptcache_committed_bytes", {**POD, "tier": "device"}, "50x40"),
+         series("promptcache_budget_bytes", {**POD, "tier": "device"}, "100x40"),
+         series("promptcache_committed_bytes", {**POD, "tier": "disk"}, "100x40"),
+         series("promptcache_budget_bytes", {**POD, "tier": "disk"}, "100x40")]),
+    "PromptCacheDiskTierNearlyFull": (
+        "30m",
+        [series("promptcache_committed_bytes", {**POD, "tier": "disk"}, "95x40"),
+         series("promptcache_budget_bytes", {**POD, "tier": "disk"}, "100x40")],
+        {**POD, "severity": "warning"},
+        # disk tier disabled (budget 0) and a nearly empty one.
+        [series("promptcache_committed_bytes", {**POD, "tier": "disk"}, "0x40"),
+         series("promptcache_budget_bytes", {**POD, "tier": "disk"}, "0x40"),
+         series("promptcache_committed_bytes", {**POD, "pod": "other", "tier": "disk"}, "10x40"),
+         series("promptcache_budget_bytes", {**POD, "pod": "other", "tier": "disk"}, "100x40")]),
+    "PromptCacheSidecarDown": (
+        "30m",
+        [series("up", POD, "1x10 0x30"),
+         series("promptcache_budget_bytes", {**POD, "tier": "device"}, "100x10 _x30")],
+        {**POD, "severity": "critical"},
+        # up, and a down target that never was a PromptCache sidecar.
+        [series("up", POD, "1x40"),
+         series("promptcache_budget_bytes", {**POD, "tier": "device"}, "100x40"),
+         series("up", {**POD, "pod": "unrelated"}, "0x40")]),
+    "PromptCacheSidecarAbsent": (
+        "30m",
+        [series("promptcache_budget_bytes", {**POD, "tier": "device"}, "100x10 _x30")],
+        {**BASE, "severity": "critical"},
+        # still reporting (one pod replaced by another in a rollout).
+        [series("promptcache_budget_bytes", {**POD, "tier": "device"}, "100x10 _x30"),
+         series("promptcache_budget_bytes", {**POD, "pod": "llama-new", "tier": "device"}, "_x10 100x30")]),
+    "PromptCacheErrorRateHigh": (
+        "30m",
+        [series("promptcache_requests_total", {**POD, "rpc": "Get", "code": "OK"}, "0+90x40"),
+         series("promptcache_requests_total", {**POD, "rpc": "Get", "code": "INTERNAL"}, "0+10x40")],
+        {**BASE, "severity": "warning"},
+        # client mistakes are not server errors.
+        [series("promptcache_requests_total", {**POD, "rpc": "Get", "code": "OK"}, "0+90x40"),
+         series("promptcache_requests_total", {**POD, "rpc": "Put", "code": "INVALID_ARGUMENT"}, "0+30x40")]),
+    "PromptCacheChecksumFailures": (
+        "12m",
+        [series("promptcache_checksum_failures_total", {**POD, "tier": "disk"}, "0x10 1x30")],
+        {**POD, "tier": "disk", "severity": "warning"},
+        [series("promptcache_checksum_failures_total", {**POD, "tier": "disk"}, "0x40")]),
+}
+
+
+def test_every_alert_has_cases():
+    assert set(CASES) == set(alerts.ALERTS)
+
+
+def operator_rule_groups(labels: dict[str, str] | None = None) -> list[dict]:
+    spec = PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "4Gi"}})
+    d = OperatorDefaults(rule_labels=tuple((labels or {}).items()))
+    return builders.prometheus_rule(spec, Owner(NAME, NS, "uid"), d)["spec"]["groups"]
+
+
+def chart_rule_groups(helm_offline) -> list[dict]:
+    out = helm_offline("template", "x", str(CHART), "--set", "cacheAlerts.enabled=true",
+                       "--show-only", "templates/cache-alerts.yaml")
+    (doc,) = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert doc["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    return doc["spec"]["groups"]
+
+
+def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    if not Path(PROMTOOL).exists():
+        pytest.fail("promtool not found (Debian: apt-get install prometheus)", pytrace=False)
+    return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def check_and_test(groups: list[dict], tmp_path: Path) -> None:
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}, sort_keys=False, width=10000))
+    r = promtool("check", "rules", "rules.yaml", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(alerts.ALERTS)} rules found" in r.stdout, r.stdout
+    tests = []
+    for name, (at, firing, want, silent) in CASES.items():
+        tests.append({"name": f"{name} fires", "interval": "1m", "input_series": firing,
+                      "alert_rule_test": [{"eval_time": at, "alertname": name,
+                                           "exp_alerts": [{"exp_labels": want}]}]})
+        tests.append({"name": f"{name} silent", "interval": "1m", "input_series": silent,
+                      "alert_rule_test": [{"eval_time": at, "alertname": name, "exp_alerts": []}]})
+    # promtool compares annotations too; they are template-checked by `check rules`, so the test copy drops them.
+    bare = [{**g, "rules": [{k: v for k, v in r.items() if k != "annotations"} for r in g["rules"]]}
+            for g in groups]
+    (tmp_path / "bare.yaml").write_text(yaml.safe_dump({"groups": bare}, sort_keys=False, width=10000))
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(
+        {"rule_files": ["bare.yaml"], "evaluation_interval": "1m", "tests": tests}, sort_keys=False, width=10000))
+    r = promtool("test", "rules", "tests.yaml", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_operator_rule_promtool(tmp_path):
+    check_and_test(operator_rule_groups(), tmp_path)
+
+
+def test_chart_rule_promtool(helm_offline, tmp_path):
+    check_and_test(chart_rule_groups(helm_offline), tmp_path)
+
+
+def test_annotations_and_runbooks():
+    runbooks = (ROOT / "docs" / "runbooks.md").read_text()
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
+               for h in re.findall(r"^#+ (.+)$", runbooks, re.M)}
+    for g in operator_rule_groups():
+        for r in g["rules"]:
+            a = r["annotations"]
+            assert a["summary"] and a["description"], r["alert"]
+            url, anchor = a["runbook_url"].split("#")
+            assert url == alerts.RUNBOOK_BASE and anchor == r["alert"].lower()
+            assert anchor in anchors, f"docs/runbooks.md has no section {r['alert']}"
+
+
+def test_operator_rule_labels_from_env():
+    assert alerts.rule_labels_from_env({}) == {"release": "kube-prometheus-stack"}
+    assert alerts.rule_labels_from_env({"PROMPTCACHE_OPERATOR_RULE_LABELS": "release=prom,team=ml"}) == {
+        "release": "prom", "team": "ml"}
+    assert alerts.rule_labels_from_env({"PROMPTCACHE_OPERATOR_RULE_LABELS": ""}) == {}
+    d = OperatorDefaults.from_env({"PROMPTCACHE_OPERATOR_RULE_LABELS": "release=prom"})
+    spec = PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "4Gi"}})
+    assert builders.prometheus_rule(spec, Owner(NAME, NS, "u"), d)["metadata"]["labels"]["release"] == "prom"
+
+
+def test_chart_template_is_generated():
+    got = (CHART / "templates" / "cache-alerts.yaml").read_text()
+    assert got == alerts.helm_template(), (
+        "charts/promptcache-operator/templates/cache-alerts.yaml is stale: run "
+        "python -m promptcache.operator.alerts --helm > charts/promptcache-operator/templates/cache-alerts.yaml")
