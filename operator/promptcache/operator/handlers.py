@@ -51,6 +51,8 @@ def _reconcile(body: kopf.Body, logger: logging.Logger, reason: str) -> None:
     # Objects of kopf are read-only views; reconcile wants plain dicts.
     obj = {"metadata": dict(body.metadata), "spec": dict(body.spec), "status": dict(body.status)}
     out = reconcile(kube(), obj, OperatorDefaults.from_env())
+    if out.invalid_spec:
+        raise kopf.PermanentError("; ".join(out.errors))  # status says InvalidSpec; wait for a spec change
     if out.errors:
         logger.warning("%s: reconciled with errors: %s", reason, "; ".join(out.errors))
         raise kopf.TemporaryError("; ".join(out.errors), delay=5)
@@ -77,5 +79,5 @@ def resync(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """Level-based safety net: re-apply (repairs drift, picks up CRDs installed later) and refresh status."""
     try:
         _reconcile(body, logger, "resync")
-    except kopf.TemporaryError as exc:
+    except (kopf.TemporaryError, kopf.PermanentError) as exc:
         logger.warning("resync: %s", exc)

@@ -26,6 +26,7 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)
+    invalid_spec: bool = False  # retrying cannot help until the spec changes
 
 
 def now() -> str:
@@ -136,6 +137,7 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
                  condition("Progressing", False, "InvalidSpec", str(exc), generation),
                  condition("Degraded", True, "InvalidSpec", str(exc), generation)]
         out.errors.append(str(exc))
+        out.invalid_spec = True
         out.status = {"observedGeneration": generation,
                       "conditions": merge_conditions(old_status.get("conditions"), conds, stamp)}
         _write_status(kube, owner, old_status, out.status)

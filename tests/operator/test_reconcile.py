@@ -1,0 +1,110 @@
+"""reconcile() with a recording fake of the thin Kube layer: the condition logic, pruning and the status-write
+economy, without an API server (the real one is exercised by test_operator_apiserver.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from promptcache.operator import builders
+from promptcache.operator.builders import Capabilities
+from promptcache.operator.kube import ApiError
+from promptcache.operator.reconcile import reconcile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeKube:
+    def __init__(self, caps=Capabilities(), pc_exists=True, fail_kind=None):
+        self.caps = caps
+        self.pc_exists = pc_exists
+        self.fail_kind = fail_kind
+        self.applied: list[str] = []
+        self.deleted: list[str] = []
+        self.status_writes: list[dict] = []
+
+    def capabilities(self, refresh=False):
+        return self.caps
+
+    def apply(self, obj):
+        if obj["kind"] == self.fail_kind:
+            raise ApiError(422, '{"message": "boom"}')
+        self.applied.append(builders.child_key(obj))
+        return {**obj, "metadata": {**obj["metadata"], "generation": 1}}
+
+    def delete(self, api_version, kind, namespace, name):
+        self.deleted.append(f"{kind}/{name}")
+        return True
+
+    def priority_class_exists(self, name):
+        return self.pc_exists
+
+    def patch_status(self, namespace, name, status):
+        self.status_writes.append(status)
+        return {}
+
+    def request(self, *a, **k):
+        raise AssertionError("no pod listing expected while nothing is scheduled")
+
+
+def body(spec_patch=None, status=None):
+    doc = yaml.safe_load((ROOT / "examples" / "promptcache-minimal.yaml").read_text())
+    doc["spec"].update(spec_patch or {})
+    doc["metadata"].update(namespace="ns", uid="u-1", generation=3)
+    doc["status"] = status or {}
+    return doc
+
+
+def conds(status):
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_waiting_for_controller_is_progressing_not_ready():
+    k = FakeKube()
+    out = reconcile(k, body())
+    c = conds(out.status)
+    assert c["Ready"]["status"] == "False" and c["Progressing"]["status"] == "True"
+    assert c["Degraded"]["status"] == "False"
+    assert all(x["observedGeneration"] == 3 for x in c.values())
+    assert out.status["observedGeneration"] == 3 and len(k.applied) == 5
+
+
+def test_status_not_rewritten_when_nothing_changed():
+    k = FakeKube()
+    first = reconcile(k, body()).status
+    assert len(k.status_writes) == 1
+    reconcile(k, body(status=first))
+    assert len(k.status_writes) == 1  # same state: no write, no resourceVersion churn
+
+
+def test_apply_failure_is_degraded_and_not_ready():
+    out = reconcile(FakeKube(fail_kind="ResourceQuota"), body())
+    c = conds(out.status)
+    assert c["Degraded"]["reason"] == "ApplyFailed" and "boom" in c["Degraded"]["message"]
+    assert c["Ready"]["status"] == "False" and out.errors
+
+
+def test_missing_priority_class_is_degraded():
+    c = conds(reconcile(FakeKube(pc_exists=False), body()).status)
+    assert c["Degraded"]["reason"] == "PriorityClassNotFound"
+
+
+def test_requested_autoscaling_without_vpa_crd_is_degraded_but_unrequested_is_not():
+    c = conds(reconcile(FakeKube(), body({"autoscaling": {"enabled": True}})).status)
+    assert c["Degraded"]["status"] == "True" and c["Degraded"]["reason"] == "OptionalCRDMissing"
+    c = conds(reconcile(FakeKube(), body()).status)
+    assert c["Degraded"]["status"] == "False" and c["Autoscaling"]["reason"] == "CRDNotInstalled"
+
+
+def test_disabled_alerts_prune_the_rule():
+    k = FakeKube(caps=Capabilities(vpa=True, service_monitor=True, prometheus_rule=True))
+    reconcile(k, body({"alerts": {"enabled": False}}))
+    assert k.deleted == ["PrometheusRule/llama-8b"]
+    assert "PrometheusRule/llama-8b" not in k.applied and "VerticalPodAutoscaler/llama-8b" in k.applied
+
+
+def test_invalid_spec_is_reported_not_applied():
+    k = FakeKube()
+    out = reconcile(k, body({"cachePolicy": {"chunkTokens": 100}}))
+    assert out.invalid_spec and not k.applied
+    assert conds(out.status)["Degraded"]["reason"] == "InvalidSpec"
