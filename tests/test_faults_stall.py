@@ -169,3 +169,18 @@ def test_get_whose_reader_stalls_is_cancelled_and_releases_its_lease(sidecar_fac
             time.sleep(0.05)
         assert sidecar.tier.usage()["draining"] == 0
         assert c.lookup(SMALL, list(range(2 * CHUNK))).cached_tokens == 0  # still serving
+
+
+def test_cancellations_are_counted(sidecar_factory):
+    sidecar = sidecar_factory(stream_idle_seconds=0.3)
+    release = threading.Event()
+    try:
+        with grpc.insecure_channel(sidecar.address) as ch, pytest.raises(grpc.RpcError):
+            stalled_put(pb_grpc.KVCacheStub(ch), release).result(timeout=10)
+    finally:
+        release.set()
+    from prometheus_client import generate_latest
+
+    text = generate_latest(sidecar.metrics.registry).decode()
+    assert 'promptcache_calls_cancelled_total{limit="idle",rpc="Put"} 1.0' in text
+    assert 'promptcache_requests_total{code="DEADLINE_EXCEEDED",rpc="Put"} 1.0' in text

@@ -168,3 +168,15 @@ def test_no_timing_channel_across_tenants(multi):
     print("KS distances:", {k: round(v, 3) for k, v in results.items()})
     assert results["lookup"] < 0.2 and results["get"] < 0.2, results
     assert results["get-control"] > 0.5, results  # the method detects a real hit/miss difference
+
+
+def test_tenant_metrics(multi):
+    sidecar, c = multi
+    tokens = prefix(77)
+    c["alice"].put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+    c["bob"].put(dataclasses.replace(SMALL, tenant_salt=b"share:public"), tokens, make_kv(SMALL, len(tokens)))
+    from prometheus_client import generate_latest
+
+    text = generate_latest(sidecar.metrics.registry).decode()
+    assert f'promptcache_tenant_stored_bytes{{owner="alice"}} {float(2 * NBYTES)}' in text
+    assert f'promptcache_tenant_entries{{owner="group:public"}} 2.0' in text

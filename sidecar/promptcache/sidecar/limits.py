@@ -93,6 +93,7 @@ def _cancel(context, code: grpc.StatusCode, details: str) -> None:
 
 class Watchdog:
     def __init__(self, max_call_seconds: float, stream_idle_seconds: float, on_expire=None):
+        """on_expire(rpc, limit) is called for every call cancelled, limit being "idle" or "duration"."""
         self.max_call_seconds = max_call_seconds
         self.stream_idle_seconds = stream_idle_seconds
         self.on_expire = on_expire or (lambda rpc, reason: None)
@@ -134,7 +135,7 @@ class Watchdog:
             for w in due:
                 w.expired = True
                 log.warning("cancelled a call", extra={"rpc": w.rpc, "reason": w.reason})
-                self.on_expire(w.rpc, w.reason)
+                self.on_expire(w.rpc, "duration" if "--max-call-seconds" in w.reason else "idle")
                 _cancel(w.context, grpc.StatusCode.DEADLINE_EXCEEDED, w.reason)
 
     def stop(self) -> None:

@@ -253,3 +253,26 @@ class Tenancy:
             names = list(self._usage)
         return {name: self.usage(name) for name in names}
 
+
+
+class TenantCollector:
+    """Prometheus gauges of each owner's stored bytes, entries and quota, read at scrape time."""
+
+    def __init__(self, tenancy: Tenancy):
+        self.tenancy = tenancy
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        used = GaugeMetricFamily("promptcache_tenant_stored_bytes", "bytes held in the memory tier, by owner "
+                                 "(tenant, or group:NAME for a sharing group)", labels=["owner"])
+        entries = GaugeMetricFamily("promptcache_tenant_entries", "chunks held in the memory tier, by owner",
+                                    labels=["owner"])
+        quota = GaugeMetricFamily("promptcache_tenant_quota_bytes", "byte quota, by owner (0: none)",
+                                  labels=["owner"])
+        if self.tenancy.enabled:
+            for owner, u in self.tenancy.owners().items():
+                used.add_metric([owner], u["used"])
+                entries.add_metric([owner], u["entries"])
+                quota.add_metric([owner], u["quota"])
+        return [used, entries, quota]
