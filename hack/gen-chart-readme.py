@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Write charts/promptcache-operator/README.md: the values table comes from values.yaml (defaults) and
-values.schema.json (descriptions). tests/operator/test_consistency.py checks the committed README is current.
+values.schema.json (descriptions). tests/operator/test_operator_consistency.py checks the committed README is current.
 
 Usage: python3 hack/gen-chart-readme.py [--check]
 """

@@ -2,7 +2,7 @@
 
 The API server applies the CRD's defaults before the operator sees an object; this model applies the same
 defaults so the pure builders (and their golden tests) can start from a minimal dict. tests/operator/
-test_consistency.py checks these dataclasses, the CRD schema and the chart's values.schema.json against each
+test_operator_consistency.py checks these dataclasses, the CRD schema and the chart's values.schema.json against each
 other (field names, defaults, enums).
 """
 from __future__ import annotations
