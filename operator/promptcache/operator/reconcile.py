@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import builders, metrics
+from . import autoscale, builders, metrics
 from .builders import OPTIONAL_CRDS, Capabilities, OperatorDefaults, Owner
 from .kube import ApiError, Kube
 from .model import PromptCacheSpec, SpecError
@@ -145,6 +145,8 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
 
     caps = kube.capabilities()
     children = builders.desired_children(spec, owner, caps, defaults)
+    # Memory tuned by the autoscaler (status.autoscaling) replaces the spec-derived limits and budget.
+    children = autoscale.adjust_children(children, spec, old_status)
     ds = None
     pause_after, pause_seconds = _fault_injection(owner)
     for i, child in enumerate(children):

@@ -1,0 +1,350 @@
+"""Hit-ratio-driven memory autoscaling of a PromptCache: read the signal, decide (tuning.decide), actuate safely.
+
+Memory here is the sidecar container's memory (what spec.autoscaling.minMemory/maxMemory bound and what the VPA
+sets); the cache budget the sidecar is resized to is that minus `overhead_bytes` (builders.MEMORY_OVERHEAD).
+
+Actuation order, so that memory is never taken before the cache has released it:
+  shrink: Resize every sidecar down first; only when all succeeded, record the new memory in status and lower the
+          limit (VPA minAllowed/maxAllowed, or the DaemonSet's resources without a VPA). A failed Resize leaves the
+          limit where it was and is retried on the next tick.
+  grow:   record the new memory in status and raise the limit first; Resize each sidecar up only once the applied
+          limit (read back from the API server) covers it. Sidecars not yet resized are resized on a later tick
+          (level-based: every tick converges each sidecar's budget, read from its metrics, to the recorded one).
+The recorded memory lives in status.autoscaling (memoryBytes, lastChangeTime, lastDecision); reconcile() reads it
+through adjust_children(), so the regular reconcile keeps the tuned limits instead of reverting them. Each change is
+a Kubernetes Event on the PromptCache (reason = the decision's reason). See docs/autoscaling.md.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from . import builders, metrics_source, tuning
+from .builders import Capabilities, OperatorDefaults, Owner
+from .kube import ApiError, Kube
+from .model import GROUP, KIND, VERSION, PromptCacheSpec, SpecError, quantity_bytes
+
+log = logging.getLogger("promptcache.operator")
+UPDATE_MODES = ("InPlaceOrRecreate", "Initial", "Recreate", "Auto")
+
+
+@dataclass(frozen=True)
+class Config:
+    interval_s: float = 60.0
+    window_s: float = 300.0
+    overhead_bytes: int = builders.MEMORY_OVERHEAD
+    vpa_update_mode: str = "InPlaceOrRecreate"   # Initial where the cluster has no in-place pod resize
+    resize_timeout_s: float = 10.0
+    policy: tuning.Policy = field(default_factory=tuning.Policy)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "Config":
+        env = os.environ if env is None else env
+        d = cls()
+        p = d.policy
+
+        def f(name: str, default: float) -> float:
+            return float(env.get(f"PROMPTCACHE_AUTOSCALE_{name}", default))
+        mode = env.get("PROMPTCACHE_AUTOSCALE_VPA_UPDATE_MODE", d.vpa_update_mode)
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"PROMPTCACHE_AUTOSCALE_VPA_UPDATE_MODE must be one of {', '.join(UPDATE_MODES)}")
+        return cls(interval_s=f("INTERVAL_SECONDS", d.interval_s), window_s=f("WINDOW_SECONDS", d.window_s),
+                   overhead_bytes=int(f("OVERHEAD_BYTES", d.overhead_bytes)), vpa_update_mode=mode,
+                   resize_timeout_s=f("RESIZE_TIMEOUT_SECONDS", d.resize_timeout_s),
+                   policy=replace(p, grow_cooldown_s=f("GROW_COOLDOWN_SECONDS", p.grow_cooldown_s),
+                                  shrink_cooldown_s=f("SHRINK_COOLDOWN_SECONDS", p.shrink_cooldown_s),
+                                  grow_factor=f("GROW_FACTOR", p.grow_factor),
+                                  shrink_factor=f("SHRINK_FACTOR", p.shrink_factor)).validate())
+
+
+# --- the tuned state (status.autoscaling) -----------------------------------------------------------------------
+def initial_memory(spec: PromptCacheSpec, overhead: int) -> int:
+    return quantity_bytes(spec.memory.host) + overhead
+
+
+def bounds(spec: PromptCacheSpec, overhead: int) -> tuple[int, int]:
+    start = initial_memory(spec, overhead)
+    a = spec.autoscaling
+    lo = quantity_bytes(a.minMemory) if a.minMemory else min(start, quantity_bytes(a.maxMemory or str(start)))
+    hi = quantity_bytes(a.maxMemory) if a.maxMemory else max(start, lo)
+    return lo, hi
+
+
+def tuned_memory(status: dict[str, Any] | None) -> int | None:
+    v = ((status or {}).get("autoscaling") or {}).get("memoryBytes")
+    return int(v) if v else None
+
+
+def _parse_time(text: str | None) -> float | None:
+    if not text:
+        return None
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _stamp(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+# --- desired children with the tuned memory ---------------------------------------------------------------------
+def adjust_children(children: list[dict[str, Any]], spec: PromptCacheSpec, status: dict[str, Any] | None,
+                    config: Config | None = None) -> list[dict[str, Any]]:
+    """Apply the tuned memory (status.autoscaling.memoryBytes) to the desired children; unchanged when autoscaling
+    is off or nothing was tuned yet. Pure.
+
+    VPA present: minAllowed = maxAllowed = memory, updateMode as configured; the DaemonSet is left alone (the VPA
+    sets the pods' resources). No VPA: the DaemonSet's memory request and limit (a rolling restart). In both cases
+    the ConfigMap's budget follows, for pods that start later, but the DaemonSet's config-hash annotation keeps the
+    untuned value, so a budget change alone restarts nothing (running sidecars were Resized)."""
+    memory = tuned_memory(status)
+    if not spec.autoscaling.enabled or memory is None:
+        return children
+    config = config or Config.from_env()
+    has_vpa = any(c["kind"] == builders.VPA[1] for c in children)
+    budget = max(1, memory - config.overhead_bytes)
+    out = []
+    for c in children:
+        c = _copy(c)
+        if c["kind"] == "ConfigMap" and "PROMPTCACHE_MEMORY_BYTES" in c.get("data", {}):
+            c["data"]["PROMPTCACHE_MEMORY_BYTES"] = str(budget)
+        elif c["kind"] == builders.VPA[1]:
+            pol = c["spec"]["resourcePolicy"]["containerPolicies"][0]
+            pol["minAllowed"] = {"memory": builders.format_bytes(memory)}
+            pol["maxAllowed"] = {"memory": builders.format_bytes(memory)}
+            c["spec"]["updatePolicy"]["updateMode"] = config.vpa_update_mode
+        elif c["kind"] == "DaemonSet" and not has_vpa:
+            for ct in c["spec"]["template"]["spec"]["containers"]:
+                if ct["name"] == builders.CONTAINER:
+                    ct["resources"]["requests"]["memory"] = builders.format_bytes(memory)
+                    ct["resources"]["limits"]["memory"] = builders.format_bytes(memory)
+        out.append(c)
+    return out
+
+
+def _copy(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy(v) for v in obj]
+    return obj
+
+
+def applied_limit(kube: Kube, owner: Owner, caps: Capabilities) -> int | None:
+    """The memory limit the API server holds now: the VPA's maxAllowed, else the DaemonSet container's limit."""
+    if caps.vpa:
+        vpa = kube.get(builders.VPA[0], builders.VPA[1], owner.namespace, owner.name) or {}
+        for p in ((vpa.get("spec") or {}).get("resourcePolicy") or {}).get("containerPolicies") or []:
+            if p.get("containerName") == builders.CONTAINER and (p.get("maxAllowed") or {}).get("memory"):
+                return quantity_bytes(p["maxAllowed"]["memory"])
+        return None
+    ds = kube.get("apps/v1", "DaemonSet", owner.namespace, owner.name) or {}
+    for ct in (((ds.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers") or []:
+        if ct.get("name") == builders.CONTAINER:
+            lim = ((ct.get("resources") or {}).get("limits") or {}).get("memory")
+            return quantity_bytes(lim) if lim else None
+    return None
+
+
+# --- Resize over gRPC (no generated stubs: the operator image carries grpcio only) ------------------------------
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    n &= (1 << 64) - 1
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _decode_fields(data: bytes) -> dict[int, int]:
+    fields_, i = {}, 0
+    while i < len(data):
+        key, i = _read_varint(data, i)
+        if key & 7 != 0:
+            raise ValueError("unexpected wire type in ResizeResponse")
+        fields_[key >> 3], i = _read_varint(data, i)
+    return fields_
+
+
+def _read_varint(data: bytes, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+class ResizeError(Exception):
+    pass
+
+
+def grpc_resize(target: str, budget_bytes: int, timeout: float) -> dict[str, int]:
+    """promptcache.v1.KVCache/Resize(memory_bytes) -> {previous_bytes, memory_bytes, evicted_chunks, bytes_used}."""
+    import grpc  # the operator's only gRPC use; imported here so the rest runs without it
+
+    request = b"\x08" + _varint(budget_bytes)   # field 1 (memory_bytes), varint
+    with grpc.insecure_channel(target) as ch:
+        call = ch.unary_unary("/promptcache.v1.KVCache/Resize", request_serializer=None,
+                              response_deserializer=None)
+        try:
+            raw = call(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise ResizeError(f"{target}: {exc.code().name}: {exc.details()}") from None
+    f = _decode_fields(raw)
+    return {"previous_bytes": f.get(1, 0), "memory_bytes": f.get(2, 0), "evicted_chunks": f.get(3, 0),
+            "bytes_used": f.get(4, 0)}
+
+
+# --- one tick ---------------------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    decision: tuning.Decision | None = None
+    signal: tuning.Signal | None = None
+    memory_bytes: int | None = None          # recorded memory after this tick
+    steps: list[str] = field(default_factory=list)   # what was done, in order (tests check the ordering)
+    errors: list[str] = field(default_factory=list)
+
+
+Resizer = Callable[[str, int, float], dict[str, int]]
+
+
+def tick(kube: Kube, body: dict[str, Any], source: Any, config: Config | None = None,
+         defaults: OperatorDefaults | None = None, resizer: Resizer = grpc_resize,
+         now: Callable[[], float] = time.time) -> Outcome:
+    """One autoscaling step for one PromptCache (body: the object as read from the API server)."""
+    config = config or Config.from_env()
+    defaults = defaults or OperatorDefaults.from_env()
+    out = Outcome()
+    md = body["metadata"]
+    owner = Owner(md["name"], md["namespace"], md["uid"])
+    try:
+        spec = PromptCacheSpec.from_dict(body.get("spec") or {})
+    except SpecError:
+        return out
+    if not spec.autoscaling.enabled:
+        return out
+    status = body.get("status") or {}
+    state = dict(status.get("autoscaling") or {})
+    lo, hi = bounds(spec, config.overhead_bytes)
+    current = tuned_memory(status) or initial_memory(spec, config.overhead_bytes)
+    out.memory_bytes = current
+    caps = kube.capabilities()
+
+    eps = metrics_source.endpoints(kube, owner.namespace, owner.name)
+    signal, latest = source.signal(f"{owner.namespace}/{owner.name}", eps)
+    out.signal = signal
+
+    # Level-based: bring every sidecar's budget to the recorded memory (a grow whose Resize was pending, a pod
+    # that started with an older ConfigMap). Down at once; up only under a limit that already covers it.
+    want_budget = max(1, current - config.overhead_bytes)
+    limit = None
+    for e in eps:
+        c = latest.get(e.pod)
+        if c is None or not e.grpc_target or int(c.budget_bytes) == want_budget:
+            continue
+        if c.budget_bytes < want_budget:
+            limit = applied_limit(kube, owner, caps) if limit is None else limit
+            if limit is not None and limit < current:
+                out.steps.append(f"wait-limit {e.pod}")
+                continue
+        _resize(e, want_budget, config, resizer, out)
+
+    if signal is None:
+        return out
+    policy = tuning.policy_for(spec.autoscaling.targetHitRatio, config.policy)
+    t = now()
+    d = tuning.decide(signal, current, lo, hi, policy, _parse_time(state.get("lastChangeTime")), t)
+    out.decision = d
+    record = {"action": d.action, "reason": d.reason, "message": d.message, "time": _stamp(t),
+              "fromBytes": current, "toBytes": d.memory_bytes,
+              "hitRatio": None if signal.hit_ratio is None else round(signal.hit_ratio, 4),
+              "capacityEvictionsPerSecond": round(signal.capacity_evictions_per_s, 4)}
+
+    if d.action == tuning.HOLD:
+        prev = state.get("lastDecision") or {}
+        if (prev.get("action"), prev.get("reason")) != (d.action, d.reason) or "memoryBytes" not in state:
+            state.update({"memoryBytes": current, "lastDecision": record})
+            _patch_status(kube, owner, state, out)
+        return out
+
+    new_budget = max(1, d.memory_bytes - config.overhead_bytes)
+    if d.action == tuning.SHRINK:
+        ok = all(_resize(e, new_budget, config, resizer, out) for e in eps if e.grpc_target)
+        if not ok:
+            _event(kube, owner, "Warning", "ResizeFailed", f"shrink to {d.memory_bytes} postponed: "
+                   + "; ".join(out.errors), out)
+            return out
+        state.update({"memoryBytes": d.memory_bytes, "budgetBytes": new_budget, "lastChangeTime": _stamp(t),
+                      "lastDecision": record})
+        _patch_status(kube, owner, state, out)
+        _apply_limits(kube, owner, spec, caps, defaults, {**status, "autoscaling": state}, config, out)
+    else:  # grow
+        state.update({"memoryBytes": d.memory_bytes, "budgetBytes": new_budget, "lastChangeTime": _stamp(t),
+                      "lastDecision": record})
+        _patch_status(kube, owner, state, out)
+        _apply_limits(kube, owner, spec, caps, defaults, {**status, "autoscaling": state}, config, out)
+        limit = applied_limit(kube, owner, caps)
+        if limit is not None and limit >= d.memory_bytes:
+            for e in eps:
+                if e.grpc_target:
+                    _resize(e, new_budget, config, resizer, out)
+        else:
+            out.steps.append("wait-limit")
+    out.memory_bytes = d.memory_bytes
+    _event(kube, owner, "Normal", d.reason, d.message, out)
+    return out
+
+
+def _resize(e: metrics_source.Endpoint, budget: int, config: Config, resizer: Resizer, out: Outcome) -> bool:
+    try:
+        r = resizer(e.grpc_target, budget, config.resize_timeout_s)
+        out.steps.append(f"resize {e.pod} {budget}")
+        log.info("resized %s to %d (evicted %d chunks)", e.pod, budget, r.get("evicted_chunks", 0))
+        return True
+    except (ResizeError, OSError) as exc:
+        out.errors.append(f"Resize {e.pod}: {exc}")
+        log.warning("Resize %s to %d: %s", e.pod, budget, exc)
+        return False
+
+
+def _apply_limits(kube: Kube, owner: Owner, spec: PromptCacheSpec, caps: Capabilities, defaults: OperatorDefaults,
+                  status: dict[str, Any], config: Config, out: Outcome) -> None:
+    children = adjust_children(builders.desired_children(spec, owner, caps, defaults), spec, status, config)
+    kinds = {"ConfigMap", builders.VPA[1] if caps.vpa else "DaemonSet"}
+    for c in children:
+        if c["kind"] in kinds:
+            try:
+                kube.apply(c)
+                out.steps.append(f"apply {c['kind']}")
+            except ApiError as exc:
+                out.errors.append(f"apply {c['kind']}: {exc.message}")
+
+
+def _patch_status(kube: Kube, owner: Owner, state: dict[str, Any], out: Outcome) -> None:
+    try:
+        kube.patch_status(owner.namespace, owner.name, {"autoscaling": state})
+        out.steps.append("status")
+    except ApiError as exc:
+        out.errors.append(f"status: {exc.message}")
+
+
+def _event(kube: Kube, owner: Owner, type_: str, reason: str, message: str, out: Outcome) -> None:
+    t = _stamp(time.time())
+    ev = {"apiVersion": "v1", "kind": "Event",
+          "metadata": {"generateName": f"{owner.name}.autoscaling-", "namespace": owner.namespace},
+          "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name,
+                             "namespace": owner.namespace, "uid": owner.uid},
+          "reason": reason, "message": message[:1024], "type": type_, "source": {"component": "promptcache-autoscaler"},
+          "firstTimestamp": t, "lastTimestamp": t, "count": 1}
+    try:
+        kube.request("POST", f"/api/v1/namespaces/{owner.namespace}/events", body=ev)
+        out.steps.append(f"event {reason}")
+    except ApiError as exc:
+        out.errors.append(f"event: {exc.message}")
