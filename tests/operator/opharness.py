@@ -48,6 +48,15 @@ def require_tools(*names: str) -> dict[str, Path]:
     return paths
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the test process dies, even by SIGKILL (Linux prctl)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -102,7 +111,8 @@ class ControlPlane:
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = self.dir / f"{name}.log"
         self.logs[name] = log
-        p = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                             preexec_fn=_die_with_parent)
         self.procs.append(p)
         return p
 
@@ -258,7 +268,7 @@ class OperatorProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "promptcache.operator", "--liveness", "",
                                       "--log-format", "plain", *args],
                                      stdout=log.open("ab"), stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True, cwd=str(ROOT))
+                                     start_new_session=True, cwd=str(ROOT), preexec_fn=_die_with_parent)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
