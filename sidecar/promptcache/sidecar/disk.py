@@ -579,11 +579,13 @@ def measure(chunks_by_source: dict, repeats: int = 4, workdir: str | None = None
             payloads = [c.to(dtype).contiguous().view(torch.uint8).numpy().tobytes() for c in chunks]
             total = sum(len(p) for p in payloads) * repeats
             # memory tier Get: hand out a copy of the stored bytes (what a Get from host memory costs)
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                for p in payloads:
-                    bytearray(p)
-            mem_s = time.perf_counter() - t0
+            mem_s = float("inf")
+            for _ in range(3):  # best of three passes
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    for p in payloads:
+                        bytearray(p)
+                mem_s = min(mem_s, time.perf_counter() - t0)
             for codec in CODECS:
                 with tempfile.TemporaryDirectory(dir=workdir) as tmp:
                     d = DiskTier(os.path.join(tmp, "db"), 8 << 30, compression=codec, min_free_bytes=0,
@@ -602,11 +604,13 @@ def measure(chunks_by_source: dict, repeats: int = 4, workdir: str | None = None
                     files = os.listdir(os.path.join(tmp, "db"))
                     blob = sum(os.path.getsize(os.path.join(tmp, "db", f)) for f in files if f.endswith(".blob"))
                     d = DiskTier(os.path.join(tmp, "db"), 8 << 30, compression=codec, min_free_bytes=0)
-                    t0 = time.perf_counter()
-                    for key, p in keys:
-                        got = d.get(key)
-                        assert got is not None and len(got) == len(p)
-                    get_s = time.perf_counter() - t0
+                    get_s = float("inf")
+                    for _ in range(3):  # best of three passes (the first one also warms the page cache)
+                        t0 = time.perf_counter()
+                        for key, p in keys:
+                            got = d.get(key)
+                            assert got is not None and len(got) == len(p)
+                        get_s = min(get_s, time.perf_counter() - t0)
                     ok = all(d.get(k) == p for k, p in keys[: len(payloads)])
                     d.close()
                 rows.append({"source": source, "dtype": str(dtype).split(".")[-1], "codec": codec,
@@ -637,7 +641,9 @@ def _main(argv=None) -> int:
     for r in rows:
         print(f"| {r['source']} | {r['dtype']} | {r['codec']} | {r['ratio']:.3f} | {r['put_MBps']:.0f} | "
               f"{r['get_MBps']:.0f} | {r['disk_vs_mem_get']:.3f} | {r['bit_identical']} |")
-    print(f"\nchunk = {rows[0]['chunk_bytes']} bytes (256 tokens); memory Get = copy of the bytes in process")
+    print(f"\nchunk = {rows[0]['chunk_bytes']} bytes (256 tokens), {args.repeats} copies of each chunk; "
+          "memory Get = copy of the same bytes in process; Get rates are the best of three passes "
+          "(page cache warm), put rates include the final flush")
     return 0
 
 
