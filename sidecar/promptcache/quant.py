@@ -273,12 +273,13 @@ def read_header(blob: torch.Tensor) -> dict:
             f"unknown({dtype_id})"), "crc32": crc, "elements": n, "reserved": reserved}
 
 
-def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.device | str | None = None
-           ) -> torch.Tensor:
+def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.device | str | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize a packed chunk into [L, 2, H, T, D] of `kv_dtype`; CorruptChunk on any inconsistency.
 
     Never returns NaN or Inf: the length, header (mode, dtype, element count), CRC32, scales and zero points are
-    all checked, and so is the result.
+    all checked, and the scales bound every result. `out` (optional): a tensor (or strided view) of that shape and
+    dtype to write into (after a CorruptChunk its contents are unspecified: discard it).
     """
     secs = _sections(mode, shape, kv_dtype)
     expected = sum(s for _, s in secs)
@@ -322,7 +323,10 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
     limit = torch.finfo(_DTYPES[kv_dtype]).max
     if float(k_scale.max()) * 255 > limit:
         raise CorruptChunk(f"key scales out of range: dequantized values would overflow {kv_dtype}")
-    out = torch.empty((L, 2, H, T, D), dtype=_DTYPES[kv_dtype], device=k_scale.device)
+    if out is None:
+        out = torch.empty((L, 2, H, T, D), dtype=_DTYPES[kv_dtype], device=k_scale.device)
+    elif tuple(out.shape) != (L, 2, H, T, D) or out.dtype != _DTYPES[kv_dtype]:
+        raise ValueError(f"out must be {(L, 2, H, T, D)} {kv_dtype}, got {tuple(out.shape)} {out.dtype}")
     # x = code * scale - zero * scale: one fused multiply-add per element
     out[:, 0].copy_(torch.addcmul(-k_zero.float() * k_scale, views["k_codes"].reshape(L, H, T, D).float(), k_scale))
 

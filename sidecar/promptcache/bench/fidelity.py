@@ -22,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=int, default=4, help="windows of the text (positions = windows * suffix)")
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: one core per model stream; 0: torch's default, all cores)")
     p.add_argument("--json", default="", help="also write the results as JSON to this file")
 
 

@@ -41,7 +41,7 @@ import torch
 from prometheus_client import Counter, Histogram
 
 from promptcache.client import errors
-from promptcache.client.client import PromptCacheClient, decode_chunks, encode_chunk
+from promptcache.client.client import PromptCacheClient, encode_chunk
 from promptcache.keys import ModelSpec
 
 log = logging.getLogger("promptcache.client.hf")
@@ -60,6 +60,30 @@ _REASONS = {
     errors.DeadlineExceeded: "deadline",
     errors.CorruptChunk: "corrupt",
 }
+
+
+class _RateLimitedLog:
+    """Warn at most once per `interval` seconds per key (a sidecar that is down must not flood the logs); the
+    metrics count every event."""
+
+    def __init__(self, interval: float = 10.0):
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, key: str, msg: str, *args) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -1e9) < self.interval:
+                self._suppressed[key] = self._suppressed.get(key, 0) + 1
+                return
+            self._last[key] = now
+            n = self._suppressed.pop(key, 0)
+        log.warning(msg + (f" ({n} similar suppressed)" if n else ""), *args)
+
+
+_warn = _RateLimitedLog()
 
 
 def fallback_reason(exc: BaseException) -> str:
@@ -120,6 +144,51 @@ def make_cache(model, kv) -> object:
     return DynamicCache(ddp_cache_data=kv, config=model.config)
 
 
+def adopt_cache(model, kv) -> object:
+    """A DynamicCache over `kv` *without copying*: only for tensors nobody else holds (freshly decoded ones).
+
+    Plain `DynamicLayer`s (every layer of a full-attention model) take the tensors as they are; any other layer
+    type (sliding window, ...) gets them through its public `update()`, which copies.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(kv):
+        layer = cache.layers[i] if i < len(cache.layers) else None
+        if type(layer) is DynamicLayer:
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        else:
+            cache.update(k, v, i)
+    return cache
+
+
+def decode_prefix(spec: ModelSpec, blobs, chunk_tokens: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Blobs of consecutive chunks -> per-layer (K, V) [1, H, C*chunk_tokens, D], decoded straight into one buffer
+    (one copy for mode none; quantized chunks are dequantized in place). CorruptChunk on any bad chunk."""
+    from promptcache import quant
+    from promptcache.layout import TORCH_DTYPES, chunk_nbytes, chunk_shape
+
+    shape = chunk_shape(spec, chunk_tokens)
+    expected = chunk_nbytes(spec, chunk_tokens)
+    dtype = TORCH_DTYPES[spec.kv_dtype]
+    L, _, H, ct, D = shape
+    buf = torch.empty((L, 2, 1, H, len(blobs) * ct, D), dtype=dtype, device=device)
+    for i, blob in enumerate(blobs):
+        if blob.numel() != expected:
+            raise errors.CorruptChunk(f"chunk {i} has {blob.numel()} bytes; this model's layout needs {expected}")
+        dst = buf[:, :, 0, :, i * ct:(i + 1) * ct, :]
+        if spec.quantization == "none":
+            dst.copy_(blob.view(dtype).reshape(shape))
+        else:
+            try:
+                quant.unpack(spec.quantization, blob, shape, spec.kv_dtype, out=dst)
+            except quant.CorruptChunk as exc:
+                raise errors.CorruptChunk(f"chunk {i}: {exc}") from None
+    return [(buf[layer, 0], buf[layer, 1]) for layer in range(L)]
+
+
 class PromptCacheHF:
     """Prefix reuse for one `transformers` causal LM through a PromptCache sidecar. Thread-safe.
 
@@ -155,6 +224,7 @@ class PromptCacheHF:
         self._slots = threading.BoundedSemaphore(max_pending_stores)
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
+        self._chunk_tokens: int | None = None  # learnt from the sidecar's Lookup answers
 
     # ------------------------------------------------------------------------------------------------- fetch
     @property
@@ -171,7 +241,7 @@ class PromptCacheHF:
         tokens = ids[0].tolist()
         try:
             found = self.client.lookup(self.spec, tokens[:-1], timeout=self.fetch_timeout)
-            ct = found.chunk_tokens
+            ct = self._chunk_tokens = found.chunk_tokens
             usable = min(found.cached_tokens, len(tokens) - 1) // ct if ct else 0
             if usable == 0:
                 return Prefix(seconds=time.perf_counter() - t0, chunk_tokens=ct)
@@ -181,13 +251,13 @@ class PromptCacheHF:
             blobs = self.client.get_blobs(self.spec, tokens[:usable * ct], max_chunks=usable, timeout=remaining)
             if not blobs:  # evicted between Lookup and Get
                 return Prefix(seconds=time.perf_counter() - t0, chunk_tokens=ct)
-            kv = decode_chunks(self.spec, blobs, ct, self.device)
+            kv = decode_prefix(self.spec, blobs, ct, self.device)
             if self.verify_finite and self.spec.quantization == "none":
                 # quantized modes prove finiteness from their scales; raw chunks are scanned (cheap next to compute)
                 for layer, (k, v) in enumerate(kv):
                     if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
                         raise errors.CorruptChunk(f"cached prefix has NaN or Inf in layer {layer}")
-            cache = make_cache(self.model, kv)
+            cache = adopt_cache(self.model, kv)  # freshly decoded: this request's own tensors, no copy needed
             if time.monotonic() > deadline:
                 raise errors.DeadlineExceeded(f"fetch took longer than {self.fetch_timeout}s")
             cached = len(blobs) * ct
@@ -198,7 +268,7 @@ class PromptCacheHF:
         except Exception as exc:  # noqa: BLE001 - the cache must never fail a request
             reason = fallback_reason(exc)
             FALLBACKS.labels(reason).inc()
-            log.warning("promptcache: falling back to full prefill (%s): %s", reason, exc)
+            _warn.warning(f"fallback-{reason}", "promptcache: falling back to full prefill (%s): %s", reason, exc)
             return Prefix(fallback=reason, seconds=time.perf_counter() - t0)
 
     # ---------------------------------------------------------------------------------------------- prefill
@@ -261,24 +331,26 @@ class PromptCacheHF:
         if self.client is None:
             return None
         ids = _as_ids(input_ids)
-        ct = getattr(self.client, "_chunk_tokens", None)
-        if not ct:
-            return None  # chunk size learnt on the first successful Lookup; until then there is nothing to store
-        first, last = cached_tokens // ct, ids.shape[1] // ct
-        if last <= first:
+        n = ids.shape[1]
+        ct = self._chunk_tokens
+        if ct:  # copy just the new whole chunks
+            a, b = (cached_tokens // ct) * ct, (n // ct) * ct
+        else:  # chunk size not known yet (no Lookup answered): copy the rest, the store thread asks the sidecar
+            a, b = cached_tokens, n
+        if b <= a:
             return None
         if not self._slots.acquire(blocking=False):
             STORES.labels("dropped").inc()
-            log.warning("promptcache: background store queue full; dropping the store of %d chunks", last - first)
+            _warn.warning("store-dropped", "promptcache: background store queue full; dropping a store of %d tokens",
+                          b - a)
             return None
         try:
-            a, b = first * ct, last * ct
             snapshot = [(k[..., a:b, :].clone(), v[..., a:b, :].clone()) for k, v in cache_kv(cache)]
             tokens = ids[0, :b].tolist()
         except BaseException:
             self._slots.release()
             raise
-        fut = self._pool.submit(self._store, tokens, snapshot, first, last, ct)
+        fut = self._pool.submit(self._store, tokens, snapshot, a)
         with self._lock:
             self._pending.add(fut)
         fut.add_done_callback(self._done)
@@ -289,16 +361,24 @@ class PromptCacheHF:
             self._pending.discard(fut)
         self._slots.release()
 
-    def _store(self, tokens, snapshot, first, last, ct):
+    def _store(self, tokens, snapshot, a):
+        """Background: quantize (if the mode says so) and Put the whole chunks in snapshot (tokens a.. of `tokens`)."""
+        b = a + snapshot[0][0].shape[-2]
         try:
-            blobs = {i: encode_chunk(self.spec, snapshot, (i - first) * ct, (i - first + 1) * ct)
-                     for i in range(first, last)}
-            res = self.client.put_blobs(self.spec, tokens, blobs, timeout=self.store_timeout)
+            ct = self._chunk_tokens or self.client.chunk_tokens
+            self._chunk_tokens = ct
+            if a % ct:
+                raise ValueError(f"snapshot starts at token {a}, not at a chunk boundary of {ct}")
+            first, last = a // ct, b // ct
+            if last <= first:
+                return None
+            blobs = {i: encode_chunk(self.spec, snapshot, i * ct - a, (i + 1) * ct - a) for i in range(first, last)}
+            res = self.client.put_blobs(self.spec, tokens[:last * ct], blobs, timeout=self.store_timeout)
             STORES.labels("ok").inc()
             return res
         except Exception as exc:  # noqa: BLE001 - a failed store only costs a future cache miss
             STORES.labels("error").inc()
-            log.warning("promptcache: background store of chunks %d..%d failed: %s", first, last - 1, exc)
+            _warn.warning("store-error", "promptcache: background store of tokens %d..%d failed: %s", a, b, exc)
             return None
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -1,0 +1,226 @@
+"""ttft: time to first token with and without prefix reuse, on SmolLM2-135M over real English text.
+
+For each prefix length (default 512, 1k, 2k, 4k tokens) plus a 64-token suffix, TTFT (prompt in -> first token's
+logits and argmax out) for (a) a full prefill of prefix + suffix, (b) reuse of the prefix through a sidecar *process*
+over gRPC (Lookup + Get + decode + checks + DynamicCache, then the suffix), per quantization mode, and (c) reuse from an
+in-process cache that holds the prefix's K/V tensors (no transfer, no decode: the floor; the tensors are still copied
+into a fresh DynamicCache, as every reuse must). The variants run interleaved, round by round; the best of the rounds
+is reported (this machine is shared; medians and every sample go to --json). Ratios: full/(b) and (b)/(c).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefixes", default="512,1024,2048,4096", help="comma-separated prefix lengths in tokens")
+    p.add_argument("--suffix", type=int, default=64, help="tokens after the cached prefix")
+    p.add_argument("--modes", default="none,k8v8,k8v4", help="comma-separated quantization modes")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per reuse measurement (best is reported)")
+    p.add_argument("--full-repeats", type=int, default=2, help="interleaved runs per full-prefill measurement")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--transport", choices=["unix", "tcp"], default="unix", help="how the client reaches the sidecar")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: one core per model stream; 0: torch's default, all cores)")
+    p.add_argument("--plot", default="", help="write a PNG of TTFT vs prefix length here (needs matplotlib)")
+    p.add_argument("--json", default="", help="also write the results as JSON to this file")
+
+
+class SidecarProcess:
+    """`promptcache serve` in a child process (as in a pod: a separate process), on a unix socket or TCP port."""
+
+    def __init__(self, transport: str, chunk_tokens: int, memory_bytes: int):
+        self.tmp = tempfile.mkdtemp(prefix="promptcache-ttft-")
+        if transport == "unix":
+            self.address = f"unix://{self.tmp}/sidecar.sock"
+            listen = f"unix:{self.tmp}/sidecar.sock"
+        else:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            self.address = listen = f"127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", listen, "--metrics-port", "0",
+               "--memory-bytes", str(memory_bytes), "--chunk-tokens", str(chunk_tokens), "--device", "cpu",
+               "--data-dir", self.tmp, "--log-level", "warning"]
+        self.log = open(os.path.join(self.tmp, "sidecar.log"), "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 60.0) -> "SidecarProcess":
+        from promptcache.client import PromptCacheClient
+
+        deadline = time.monotonic() + timeout
+        with PromptCacheClient(self.address, timeout=1) as c:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"sidecar exited with {self.proc.returncode}; log in {self.log.name}")
+                if c.healthy(timeout=0.5):
+                    return self
+                time.sleep(0.1)
+        raise TimeoutError(f"sidecar at {self.address} not healthy after {timeout}s; log in {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_repeats, address, revision="",
+            log=print) -> list[dict]:
+    """TTFTs per prefix length. The variants are interleaved round by round (full, floor, each mode), so that load
+    from other processes hits them alike; the best of the rounds is reported (the median is kept in the JSON)."""
+    import torch
+
+    from promptcache.client import PromptCacheClient
+    from promptcache.client.hf import PromptCacheHF, cache_kv, make_cache
+
+    client = PromptCacheClient(address, timeout=120)
+    hfs = {m: PromptCacheHF(model, client, quantization=m, revision=revision, fetch_timeout=120) for m in modes}
+    rows = []
+    for p in prefixes:
+        ids = torch.tensor([tokens[:p + suffix]])
+        with torch.inference_mode():  # the prefix K/V, stored in every mode (what a first request's store does)
+            cache = model(input_ids=ids[:, :p], use_cache=True, logits_to_keep=1).past_key_values
+        prefix_kv = [(k.clone(), v.clone()) for k, v in cache_kv(cache)]
+        del cache
+        for m in modes:
+            client.put(hfs[m].spec, tokens[:p], prefix_kv)
+
+        @torch.inference_mode()
+        def full():
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            return int(out.logits[0, -1].argmax()), 0.0
+
+        @torch.inference_mode()
+        def floor():
+            c = make_cache(model, prefix_kv)
+            out = model(input_ids=ids[:, p:], past_key_values=c, use_cache=True, logits_to_keep=1)
+            return int(out.logits[0, -1].argmax()), 0.0
+
+        def reuse(m):
+            def fn():
+                res = hfs[m].prefill(ids, store=False)
+                if res.cached_tokens != p:
+                    raise RuntimeError(f"mode {m}: {res.cached_tokens} tokens reused, expected {p} ({res.fallback})")
+                return int(res.logits[0, -1].argmax()), res.fetch_seconds
+            return fn
+
+        variants = {"full": full, "floor": floor, **{m: reuse(m) for m in modes}}
+        samples = {k: [] for k in variants}
+        for r in range(max(repeats, full_repeats)):
+            for name, fn in variants.items():
+                if r >= (full_repeats if name == "full" else repeats):
+                    continue
+                t = time.perf_counter()
+                token, fetch = fn()
+                samples[name].append((time.perf_counter() - t, fetch, token))
+        best = {k: min(v) for k, v in samples.items()}
+        first_token = best["full"][2]
+        row = {"prefix": p, "suffix": suffix, "full_s": best["full"][0], "floor_s": best["floor"][0],
+               "samples": {k: [x[0] for x in v] for k, v in samples.items()},
+               "median": {k: statistics.median(x[0] for x in v) for k, v in samples.items()}}
+        log(f"prefix {p}: full prefill {row['full_s']:.3f}s, in-process floor {row['floor_s']:.3f}s")
+        for m in modes:
+            t, fetch, _ = best[m]
+            same = all(x[2] == first_token for x in samples[m])
+            row[m] = {"ttft_s": t, "fetch_s": fetch, "first_token_same": same,
+                      "speedup_vs_full": row["full_s"] / t, "vs_floor": t / row["floor_s"]}
+            log(f"  sidecar {m}: {t:.3f}s (fetch+decode {fetch:.3f}s) -> {row['full_s'] / t:.1f}x faster than full, "
+                f"{t / row['floor_s']:.2f}x the floor; first token {'same' if same else 'DIFFERENT'}")
+            client.delete(hfs[m].spec, tokens[:p])
+        rows.append(row)
+    client.close()
+    return rows
+
+
+def format_table(rows: list[dict], modes) -> str:
+    head = "| prefix + suffix | full prefill | in-process floor | " + " | ".join(
+        f"sidecar {m} (fetch) | {m}: speedup, x floor" for m in modes) + " |"
+    lines = [head, "|" + "---|" * (3 + 2 * len(modes))]
+    for r in rows:
+        cells = [f"{r['prefix']} + {r['suffix']}", f"{r['full_s']:.3f} s", f"{r['floor_s']:.3f} s"]
+        for m in modes:
+            x = r[m]
+            cells += [f"{x['ttft_s']:.3f} s ({x['fetch_s']:.3f} s)", f"{x['speedup_vs_full']:.1f}x, {x['vs_floor']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows, modes, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(no plot: matplotlib is not installed; {path} not written)")
+        return False
+    xs = [r["prefix"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, [r["full_s"] for r in rows], "o-", label="full prefill")
+    for m in modes:
+        ax.plot(xs, [r[m]["ttft_s"] for r in rows], "o-", label=f"sidecar, {m}")
+    ax.plot(xs, [r["floor_s"] for r in rows], "k--", label="in-process floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prefix tokens (+ suffix)")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("SmolLM2-135M on CPU: time to first token")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+    return True
+
+
+def run(args) -> int:
+    import torch
+
+    from promptcache import models
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prefixes = [int(x) for x in args.prefixes.split(",") if x.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for p in prefixes:
+        if p % args.chunk_tokens:
+            raise SystemExit(f"prefix {p} is not a multiple of --chunk-tokens {args.chunk_tokens}")
+    model, tok = models.load_smollm2(args.dtype)
+    tokens = models.text_tokens(tok, max(prefixes) + args.suffix)
+    sidecar = SidecarProcess(args.transport, args.chunk_tokens, memory_bytes=2 << 30).wait_ready()
+    print(f"SmolLM2-135M-Instruct ({args.dtype}, {torch.get_num_threads()} torch threads); sidecar process at "
+          f"{sidecar.address}; modes {', '.join(modes)}; suffix {args.suffix} tokens", flush=True)
+    try:
+        rows = measure(model, tokens, prefixes=prefixes, suffix=args.suffix, modes=modes, repeats=args.repeats,
+                       full_repeats=args.full_repeats, address=sidecar.address, revision=models.model_revision(),
+                       log=lambda s: print(s, flush=True))
+    finally:
+        sidecar.stop()
+    print()
+    print(format_table(rows, modes))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "bench_run"}, "rows": rows}, f, indent=2)
+    if args.plot:
+        plot(rows, modes, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__)
+    add_arguments(p)
+    sys.exit(run(p.parse_args()))
