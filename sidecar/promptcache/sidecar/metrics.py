@@ -38,6 +38,12 @@ class Metrics:
         self.admission_rejections = Counter("promptcache_admission_rejections",
                                             "Puts refused by the admission policy", ["tier"], registry=r)
         self.resizes = Counter("promptcache_resizes", "Resize calls applied", registry=r)
+        self.demotions = Counter("promptcache_demotions", "chunks moved from memory to the disk tier", registry=r)
+        self.demotion_failures = Counter("promptcache_demotion_failures",
+                                         "capacity evictions the disk tier did not take (full, queue full, "
+                                         "disk full): the chunk is dropped", registry=r)
+        self.promotions = Counter("promptcache_promotions", "chunks moved from disk back into memory on a hit",
+                                  registry=r)
 
     def watch(self, tiers) -> None:
         """Report entries/bytes/budget of each tier at scrape time, read from the tiers themselves."""

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import ipaddress
 import logging
+import os
 import signal
 import threading
 import time
@@ -30,6 +31,7 @@ from promptcache.shm import SharedBufferError, open_shared
 from promptcache.sidecar import cgroup, logs
 from promptcache.sidecar.auth import Authenticator, TokenStore, identity_of, server_credentials
 from promptcache.sidecar.config import Settings, settings_from_args
+from promptcache.sidecar.disk import DiskTierError
 from promptcache.sidecar.limits import CallLimiter, CallRejected, Guard, Watchdog
 from promptcache.sidecar.metrics import Metrics
 from promptcache.sidecar.policies import make_policy
@@ -123,6 +125,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self.metrics = metrics
         self.chunk_tokens = settings.chunk_tokens
         self.memory_limit: int | None = None  # the container's cgroup limit; budgets must fit under it
+        self.spill = None  # promptcache.sidecar.spill.Spill when the disk tier is on
         self._totals_lock = threading.Lock()
         self.hit_tokens = 0
         self.missed_tokens = 0
@@ -172,18 +175,25 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         chunks = []
         for i, key in enumerate(self._keys(fp, request.tokens)):
             entry = self.tier.peek(key, fp)
-            if entry is None:
+            if entry is not None:
+                chunks.append(pb.ChunkInfo(index=i, key=key, tier=pb.TIER_DEVICE, nbytes=entry.nbytes))
+                continue
+            size = self.spill.contains(key, fp) if self.spill is not None else None
+            if size is None:
                 break
-            chunks.append(pb.ChunkInfo(index=i, key=key, tier=pb.TIER_DEVICE, nbytes=entry.nbytes))
+            chunks.append(pb.ChunkInfo(index=i, key=key, tier=pb.TIER_DISK, nbytes=size))
         cached = len(chunks) * self.chunk_tokens
-        self._count_lookup("lookup", cached, len(request.tokens), owner)
+        on_disk = sum(c.tier == pb.TIER_DISK for c in chunks) * self.chunk_tokens
+        self._count_lookup("lookup", cached, len(request.tokens), owner, on_disk)
         return pb.LookupResponse(cached_tokens=cached, chunk_tokens=self.chunk_tokens, chunks=chunks)
 
-    def _count_lookup(self, rpc: str, cached: int, total: int, owner: str = "") -> None:
+    def _count_lookup(self, rpc: str, cached: int, total: int, owner: str = "", on_disk: int = 0) -> None:
         self.tenancy.count_lookup(owner, cached, total)
         self.metrics.lookups.labels(rpc).inc()
-        if cached:
-            self.metrics.hit_tokens.labels(rpc, "device").inc(cached)
+        if cached - on_disk:
+            self.metrics.hit_tokens.labels(rpc, "device").inc(cached - on_disk)
+        if on_disk:
+            self.metrics.hit_tokens.labels(rpc, "disk").inc(on_disk)
         self.metrics.missed_tokens.labels(rpc).inc(total - cached)
         with self._totals_lock:
             self.hit_tokens += cached
@@ -197,12 +207,15 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         mm = shared = None
         if request.HasField("shared_buffer"):
             mm, shared = self._shared(request.shared_buffer.name, request.shared_buffer.length, writable=True)
-        served = position = 0
+        served = position = from_disk = 0
         batch: list[pb.ChunkBegin] = []
         try:
             for i, key in enumerate(self._keys(fp, request.tokens, request.start_chunk, request.max_chunks),
                                     start=request.start_chunk):
                 entry = self.tier.acquire(key, fp)
+                tier_name = "device"
+                if entry is None and self.spill is not None:
+                    entry, tier_name = self.spill.promote(key, fp), "disk"
                 if entry is None:
                     break
                 try:
@@ -231,9 +244,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         yield pb.GetResponse(chunk=begin)
                         for off in range(0, entry.nbytes, frame):
                             yield frames.encode_data_frame(view[off:off + frame])
-                    self.metrics.sent_bytes.labels("device").inc(entry.nbytes)
+                    self.metrics.sent_bytes.labels(tier_name).inc(entry.nbytes)
                     self.tenancy.touched(owner, key)
                     served += 1
+                    from_disk += tier_name == "disk"
                 finally:
                     view = None
                     self.tier.release_lease(entry)
@@ -241,7 +255,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 yield pb.GetResponse(batch=pb.ChunkBatch(chunks=batch))
         finally:
             self._count_lookup("get", served * self.chunk_tokens,
-                               max(0, len(request.tokens) - request.start_chunk * self.chunk_tokens), owner)
+                               max(0, len(request.tokens) - request.start_chunk * self.chunk_tokens), owner,
+                               from_disk * self.chunk_tokens)
             if mm is not None:
                 shared = view = None
                 mm.close()
@@ -404,13 +419,18 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def Delete(self, request, context):
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
-        deleted = self.tier.delete(self._keys(fp, request.tokens, request.start_chunk), fp)
+        keys = self._keys(fp, request.tokens, request.start_chunk)
+        deleted = self.tier.delete(keys, fp)
+        if self.spill is not None:
+            deleted += self.spill.delete(keys, fp)
         return pb.DeleteResponse(deleted_chunks=deleted)
 
     @_observed("Purge")
     def Purge(self, request, context):
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         count, nbytes = self.tier.purge(fp)
+        if self.spill is not None:
+            count += self.spill.purge(fp)
         log.info("purged model", extra={"model_id": spec.model_id, "chunks": count, "bytes": nbytes})
         return pb.PurgeResponse(deleted_chunks=count, deleted_bytes=nbytes)
 
@@ -429,9 +449,14 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 hit_tokens=own["hit_tokens"], missed_tokens=own["missed_tokens"], device=str(self.tier.device),
                 eviction_policy=self.tier.policy.name)
         u = self.tier.usage()
+        tiers = [pb.TierStats(tier=pb.TIER_DEVICE, entries=u["entries"], bytes_used=u["used"],
+                              bytes_budget=u["budget"])]
+        if self.spill is not None:
+            d = self.spill.usage()
+            tiers.append(pb.TierStats(tier=pb.TIER_DISK, entries=d["entries"], bytes_used=d["used"],
+                                      bytes_budget=d["budget"]))
         return pb.StatsResponse(
-            tiers=[pb.TierStats(tier=pb.TIER_DEVICE, entries=u["entries"], bytes_used=u["used"],
-                                bytes_budget=u["budget"])],
+            tiers=tiers,
             chunk_tokens=self.chunk_tokens, max_chunk_bytes=self.settings.max_chunk_bytes,
             hit_tokens=self.hit_tokens, missed_tokens=self.missed_tokens, device=str(self.tier.device),
             eviction_policy=self.tier.policy.name)
@@ -513,6 +538,17 @@ class Sidecar:
         self.metrics.watch({"device": self.tier})
         self.service = KVCacheService(settings, self.tier, self.metrics, self.tenancy)
         self.service.memory_limit = self.memory_limit
+        self.spill = None
+        if settings.disk_bytes > 0:
+            from promptcache.sidecar.disk import DiskTier  # rocksdict loads only when the disk tier is on
+            from promptcache.sidecar.spill import Spill
+
+            disk = DiskTier(os.path.join(settings.data_dir, "rocksdb"), settings.disk_bytes,
+                            ttl_seconds=settings.ttl_seconds)
+            self.spill = self.service.spill = Spill(self.tier, disk, self.metrics)
+            self.metrics.watch({"disk": self.spill})
+            log.info("disk tier open", extra={"path": disk.path, "disk_bytes": settings.disk_bytes,
+                                              **disk.open_report})
         from prometheus_client import Counter
 
         from promptcache.sidecar.tenancy import TenantCollector
@@ -539,11 +575,14 @@ class Sidecar:
         if self.port == 0:
             raise OSError(f"cannot listen on --grpc-address {settings.grpc_address}")
         self._stop = threading.Event()
+        self._stop_lock = threading.Lock()
         self._http = None
         self.metrics_port = None
 
     def _evicted(self, entry, reason: str, age: float) -> None:
         self.tenancy.on_evicted(entry)
+        if reason == "capacity" and getattr(self, "spill", None) is not None:
+            self.spill.demote(entry)
         self.metrics.evictions.labels("device", reason).inc()
         self.metrics.evicted_bytes.labels("device", reason).inc(entry.nbytes)
         self.metrics.eviction_age.labels(reason).observe(age)
@@ -570,13 +609,25 @@ class Sidecar:
             self.tier.expire()
 
     def stop(self, grace: float = 2.0) -> None:
-        self._stop.set()
+        """Idempotent; a second caller waits until the first has finished (the disk flush included)."""
+        with self._stop_lock:
+            if not self._stop.is_set():
+                self._stop.set()
+                self._shutdown(grace)
+
+    def _shutdown(self, grace: float) -> None:
         self.watchdog.stop()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
+        if self.spill is not None:
+            # A graceful stop (upgrade, rescheduling) keeps the cache: memory goes to disk for the next start.
+            demoted = self.spill.demote_all()
+            self.spill.disk.flush()
+            self.spill.disk.close()
+            log.info("disk tier closed", extra={"demoted_on_shutdown": demoted})
 
     def wait(self) -> None:
         self.server.wait_for_termination()
@@ -591,7 +642,7 @@ def serve_from_args(args) -> int:
     logs.configure(settings.log_level, settings.log_format)
     try:
         sidecar = Sidecar(settings).start()
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, DiskTierError) as exc:
         log.error("cannot start: %s", exc)
         return 2
     log.info("promptcache sidecar serving", extra={
@@ -606,4 +657,5 @@ def serve_from_args(args) -> int:
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
     sidecar.wait()
+    sidecar.stop()  # returns once the shutdown started by the signal has finished
     return 0

@@ -170,8 +170,10 @@ class MemoryTier:
         return torch.empty(reservation.nbytes, dtype=torch.uint8, device=self.device)
 
     def commit(self, reservation: Reservation, *, key: bytes, fingerprint: bytes, parent: bytes, index: int,
-               data: torch.Tensor, checksum_value: int, shape: tuple[int, ...], dtype: int) -> bool:
-        """Insert a fully received, verified chunk. False if an equal key won the race (bytes released)."""
+               data: torch.Tensor, checksum_value: int, shape: tuple[int, ...], dtype: int,
+               ttl: float | None = None) -> bool:
+        """Insert a fully received, verified chunk (living `ttl` seconds, default the tier's TTL; a chunk
+        promoted from disk keeps what it had left). False if an equal key won the race (bytes released)."""
         now = self.clock()
         with self._lock:
             if reservation.done:
@@ -184,7 +186,7 @@ class MemoryTier:
             if existing is not None:
                 self._remove(existing, "ttl")
             entry = Entry(key, fingerprint, parent, index, data, checksum_value, shape, dtype, now,
-                          now + self.ttl, reservation.accounted, last_access=now)
+                          now + (self.ttl if ttl is None else ttl), reservation.accounted, last_access=now)
             self._entries[key] = entry
             self._used += entry.accounted
             self.policy.inserted(key, entry.nbytes, parent)

@@ -1,0 +1,118 @@
+"""The two tiers together: capacity evictions from memory are demoted to the disk tier; a hit on disk is promoted
+back into memory (and removed from disk, so a chunk is held in one tier at a time).
+
+The disk record's meta carries what the memory tier needs to serve the chunk again: the fingerprint (first, so
+`DiskTier.purge(fingerprint)` works), the chunk index, the parent key, the logical shape and dtype, and the
+chunk's own xxh3 checksum (verified again after the disk tier's own check, before the chunk is served).
+"""
+from __future__ import annotations
+
+import logging
+import struct
+import time
+
+import torch
+
+from promptcache.sidecar.disk import DiskTier
+from promptcache.sidecar.store import Entry, MemoryTier, StoreError, checksum
+
+log = logging.getLogger("promptcache.sidecar.spill")
+
+_META = struct.Struct("<32s32sIBBQ")  # fingerprint, parent, index, dtype, ndim, checksum; then ndim x u32 shape
+
+
+def encode_meta(entry: Entry) -> bytes:
+    return _META.pack(entry.fingerprint, entry.parent, entry.index, entry.dtype, len(entry.shape), entry.checksum) \
+        + struct.pack(f"<{len(entry.shape)}I", *entry.shape)
+
+
+def decode_meta(meta: bytes) -> tuple[bytes, bytes, int, int, int, tuple[int, ...]] | None:
+    if len(meta) < _META.size:
+        return None
+    fp, parent, index, dtype, ndim, value = _META.unpack_from(meta)
+    if len(meta) != _META.size + 4 * ndim:
+        return None
+    return fp, parent, index, dtype, value, struct.unpack_from(f"<{ndim}I", meta, _META.size)
+
+
+class Spill:
+    def __init__(self, memory: MemoryTier, disk: DiskTier, metrics=None):
+        self.memory = memory
+        self.disk = disk
+        self.metrics = metrics
+
+    # --- memory -> disk ---------------------------------------------------------------------------------
+    def demote(self, entry: Entry) -> bool:
+        """Called for a capacity eviction (under the memory tier's lock: the disk tier only queues the write)."""
+        remaining = entry.expires - self.memory.clock()
+        if remaining <= 0:
+            return False
+        host = entry.data if entry.data.device.type == "cpu" else entry.data.cpu()
+        taken = self.disk.put(entry.key, host.numpy(), meta=encode_meta(entry), parent=entry.parent,
+                              ttl_seconds=remaining)
+        if self.metrics is not None:
+            (self.metrics.demotions if taken else self.metrics.demotion_failures).inc()
+        return taken
+
+    def demote_all(self) -> int:
+        """On a graceful shutdown: everything still in memory goes to disk, so a restart keeps it."""
+        with self.memory._lock:  # noqa: SLF001 - a consistent snapshot of the index
+            entries = list(self.memory._entries.values())  # noqa: SLF001
+        return sum(self.demote(e) for e in entries)
+
+    # --- disk -> memory ---------------------------------------------------------------------------------
+    def contains(self, key: bytes, fingerprint: bytes) -> int | None:
+        """The payload size when the disk tier holds `key` under `fingerprint`, else None."""
+        meta = self.disk.meta(key)
+        decoded = decode_meta(meta) if meta is not None else None
+        if decoded is None or decoded[0] != fingerprint:
+            return None
+        entry = self.disk.index.get(key) or (self.disk.pending.get(key) or (None,))[0]
+        return entry.length if entry is not None else None
+
+    def promote(self, key: bytes, fingerprint: bytes) -> Entry | None:
+        """A leased entry for `key` read back from disk (release it with memory.release_lease), or None."""
+        meta = self.disk.meta(key)
+        decoded = decode_meta(meta) if meta is not None else None
+        if decoded is None or decoded[0] != fingerprint:
+            return None
+        fp, parent, index, dtype, value, shape = decoded
+        disk_entry = self.disk.index.get(key) or (self.disk.pending.get(key) or (None,))[0]
+        payload = self.disk.get(key)
+        if payload is None or disk_entry is None:
+            return None
+        remaining = disk_entry.expires - self.disk.clock()
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if checksum(data.numpy()) != value:
+            self.disk.delete(key)
+            if self.metrics is not None:
+                self.metrics.checksum_failures.labels("disk").inc()
+            log.error("disk chunk failed its checksum after read and was dropped", extra={"key": key.hex()})
+            return None
+        try:
+            reservation = self.memory.reserve(data.numel(), key, parent)
+        except StoreError:
+            # No room in memory right now: serve it from this copy, held only for the call and not cached.
+            now = self.memory.clock()
+            return Entry(key, fp, parent, index, data, value, shape, dtype, now, now, 0, leases=1, evicted=True)
+        device_data = data if self.memory.device.type == "cpu" else data.to(self.memory.device)
+        self.memory.commit(reservation, key=key, fingerprint=fp, parent=parent, index=index, data=device_data,
+                           checksum_value=value, shape=shape, dtype=dtype, ttl=max(remaining, 0.001))
+        self.disk.delete(key)
+        if self.metrics is not None:
+            self.metrics.promotions.inc()
+        entry = self.memory.acquire(key, fp)
+        if entry is None:  # evicted again at once by a concurrent writer: serve this copy
+            now = time.monotonic()
+            return Entry(key, fp, parent, index, data, value, shape, dtype, now, now, 0, leases=1, evicted=True)
+        return entry
+
+    def delete(self, keys: list[bytes], fingerprint: bytes) -> int:
+        return sum(self.disk.delete(k) for k in keys if self.contains(k, fingerprint) is not None)
+
+    def purge(self, fingerprint: bytes) -> int:
+        return self.disk.purge(fingerprint)
+
+    def usage(self) -> dict[str, int]:
+        s = self.disk.stats()
+        return {"entries": s["entries"], "used": s["bytes_used"], "budget": s["budget_bytes"]}

@@ -1,0 +1,153 @@
+"""Memory and disk together, through the real server and client: demotion on capacity eviction, promotion on a
+hit, restart persistence, purge, TTL on disk, an unwritable data path, and kill -9 during puts."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from promptcache.client import PromptCacheClient, errors
+from promptcache.layout import chunk_nbytes
+from support import CHUNK, SMALL, SidecarProcess, make_kv
+
+CHUNK_BYTES = chunk_nbytes(SMALL, CHUNK)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.fixture
+def tiered(sidecar_factory, tmp_path):
+    def start(**overrides):
+        settings = dict(memory_bytes=2 * CHUNK_BYTES, disk_bytes=64 << 20, data_dir=str(tmp_path / "data"))
+        settings.update(overrides)
+        return sidecar_factory(**settings)
+    return start
+
+
+def wait_written(sidecar, timeout=10):
+    assert sidecar.spill.disk.flush(timeout)
+
+
+def test_capacity_eviction_demotes_and_a_hit_promotes_bit_identical(tiered):
+    sidecar = tiered()
+    tokens = list(range(5 * CHUNK))
+    kv = make_kv(SMALL, len(tokens), seed=11)
+    with PromptCacheClient(sidecar.address) as c:
+        assert c.put(SMALL, tokens, kv).stored_chunks == 5
+        wait_written(sidecar)
+        tiers = [ch.tier for ch in c.lookup(SMALL, tokens).chunks]
+        assert tiers == ["disk", "disk", "disk", "device", "device"]
+        cached, got = c.get(SMALL, tokens)
+        assert cached == 5 * CHUNK
+        for (k, v), (gk, gv) in zip(kv, got):
+            assert torch.equal(bits(gk), bits(k)) and torch.equal(bits(gv), bits(v))
+        stats = {t.tier: t for t in c.stats().tiers}
+    usage = sidecar.tier.usage()
+    assert usage["used"] <= 2 * CHUNK_BYTES
+    assert sidecar.metrics.promotions._value.get() >= 3 and sidecar.metrics.demotions._value.get() >= 3
+    # One tier at a time: what memory holds now is not also on disk.
+    in_memory = set(sidecar.tier._entries)
+    assert not any(k in sidecar.spill.disk for k in in_memory)
+    assert len(stats) == 2
+
+
+def test_restart_serves_what_was_stored_before(tiered, tmp_path):
+    tokens = list(range(4 * CHUNK))
+    kv = make_kv(SMALL, len(tokens), seed=12)
+    first = tiered(memory_bytes=8 * CHUNK_BYTES)
+    with PromptCacheClient(first.address) as c:
+        c.put(SMALL, tokens, kv)
+    first.stop()  # graceful: memory is demoted to disk and flushed
+    second = tiered(memory_bytes=8 * CHUNK_BYTES)
+    with PromptCacheClient(second.address) as c:
+        assert [ch.tier for ch in c.lookup(SMALL, tokens).chunks] == ["disk"] * 4
+        cached, got = c.get(SMALL, tokens)
+    assert cached == 4 * CHUNK
+    for (k, v), (gk, gv) in zip(kv, got):
+        assert torch.equal(bits(gk), bits(k)) and torch.equal(bits(gv), bits(v))
+
+
+def test_purge_and_delete_reach_the_disk_tier(tiered):
+    sidecar = tiered()
+    tokens = list(range(4 * CHUNK))
+    with PromptCacheClient(sidecar.address) as c:
+        c.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+        wait_written(sidecar)
+        assert c.delete(SMALL, tokens, start_chunk=3) == 1
+        assert c.lookup(SMALL, tokens).cached_tokens == 3 * CHUNK
+        assert c.purge(SMALL)[0] == 3
+        assert c.lookup(SMALL, tokens).cached_tokens == 0
+    assert len(sidecar.spill.disk) == 0
+
+
+def test_ttl_applies_on_disk(tiered):
+    sidecar = tiered(ttl_seconds=1.0)
+    tokens = list(range(4 * CHUNK))
+    with PromptCacheClient(sidecar.address) as c:
+        c.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+        wait_written(sidecar)
+        assert c.lookup(SMALL, tokens).chunks[0].tier == "disk"
+        time.sleep(1.5)
+        assert c.lookup(SMALL, tokens).cached_tokens == 0
+        assert c.get_blobs(SMALL, tokens) == []
+
+
+def test_unwritable_data_path_exits_naming_it(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    path = blocker / "data"
+    out = subprocess.run([sys.executable, "-m", "promptcache.cli", "serve", "--metrics-port", "0",
+                          "--disk-bytes", "64Mi", "--data-dir", str(path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2
+    assert str(path) in out.stdout + out.stderr
+
+
+def test_kill_9_during_puts_never_serves_a_bad_chunk(tmp_path):
+    """20 rounds: stream puts, kill -9 mid-stream, restart on the same data, check everything served."""
+    data = tmp_path / "data"
+    prompts = [[p * 1000 + t for t in range(3 * CHUNK)] for p in range(40)]
+    expected = {p: make_kv(SMALL, 3 * CHUNK, seed=p) for p in range(len(prompts))}
+    args = ("--memory-bytes", str(2 * CHUNK_BYTES), "--disk-bytes", "64Mi", "--data-dir", str(data),
+            "--chunk-tokens", str(CHUNK), "--log-level", "warning")
+    served_from_disk = 0
+    for round_ in range(20):
+        proc = SidecarProcess(*args).wait_ready()
+        try:
+            with PromptCacheClient(proc.address, timeout=5, retries=0) as c:
+                # Whatever survived earlier kills must be served exactly, or not at all.
+                for p, tokens in enumerate(prompts):
+                    cached, got = c.get(SMALL, tokens)
+                    for (k, v), (gk, gv) in zip(expected[p], got):
+                        assert torch.equal(gk, k[:, :, :cached]) and torch.equal(gv, v[:, :, :cached])
+                    served_from_disk += cached // CHUNK
+                stop = threading.Event()
+
+                def writer():
+                    i = round_
+                    while not stop.is_set():
+                        p = i % len(prompts)
+                        try:
+                            c.put(SMALL, prompts[p], expected[p])
+                        except errors.PromptCacheError:
+                            return
+                        i += 7
+
+                t = threading.Thread(target=writer)
+                t.start()
+                time.sleep(0.2 + 0.05 * (round_ % 5))
+                os.kill(proc.proc.pid, signal.SIGKILL)
+                proc.proc.wait(10)
+                stop.set()
+                t.join(10)
+        finally:
+            proc.stop()
+    assert served_from_disk > 0  # the loop really exercised restarts with data on disk
