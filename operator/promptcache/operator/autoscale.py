@@ -40,6 +40,7 @@ class Config:
     vpa_update_mode: str = "InPlaceOrRecreate"   # Initial where the cluster has no in-place pod resize
     resize_timeout_s: float = 10.0
     policy: tuning.Policy = field(default_factory=tuning.Policy)
+    address_map: dict[str, str] = field(default_factory=dict)   # test hook, see metrics_source.endpoints
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Config":
@@ -237,7 +238,7 @@ def tick(kube: Kube, body: dict[str, Any], source: Any, config: Config | None = 
     out.memory_bytes = current
     caps = kube.capabilities()
 
-    eps = metrics_source.endpoints(kube, owner.namespace, owner.name)
+    eps = metrics_source.endpoints(kube, owner.namespace, owner.name, config.address_map)
     signal, latest = source.signal(f"{owner.namespace}/{owner.name}", eps)
     out.signal = signal
 

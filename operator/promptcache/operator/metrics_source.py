@@ -148,9 +148,14 @@ def _hostport(addr: str, port: int) -> str:
     return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
 
-def endpoints(kube, namespace: str, name: str) -> list[Endpoint]:
-    metrics = _slice_endpoints(kube, namespace, f"{name}-metrics", "metrics")
-    grpc = _slice_endpoints(kube, namespace, name, "grpc")
+def endpoints(kube, namespace: str, name: str, address_map: dict[str, str] | None = None) -> list[Endpoint]:
+    """The ready sidecars of a cache. `address_map` rewrites endpoint addresses before they are dialled: a test
+    hook (the API server refuses loopback addresses in EndpointSlices, so a test stands a documentation address
+    in for the local sidecar); empty in production."""
+    amap = address_map or {}
+    metrics = {k: (p, amap.get(a, a), port)
+               for k, (p, a, port) in _slice_endpoints(kube, namespace, f"{name}-metrics", "metrics").items()}
+    grpc = {k: (p, amap.get(a, a), port) for k, (p, a, port) in _slice_endpoints(kube, namespace, name, "grpc").items()}
     out = []
     for pod in sorted(set(metrics) | set(grpc)):
         m, g = metrics.get(pod), grpc.get(pod)

@@ -119,6 +119,7 @@ def decide(signal: Signal, current: int, minimum: int, maximum: int, policy: Pol
             message = (f"hit ratio {ratio_text} < target {p.target_hit_ratio} with "
                        f"{signal.capacity_evictions_per_s:.3g} capacity evictions/s: grow {current} -> {to}")
     elif idle:
+        reason, message = "AtMinimum", f"no load ({signal.lookup_tokens_per_s:.3g} tokens/s looked up), at the minimum"
         if current > minimum:
             want, to = SHRINK, max(minimum, _align_down(current * p.shrink_factor))
             reason = "Idle"

@@ -1,0 +1,167 @@
+"""Autoscaler pieces without an API server: metrics parsing and aggregation, the Prometheus source (against a
+stand-in HTTP server answering the query API), the tuned children, config from env, and Resize over raw gRPC
+against a real sidecar process."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from promptcache.operator import autoscale, builders, metrics_source
+from promptcache.operator.builders import Capabilities, Owner
+from promptcache.operator.metrics_source import Counters, PodRates
+from promptcache.operator.model import PromptCacheSpec
+
+Mi = 1 << 20
+EXPOSITION = "\n".join([
+    'promptcache_hit_tokens_total{rpc="Lookup",tier="device"} 300.0',
+    'promptcache_hit_tokens_total{rpc="Lookup",tier="disk"} 100.0',
+    'promptcache_missed_tokens_total{rpc="Lookup"} 600.0',
+    'promptcache_evictions_total{tier="device",reason="capacity"} 40.0',
+    'promptcache_evictions_total{tier="device",reason="ttl"} 7.0',
+    'promptcache_evictions_total{tier="disk",reason="capacity"} 9.0',
+    'promptcache_eviction_entry_age_seconds_sum{reason="capacity"} 400.0',
+    'promptcache_eviction_entry_age_seconds_count{reason="capacity"} 40.0',
+    'promptcache_eviction_entry_age_seconds_bucket{reason="capacity",le="10.0"} 3.0',
+    'promptcache_stored_bytes{tier="device"} 1024',
+    'promptcache_stored_bytes{tier="disk"} 999999',
+    'promptcache_budget_bytes{tier="device"} 2048',
+    'promptcache_committed_bytes{tier="device"} 1500',
+])
+
+
+def test_parse_counts_disk_hits_as_memory_misses():
+    c = metrics_source.parse(EXPOSITION)
+    assert c == Counters(hit_tokens=300, missed_tokens=700, capacity_evictions=40, capacity_age_sum=400,
+                         capacity_age_count=40, stored_bytes=1024, budget_bytes=2048, committed_bytes=1500)
+
+
+def test_aggregate_over_nodes():
+    a = PodRates(90, 10, 2.0, 20.0, 2.0, 100, 200)
+    b = PodRates(10, 90, 0.0, 0.0, 0.0, 50, 200)
+    s = metrics_source.aggregate([a, b])
+    assert s.hit_ratio == 0.5 and s.lookup_tokens_per_s == 100 and s.capacity_evictions_per_s == 2.0
+    assert s.eviction_age_s == 10.0 and s.stored_bytes == 100
+    idle = metrics_source.aggregate([PodRates(0, 0, 0, 0, 0, 0, 0)])
+    assert idle.hit_ratio is None and idle.eviction_age_s is None
+    assert metrics_source.aggregate([]) is None
+
+
+def test_scrape_source_rates_and_counter_reset():
+    now = [0.0]
+    src = metrics_source.ScrapeSource(window_s=10, clock=lambda: now[0])
+    texts = iter([EXPOSITION, EXPOSITION.replace("300.0", "400.0").replace("600.0", "700.0"),
+                  EXPOSITION.replace("300.0", "50.0")])   # third: the sidecar restarted (counter went down)
+    metrics_source.scrape = lambda url, timeout=2.0: metrics_source.parse(next(texts))  # type: ignore[assignment]
+    try:
+        ep = [metrics_source.Endpoint("p", "10.0.0.1", "http://x/metrics", "10.0.0.1:50051")]
+        assert src.signal("ns/c", ep)[0] is None          # one sample: no rate yet
+        now[0] = 10.0
+        s, latest = src.signal("ns/c", ep)
+        assert s.hit_ratio == 0.5 and s.lookup_tokens_per_s == 20.0 and latest["p"].budget_bytes == 2048
+        now[0] = 20.0
+        s, _ = src.signal("ns/c", ep)
+        assert s.lookup_tokens_per_s >= 0   # a reset never yields a negative rate
+    finally:
+        import importlib
+        importlib.reload(metrics_source)
+
+
+class _Prom(BaseHTTPRequestHandler):
+    queries: list[str] = []
+
+    def do_GET(self):  # noqa: N802
+        q = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)["query"][0]
+        self.queries.append(q)
+        # (the miss query also names the disk-tier hits: match it first)
+        value = {"promptcache_missed_tokens_total": 10, "promptcache_hit_tokens_total": 30,
+                 "promptcache_evictions_total": 2, "_sum": 20, "_count": 2, "promptcache_stored_bytes": 5 * Mi,
+                 "promptcache_budget_bytes": 8 * Mi}
+        v = next(v for k, v in value.items() if k in q)
+        body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": [
+            {"metric": {"pod": "p1"}, "value": [0, str(v)]}]}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_prometheus_source():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Prom)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        src = metrics_source.PrometheusSource(f"http://127.0.0.1:{srv.server_port}", window_s=120)
+        s, latest = src.signal("ml/llama", [])
+        assert s.hit_ratio == 0.75 and s.capacity_evictions_per_s == 2 and s.eviction_age_s == 10
+        assert latest["p1"].budget_bytes == 8 * Mi
+        assert all('namespace="ml",service="llama-metrics"' in q and "[120s]" in q
+                   for q in _Prom.queries if "rate(" in q)
+    finally:
+        srv.shutdown()
+    assert metrics_source.PrometheusSource("http://127.0.0.1:9", timeout_s=0.5).signal("a/b", []) == (None, {})
+
+
+SPEC = PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "4Gi"},
+                                  "autoscaling": {"enabled": True, "minMemory": "2Gi", "maxMemory": "16Gi"}})
+OWNER = Owner("c", "ns", "uid")
+CFG = autoscale.Config(overhead_bytes=512 * Mi, vpa_update_mode="Initial")
+
+
+def by_kind(children):
+    return {c["kind"]: c for c in children}
+
+
+def test_adjust_children_vpa_and_daemonset_fallback():
+    status = {"autoscaling": {"memoryBytes": 6 * 1024 * Mi}}
+    plain = builders.desired_children(SPEC, OWNER, Capabilities(vpa=True))
+    got = by_kind(autoscale.adjust_children(plain, SPEC, status, CFG))
+    pol = got["VerticalPodAutoscaler"]["spec"]["resourcePolicy"]["containerPolicies"][0]
+    assert pol["minAllowed"] == pol["maxAllowed"] == {"memory": "6Gi"}
+    assert got["VerticalPodAutoscaler"]["spec"]["updatePolicy"]["updateMode"] == "Initial"
+    assert got["ConfigMap"]["data"]["PROMPTCACHE_MEMORY_BYTES"] == str(6 * 1024 * Mi - 512 * Mi)
+    assert got["DaemonSet"] == by_kind(plain)["DaemonSet"]      # the VPA sets the pods' resources
+    # Without a VPA the DaemonSet carries the limit; the config hash does not change (no restart for the budget).
+    plain = builders.desired_children(SPEC, OWNER, Capabilities())
+    got = by_kind(autoscale.adjust_children(plain, SPEC, status, CFG))
+    res = got["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert res["limits"]["memory"] == res["requests"]["memory"] == "6Gi"
+    ann = "promptcache.io/config-hash"
+    assert (got["DaemonSet"]["spec"]["template"]["metadata"]["annotations"][ann]
+            == by_kind(plain)["DaemonSet"]["spec"]["template"]["metadata"]["annotations"][ann])
+    # Nothing tuned yet, or autoscaling off: untouched.
+    assert autoscale.adjust_children(plain, SPEC, {}, CFG) == plain
+    off = PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "4Gi"}})
+    assert autoscale.adjust_children(plain, off, status, CFG) == plain
+
+
+def test_bounds_and_config_from_env():
+    assert autoscale.bounds(SPEC, 512 * Mi) == (2 << 30, 16 << 30)
+    only_max = PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "4Gi"},
+                                          "autoscaling": {"enabled": True, "maxMemory": "8Gi"}})
+    assert autoscale.bounds(only_max, 0) == (4 << 30, 8 << 30)
+    c = autoscale.Config.from_env({"PROMPTCACHE_AUTOSCALE_GROW_COOLDOWN_SECONDS": "7",
+                                   "PROMPTCACHE_AUTOSCALE_VPA_UPDATE_MODE": "Initial"})
+    assert c.policy.grow_cooldown_s == 7 and c.vpa_update_mode == "Initial"
+    with pytest.raises(ValueError):
+        autoscale.Config.from_env({"PROMPTCACHE_AUTOSCALE_VPA_UPDATE_MODE": "Sometimes"})
+
+
+def test_grpc_resize_against_a_real_sidecar(tmp_path):
+    from support import SidecarProcess
+
+    s = SidecarProcess("--memory-bytes", str(64 * Mi), "--device", "cpu", "--data-dir", str(tmp_path)).wait_ready()
+    try:
+        r = autoscale.grpc_resize(s.address, 32 * Mi, 5)
+        assert r["previous_bytes"] == 64 * Mi and r["memory_bytes"] == 32 * Mi
+        with pytest.raises(autoscale.ResizeError, match="INVALID_ARGUMENT"):
+            autoscale.grpc_resize(s.address, -1, 5)
+    finally:
+        s.stop()
+    with pytest.raises(autoscale.ResizeError, match="UNAVAILABLE"):
+        autoscale.grpc_resize(s.address, 32 * Mi, 2)

@@ -1,0 +1,203 @@
+"""Closed loop: a real sidecar process under a synthetic workload whose working set (24 MiB) is larger than its
+starting budget (8 MiB); the autoscaler (promptcache.operator.autoscale.tick, authenticated as the chart's
+ServiceAccount against the real API server, with reconcile() in between as the operator's timer runs it) scrapes
+the sidecar's real /metrics, raises the memory until the hit ratio reaches the target, holds, and shrinks back to
+the minimum when the load stops. The sidecar never restarts and never holds more than its budget.
+
+No kubelet runs here, so no Pod and no EndpointSlice controller: the test creates the EndpointSlices of the cache's
+two Services BY HAND, pointing at the local sidecar's gRPC and metrics ports. The API server refuses loopback
+addresses in EndpointSlices, so they carry a documentation address (192.0.2.10, TEST-NET-1) that the autoscaler's
+test hook (autoscale.Config.address_map) maps to 127.0.0.1 before dialling. Everything else is the
+operator's code path: endpoint discovery through the API server, scraping, tuning.decide, Resize over gRPC, status,
+Events and the DaemonSet's limits (no VPA CRD here: the DaemonSet fallback). Cooldowns and windows are seconds
+instead of minutes (autoscale.Config).
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from opharness import wait_for
+from promptcache.client import PromptCacheClient
+from promptcache.keys import ModelSpec
+from promptcache.layout import chunk_nbytes
+from promptcache.operator import autoscale, builders, metrics_source, tuning
+from promptcache.operator.builders import OperatorDefaults
+from promptcache.operator.kube import Kube, configuration_from_environment, object_path
+from promptcache.operator.model import quantity_bytes
+from promptcache.operator.reconcile import reconcile
+from support import SidecarProcess
+
+pytestmark = pytest.mark.apiserver
+
+Mi = 1 << 20
+CHUNK_TOKENS = 16
+SPEC = ModelSpec("test/closed-loop", "rev-1", "float16", num_layers=4, num_kv_heads=8, head_dim=64)  # 128 KiB/chunk
+PREFIXES, CHUNKS_PER_PREFIX = 48, 4            # working set 48 x 4 x 128 KiB = 24 MiB
+MIN, MAX, TARGET = 8 * Mi, 64 * Mi, 0.8
+PC_API = "promptcache.io/v1alpha1"
+STAND_IN = "192.0.2.10"   # in the EndpointSlices; mapped to 127.0.0.1 (see the module docstring)
+
+
+class Workload(threading.Thread):
+    """Uniformly random prompts over a fixed set of prefixes: Lookup, then Put of the chunks that missed."""
+
+    def __init__(self, address: str):
+        super().__init__(daemon=True)
+        self.address = address
+        self.stop = threading.Event()
+        self.requests = 0
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        blob = bytes(random.Random(1).randbytes(chunk_nbytes(SPEC, CHUNK_TOKENS)))
+        rng = random.Random(2)
+        with PromptCacheClient(self.address, timeout=5) as c:
+            while not self.stop.is_set():
+                p = rng.randrange(PREFIXES)
+                tokens = [p * 1000 + j for j in range(CHUNK_TOKENS * CHUNKS_PER_PREFIX)]
+                try:
+                    got = c.lookup(SPEC, tokens).cached_tokens // CHUNK_TOKENS
+                    if got < CHUNKS_PER_PREFIX:
+                        c.put_blobs(SPEC, tokens, {i: blob for i in range(got, CHUNKS_PER_PREFIX)})
+                    self.requests += 1
+                except Exception as exc:  # noqa: BLE001 - recorded and asserted on
+                    self.errors.append(repr(exc))
+                    time.sleep(0.05)
+
+
+def endpoint_slice(namespace: str, service: str, port_name: str, port: int) -> dict:
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": f"{service}-local", "namespace": namespace,
+                         "labels": {"kubernetes.io/service-name": service,
+                                    "endpointslice.kubernetes.io/managed-by": "promptcache-tests"}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [STAND_IN], "conditions": {"ready": True},
+                           "targetRef": {"kind": "Pod", "namespace": namespace, "name": "sidecar-on-this-machine"}}],
+            "ports": [{"name": port_name, "port": port, "protocol": "TCP"}]}
+
+
+def ds_memory_limit(kube, namespace: str, name: str) -> int:
+    ds = kube.get("apps/v1", "DaemonSet", namespace, name)
+    (ct,) = ds["spec"]["template"]["spec"]["containers"]
+    return quantity_bytes(ct["resources"]["limits"]["memory"])
+
+
+def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path):
+    op_kube = Kube(configuration_from_environment(str(operator_kubeconfig)), crd_cache_seconds=0.5)
+    sidecar = SidecarProcess("--memory-bytes", str(MIN), "--chunk-tokens", str(CHUNK_TOKENS), "--device", "cpu",
+                             "--data-dir", str(tmp_path / "data"), "--log-level", "warning",
+                             "--ttl-seconds", "3600").wait_ready()
+    pid = sidecar.proc.pid
+    workload = Workload(sidecar.address)
+    try:
+        name = "loop"
+        doc = {"apiVersion": PC_API, "kind": "PromptCache", "metadata": {"name": name, "namespace": namespace},
+               "spec": {"model": {"name": SPEC.model_id, "revision": "rev-1"}, "memory": {"host": "8Mi"},
+                        "cachePolicy": {"chunkTokens": CHUNK_TOKENS},
+                        "autoscaling": {"enabled": True, "targetHitRatio": TARGET, "minMemory": "8Mi",
+                                        "maxMemory": "64Mi"}}}
+        kube.request("PATCH", object_path(PC_API, "PromptCache", namespace, name), body=doc,
+                     content_type="application/apply-patch+yaml", query=[("fieldManager", "kubectl")])
+        get = lambda: kube.get(PC_API, "PromptCache", namespace, name)  # noqa: E731
+        defaults = OperatorDefaults()
+        reconcile(op_kube, get(), defaults)
+        for svc, port_name, port in ((f"{name}-metrics", "metrics", sidecar.metrics_port),
+                                     (name, "grpc", sidecar.port)):
+            kube.request("POST", f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+                         body=endpoint_slice(namespace, svc, port_name, port))
+        eps = metrics_source.endpoints(op_kube, namespace, name, {STAND_IN: "127.0.0.1"})
+        assert [(e.metrics_url, e.grpc_target) for e in eps] == [
+            (f"http://127.0.0.1:{sidecar.metrics_port}/metrics", sidecar.address)]
+
+        config = autoscale.Config(
+            interval_s=1, window_s=3, overhead_bytes=0,   # memory == budget here (no container around the sidecar)
+            address_map={STAND_IN: "127.0.0.1"},
+            policy=tuning.Policy(grow_cooldown_s=4, shrink_cooldown_s=3, shrink_factor=0.8))
+        source = metrics_source.ScrapeSource(window_s=config.window_s)
+        rows: list[tuple] = []
+        steps: list[tuple[str, list[str]]] = []
+        t0 = time.monotonic()
+
+        def step(i: int) -> autoscale.Outcome:
+            out = autoscale.tick(op_kube, get(), source, config, defaults)
+            assert not out.errors, out.errors
+            if i % 3 == 0:   # the operator's resync timer runs reconcile() in between: it must keep the tuned limit
+                assert not reconcile(op_kube, get(), defaults).errors
+            c = source.last.get("sidecar-on-this-machine")
+            assert sidecar.proc.poll() is None and sidecar.proc.pid == pid, "the sidecar restarted"
+            if c is not None:
+                assert c.committed_bytes <= c.budget_bytes, c
+                assert c.stored_bytes <= c.budget_bytes, c
+            d = out.decision
+            rows.append((time.monotonic() - t0, out.memory_bytes, c.budget_bytes if c else None,
+                         out.signal.hit_ratio if out.signal else None, d.action if d else "-", d.reason if d else "-"))
+            if d and d.action != tuning.HOLD:
+                steps.append((d.action, out.steps))
+            time.sleep(config.interval_s)
+            return out
+
+        # Phase 1: load. Grows until the hit ratio reaches the target, then holds.
+        workload.start()
+        i, reached = 0, None
+        deadline = time.monotonic() + 75
+        while time.monotonic() < deadline:
+            out = step(i)
+            i += 1
+            if out.signal and out.signal.hit_ratio is not None and out.signal.hit_ratio >= TARGET and reached is None:
+                reached = i
+            if reached is not None and i - reached >= 8:   # held for 8 ticks (> 2 grow cooldowns)
+                break
+        assert reached is not None, _table(rows)
+        peak = rows[-1][1]
+        held = rows[reached:]
+        assert all(r[1] == peak for r in held), "memory moved after the target was reached\n" + _table(rows)
+        assert MIN < peak <= MAX
+        assert all(r[4] != tuning.SHRINK for r in rows), _table(rows)
+        assert ds_memory_limit(kube, namespace, name) == peak   # no VPA here: the DaemonSet carries the limit
+
+        # Phase 2: the load stops. Shrinks back to the minimum, Resize first.
+        workload.stop.set()
+        workload.join(10)
+        deadline = time.monotonic() + 45
+        while time.monotonic() < deadline:
+            out = step(i)
+            i += 1
+            if out.memory_bytes == MIN and rows[-1][2] == MIN:
+                break
+        print("\n" + _table(rows))
+        assert rows[-1][1] == MIN and rows[-1][2] == MIN, _table(rows)
+        assert ds_memory_limit(kube, namespace, name) == MIN
+        assert not workload.errors[:3], workload.errors[:3]
+        assert workload.requests > 100
+
+        # Safe ordering: grow raises the limit (status, DaemonSet) before Resize; shrink Resizes first.
+        for action, s in steps:
+            resize = min(k for k, x in enumerate(s) if x.startswith("resize"))
+            limit = next(k for k, x in enumerate(s) if x == "apply DaemonSet")
+            assert (limit < resize) if action == tuning.GROW else (resize < limit), (action, s)
+        assert {a for a, _ in steps} == {tuning.GROW, tuning.SHRINK}
+
+        pc = get()
+        st = pc["status"]["autoscaling"]
+        assert st["memoryBytes"] == MIN and st["lastDecision"]["reason"] in ("Idle", "AtMinimum")
+        events = kube.request("GET", f"/api/v1/namespaces/{namespace}/events",
+                              query=[("fieldSelector", f"involvedObject.name={name}")])["items"]
+        reasons = {e["reason"] for e in events if e["source"].get("component") == "promptcache-autoscaler"}
+        assert {"HitRatioBelowTarget", "Idle"} <= reasons, reasons
+    finally:
+        workload.stop.set()
+        sidecar.stop()
+
+
+def _table(rows: list[tuple]) -> str:
+    # memory: recorded after the tick; budget: the sidecar's, as scraped at the start of the tick (before its Resize);
+    # hit ratio: over the last window (3 s).
+    lines = [f"{'t/s':>6} {'memory':>9} {'budget':>9} {'hit ratio':>9}  decision"]
+    for t, mem, budget, ratio, action, reason in rows:
+        lines.append(f"{t:6.1f} {mem / Mi:7.1f}Mi {(budget or 0) / Mi:7.1f}Mi "
+                     f"{'' if ratio is None else f'{ratio:.3f}':>9}  {action} {reason}")
+    return "\n".join(lines)
