@@ -7,13 +7,15 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install run test bench demo tools system-deps clean
+.PHONY: help venv install run test bench demo fuzz loadtest tools system-deps clean
 
 help:
 	@echo "make run      start the sidecar on embedded defaults (CPU without a GPU, data in .data/, localhost)"
 	@echo "make test     create/update the virtualenv, install, build the test tools, run every test"
 	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT); not part of make test"
 	@echo "make demo     real model over requests sharing a long system prompt, through a local sidecar"
+	@echo "make fuzz     100,000 generated and mutated requests against a real sidecar"
+	@echo "make loadtest concurrent clients, mixed lookup/get/put, for a bounded time"
 	@echo "make tools    build kube-apiserver, etcd and helm into the cache outside the checkout"
 
 # Third-party dependencies: reinstalled only when the declared dependencies change.
@@ -29,7 +31,7 @@ venv: $(STAMP)
 
 # The project itself: cheap, and always re-run so the stubs follow proto/ and new subpackages are mapped.
 install: $(STAMP)
-	@$(PIP) install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v -e '^$$' -e 'setuptools' -e '!!' -e '\*\*\*' || true
+	@$(PIP) install -q --no-build-isolation --no-deps -e . > .venv/install.log 2>&1 || { cat .venv/install.log; exit 1; }
 
 run: install
 	@mkdir -p .data
@@ -49,8 +51,15 @@ bench: install system-deps
 	@mkdir -p bench-results
 	$(VENV)/bin/promptcache bench throughput
 	$(VENV)/bin/promptcache bench replay --synthetic all --policy all
+	$(PY) -m promptcache.sidecar.disk
 	$(VENV)/bin/promptcache bench fidelity
 	$(VENV)/bin/promptcache bench ttft
+
+fuzz: install
+	$(PY) -m promptcache.fuzz --requests 100000
+
+loadtest: install
+	$(VENV)/bin/promptcache bench loadtest --clients 16 --duration 60
 
 demo: install
 	$(PY) -m promptcache.demo

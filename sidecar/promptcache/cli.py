@@ -11,6 +11,7 @@ BENCHES = {
     "replay": "promptcache.bench.replay",
     "fidelity": "promptcache.bench.fidelity",
     "ttft": "promptcache.bench.ttft",
+    "loadtest": "promptcache.bench.loadtest",
 }
 
 
