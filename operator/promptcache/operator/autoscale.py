@@ -56,6 +56,8 @@ class Config:
         return cls(interval_s=f("INTERVAL_SECONDS", d.interval_s), window_s=f("WINDOW_SECONDS", d.window_s),
                    overhead_bytes=int(f("OVERHEAD_BYTES", d.overhead_bytes)), vpa_update_mode=mode,
                    resize_timeout_s=f("RESIZE_TIMEOUT_SECONDS", d.resize_timeout_s),
+                   address_map=dict(kv.split("=", 1) for kv in env.get("PROMPTCACHE_AUTOSCALE_ADDRESS_MAP", "")
+                                    .split(",") if "=" in kv),
                    policy=replace(p, grow_cooldown_s=f("GROW_COOLDOWN_SECONDS", p.grow_cooldown_s),
                                   shrink_cooldown_s=f("SHRINK_COOLDOWN_SECONDS", p.shrink_cooldown_s),
                                   grow_factor=f("GROW_FACTOR", p.grow_factor),

@@ -10,6 +10,7 @@ from typing import Any
 
 import kopf
 
+from . import autoscale, metrics_source
 from .builders import OperatorDefaults
 from .kube import Kube
 from .model import GROUP, PLURAL, VERSION
@@ -21,6 +22,9 @@ RESYNC_SECONDS = float(os.environ.get("PROMPTCACHE_OPERATOR_RESYNC_SECONDS", "30
 ANNOTATION_PREFIX = f"operator.{GROUP}"
 
 _kube: Kube | None = None
+AUTOSCALE = autoscale.Config.from_env()
+# Samples kept between ticks (rates over AUTOSCALE.window_s), or a Prometheus server's API when configured.
+_source = metrics_source.source_from_env(dict(os.environ), AUTOSCALE.window_s)
 
 
 def kube() -> Kube:
@@ -81,3 +85,19 @@ def resync(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
         _reconcile(body, logger, "resync")
     except (kopf.TemporaryError, kopf.PermanentError) as exc:
         logger.warning("resync: %s", exc)
+
+
+def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
+    return bool((spec.get("autoscaling") or {}).get("enabled"))
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=AUTOSCALE.interval_s, initial_delay=AUTOSCALE.interval_s / 2,
+            sharp=False, when=_autoscaling_enabled)
+def autoscale_timer(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """Hit-ratio-driven memory tuning (docs/autoscaling.md); decisions become Events and status.autoscaling."""
+    obj = {"metadata": dict(body.metadata), "spec": dict(body.spec), "status": dict(body.status)}
+    out = autoscale.tick(kube(), obj, _source, AUTOSCALE, OperatorDefaults.from_env())
+    if out.decision and out.decision.action != "hold":
+        logger.info("autoscaling: %s", out.decision.message)
+    for err in out.errors:
+        logger.warning("autoscaling: %s", err)
