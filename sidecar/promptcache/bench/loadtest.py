@@ -133,17 +133,22 @@ def _client_worker(cfg, client_id: int, deadline: float, out: dict, lock: thread
         out["corrupt"] += corrupt
 
 
-def _process_main(cfg, client_ids, deadline_wall, queue) -> None:
-    """One client process: its share of the clients as threads; results to the queue."""
+def _process_main(cfg, client_ids, duration, ready, go, queue) -> None:
+    """One client process: its share of the clients as threads; results to the queue. The clock starts when
+    every process has done its imports (they take seconds on a loaded machine)."""
     rng = random.Random(cfg["seed"])
-    from promptcache.keys import ModelSpec  # noqa: F401 - import before the clock starts
+    import grpc  # noqa: F401 - import before the clock starts
+
+    from promptcache.client import PromptCacheClient  # noqa: F401
     from promptcache.layout import chunk_nbytes
 
     nbytes = chunk_nbytes(_spec(cfg), cfg["chunk_tokens"])
     blobs = [rng.randbytes(nbytes) for _ in range(8)]
     out = {"latencies": {op: [] for op in OPS}, "errors": {}, "gets": 0, "hits": 0, "corrupt": 0}
     lock = threading.Lock()
-    deadline = time.monotonic() + max(0.0, deadline_wall - time.time())
+    ready.put(os.getpid())
+    go.wait()
+    deadline = time.monotonic() + duration
     threads = [threading.Thread(target=_client_worker, args=(cfg, cid, deadline, out, lock, blobs), daemon=True)
                for cid in client_ids]
     for t in threads:
@@ -250,17 +255,20 @@ def load(args) -> dict:
         n_proc = args.processes or max(1, min(os.cpu_count() or 1, -(-args.clients // 16)))
         n_proc = min(n_proc, args.clients)
         ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        start_wall = time.time() + 3.0 + n_proc  # let every process import before the clock starts
-        deadline_wall = start_wall + args.duration
+        queue, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
         groups = [list(range(args.clients))[i::n_proc] for i in range(n_proc)]
-        workers = [ctx.Process(target=_process_main, args=(cfg, g, deadline_wall, queue)) for g in groups]
+        workers = [ctx.Process(target=_process_main, args=(cfg, g, args.duration, ready, go, queue))
+                   for g in groups]
         for w in workers:
             w.start()
+        for _ in workers:
+            ready.get(timeout=300)
+        started = time.monotonic()
+        go.set()
         results = [queue.get(timeout=args.duration + 300) for _ in workers]
         for w in workers:
             w.join(30)
-        elapsed = time.time() - start_wall
+        elapsed = time.monotonic() - started
     finally:
         sampler.stop_event.set()
         sampler.join(5)
