@@ -319,6 +319,7 @@ def test_two_replicas_do_not_fight(start_operator, crd, kube, namespace):
         st = kube.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/promptcache-operator").get("status") or {}
         return len(st) == 2
     wait_for(peers, timeout=60, what="both replicas registered in the ClusterKopfPeering")
+    time.sleep(1.5)  # let the lower-priority replica process the peering event and pause
     names = [f"pc-{i}" for i in range(3)]
     for n in names:
         apply_pc(kube, namespace, example(), name=n)
