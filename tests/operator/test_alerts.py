@@ -4,6 +4,7 @@ stays silent. Also: every alert has summary, description and a runbook_url whose
 and the chart's template is what alerts.py generates."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -188,3 +189,56 @@ def test_chart_template_is_generated():
     assert got == alerts.helm_template(), (
         "charts/promptcache-operator/templates/cache-alerts.yaml is stale: run "
         "python -m promptcache.operator.alerts --helm > charts/promptcache-operator/templates/cache-alerts.yaml")
+
+
+# --- the Grafana dashboard (charts/promptcache-operator/dashboards/promptcache.json) -----------------------------
+def _dashboard_exprs(dash: dict) -> list[str]:
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    return exprs + [a["expr"] for a in dash["annotations"]["list"] if "expr" in a]
+
+
+def test_dashboard_configmap_and_promql(helm_offline, tmp_path):
+    out = helm_offline("template", "x", str(CHART), "--show-only", "templates/grafana-dashboard.yaml")
+    (cm,) = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert cm["kind"] == "ConfigMap" and cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dash = json.loads(cm["data"]["promptcache.json"])
+    titles = {p["title"] for p in dash["panels"]}
+    assert {"Hit ratio per tier", "Bytes served and stored", "Evictions by reason", "Request latency",
+            "Memory against budget", "Tuning decisions (Resize)"} <= titles
+    # Every query is valid PromQL (promtool parses them as recording rules, with the dashboard variables filled in)
+    # and names only series the sidecar exports.
+    exprs = _dashboard_exprs(dash)
+    filled = [e.replace("$__rate_interval", "5m").replace("$namespace", ".*").replace("$cache", ".*") for e in exprs]
+    (tmp_path / "dash.yaml").write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:q{i}", "expr": e} for i, e in enumerate(filled)]}]}, width=10000))
+    r = promtool("check", "rules", "dash.yaml", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    exported = sidecar_series()
+    used = {n for e in exprs for n in re.findall(r"\b(promptcache_[a-z_]+)", e)}
+    assert used <= exported, used - exported
+
+
+def sidecar_series() -> set[str]:
+    """Names of the series the sidecar exports (from its metrics module)."""
+    sidecar_metrics = pytest.importorskip("promptcache.sidecar.metrics")
+    m = sidecar_metrics.Metrics()
+
+    class Tier:
+        def usage(self):
+            return {"entries": 0, "used": 0, "budget": 1}
+    m.watch({"device": Tier()})
+    exported = set()
+    for f in m.registry.collect():
+        if f.type == "counter":
+            exported.add(f.name + "_total")
+        elif f.type == "histogram":
+            exported |= {f.name + s for s in ("_bucket", "_sum", "_count")}
+        else:
+            exported.add(f.name)
+    return exported
+
+
+def test_alerts_use_only_sidecar_series():
+    used = {n for g in operator_rule_groups() for r in g["rules"]
+            for n in re.findall(r"\b(promptcache_[a-z_]+)", r["expr"])}
+    assert used and used <= sidecar_series(), used - sidecar_series()
