@@ -10,6 +10,7 @@ unique blocks). OPT and the infinite cache: promptcache.bench.opt.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -30,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic traces (default 0)")
     parser.add_argument("--scale", type=float, default=1.0, help="size multiplier of synthetic traces")
     parser.add_argument("--no-opt", action="store_true", help="skip Belady's OPT")
-    parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+                        help="worker processes (default: CPUs, at most 4); results do not depend on it")
     parser.add_argument("--save-trace", metavar="DIR", help="also write the synthetic traces as JSONL into DIR")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
 
@@ -140,8 +142,6 @@ def load_traces(args) -> dict:
         for n in names:
             reqs = traces.generate(n, seed=args.seed, scale=args.scale)
             if args.save_trace:
-                import os
-
                 os.makedirs(args.save_trace, exist_ok=True)
                 traces.write_trace(os.path.join(args.save_trace, f"{n}.jsonl"), reqs)
             out[n] = reqs
