@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Debian packages the tests and benchmarks drive for real: promtool (alert rules) and redis-server (the
+# Debian packages the tests and benchmarks drive for real: promtool (alert rules), openssl (test certificates
+# for the API server) and redis-server (the
 # throughput baseline). Installed only when missing; needs root (as in CI) or sudo.
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v promtool >/dev/null || need+=(prometheus)
+command -v openssl >/dev/null || need+=(openssl)
 [ ${#need[@]} -eq 0 ] && exit 0
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 echo "installing ${need[*]} (Debian packages)"
