@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Debian packages the tests and benchmarks drive for real: promtool (alert rules), openssl (test certificates
-# for the API server) and redis-server (the
-# throughput baseline). Installed only when missing; needs root (as in CI) or sudo.
+# for the API server) and redis-server (the throughput baseline). Installed only when missing; needs root (as
+# in CI) or sudo.
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
