@@ -190,7 +190,10 @@ class ResizeError(Exception):
 
 def grpc_resize(target: str, budget_bytes: int, timeout: float) -> dict[str, int]:
     """promptcache.v1.KVCache/Resize(memory_bytes) -> {previous_bytes, memory_bytes, evicted_chunks, bytes_used}."""
-    import grpc  # the operator's only gRPC use; imported here so the rest runs without it
+    try:
+        import grpc  # the operator's only gRPC use; imported here so the rest runs without it
+    except ImportError:
+        raise ResizeError("grpcio is not installed in the operator image: cannot call Resize") from None
 
     request = b"\x08" + _varint(budget_bytes)   # field 1 (memory_bytes), varint
     with grpc.insecure_channel(target) as ch:
