@@ -50,24 +50,21 @@ def test_aggregate_over_nodes():
     assert metrics_source.aggregate([]) is None
 
 
-def test_scrape_source_rates_and_counter_reset():
+def test_scrape_source_rates_and_counter_reset(monkeypatch):
     now = [0.0]
     src = metrics_source.ScrapeSource(window_s=10, clock=lambda: now[0])
     texts = iter([EXPOSITION, EXPOSITION.replace("300.0", "400.0").replace("600.0", "700.0"),
                   EXPOSITION.replace("300.0", "50.0")])   # third: the sidecar restarted (counter went down)
-    metrics_source.scrape = lambda url, timeout=2.0: metrics_source.parse(next(texts))  # type: ignore[assignment]
-    try:
-        ep = [metrics_source.Endpoint("p", "10.0.0.1", "http://x/metrics", "10.0.0.1:50051")]
-        assert src.signal("ns/c", ep)[0] is None          # one sample: no rate yet
-        now[0] = 10.0
-        s, latest = src.signal("ns/c", ep)
-        assert s.hit_ratio == 0.5 and s.lookup_tokens_per_s == 20.0 and latest["p"].budget_bytes == 2048
-        now[0] = 20.0
-        s, _ = src.signal("ns/c", ep)
-        assert s.lookup_tokens_per_s >= 0   # a reset never yields a negative rate
-    finally:
-        import importlib
-        importlib.reload(metrics_source)
+    monkeypatch.setattr(metrics_source, "scrape", lambda url, timeout=2.0: metrics_source.parse(next(texts)))
+    ep = [metrics_source.Endpoint("p", "10.0.0.1", "http://x/metrics", "10.0.0.1:50051")]
+    assert src.signal("ns/c", ep)[0] is None          # one sample: no rate yet
+    now[0] = 10.0
+    s, latest = src.signal("ns/c", ep)
+    assert s.hit_ratio == 0.5 and s.lookup_tokens_per_s == 20.0 and latest["p"].budget_bytes == 2048
+    now[0] = 20.0
+    s, _ = src.signal("ns/c", ep)
+    assert s.lookup_tokens_per_s >= 0   # a reset never yields a negative rate
+    assert src.signal("ns/c", [])[0] is None
 
 
 class _Prom(BaseHTTPRequestHandler):
