@@ -31,10 +31,6 @@ def series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
     return {"series": f"{name}{{{inner}}}", "values": values}
 
 
-def lbl(extra: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in extra.items()}
-
-
 # alert -> (eval time, firing input, expected labels of the firing alert, silent input)
 CASES = {
     "PromptCacheHitRatioLow": (

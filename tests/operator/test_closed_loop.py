@@ -20,11 +20,10 @@ import time
 
 import pytest
 
-from opharness import wait_for
 from promptcache.client import PromptCacheClient
 from promptcache.keys import ModelSpec
 from promptcache.layout import chunk_nbytes
-from promptcache.operator import autoscale, builders, metrics_source, tuning
+from promptcache.operator import autoscale, metrics_source, tuning
 from promptcache.operator.builders import OperatorDefaults
 from promptcache.operator.kube import Kube, configuration_from_environment, object_path
 from promptcache.operator.model import quantity_bytes
