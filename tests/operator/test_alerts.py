@@ -61,6 +61,24 @@ CASES = {
          series("promptcache_budget_bytes", {**POD, "tier": "device"}, "100x40"),
          series("promptcache_committed_bytes", {**POD, "tier": "disk"}, "100x40"),
          series("promptcache_budget_bytes", {**POD, "tier": "disk"}, "100x40")]),
+    "PromptCacheContainerMemoryNearLimit": (
+        "30m",
+        [series("container_memory_working_set_bytes", {"namespace": NS, "pod": POD["pod"], "container": "sidecar"},
+                "95x40"),
+         series("kube_pod_container_resource_limits", {"namespace": NS, "pod": POD["pod"], "container": "sidecar",
+                                                       "resource": "memory"}, "100x40"),
+         series("promptcache_budget_bytes", {**POD, "tier": "device"}, "80x40")],
+        {"namespace": NS, "pod": POD["pod"], "severity": "critical"},
+        # well under the limit; and a container named sidecar in a pod that is not a PromptCache sidecar.
+        [series("container_memory_working_set_bytes", {"namespace": NS, "pod": POD["pod"], "container": "sidecar"},
+                "50x40"),
+         series("kube_pod_container_resource_limits", {"namespace": NS, "pod": POD["pod"], "container": "sidecar",
+                                                       "resource": "memory"}, "100x40"),
+         series("promptcache_budget_bytes", {**POD, "tier": "device"}, "80x40"),
+         series("container_memory_working_set_bytes", {"namespace": NS, "pod": "other", "container": "sidecar"},
+                "99x40"),
+         series("kube_pod_container_resource_limits", {"namespace": NS, "pod": "other", "container": "sidecar",
+                                                       "resource": "memory"}, "100x40")]),
     "PromptCacheDiskTierNearlyFull": (
         "30m",
         [series("promptcache_committed_bytes", {**POD, "tier": "disk"}, "95x40"),
@@ -237,4 +255,6 @@ def sidecar_series() -> set[str]:
 def test_alerts_use_only_sidecar_series():
     used = {n for g in operator_rule_groups() for r in g["rules"]
             for n in re.findall(r"\b(promptcache_[a-z_]+)", r["expr"])}
+    # besides: up (Prometheus), container_memory_working_set_bytes (cAdvisor), kube_pod_container_resource_limits
+    # (kube-state-metrics), all in kube-prometheus-stack
     assert used and used <= sidecar_series(), used - sidecar_series()

@@ -26,7 +26,7 @@ CHART_SELECTOR = 'service=~".+-metrics"'
 SERVER_ERROR_CODES = "INTERNAL|UNKNOWN|UNAVAILABLE|DATA_LOSS|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED"
 
 ALERTS = ("PromptCacheHitRatioLow", "PromptCacheEvictionStorm", "PromptCacheMemoryNearLimit",
-          "PromptCacheDiskTierNearlyFull", "PromptCacheSidecarDown", "PromptCacheSidecarAbsent",
+          "PromptCacheContainerMemoryNearLimit", "PromptCacheDiskTierNearlyFull", "PromptCacheSidecarDown", "PromptCacheSidecarAbsent",
           "PromptCacheErrorRateHigh", "PromptCacheChecksumFailures")
 
 
@@ -40,6 +40,7 @@ class Thresholds:
     for_: str = "10m"
     disk_utilization_above: float = 0.9
     error_ratio_above: float = 0.05
+    container_memory_above: float = 0.9
 
 
 def _num(v: Any) -> str:
@@ -87,6 +88,16 @@ def rules(selector: str, th: Thresholds | dict[str, str] = Thresholds(), runbook
              f"PromptCache {pod}: memory near its budget",
              f"The {{{{ $labels.tier }}}} tier of {pod} has committed {{{{ $value | humanizePercentage }}}} of "
              "its budget: Puts wait for or trigger evictions."),
+        rule("PromptCacheContainerMemoryNearLimit",
+             # cAdvisor's working set against the limit kube-state-metrics reports, for PromptCache pods only.
+             f"(max by (namespace, pod) (container_memory_working_set_bytes{{container=\"sidecar\"}}) / "
+             f"max by (namespace, pod) (kube_pod_container_resource_limits{{container=\"sidecar\",resource=\"memory\"}})"
+             f" > {t['container_memory_above']}) and on (namespace, pod) "
+             f"count by (namespace, pod) (promptcache_budget_bytes{{{s}}})",
+             "5m", "critical",
+             f"PromptCache {pod}: sidecar memory near its container limit",
+             f"The sidecar container of {pod} uses {{{{ $value | humanizePercentage }}}} of its memory limit: an OOM "
+             "kill would throw its whole cache away."),
         rule("PromptCacheDiskTierNearlyFull",
              f"max by (namespace, service, pod) (promptcache_committed_bytes{{{s},tier=\"disk\"}} / "
              f"(promptcache_budget_bytes{{{s},tier=\"disk\"}} > 0)) > {t['disk_utilization_above']}",
@@ -147,7 +158,8 @@ def rule_labels_from_env(env: dict[str, str]) -> dict[str, str]:
 HELM_VALUES = ".Values.cacheAlerts"
 HELM_THRESHOLDS = {"hit_ratio_below": "hitRatioBelow", "memory_utilization_above": "memoryUtilizationAbove",
                    "evictions_per_second_above": "evictionsPerSecondAbove", "for_": "for",
-                   "disk_utilization_above": "diskUtilizationAbove", "error_ratio_above": "errorRatioAbove"}
+                   "disk_utilization_above": "diskUtilizationAbove", "error_ratio_above": "errorRatioAbove",
+                   "container_memory_above": "containerMemoryAbove"}
 _PROM_TEMPLATE = re.compile(r"\{\{[^}]*\}\}")
 
 
