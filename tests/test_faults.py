@@ -17,6 +17,7 @@ import torch
 
 from support import CHUNK, SMALL, free_port, make_kv
 from promptcache.client import PromptCacheClient, errors
+from promptcache.sidecar.auth import client_channel
 
 KILLS = int(os.environ.get("PROMPTCACHE_TEST_KILLS", "4"))
 
@@ -67,7 +68,10 @@ def test_kill_9_under_load_and_restart():
     def loader(wid: int) -> None:
         prefixes = [[wid * 1_000_000 + p * 1000 + i for i in range(3 * CHUNK)] for p in range(16)]
         kvs = [make_kv(SMALL, 3 * CHUNK, seed=wid * 100 + p) for p in range(16)]
-        with PromptCacheClient(sidecar.address, timeout=2, retries=0, chunk_tokens=CHUNK) as c:
+        # Reconnect quickly after each restart (gRPC's default backoff grows to minutes).
+        channel = client_channel(sidecar.address, options=[("grpc.initial_reconnect_backoff_ms", 100),
+                                                            ("grpc.max_reconnect_backoff_ms", 500)])
+        with PromptCacheClient(sidecar.address, channel=channel, timeout=2, retries=0, chunk_tokens=CHUNK) as c:
             i = 0
             while not stop.is_set():
                 p = i % 16
@@ -105,7 +109,7 @@ def test_kill_9_under_load_and_restart():
     survived = 0
     try:
         for _ in range(KILLS):
-            time.sleep(1.5)
+            time.sleep(2.0)
             sidecar.kill9()
             sidecar.start()
             survived += 1
