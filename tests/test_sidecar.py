@@ -155,7 +155,7 @@ def test_capacity_eviction_never_exceeds_budget_under_concurrency(sidecar_factor
 
 
 def test_lru_evicts_least_recently_used(sidecar_factory):
-    sidecar = sidecar_factory(memory_bytes=3 * CHUNK_BYTES)
+    sidecar = sidecar_factory(memory_bytes=3 * CHUNK_BYTES, eviction_policy="lru")
     with PromptCacheClient(sidecar.address) as c:
         prompts = [[p * 1000 + t for t in range(CHUNK)] for p in range(4)]
         for p in prompts[:3]:
@@ -180,7 +180,7 @@ def test_corrupted_chunk_is_dropped_and_never_served(sidecar, client):
 
 
 def test_resize_shrinks_by_evicting_and_grows_without_loss(sidecar_factory):
-    sidecar = sidecar_factory(memory_bytes=8 * CHUNK_BYTES)
+    sidecar = sidecar_factory(memory_bytes=8 * CHUNK_BYTES, eviction_policy="lru")
     with PromptCacheClient(sidecar.address) as c:
         prompts = [[p * 1000 + t for t in range(CHUNK)] for p in range(8)]
         for p in prompts:
@@ -309,3 +309,17 @@ def test_pre_encoded_data_frames_are_plain_proto_on_the_wire(client, sidecar):
         msgs = list(pb_grpc.KVCacheStub(ch).Get(pb.GetRequest(model=model_to_proto(SMALL), tokens=tokens), timeout=5))
     data = b"".join(m.data for m in msgs if m.WhichOneof("frame") == "data")
     assert data == b"".join(b.numpy().tobytes() for b in client.get_blobs(SMALL, tokens))
+
+
+def test_orphan_chunk_is_not_stored(client):
+    """A chunk whose parent is cached nowhere can never be reached by a lookup: it is refused, not stored."""
+    tokens = list(range(3 * CHUNK))
+    result = client.put(SMALL, tokens, make_kv(SMALL, len(tokens)), start_chunk=1)
+    assert (result.stored_chunks, result.rejected_chunks) == (0, 2)
+    assert client.put(SMALL, tokens, make_kv(SMALL, len(tokens))).stored_chunks == 3
+
+
+def test_default_policy_is_the_one_chosen_by_replay(sidecar):
+    from promptcache.sidecar.policies import DEFAULT_POLICY
+
+    assert sidecar.tier.policy.name == DEFAULT_POLICY == sidecar.settings.eviction_policy

@@ -44,7 +44,7 @@ def test_capacity_eviction_demotes_and_a_hit_promotes_bit_identical(tiered):
         assert c.put(SMALL, tokens, kv).stored_chunks == 5
         wait_written(sidecar)
         tiers = [ch.tier for ch in c.lookup(SMALL, tokens).chunks]
-        assert tiers == ["disk", "disk", "disk", "device", "device"]
+        assert sorted(tiers) == ["device"] * 2 + ["disk"] * 3  # which ones is the policy's choice
         cached, got = c.get(SMALL, tokens)
         assert cached == 5 * CHUNK
         for (k, v), (gk, gv) in zip(kv, got):

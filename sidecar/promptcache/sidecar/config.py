@@ -40,7 +40,7 @@ class Settings:
     max_chunk_bytes: int = 256 << 20
     chunk_tokens: int = 256
     ttl_seconds: float = 4 * 3600.0
-    eviction_policy: str = "lru"
+    eviction_policy: str = "wtinylfu"  # chosen by trace replay: docs/eviction.md
     device: str = "auto"
     data_dir: str = "./promptcache-data"
     disk_bytes: int = 0

@@ -167,6 +167,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         except SharedBufferError as exc:
             raise invalid(str(exc)) from None
 
+    def _cached(self, key: bytes, fp: bytes) -> bool:
+        return self.tier.peek(key, fp) is not None or (
+            self.spill is not None and self.spill.contains(key, fp) is not None)
+
     # --- RPCs -------------------------------------------------------------------------------------------
     @_observed("Lookup")
     def Lookup(self, request, context):
@@ -298,7 +302,12 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     key = keys[begin.index]
                     parent = keys[begin.index - 1] if begin.index else keyspec.ROOT_PARENT
                     current = _Incoming(begin, key, parent, None, None, None)
-                    if self.tier.peek(key, fp) is not None:
+                    if begin.index and not self._cached(parent, fp):
+                        # Its parent is in neither tier, so no Lookup could ever reach it: not worth a byte.
+                        rejected += 1
+                        current = None if shared is not None else current
+                        continue
+                    if self._cached(key, fp):
                         skipped += 1
                         current = None if shared is not None else current
                         continue
@@ -532,7 +541,8 @@ class Sidecar:
         self.memory_limit = cgroup.memory_limit()
         cgroup.check_budget(settings.memory_bytes, self.device.type == "cpu", self.memory_limit)
         self.metrics = Metrics()
-        self.tier = MemoryTier(settings.memory_bytes, self.device, make_policy(settings.eviction_policy),
+        policy = make_policy(settings.eviction_policy, capacity=settings.memory_bytes)
+        self.tier = MemoryTier(settings.memory_bytes, self.device, policy,
                                settings.ttl_seconds, on_evict=self._evicted)
         self.tenancy.bind(self.tier)
         self.metrics.watch({"device": self.tier})

@@ -254,6 +254,8 @@ class MemoryTier:
             raise ValueError("budget must be positive")
         with self._lock:
             previous, self._budget = self._budget, budget_bytes
+            if hasattr(self.policy, "resize"):  # size-proportioned policies re-split their segments
+                self.policy.resize(budget_bytes)
             evicted = self._expire(self.clock())
             evicted += self._make_room(0)
             return previous, evicted
