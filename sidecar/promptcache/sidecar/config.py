@@ -44,6 +44,7 @@ class Settings:
     device: str = "auto"
     data_dir: str = "./promptcache-data"
     disk_bytes: int = 0
+    disk_min_free_bytes: int = 256 << 20
     shm_dir: str = ""
     workers: int = 32
     frame_bytes: int = 1 << 20
@@ -113,6 +114,7 @@ HELP = {
     "device": "where the device tier lives: auto (CUDA if present, else CPU), cpu, cuda, cuda:N",
     "data_dir": "folder for the disk tier (RocksDB)",
     "disk_bytes": "byte budget of the disk tier; 0 disables it",
+    "disk_min_free_bytes": "spilling stops while the data folder's filesystem has less free space than this",
     "shm_dir": "folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which node-local "
                "clients pass chunk bytes instead of streaming them; empty disables the fast path",
     "workers": "gRPC worker threads (concurrent calls served at once)",

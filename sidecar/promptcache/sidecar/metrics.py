@@ -62,10 +62,14 @@ class _TierCollector:
                                       "flight plus held by Gets of evicted chunks; never above the budget",
                                       labels=["tier"])
         budget = GaugeMetricFamily("promptcache_budget_bytes", "byte budget, by tier", labels=["tier"])
+        full = GaugeMetricFamily("promptcache_disk_full", "1 while spilling is stopped because the data "
+                                 "folder's filesystem is full (or failing writes)", labels=["tier"])
         for name, tier in self.tiers.items():
             u = tier.usage()
             entries.add_metric([name], u["entries"])
             used.add_metric([name], u["used"])
             committed.add_metric([name], u["used"] + u.get("reserved", 0) + u.get("draining", 0))
             budget.add_metric([name], u["budget"])
-        return [entries, used, committed, budget]
+            if "disk_full" in u:
+                full.add_metric([name], u["disk_full"])
+        return [entries, used, committed, budget, full]

@@ -115,4 +115,5 @@ class Spill:
 
     def usage(self) -> dict[str, int]:
         s = self.disk.stats()
-        return {"entries": s["entries"], "used": s["bytes_used"], "budget": s["budget_bytes"]}
+        return {"entries": s["entries"], "used": s["bytes_used"], "budget": s["budget_bytes"],
+                "disk_full": int(s["disk_full"])}
