@@ -143,7 +143,8 @@ HELP = {
     "max_call_seconds": "cancel any call running longer than this (0: never)",
 }
 
-_BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "frame_bytes", "tenant_quota_bytes"}
+_BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "disk_min_free_bytes", "frame_bytes",
+                "tenant_quota_bytes"}
 
 
 def env_name(field_name: str) -> str:
