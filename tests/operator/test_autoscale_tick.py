@@ -22,6 +22,7 @@ class FakeKube:
         self.status: dict[str, Any] = {}
         self.events: list[dict[str, Any]] = []
         self.hold_limit_at: int | None = None   # stand-in for a VPA that has not applied a raise yet
+        self.pods: list[dict[str, Any]] = []    # none known: the VPA's / DaemonSet's limit counts
 
     def capabilities(self, refresh: bool = False) -> Capabilities:
         return self.caps
@@ -47,6 +48,8 @@ class FakeKube:
         if method == "POST" and path.endswith("/events"):
             self.events.append(body)
             return body
+        if method == "GET" and path.endswith("/pods"):
+            return {"items": self.pods}
         if method == "GET" and "endpointslices" in path:
             service = dict(query)["labelSelector"].split("=", 1)[1]
             port = ("metrics", 9400) if service.endswith("-metrics") else ("grpc", 50051)
@@ -111,7 +114,8 @@ def test_grow_waits_while_the_applied_limit_is_below():
     kube = FakeKube(vpa=True)
     kube.hold_limit_at = 4 * Gi + 512 * Mi     # the VPA object still says the old maximum
     out = run(kube, body(), LOW, 4 * Gi)
-    assert out.decision.action == tuning.GROW and out.steps[-2:] == ["wait-limit", "event HitRatioBelowTarget"]
+    assert out.decision.action == tuning.GROW and out.steps[-3:] == ["wait-limit pod-1", "wait-limit pod-2",
+                                                                  "event HitRatioBelowTarget"]
     assert not any(x.startswith("resize") for x in LOG)
     # Next tick (level-based): still below -> no Resize up; once the limit is there -> Resize.
     b = body(kube.status["autoscaling"]["memoryBytes"])
@@ -167,3 +171,19 @@ def test_disabled_or_invalid_does_nothing():
     assert run(kube, b, LOW, 4 * Gi).decision is None and LOG == []
     b["spec"]["memory"]["host"] = "-1"
     assert run(kube, b, LOW, 4 * Gi).decision is None
+
+
+def test_grow_resizes_only_pods_whose_own_limit_was_raised():
+    """With a VPA the object says the new maximum at once, but each pod gets it when the in-place resize lands:
+    the kubelet's report in containerStatuses decides."""
+    kube = FakeKube(vpa=True)
+
+    def pod(name: str, limit: str) -> dict[str, Any]:
+        return {"metadata": {"name": name},
+                "spec": {"containers": [{"name": "sidecar", "resources": {"limits": {"memory": "99Gi"}}}]},
+                "status": {"containerStatuses": [{"name": "sidecar", "resources": {"limits": {"memory": limit}}}]}}
+    kube.pods = [pod("pod-1", "6912Mi"), pod("pod-2", "4608Mi")]   # pod-2: still the old limit
+    out = run(kube, body(), LOW, 4 * Gi)
+    assert out.decision.action == tuning.GROW
+    assert [x for x in LOG if x.startswith("resize")] == [f"resize 10.0.0.1:50051 {6400 * Mi}"]
+    assert "wait-limit pod-2" in out.steps

@@ -151,6 +151,41 @@ def applied_limit(kube: Kube, owner: Owner, caps: Capabilities) -> int | None:
     return None
 
 
+def pod_limits(kube: Kube, owner: Owner) -> dict[str, int]:
+    """The memory limit each cache pod runs with: the kubelet's report (status.containerStatuses[].resources, which
+    an in-place resize updates once applied), else the pod spec's."""
+    sel = ",".join(f"{k}={v}" for k, v in builders.selector(owner).items())
+    try:
+        pods = kube.request("GET", f"/api/v1/namespaces/{owner.namespace}/pods",
+                            query=[("labelSelector", sel), ("limit", "1000")])
+    except ApiError as exc:
+        log.warning("listing pods of %s/%s: %s", owner.namespace, owner.name, exc)
+        return {}
+    out = {}
+    for p in (pods or {}).get("items") or []:
+        lim = None
+        for cs in (p.get("status") or {}).get("containerStatuses") or []:
+            if cs.get("name") == builders.CONTAINER:
+                lim = (((cs.get("resources") or {}).get("limits")) or {}).get("memory")
+        if lim is None:
+            for ct in (p.get("spec") or {}).get("containers") or []:
+                if ct.get("name") == builders.CONTAINER:
+                    lim = ((ct.get("resources") or {}).get("limits") or {}).get("memory")
+        if lim:
+            out[p["metadata"]["name"]] = quantity_bytes(lim)
+    return out
+
+
+def effective_limits(kube: Kube, owner: Owner, caps: Capabilities,
+                     eps: list[metrics_source.Endpoint]) -> dict[str, int | None]:
+    """Per endpoint, the limit a Resize up must fit under: its pod's own limit when the pod is known (a VPA raise is
+    asynchronous: the VPA object says more before the pod has it), else what the API server holds for all of them
+    (the VPA's maxAllowed or the DaemonSet's limit)."""
+    pods = pod_limits(kube, owner)
+    shared = applied_limit(kube, owner, caps)
+    return {e.pod: pods.get(e.pod, shared) for e in eps}
+
+
 # --- Resize over gRPC (no generated stubs: the operator image carries grpcio only) ------------------------------
 def _varint(n: int) -> bytes:
     out = bytearray()
@@ -250,14 +285,14 @@ def tick(kube: Kube, body: dict[str, Any], source: Any, config: Config | None = 
     # Level-based: bring every sidecar's budget to the recorded memory (a grow whose Resize was pending, a pod
     # that started with an older ConfigMap). Down at once; up only under a limit that already covers it.
     want_budget = max(1, current - config.overhead_bytes)
-    limit = None
+    limits: dict[str, int | None] | None = None
     for e in eps:
         c = latest.get(e.pod)
         if c is None or not e.grpc_target or int(c.budget_bytes) == want_budget:
             continue
         if c.budget_bytes < want_budget:
-            limit = applied_limit(kube, owner, caps) if limit is None else limit
-            if limit is not None and limit < current:
+            limits = effective_limits(kube, owner, caps, eps) if limits is None else limits
+            if (limits.get(e.pod) or 0) < current:
                 out.steps.append(f"wait-limit {e.pod}")
                 continue
         _resize(e, want_budget, config, resizer, out)
@@ -296,13 +331,14 @@ def tick(kube: Kube, body: dict[str, Any], source: Any, config: Config | None = 
                       "lastDecision": record})
         _patch_status(kube, owner, state, out)
         _apply_limits(kube, owner, spec, caps, defaults, {**status, "autoscaling": state}, config, out)
-        limit = applied_limit(kube, owner, caps)
-        if limit is not None and limit >= d.memory_bytes:
-            for e in eps:
-                if e.grpc_target:
-                    _resize(e, new_budget, config, resizer, out)
-        else:
-            out.steps.append("wait-limit")
+        limits = effective_limits(kube, owner, caps, eps)
+        for e in eps:
+            if not e.grpc_target:
+                continue
+            if (limits.get(e.pod) or 0) >= d.memory_bytes:
+                _resize(e, new_budget, config, resizer, out)
+            else:
+                out.steps.append(f"wait-limit {e.pod}")
     out.memory_bytes = d.memory_bytes
     _event(kube, owner, "Normal", d.reason, d.message, out)
     return out
