@@ -241,6 +241,9 @@ def test_daemonset_draws_no_pod_security_warning(kube, crd, namespace):
         spec = PromptCacheSpec.from_dict(example(name)["spec"])
         ds = builders.desired_children(spec, owner, Capabilities(), OperatorDefaults())[1]
         assert ds["kind"] == "DaemonSet"
+        if name == "full":  # spec.security: the Secrets are mounted as volumes, probes are tcpSocket
+            assert {v["name"] for v in ds["spec"]["template"]["spec"]["volumes"] if "secret" in v} == {
+                "tls", "tokens", "tenant-secret"}
         ds["metadata"].pop("ownerReferences")  # the owner uid is made up here
         _, _, warnings = kube.apply(ds, with_headers=True)
         assert warnings == [], warnings

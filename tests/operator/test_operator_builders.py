@@ -108,6 +108,11 @@ def test_config_change_rolls_pods():
     ({"cachePolicy": {"chunkTokens": 300}}, "spec.cachePolicy.chunkTokens"),
     ({"cachePolicy": {"ttlSeconds": 0}}, "spec.cachePolicy.ttlSeconds"),
     ({"autoscaling": {"minMemory": "8Gi", "maxMemory": "4Gi"}}, "spec.autoscaling.minMemory"),
+    ({"tenancy": {"mode": "Isolated"}}, "spec.tenancy.mode"),
+    ({"tenancy": {"mode": "Isolated"}, "security": {"tls": {"secretName": "t"}}}, "spec.tenancy.mode"),
+    ({"security": {"tokens": {"secretName": "Bad_Name"}}}, "spec.security.tokens.secretName"),
+    ({"security": {"tls": {"mutual": True}}}, "spec.security.tls.secretName"),
+    ({"security": {"vault": {}}}, "spec.security"),
 ])
 def test_model_rejects_what_the_crd_rejects(patch, field):
     spec = {**example("minimal")["spec"], **patch}
@@ -115,6 +120,75 @@ def test_model_rejects_what_the_crd_rejects(patch, field):
         spec["memory"] = {"host": "1Gi"}
     with pytest.raises(SpecError, match=field.replace(".", r"\.")):
         PromptCacheSpec.from_dict(spec)
+
+
+def _secured(security: dict, **extra) -> PromptCacheSpec:
+    return PromptCacheSpec.from_dict({**example("minimal")["spec"], "security": security, **extra})
+
+
+def _probe_kinds(ds) -> set[str]:
+    c = _pod(ds)["containers"][0]
+    return {k for name in ("startupProbe", "readinessProbe", "livenessProbe") for k in c[name]
+            if k in ("grpc", "tcpSocket", "httpGet", "exec")}
+
+
+def test_no_security_keeps_plaintext_grpc_probes_and_no_secrets():
+    spec = PromptCacheSpec.from_dict(example("minimal")["spec"])
+    env = builders.sidecar_env(spec)
+    assert env["PROMPTCACHE_ALLOW_INSECURE_REMOTE"] == "true"
+    assert not {k for k in env if "TLS" in k or "TOKEN_FILE" in k or "TENANT_SECRET" in k}
+    ds = builders.daemon_set(spec, OWNER, OperatorDefaults(), "h")
+    assert _probe_kinds(ds) == {"grpc"}
+    assert not [v for v in _pod(ds)["volumes"] if "secret" in v]
+    assert not [m for m in _pod(ds)["containers"][0]["volumeMounts"] if m["mountPath"].startswith("/etc/")]
+
+
+def test_tls_mounts_the_secret_sets_files_drops_insecure_and_probes_tcp():
+    spec = _secured({"tls": {"secretName": "cache-tls"}})
+    env = builders.sidecar_env(spec)
+    assert "PROMPTCACHE_ALLOW_INSECURE_REMOTE" not in env
+    assert env["PROMPTCACHE_TLS_CERT_FILE"] == "/etc/promptcache/tls/tls.crt"
+    assert env["PROMPTCACHE_TLS_KEY_FILE"] == "/etc/promptcache/tls/tls.key"
+    assert "PROMPTCACHE_TLS_CLIENT_CA_FILE" not in env  # mutual defaults to false
+    cm = builders.config_map(spec, OWNER)
+    assert {k: v for k, v in cm["data"].items() if k != "promptcache.yaml"} == env
+    ds = builders.daemon_set(spec, OWNER, OperatorDefaults(), "h")
+    pod = _pod(ds)
+    assert _probe_kinds(ds) == {"tcpSocket"}
+    assert pod["containers"][0]["livenessProbe"]["tcpSocket"] == {"port": builders.GRPC_PORT}
+    assert {"name": "tls", "secret": {"secretName": "cache-tls", "defaultMode": 0o440}} in pod["volumes"]
+    mounts = pod["containers"][0]["volumeMounts"]
+    assert {"name": "tls", "mountPath": "/etc/promptcache/tls", "readOnly": True} in mounts
+    assert all("subPath" not in m for m in mounts)  # subPath mounts never see a rotated Secret
+
+
+def test_mutual_tls_tokens_and_tenant_secret():
+    spec = _secured({"tls": {"secretName": "cache-tls", "mutual": True}, "tokens": {"secretName": "cache-tokens"},
+                     "tenantSecret": {"secretName": "cache-salt"}}, tenancy={"mode": "Isolated"})
+    env = builders.sidecar_env(spec)
+    assert env["PROMPTCACHE_TLS_CLIENT_CA_FILE"] == "/etc/promptcache/tls/ca.crt"
+    assert env["PROMPTCACHE_TOKEN_FILE"] == "/etc/promptcache/tokens"  # a folder: one file per tenant
+    assert env["PROMPTCACHE_TENANT_SECRET_FILE"] == "/etc/promptcache/tenant-secret/secret"
+    pod = _pod(builders.daemon_set(spec, OWNER, OperatorDefaults(), "h"))
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    assert secrets == {"tls": "cache-tls", "tokens": "cache-tokens", "tenant-secret": "cache-salt"}
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    for name in secrets:
+        assert mounts[name]["readOnly"] is True and mounts[name]["mountPath"].startswith("/etc/promptcache/")
+
+
+def test_tokens_without_tls_keep_grpc_probes():
+    spec = _secured({"tokens": {"secretName": "cache-tokens"}}, tenancy={"mode": "Isolated"})
+    env = builders.sidecar_env(spec)
+    assert env["PROMPTCACHE_ALLOW_INSECURE_REMOTE"] == "true" and "PROMPTCACHE_TLS_CERT_FILE" not in env
+    assert _probe_kinds(builders.daemon_set(spec, OWNER, OperatorDefaults(), "h")) == {"grpc"}
+
+
+def test_secret_change_rolls_pods():
+    a = builders.desired_children(_secured({}), OWNER, NONE)
+    b = builders.desired_children(_secured({"tls": {"secretName": "x"}}), OWNER, NONE)
+    assert a[1]["spec"]["template"] != b[1]["spec"]["template"]
+    assert builders.config_hash(a[0]) != builders.config_hash(b[0])
 
 
 specs = st.fixed_dictionaries({
@@ -128,6 +202,9 @@ specs = st.fixed_dictionaries({
         "evictionPolicy": st.sampled_from(EVICTION_POLICIES), "quantization": st.sampled_from(QUANTIZATION_MODES)}),
     "alerts": st.fixed_dictionaries({"enabled": st.booleans()}),
     "autoscaling": st.fixed_dictionaries({"enabled": st.booleans()}),
+    "security": st.fixed_dictionaries({}, optional={
+        "tls": st.fixed_dictionaries({"secretName": st.just("tls")}, optional={"mutual": st.booleans()}),
+        "tokens": st.just({"secretName": "tokens"}), "tenantSecret": st.just({"secretName": "salt"})}),
 })
 
 
@@ -144,5 +221,6 @@ def test_every_child_is_owned_labelled_and_deterministic(spec, caps):
         assert c["metadata"]["ownerReferences"] == [builders.owner_reference(OWNER)]
         assert c["metadata"]["labels"][builders.CACHE_LABEL] == "NAME"
     env = builders.sidecar_env(s)
+    assert ("PROMPTCACHE_ALLOW_INSECURE_REMOTE" in env) == (s.security.tls is None)
     assert int(env["PROMPTCACHE_MEMORY_BYTES"]) > 0
     assert env["PROMPTCACHE_CHUNK_TOKENS"] == str(s.cachePolicy.chunkTokens)

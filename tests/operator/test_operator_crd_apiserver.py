@@ -81,6 +81,14 @@ INVALID = [
      "spec.model"),
     ("no model name", {"model": {"revision": "r"}}, "spec.model.name"),
     ("negative gpu count", {"gpu": {"count": -1}}, "spec.gpu.count"),
+    ("Isolated without credentials", {"tenancy": {"mode": "Isolated"}}, "spec.tenancy.mode"),
+    ("Isolated with one-way TLS only", {"tenancy": {"mode": "Isolated"}, "security": {"tls": {"secretName": "t"}}},
+     "spec.tenancy.mode"),
+    ("secret name not DNS-1123", {"security": {"tokens": {"secretName": "Bad_Name"}}},
+     "spec.security.tokens.secretName"),
+    ("tls without a secret", {"security": {"tls": {"mutual": True}}}, "spec.security.tls.secretName"),
+    ("tenant secret name empty", {"security": {"tenantSecret": {"secretName": ""}}},
+     "spec.security.tenantSecret.secretName"),
 ]
 
 
@@ -100,6 +108,23 @@ def test_valid_autoscaling_bounds_accepted(kube, crd, namespace):
     obj = example("minimal")
     obj["spec"]["autoscaling"] = {"enabled": True, "minMemory": "512Mi", "maxMemory": "1Gi"}
     apply(kube, obj, namespace, dry_run=True)
+
+
+@pytest.mark.parametrize("security", [
+    {"tokens": {"secretName": "cache-tokens"}},
+    {"tls": {"secretName": "cache-tls", "mutual": True}, "tenantSecret": {"secretName": "cache.salt"}},
+])
+def test_valid_security_accepted(kube, crd, namespace, security):
+    obj = example("minimal")
+    obj["spec"]["tenancy"] = {"mode": "Isolated"}
+    obj["spec"]["security"] = security
+    got = apply(kube, obj, namespace, dry_run=True)
+    if "tls" in security:
+        assert got["spec"]["security"]["tls"] == {"secretName": "cache-tls", "mutual": True}
+    obj["spec"]["tenancy"] = {"mode": "Shared"}
+    obj["spec"]["security"] = {"tls": {"secretName": "cache-tls"}}  # one-way TLS is fine when Shared
+    got = apply(kube, obj, namespace, dry_run=True)
+    assert got["spec"]["security"]["tls"] == {"secretName": "cache-tls", "mutual": False}  # the default
 
 
 def test_name_too_long_for_children_rejected(kube, crd, namespace):

@@ -32,6 +32,12 @@ CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 DATA_DIR = "/var/cache/promptcache"
 MEMORY_OVERHEAD = 512 * 2**20  # process + gRPC buffers on top of the cache budget
 RUN_AS = 65532
+SECRETS_DIR = "/etc/promptcache"
+# spec.security: volume name, mount path, and the sidecar settings pointing into it (docs/security.md).
+TLS_DIR = f"{SECRETS_DIR}/tls"
+TOKENS_DIR = f"{SECRETS_DIR}/tokens"
+TENANT_SECRET_DIR = f"{SECRETS_DIR}/tenant-secret"
+SECRET_MODE = 0o440  # owner and fsGroup (65532) read; the kubelet applies fsGroup to Secret volumes
 
 VPA = ("autoscaling.k8s.io/v1", "VerticalPodAutoscaler")
 SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
@@ -146,7 +152,51 @@ def sidecar_env(spec: PromptCacheSpec) -> dict[str, str]:
     }
     if spec.cachePolicy.maxChunkBytes:
         env["PROMPTCACHE_MAX_CHUNK_BYTES"] = _bytes(spec.cachePolicy.maxChunkBytes)
+    env.update(security_env(spec))
+    if spec.security.tls is not None:
+        del env["PROMPTCACHE_ALLOW_INSECURE_REMOTE"]  # TLS: never fall back to plaintext
     return dict(sorted(env.items()))
+
+
+def security_env(spec: PromptCacheSpec) -> dict[str, str]:
+    """Sidecar settings pointing at the mounted Secrets (only those spec.security configures)."""
+    sec = spec.security
+    env: dict[str, str] = {}
+    if sec.tls is not None:
+        env["PROMPTCACHE_TLS_CERT_FILE"] = f"{TLS_DIR}/tls.crt"
+        env["PROMPTCACHE_TLS_KEY_FILE"] = f"{TLS_DIR}/tls.key"
+        if sec.tls.mutual:
+            env["PROMPTCACHE_TLS_CLIENT_CA_FILE"] = f"{TLS_DIR}/ca.crt"
+    if sec.tokens is not None:
+        env["PROMPTCACHE_TOKEN_FILE"] = TOKENS_DIR
+    if sec.tenantSecret is not None:
+        env["PROMPTCACHE_TENANT_SECRET_FILE"] = f"{TENANT_SECRET_DIR}/secret"
+    return env
+
+
+def security_volumes(spec: PromptCacheSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volumeMounts) for spec.security's Secrets: whole-Secret volumes (no subPath, so rotations reach
+    the sidecar), read-only."""
+    sec = spec.security
+    refs = [("tls", sec.tls, TLS_DIR), ("tokens", sec.tokens, TOKENS_DIR),
+            ("tenant-secret", sec.tenantSecret, TENANT_SECRET_DIR)]
+    volumes, mounts = [], []
+    for name, ref, path in refs:
+        if ref is None:
+            continue
+        volumes.append({"name": name, "secret": {"secretName": ref.secretName, "defaultMode": SECRET_MODE}})
+        mounts.append({"name": name, "mountPath": path, "readOnly": True})
+    return volumes, mounts
+
+
+def _probes(spec: PromptCacheSpec) -> dict[str, dict[str, Any]]:
+    """kubelet's gRPC probe speaks plaintext only: with TLS, probe that the gRPC port accepts connections."""
+    kind = "tcpSocket" if spec.security.tls is not None else "grpc"
+    return {
+        "startupProbe": {kind: {"port": GRPC_PORT}, "periodSeconds": 2, "failureThreshold": 60},
+        "readinessProbe": {kind: {"port": GRPC_PORT}, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {kind: {"port": GRPC_PORT}, "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5},
+    }
 
 
 def config_map(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
@@ -185,6 +235,8 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
     if spec.memory.disk:
         data_volume["emptyDir"]["sizeLimit"] = spec.memory.disk
     volumes.insert(0, data_volume)
+    secret_volumes, secret_mounts = security_volumes(spec)
+    volumes += secret_volumes
     container = {
         "name": CONTAINER,
         "image": image,
@@ -195,10 +247,7 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TMPDIR", "value": "/tmp"}],
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
-        "startupProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 2, "failureThreshold": 60},
-        "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 5, "failureThreshold": 2},
-        "livenessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 10, "failureThreshold": 3,
-                          "timeoutSeconds": 5},
+        **_probes(spec),
         "resources": _resources(spec),
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -210,7 +259,8 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
             "capabilities": {"drop": ["ALL"]},
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "volumeMounts": [{"name": "data", "mountPath": DATA_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "data", "mountPath": DATA_DIR}, {"name": "tmp", "mountPath": "/tmp"},
+                         *secret_mounts],
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec: dict[str, Any] = {

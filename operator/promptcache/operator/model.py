@@ -60,6 +60,16 @@ def quantity_bytes(text: str) -> int:
     return int(parse_quantity(text))
 
 
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+ISOLATED_MESSAGE = ("spec.tenancy.mode Isolated requires spec.security.tokens or spec.security.tls.mutual: "
+                    "tenants are told apart by their credentials")
+
+
+def isolated_identity(sec: "Security") -> bool:
+    """Whether the sidecar authenticates callers (a token folder or mTLS), which tenant isolation is keyed by."""
+    return sec.tokens is not None or (sec.tls is not None and sec.tls.mutual)
+
+
 def _positive_quantity(path: str, value: str | None) -> None:
     if value is not None and parse_quantity(value) <= 0:
         raise SpecError(f"{path} must be a positive quantity, got {value!r}")
@@ -118,6 +128,26 @@ class Tenancy:
 
 
 @dataclass(frozen=True)
+class TlsSecret:
+    secretName: str
+    mutual: bool = False
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    secretName: str
+
+
+@dataclass(frozen=True)
+class Security:
+    """Secrets the operator mounts into the sidecars (docs/security.md, "Operator wiring")."""
+
+    tls: TlsSecret | None = None
+    tokens: SecretRef | None = None
+    tenantSecret: SecretRef | None = None
+
+
+@dataclass(frozen=True)
 class Autoscaling:
     enabled: bool = False
     targetHitRatio: float = 0.8
@@ -156,6 +186,7 @@ class PromptCacheSpec:
     gpu: Gpu = field(default_factory=Gpu)
     cachePolicy: CachePolicy = field(default_factory=CachePolicy)
     tenancy: Tenancy = field(default_factory=Tenancy)
+    security: Security = field(default_factory=Security)
     autoscaling: Autoscaling = field(default_factory=Autoscaling)
     alerts: Alerts = field(default_factory=Alerts)
     image: Image = field(default_factory=Image)
@@ -189,6 +220,13 @@ class PromptCacheSpec:
             raise SpecError("spec.autoscaling.minMemory must not be greater than spec.autoscaling.maxMemory")
         if self.gpu.count < 0:
             raise SpecError("spec.gpu.count must not be negative")
+        sec = self.security
+        for name in ("tls", "tokens", "tenantSecret"):
+            ref = getattr(sec, name)
+            if ref is not None and (len(ref.secretName) > 253 or not _SECRET_NAME.match(ref.secretName)):
+                raise SpecError(f"spec.security.{name}.secretName must be a Secret name (DNS-1123 subdomain)")
+        if self.tenancy.mode == "Isolated" and not isolated_identity(sec):
+            raise SpecError(ISOLATED_MESSAGE)
         return self
 
 
