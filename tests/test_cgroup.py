@@ -34,11 +34,14 @@ def test_resize_beyond_the_cgroup_limit_is_refused(sidecar):
 
     from promptcache.client import PromptCacheClient, errors
 
-    sidecar.service.memory_limit = 64 << 20  # as if the container were limited to 64 MiB
+    limit = [64 << 20]  # as if the container were limited to 64 MiB
+    sidecar.service.read_memory_limit = lambda: limit[0]
     with PromptCacheClient(sidecar.address) as c:
         with pytest.raises(errors.FailedPrecondition, match="cgroup memory limit of 67108864"):
             c.resize(1 << 30)
         assert c.stats().tiers[0].bytes_budget == sidecar.settings.memory_bytes
+        limit[0] = 2 << 30  # a VPA in-place resize raised the limit: read again on the next Resize
+        assert c.resize(1 << 30).memory_bytes == 1 << 30
     assert grpc  # imported for the status codes the client maps
 
 

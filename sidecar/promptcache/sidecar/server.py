@@ -125,6 +125,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self.metrics = metrics
         self.chunk_tokens = settings.chunk_tokens
         self.memory_limit: int | None = None  # the container's cgroup limit; budgets must fit under it
+        self.read_memory_limit = cgroup.memory_limit
         self.spill = None  # promptcache.sidecar.spill.Spill when the disk tier is on
         self._totals_lock = threading.Lock()
         self.hit_tokens = 0
@@ -477,6 +478,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                              f"tenant {identity_of(context).tenant!r} may not Resize (--admin-tenants)")
         if request.memory_bytes <= 0:
             raise invalid(f"memory_bytes must be positive, got {request.memory_bytes}")
+        # Read again: a VPA in-place resize may have raised (or lowered) the container's limit since start.
+        self.memory_limit = self.read_memory_limit()
         try:
             cgroup.check_budget(request.memory_bytes, self.tier.device.type == "cpu", self.memory_limit,
                                 what="memory_bytes")
