@@ -1,8 +1,8 @@
 # PromptCache operator image (chart value image.repository: ghcr.io/promptcache/promptcache-operator).
 # Build from the repository root:
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/promptcache/promptcache-operator:0.1.0 .
-# Only the operator's code and its three dependencies go in (no torch, no gRPC): promptcache.operator is a
-# PEP 420 namespace portion, runnable as `python -m promptcache.operator`.
+# Only the operator's code and its four dependencies go in (no torch; grpcio for the sidecars' Resize):
+# promptcache.operator is a PEP 420 namespace portion, runnable as `python -m promptcache.operator`.
 
 # Pinned base (by exact version; pin by digest as well in the release pipeline).
 ARG PYTHON_IMAGE=python:3.12.8-slim-bookworm
@@ -10,7 +10,7 @@ ARG PYTHON_IMAGE=python:3.12.8-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /venv \
- && /venv/bin/pip install --only-binary=:all: kopf==1.45.2 kubernetes==37.0.2 PyYAML==6.0.4 \
+ && /venv/bin/pip install --only-binary=:all: kopf==1.45.2 kubernetes==37.0.2 PyYAML==6.0.4 grpcio==1.85.1 \
  && /venv/bin/pip uninstall -y pip setuptools wheel || true
 COPY operator/promptcache/operator /app/promptcache/operator
 RUN /venv/bin/python -m compileall -q /app

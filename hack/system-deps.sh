@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Debian packages the tests and benchmarks drive for real: promtool (alert rules), openssl (test certificates
+# Debian packages the tests and benchmarks drive for real: prometheus (promtool for the alert rules, and the
+# server the operator's Prometheus metrics source is tested against), openssl (test certificates
 # for the API server) and redis-server (the throughput baseline). Installed only when missing; needs root (as
 # in CI) or sudo.
 set -euo pipefail
