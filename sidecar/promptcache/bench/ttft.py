@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefixes", default="512,1024,2048,4096", help="comma-separated prefix lengths in tokens")
     p.add_argument("--suffix", type=int, default=64, help="tokens after the cached prefix")
     p.add_argument("--modes", default="none,k8v8,k8v4", help="comma-separated quantization modes")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per reuse measurement (best is reported)")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved runs per reuse measurement (best is reported)")
     p.add_argument("--full-repeats", type=int, default=2, help="interleaved runs per full-prefill measurement")
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--transport", choices=["unix", "tcp"], default="unix", help="how the client reaches the sidecar")
@@ -121,8 +121,10 @@ def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_
 
         variants = {"full": full, "floor": floor, **{m: reuse(m) for m in modes}}
         samples = {k: [] for k in variants}
+        names = list(variants)
         for r in range(max(repeats, full_repeats)):
-            for name, fn in variants.items():
+            for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order every round
+                fn = variants[name]
                 if r >= (full_repeats if name == "full" else repeats):
                     continue
                 t = time.perf_counter()
