@@ -191,3 +191,19 @@ def test_wtinylfu_without_capacity_infers_it():
         seen.append(v)
         p.removed(v)
     assert seen == list(range(99, -1, -1))
+
+
+def test_sketch_of_a_huge_budget_stays_bounded_and_consistent():
+    """Found by the fuzzer: Resize(2**62) made W-TinyLFU size its sketch for billions of entries."""
+    from promptcache.sidecar.policies import FrequencySketch, make_policy
+
+    sketch = FrequencySketch(2**40)
+    assert sketch.entries == FrequencySketch.MAX_ENTRIES and len(sketch._rows[0]) == sketch.width
+    policy = make_policy("wtinylfu", capacity=1 << 20)
+    policy.inserted(b"k" * 32, 4096, None)
+    policy.resize(2**62)
+    for i in range(64):
+        key = i.to_bytes(32, "little")
+        policy.requested(key)
+        policy.inserted(key, 4096, None)
+    assert policy.victim() is not None

@@ -109,15 +109,20 @@ class FrequencySketch:
         self.sample_factor = sample_factor
         self.resize(entries)
 
+    # 4 rows x 4 Mi counters = 16 MiB at most: a budget of 2**62 bytes (Resize takes any positive size) must not
+    # turn into an allocation that fails half-way and leaves the sketch inconsistent.
+    MAX_ENTRIES = 1 << 22
+
     def resize(self, entries: int) -> None:
-        entries = max(16, int(entries))
+        entries = min(self.MAX_ENTRIES, max(16, int(entries)))
         width = 1
         while width < entries:
             width <<= 1
+        rows = [bytearray(width) for _ in range(self.DEPTH)]  # allocate before changing any state
         self.entries = entries
         self.width = width
         self._mask = width - 1
-        self._rows = [bytearray(width) for _ in range(self.DEPTH)]
+        self._rows = rows
         self._door: set[int] = set()
         self.sample_size = int(self.sample_factor * entries)
         self.additions = 0
