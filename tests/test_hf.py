@@ -278,3 +278,18 @@ def test_store_queue_full_drops_instead_of_blocking(tiny, client):
         gate.set()
         client.put_blobs = real_put
     assert pc.flush(20)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_quantized_reuse_in_half_precision(dtype, client):
+    model = models.tiny_llama(dtype, num_layers=2)
+    pc = PromptCacheHF(model, client, revision="t12", quantization="k8v4")
+    ids = prompt(2 * CT + 4)
+    pc.prefill(ids)
+    pc.flush(10)
+    res = pc.prefill(ids, logits_to_keep=4, store=False)
+    assert res.cached_tokens == 2 * CT and res.fallback is None
+    assert res.logits.dtype == getattr(torch, dtype) and torch.isfinite(res.logits).all()
+    k, _ = cache_kv(res.cache)[0]
+    assert k.dtype == getattr(torch, dtype)
+    assert (res.logits.float() - split_logits(model, ids, 2 * CT, 4).float()).abs().max() < 0.5
