@@ -77,6 +77,10 @@ class SidecarProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        if self.proc.returncode in (0, -15):  # keep the folder (and its sidecar.log) when the sidecar failed
+            import shutil
+
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_repeats, address, revision="",
