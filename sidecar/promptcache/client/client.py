@@ -187,8 +187,17 @@ class PromptCacheClient:
     def get_blobs(self, spec: ModelSpec, tokens, start_chunk: int = 0, max_chunks: int = 0,
                   timeout: float | None = None) -> list[torch.Tensor]:
         """The longest run of cached chunk blobs from start_chunk on, each verified against its checksum."""
-        return [b.clone() if self._shm is not None else b
-                for b in self._get_blobs(spec, tokens, start_chunk, max_chunks, timeout)]
+        blobs = self._get_blobs(spec, tokens, start_chunk, max_chunks, timeout)
+        if self._shm is None or not blobs:
+            return blobs
+        # Views of the shared buffer are copied out (one copy, one allocation) before the next call reuses it.
+        sizes = [b.numel() for b in blobs]
+        out = np.empty(sum(sizes), dtype=np.uint8)
+        pos = 0
+        for b, n in zip(blobs, sizes):
+            out[pos:pos + n] = b.numpy()
+            pos += n
+        return list(torch.from_numpy(out).split(sizes))
 
     def _get_blobs(self, spec, tokens, start_chunk, max_chunks, timeout) -> list[torch.Tensor]:
         """Like get_blobs, but with shared memory the blobs are views of this thread's buffer, valid until
@@ -205,8 +214,8 @@ class PromptCacheClient:
         size = n * chunk_nbytes(spec, self.chunk_tokens)
         shared = self._shm.get(size)
         req.shared_buffer.name, req.shared_buffer.length = shared.name, size
-        return self._call(lambda t: _receive_shared(self._stub.Get(req, timeout=t), start_chunk, shared.array),
-                          timeout)
+        return self._call(lambda t: _receive_shared(self._stub.GetShared(req, timeout=t), start_chunk,
+                                                    shared.array), timeout)
 
     # --- tensors ----------------------------------------------------------------------------------------
     def put(self, spec: ModelSpec, tokens, kv: KV, start_chunk: int = 0, timeout: float | None = None) -> PutResult:
@@ -279,13 +288,10 @@ def _receive(stream: Iterable, start_chunk: int) -> list[torch.Tensor]:
     return blobs
 
 
-def _receive_shared(stream: Iterable[pb.GetResponse], start_chunk: int, buffer: np.ndarray) -> list[torch.Tensor]:
+def _receive_shared(batch: pb.ChunkBatch, start_chunk: int, buffer: np.ndarray) -> list[torch.Tensor]:
     blobs = []
-    for msg in stream:
-        if msg.WhichOneof("frame") != "batch":
-            raise errors.CorruptChunk("unexpected frame in a shared-memory Get")
-        for c in msg.batch.chunks:
-            blobs.append(_shared_chunk(c, start_chunk + len(blobs), buffer))
+    for c in batch.chunks:
+        blobs.append(_shared_chunk(c, start_chunk + len(blobs), buffer))
     return blobs
 
 

@@ -206,6 +206,18 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     @_observed("Get", streaming_response=True)
     def Get(self, request, context):
+        yield from self._get(request, context)
+
+    @_observed("GetShared")
+    def GetShared(self, request, context):
+        if not request.HasField("shared_buffer"):
+            raise invalid("GetShared needs shared_buffer (use Get to stream the bytes)")
+        batch = pb.ChunkBatch()
+        for frame in self._get(request, context):
+            batch.MergeFrom(frame.batch)
+        return batch
+
+    def _get(self, request, context):
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
         frame = self.settings.frame_bytes
@@ -229,7 +241,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                             break
                         # Copy first, then verify the bytes exactly where the client will read them.
                         view = shared[position:position + entry.nbytes]
-                        torch.from_numpy(view).copy_(entry.data)
+                        if entry.data.device.type == "cpu":
+                            view[:] = entry.data.numpy()  # one plain memcpy (torch's copy_ measured slower here)
+                        else:
+                            torch.from_numpy(view).copy_(entry.data)
                     else:
                         host = entry.data if entry.data.device.type == "cpu" else entry.data.cpu()
                         view = host.numpy()
