@@ -185,10 +185,13 @@ class PromptCacheClient:
         return PutResult(resp.stored_chunks, resp.skipped_chunks, resp.rejected_chunks, resp.stored_bytes)
 
     def get_blobs(self, spec: ModelSpec, tokens, start_chunk: int = 0, max_chunks: int = 0,
-                  timeout: float | None = None) -> list[torch.Tensor]:
-        """The longest run of cached chunk blobs from start_chunk on, each verified against its checksum."""
+                  timeout: float | None = None, copy: bool = True) -> list[torch.Tensor]:
+        """The longest run of cached chunk blobs from start_chunk on, each verified against its checksum.
+
+        With shared memory and copy=False the blobs are zero-copy views of this thread's shared buffer, valid
+        until this thread's next call: decode them at once (as get() does)."""
         blobs = self._get_blobs(spec, tokens, start_chunk, max_chunks, timeout)
-        if self._shm is None or not blobs:
+        if self._shm is None or not blobs or not copy:
             return blobs
         # Views of the shared buffer are copied out (one copy, one allocation) before the next call reuses it.
         sizes = [b.numel() for b in blobs]
