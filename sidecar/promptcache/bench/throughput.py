@@ -75,23 +75,16 @@ def run(args) -> int:
     shm_dir = Path(tempfile.mkdtemp(prefix="promptcache-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     procs = []
     try:
-        addresses = {}
         tcp_port = _free_port()
         sock = tmp / "sidecar.sock"
         budget = 4 * max(sizes) * chunk_bytes + (64 << 20)
-        sidecar = subprocess.Popen(
-            [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", f"127.0.0.1:{tcp_port}",
-             "--metrics-port", "0", "--memory-bytes", str(budget), "--chunk-tokens", str(chunk_tokens),
-             "--max-chunk-bytes", str(chunk_bytes), "--log-level", "warning", "--shm-dir", str(shm_dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(sidecar)
-        # A second sidecar process on a unix socket: each transport gets a server of its own.
-        sidecar_unix = subprocess.Popen(
-            [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", f"unix:{sock}",
-             "--metrics-port", "0", "--memory-bytes", str(budget), "--chunk-tokens", str(chunk_tokens),
-             "--max-chunk-bytes", str(chunk_bytes), "--log-level", "warning", "--shm-dir", str(shm_dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(sidecar_unix)
+        # One sidecar process per transport family: TCP, and a unix socket (also used by the shm path).
+        for address in (f"127.0.0.1:{tcp_port}", f"unix:{sock}"):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", address,
+                 "--metrics-port", "0", "--memory-bytes", str(budget), "--chunk-tokens", str(chunk_tokens),
+                 "--max-chunk-bytes", str(chunk_bytes), "--log-level", "warning", "--shm-dir", str(shm_dir)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         addresses = {"tcp": f"127.0.0.1:{tcp_port}", "unix": f"unix://{sock}", "shm": f"unix://{sock}"}
         redis_port = _free_port()
         redis_sock = tmp / "redis.sock"

@@ -193,29 +193,29 @@ class MemoryTier:
             return True
 
     # --- reads ------------------------------------------------------------------------------------------
+    def _live(self, key: bytes, fingerprint: bytes, now: float) -> Entry | None:
+        """Under the lock: the unexpired entry for `key` under `fingerprint` (an expired one is removed)."""
+        self.policy.requested(key)
+        entry = self._entries.get(key)
+        if entry is None or entry.fingerprint != fingerprint:
+            return None
+        if entry.expires <= now:
+            self._remove(entry, "ttl")
+            return None
+        return entry
+
     def peek(self, key: bytes, fingerprint: bytes) -> Entry | None:
         """The live entry for `key` under `fingerprint`, without leasing it."""
         now = self.clock()
         with self._lock:
-            self.policy.requested(key)
-            entry = self._entries.get(key)
-            if entry is None or entry.fingerprint != fingerprint:
-                return None
-            if entry.expires <= now:
-                self._remove(entry, "ttl")
-                return None
-            return entry
+            return self._live(key, fingerprint, now)
 
     def acquire(self, key: bytes, fingerprint: bytes) -> Entry | None:
         """Lease the entry for reading: its bytes stay accounted until release()."""
         now = self.clock()
         with self._lock:
-            self.policy.requested(key)
-            entry = self._entries.get(key)
-            if entry is None or entry.fingerprint != fingerprint:
-                return None
-            if entry.expires <= now:
-                self._remove(entry, "ttl")
+            entry = self._live(key, fingerprint, now)
+            if entry is None:
                 return None
             entry.leases += 1
             entry.last_access = now
