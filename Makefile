@@ -33,10 +33,12 @@ venv: $(STAMP)
 install: $(STAMP)
 	@$(PIP) install -q --no-build-isolation --no-deps -e . > .venv/install.log 2>&1 || { cat .venv/install.log; exit 1; }
 
+SHM_DIR ?= /dev/shm/promptcache-$(shell id -u)
+
 run: install
-	@mkdir -p .data
-	$(VENV)/bin/promptcache serve --data-dir .data --grpc-address 127.0.0.1:50051 \
-	  --metrics-host 127.0.0.1 --metrics-port 9400 --log-format text
+	@mkdir -p .data $(SHM_DIR)
+	$(VENV)/bin/promptcache serve --grpc-address 127.0.0.1:50051 --metrics-host 127.0.0.1 --metrics-port 9400 \
+	  --data-dir .data --disk-bytes 2Gi --shm-dir $(SHM_DIR) --log-format text
 
 system-deps:
 	@bash hack/system-deps.sh
