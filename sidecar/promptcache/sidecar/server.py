@@ -159,12 +159,12 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         stop = n if limit == 0 else min(n, start + limit)
         return keyspec.chunk_keys(fp, tokens, self.chunk_tokens, limit=stop)[start:]
 
-    def _shared(self, name: str, need: int | None, writable: bool):
+    def _shared(self, name: str, need: int | None, writable: bool, cap: int | None = None):
         if not self.settings.shm_dir:
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
                              "shared-memory transfer is disabled on this sidecar (start it with --shm-dir)")
         try:
-            return open_shared(self.settings.shm_dir, name, need, writable)
+            return open_shared(self.settings.shm_dir, name, need, writable, cap)
         except SharedBufferError as exc:
             raise invalid(str(exc)) from None
 
@@ -305,7 +305,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         current: _Incoming | None = None
         mm = shared = None
         if header.shared_buffer:
-            mm, shared = self._shared(header.shared_buffer, None, writable=False)
+            mm, shared = self._shared(header.shared_buffer, None, writable=False,
+                                      cap=n_chunks * expected_nbytes)
         try:
             for msg in request_iterator:
                 kind = msg.WhichOneof("frame")
