@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 from promptcache import models, quant
 from promptcache.client import PromptCacheClient
 from promptcache.client.client import encode_chunk
-from promptcache.client.hf import PromptCacheHF, cache_kv
+from promptcache.client.hf import PromptCacheHF, cache_kv, cache_kwargs, output_cache
 
 CT = 16  # the conftest sidecar's chunk size
 
@@ -42,8 +42,8 @@ def split_logits(model, ids, split, keep):
 
     (On this tiny model a one-shot prefill differs from it in the last float bits, because the GEMMs have other
     shapes; the real-model test checks against a one-shot prefill.)"""
-    cache = model(input_ids=ids[:, :split], use_cache=True).past_key_values
-    return model(input_ids=ids[:, split:], past_key_values=cache, logits_to_keep=keep).logits
+    cache = output_cache(model(input_ids=ids[:, :split], use_cache=True))
+    return model(input_ids=ids[:, split:], logits_to_keep=keep, **cache_kwargs(model, cache)).logits
 
 
 def test_reuse_is_exact_for_mode_none(tiny, client):
@@ -91,7 +91,7 @@ def test_half_precision_models(dtype, client):
     # the reused K/V are bit-identical to the ones a full prefill computes
     with torch.inference_mode():
         ref = model(input_ids=ids, use_cache=True)
-    for (k, v), (rk, rv) in zip(cache_kv(res.cache), cache_kv(ref.past_key_values)):
+    for (k, v), (rk, rv) in zip(cache_kv(res.cache), cache_kv(output_cache(ref))):
         assert torch.equal(k[..., :2 * CT, :], rk[..., :2 * CT, :]) and torch.equal(v[..., :2 * CT, :], rv[..., :2 * CT, :])
 
 
@@ -179,7 +179,7 @@ def _forge(pc: PromptCacheHF, ids, blob_fn):
     """Store chunk 0 of `ids` with bytes made by blob_fn(good_blob) (valid transit checksums: the corruption is
     in what was stored, as a buggy or malicious writer would store it)."""
     with torch.inference_mode():
-        kv = cache_kv(pc.model(input_ids=ids, use_cache=True).past_key_values)
+        kv = cache_kv(output_cache(pc.model(input_ids=ids, use_cache=True)))
     good = encode_chunk(pc.spec, kv, 0, CT)
     res = pc.client.put_blobs(pc.spec, ids[0].tolist(), {0: blob_fn(good.clone())})
     assert res.stored_chunks == 1

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from promptcache import models
     from promptcache.bench.ttft import SidecarProcess
     from promptcache.client import PromptCacheClient
-    from promptcache.client.hf import PromptCacheHF
+    from promptcache.client.hf import PromptCacheHF, cache_kwargs, output_cache
 
     sidecar = None
     if args.address:
@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             answer, cache = [token], res.cache
             with torch.inference_mode():
                 while len(answer) < args.max_new_tokens and token != eos:
-                    out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
-                    cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+                    out = model(input_ids=torch.tensor([[token]]), use_cache=True, **cache_kwargs(model, cache))
+                    cache, token = output_cache(out), int(out.logits[0, -1].argmax())
                     answer.append(token)
             total = time.perf_counter() - t0
             text = tok.decode([a for a in answer if a != eos], skip_special_tokens=True).strip()

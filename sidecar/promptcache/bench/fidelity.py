@@ -35,7 +35,7 @@ def evaluate(model, tokens: list[int], *, modes, prefix: int, suffix: int, windo
     import torch
 
     from promptcache.client import PromptCacheClient
-    from promptcache.client.hf import PromptCacheHF, cache_kv
+    from promptcache.client.hf import PromptCacheHF, cache_kv, cache_kwargs, output_cache
     from promptcache.layout import chunk_nbytes
     from promptcache.sidecar.config import Settings
     from promptcache.sidecar.server import Sidecar
@@ -61,7 +61,7 @@ def evaluate(model, tokens: list[int], *, modes, prefix: int, suffix: int, windo
             with torch.inference_mode():
                 full = model(input_ids=ids, use_cache=True)
             ref = full.logits[0, prefix:].float()
-            kv = [(k[..., :prefix, :], v[..., :prefix, :]) for k, v in cache_kv(full.past_key_values)]
+            kv = [(k[..., :prefix, :], v[..., :prefix, :]) for k, v in cache_kv(output_cache(full))]
             nll_full = torch.nn.functional.cross_entropy(ref, targets, reduction="sum").item()
             log(f"  window {w}: full prefill of {ids.shape[1]} tokens {time.perf_counter() - t0:.1f}s")
             for m in modes:
@@ -72,7 +72,7 @@ def evaluate(model, tokens: list[int], *, modes, prefix: int, suffix: int, windo
                 if got.fallback or got.cached_tokens != prefix:
                     raise RuntimeError(f"mode {m}: expected {prefix} cached tokens, got {got}")
                 with torch.inference_mode():
-                    out = model(input_ids=ids[:, prefix:], past_key_values=got.cache, use_cache=True)
+                    out = model(input_ids=ids[:, prefix:], use_cache=True, **cache_kwargs(model, got.cache))
                 logits = out.logits[0].float()
                 s = stats[m]
                 s["max_abs"] = max(s["max_abs"], (logits - ref).abs().max().item())

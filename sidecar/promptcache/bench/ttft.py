@@ -90,7 +90,7 @@ def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_
     import torch
 
     from promptcache.client import PromptCacheClient
-    from promptcache.client.hf import PromptCacheHF, cache_kv, make_cache
+    from promptcache.client.hf import PromptCacheHF, cache_kv, cache_kwargs, make_cache, output_cache
 
     client = PromptCacheClient(address, timeout=120)
     hfs = {m: PromptCacheHF(model, client, quantization=m, revision=revision, fetch_timeout=120) for m in modes}
@@ -98,7 +98,7 @@ def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_
     for p in prefixes:
         ids = torch.tensor([tokens[:p + suffix]])
         with torch.inference_mode():  # the prefix K/V, stored in every mode (what a first request's store does)
-            cache = model(input_ids=ids[:, :p], use_cache=True, logits_to_keep=1).past_key_values
+            cache = output_cache(model(input_ids=ids[:, :p], use_cache=True, logits_to_keep=1))
         prefix_kv = [(k.clone(), v.clone()) for k, v in cache_kv(cache)]
         del cache
         for m in modes:
@@ -112,7 +112,7 @@ def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_
         @torch.inference_mode()
         def floor():
             c = make_cache(model, prefix_kv)
-            out = model(input_ids=ids[:, p:], past_key_values=c, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids[:, p:], use_cache=True, logits_to_keep=1, **cache_kwargs(model, c))
             return int(out.logits[0, -1].argmax()), 0.0
 
         def reuse(m):

@@ -26,11 +26,12 @@ a warning is logged and ``promptcache_client_fallbacks_total{reason}`` counts it
 the cache. Batch size 1 (one prompt per call); GQA, and fp32, fp16 and bf16 models, are handled by the ModelSpec
 (KV heads, head dim and KV dtype are read from the model).
 
-transformers 5.x: the cache is passed as ``past_key_values`` (the keyword the installed transformers' Llama forward
-and ``generate()`` take) and built with ``DynamicCache(ddp_cache_data=..., config=model.config)``.
+transformers 5.x: the cache is passed as ``cache`` where the model's forward takes it (5.24 on, where
+``past_key_values`` is deprecated), else as ``past_key_values`` and built with ``DynamicCache(ddp_cache_data=..., config=model.config)``.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -45,6 +46,19 @@ from promptcache.client.client import PromptCacheClient, encode_chunk
 from promptcache.keys import ModelSpec
 
 log = logging.getLogger("promptcache.client.hf")
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The cache as the keyword this transformers version takes: `cache` (5.24 on; `past_key_values` is deprecated
+    there) or `past_key_values` (earlier 5.x)."""
+    forward = inspect.signature(type(model).forward).parameters
+    return {"cache": cache} if "cache" in forward else {"past_key_values": cache}
+
+
+def output_cache(out):
+    """The cache a forward pass returned, under either name."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 FALLBACKS = Counter("promptcache_client_fallbacks_total",
                     "Requests that fell back to a full prefill because the cache could not be used, by reason",
@@ -285,14 +299,14 @@ class PromptCacheHF:
         prefix = self.fetch(ids)
         t0 = time.perf_counter()
         cache = prefix.cache if prefix.cache is not None else make_cache(self.model, None)
-        out = self.model(input_ids=ids[:, prefix.cached_tokens:], past_key_values=cache, use_cache=True,
-                         logits_to_keep=logits_to_keep, **model_kwargs)
+        out = self.model(input_ids=ids[:, prefix.cached_tokens:], use_cache=True, logits_to_keep=logits_to_keep,
+                         **cache_kwargs(self.model, cache), **model_kwargs)
         compute = time.perf_counter() - t0
         COMPUTED_TOKENS.inc(n - prefix.cached_tokens)
         fut = None
         if store if store is not None else self.store_enabled:
-            fut = self.store_async(ids, out.past_key_values, prefix.cached_tokens)
-        return PrefillResult(out.logits, out.past_key_values, prefix.cached_tokens, n - prefix.cached_tokens,
+            fut = self.store_async(ids, output_cache(out), prefix.cached_tokens)
+        return PrefillResult(out.logits, output_cache(out), prefix.cached_tokens, n - prefix.cached_tokens,
                              prefix.fallback, prefix.seconds, compute, fut)
 
     @torch.inference_mode()
@@ -305,21 +319,23 @@ class PromptCacheHF:
         """
         ids = _as_ids(input_ids).to(self.device)
         n = ids.shape[1]
-        if generate_kwargs.get("past_key_values") is not None:
-            raise ValueError("PromptCacheHF.generate builds the cache itself; do not pass past_key_values")
+        if generate_kwargs.get("past_key_values") is not None or generate_kwargs.get("cache") is not None:
+            raise ValueError("PromptCacheHF.generate builds the cache itself; do not pass cache/past_key_values")
         prefix = self.fetch(ids)
         cache = prefix.cache if prefix.cache is not None else make_cache(self.model, None)
         start = prefix.cached_tokens
         if n - 1 > start:
-            out = self.model(input_ids=ids[:, start:n - 1], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+            out = self.model(input_ids=ids[:, start:n - 1], use_cache=True, logits_to_keep=1,
+                             **cache_kwargs(self.model, cache))
+            cache = output_cache(out)
         COMPUTED_TOKENS.inc(n - start)
         if self.store_enabled and n - 1 > start:
             self.store_async(ids[:, :n - 1], cache, start)
         if attention_mask is None:
             attention_mask = torch.ones_like(ids)
         self.last_prefix = prefix
-        return self.model.generate(ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
+        return self.model.generate(ids, attention_mask=attention_mask, **cache_kwargs(self.model, cache),
+                                   **generate_kwargs)
 
     # ------------------------------------------------------------------------------------------------ store
     def store_async(self, input_ids, cache, cached_tokens: int = 0) -> Future | None:
