@@ -6,13 +6,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from promptcache.client import PromptCacheClient
 from promptcache.keys import ModelSpec
+from promptcache.procs import stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ModelSpec("test/tiny-llama", "rev-1", "float32", num_layers=2, num_kv_heads=2, head_dim=8)
@@ -49,21 +48,9 @@ class SidecarProcess:
                                      env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 30.0) -> "SidecarProcess":
-        deadline = time.monotonic() + timeout
-        with PromptCacheClient(self.address, timeout=1) as c:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"sidecar exited {self.proc.returncode}: {self.proc.stdout.read()}")
-                if c.healthy(timeout=0.5):
-                    return self
-                time.sleep(0.1)
-        raise TimeoutError("sidecar did not become healthy")
+        wait_healthy(self.address, self.proc, timeout,
+                     lambda: f": {self.proc.stdout.read()}" if self.proc.poll() is not None else "")
+        return self
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)

@@ -11,12 +11,12 @@ import sys
 import threading
 import time
 
-import grpc
 import pytest
 import torch
 
 from support import CHUNK, SMALL, free_port, make_kv
 from promptcache.client import PromptCacheClient, errors
+from promptcache.procs import stop_process
 from promptcache.sidecar.auth import client_channel
 
 KILLS = int(os.environ.get("PROMPTCACHE_TEST_KILLS", "4"))
@@ -48,13 +48,7 @@ class Restartable:
         self.proc.wait(30)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 @pytest.mark.timeout(600)

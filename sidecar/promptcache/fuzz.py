@@ -101,13 +101,9 @@ class SidecarUnderTest:
         return self.proc.poll() is None
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from promptcache.procs import stop_process
+
+        stop_process(self.proc)
         self.log.close()
 
 

@@ -56,26 +56,15 @@ class SidecarProcess:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60.0) -> "SidecarProcess":
-        from promptcache.client import PromptCacheClient
+        from promptcache.procs import wait_healthy
 
-        deadline = time.monotonic() + timeout
-        with PromptCacheClient(self.address, timeout=1) as c:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"sidecar exited with {self.proc.returncode}; log in {self.log.name}")
-                if c.healthy(timeout=0.5):
-                    return self
-                time.sleep(0.1)
-        raise TimeoutError(f"sidecar at {self.address} not healthy after {timeout}s; log in {self.log.name}")
+        wait_healthy(self.address, self.proc, timeout, lambda: f"; log in {self.log.name}")
+        return self
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from promptcache.procs import stop_process
+
+        stop_process(self.proc)
         self.log.close()
         if self.proc.returncode in (0, -15):  # keep the folder (and its sidecar.log) when the sidecar failed
             import shutil
