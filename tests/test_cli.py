@@ -43,6 +43,8 @@ def test_every_setting_is_a_flag_and_an_environment_variable():
                 value = "lru"
             if f.name == "chunk_tokens":
                 value = "64"
+            if f.name == "bulk_address":
+                value = "unix:/run/promptcache/bulk.sock"
             argv, env_value = ["--" + f.name.replace("_", "-"), value], value
             expected = {"int": int, "float": float, "str": str}[f.type](value)
         from_flag = getattr(parse(argv), f.name)

@@ -21,9 +21,10 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-mb", default="1,8,64", help="prefix sizes in MiB (comma separated)")
     p.add_argument("--repeats", type=int, default=7, help="timed repetitions per cell (median reported)")
-    p.add_argument("--transports", default="tcp,unix,shm",
-                   help="tcp, unix (bytes streamed over the socket), shm (unix socket for metadata, bytes through "
-                        "shared memory)")
+    p.add_argument("--transports", default="tcp,unix,shm,bulk-tcp,bulk-unix",
+                   help="tcp, unix (gRPC, bytes streamed over the socket), shm (gRPC on the unix socket for "
+                        "metadata, bytes through shared memory), bulk-tcp, bulk-unix (Get over the bulk channel, "
+                        "docs/bulk-channel.md; Put over gRPC)")
     p.add_argument("--output", default="bench-results/throughput.md", help="where to write the markdown table")
 
 
@@ -75,17 +76,20 @@ def run(args) -> int:
     shm_dir = Path(tempfile.mkdtemp(prefix="promptcache-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     procs = []
     try:
-        tcp_port = _free_port()
-        sock = tmp / "sidecar.sock"
+        tcp_port, bulk_port = _free_port(), _free_port()
+        sock, bulk_sock = tmp / "sidecar.sock", tmp / "bulk.sock"
         budget = 4 * max(sizes) * chunk_bytes + (64 << 20)
         # One sidecar process per transport family: TCP, and a unix socket (also used by the shm path).
-        for address in (f"127.0.0.1:{tcp_port}", f"unix:{sock}"):
+        bulk = {"bulk-tcp": f"127.0.0.1:{bulk_port}", "bulk-unix": f"unix:{bulk_sock}"}
+        for address, bulk_address in ((f"127.0.0.1:{tcp_port}", bulk["bulk-tcp"]), (f"unix:{sock}", bulk["bulk-unix"])):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", address,
+                 "--bulk-address", bulk_address,
                  "--metrics-port", "0", "--memory-bytes", str(budget), "--chunk-tokens", str(chunk_tokens),
                  "--max-chunk-bytes", str(chunk_bytes), "--log-level", "warning", "--shm-dir", str(shm_dir)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        addresses = {"tcp": f"127.0.0.1:{tcp_port}", "unix": f"unix://{sock}", "shm": f"unix://{sock}"}
+        addresses = {"tcp": f"127.0.0.1:{tcp_port}", "unix": f"unix://{sock}", "shm": f"unix://{sock}",
+                     "bulk-tcp": f"127.0.0.1:{tcp_port}", "bulk-unix": f"unix://{sock}"}
         redis_port = _free_port()
         redis_sock = tmp / "redis.sock"
         procs.append(subprocess.Popen(
@@ -95,9 +99,11 @@ def run(args) -> int:
         # Redis has no shared-memory path: the shm rows compare against Redis over its unix socket.
         rclients = {"tcp": redis.Redis(host="127.0.0.1", port=redis_port),
                     "unix": redis.Redis(unix_socket_path=str(redis_sock))}
-        rclients["shm"] = rclients["unix"]
+        rclients["shm"] = rclients["bulk-unix"] = rclients["unix"]
+        rclients["bulk-tcp"] = rclients["tcp"]
         clients = {t: PromptCacheClient(addresses[t], timeout=120, chunk_tokens=chunk_tokens,
-                                        shm_dir=str(shm_dir) if t == "shm" else None) for t in transports}
+                                        shm_dir=str(shm_dir) if t == "shm" else None, bulk_address=bulk.get(t))
+                   for t in transports}
         for t in transports:
             _wait(lambda: clients[t].healthy(), f"sidecar ({t})")
             _wait(lambda: rclients[t].ping(), f"redis ({t})")
@@ -128,8 +134,9 @@ def run(args) -> int:
                     assert len(got) == size
 
                 get_s = _median_seconds(get_once, args.repeats)
-                # Zero-copy views of the shared buffer: what get() decodes from (only the shm path has them).
-                view_s = _median_seconds(lambda: get_once(copy=False), args.repeats) if t == "shm" else None
+                # Views of the reused receive buffer: what get() decodes from (the shm and bulk paths have them).
+                view_s = (_median_seconds(lambda: get_once(copy=False), args.repeats)
+                          if t == "shm" or t.startswith("bulk") else None)
                 keys = [f"bench:{size}:{i}" for i in range(size)]
 
                 def redis_put():
@@ -148,7 +155,7 @@ def run(args) -> int:
                 mb = size * chunk_bytes / 1e6
                 rows.append((size, t, mb / put_s, mb / get_s, mb / memcpy, mb / rput_s, mb / rget_s))
                 if view_s is not None:
-                    rows.append((size, "shm, views", mb / put_s, mb / view_s, mb / memcpy, mb / rput_s, mb / rget_s))
+                    rows.append((size, f"{t}, views", mb / put_s, mb / view_s, mb / memcpy, mb / rput_s, mb / rget_s))
                 client.purge(spec)
         lines = ["| prefix | transport | Put MB/s | Get MB/s | memcpy MB/s | Redis SET MB/s | Redis GET MB/s "
                  "| Put / Redis | Get / Redis | Get / memcpy |",

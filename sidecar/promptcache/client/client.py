@@ -6,6 +6,7 @@ after they arrive. Every chunk received is checked against the checksum the serv
 """
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -25,8 +26,10 @@ from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
 from promptcache.wire import NAME_TO_DTYPE, TIER_NAMES, model_to_proto
 
+log = logging.getLogger("promptcache.client")
 T = TypeVar("T")
 KV = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [H, T, D] or [1, H, T, D]
+BULK_RETRY_SECONDS = 5.0
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -71,13 +74,18 @@ class PromptCacheClient:
     TLS on; tls_cert and tls_key add a client certificate (mTLS; its common name is the tenant); token or
     token_file (re-read when it changes) sends `authorization: Bearer ...` with every call; tls_server_name
     overrides the name checked against the server certificate.
+
+    bulk_address: the sidecar's --bulk-address (HOST:PORT or unix:/PATH); Get then streams over that plain
+    socket (docs/bulk-channel.md), several times faster than gRPC for node-local clients. It has no TLS: with
+    tls_ca set it is refused unless it is a unix socket. A sidecar without it falls back to gRPC.
     """
 
     def __init__(self, target: str, *, timeout: float = 5.0, retries: int = 2, backoff: float = 0.05,
                  frame_bytes: int = 1 << 20, chunk_tokens: int | None = None, shm_dir: str | None = None,
                  channel: grpc.Channel | None = None, tls_ca: str | bytes | None = None,
                  tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
-                 tls_server_name: str | None = None, token: str | None = None, token_file: str | None = None):
+                 tls_server_name: str | None = None, token: str | None = None, token_file: str | None = None,
+                 bulk_address: str | None = None):
         self.target = target
         self.timeout = timeout
         self.retries = retries
@@ -94,9 +102,22 @@ class PromptCacheClient:
         self._chunk_tokens = chunk_tokens
         # Node-local fast path: chunk bytes go through shared memory in this folder (the sidecar's --shm-dir).
         self._shm = ClientBuffers(shm_dir) if shm_dir else None
+        self._bulk = None
+        self._bulk_retry_at = 0.0
+        if bulk_address:
+            from promptcache.client.bulk import BulkGetter
+            from promptcache.sidecar.auth import _TokenSource
+
+            if tls_ca is not None and not bulk_address.startswith("unix:"):
+                raise ValueError(f"bulk_address {bulk_address} is TCP and the bulk channel has no TLS; with "
+                                 "tls_ca use a unix socket (unix:/PATH) or no bulk_address")
+            source = _TokenSource(token, token_file) if (token or token_file) else None
+            self._bulk = BulkGetter(bulk_address, (lambda: f"Bearer {source.get()}") if source else (lambda: ""))
 
     def close(self) -> None:
         self._channel.close()
+        if self._bulk is not None:
+            self._bulk.close()
         if self._shm is not None:
             self._shm.close()
 
@@ -191,9 +212,9 @@ class PromptCacheClient:
         With shared memory and copy=False the blobs are zero-copy views of this thread's shared buffer, valid
         until this thread's next call: decode them at once (as get() does)."""
         blobs = self._get_blobs(spec, tokens, start_chunk, max_chunks, timeout)
-        if self._shm is None or not blobs or not copy:
+        if (self._shm is None and self._bulk is None) or not blobs or not copy:
             return blobs
-        # Views of the shared buffer are copied out (one copy, one allocation) before the next call reuses it.
+        # Views of a reused buffer are copied out (one copy, one allocation) before the next call reuses it.
         sizes = [b.numel() for b in blobs]
         out = np.empty(sum(sizes), dtype=np.uint8)
         pos = 0
@@ -208,17 +229,40 @@ class PromptCacheClient:
         token_list = _tokens(tokens)
         req = pb.GetRequest(model=model_to_proto(spec), tokens=token_list, start_chunk=start_chunk,
                             max_chunks=max_chunks)
+        if self._bulk is not None:
+            blobs = self._bulk_get(spec, req, token_list, timeout)
+            if blobs is not None:
+                return blobs
         if self._shm is None:
             return self._call(lambda t: _receive(self._get(req, timeout=t), start_chunk), timeout)
-        n = len(token_list) // self.chunk_tokens - start_chunk
-        n = min(n, max_chunks) if max_chunks else n
-        if n <= 0:
+        size = self._expected_bytes(spec, token_list, start_chunk, max_chunks)
+        if size == 0:
             return []
-        size = n * chunk_nbytes(spec, self.chunk_tokens)
         shared = self._shm.get(size)
         req.shared_buffer.name, req.shared_buffer.length = shared.name, size
         return self._call(lambda t: _receive_shared(self._stub.GetShared(req, timeout=t), start_chunk,
                                                     shared.array), timeout)
+
+    def _expected_bytes(self, spec: ModelSpec, token_list: list[int], start_chunk: int, max_chunks: int) -> int:
+        n = len(token_list) // self.chunk_tokens - start_chunk
+        n = min(n, max_chunks) if max_chunks else n
+        return max(n, 0) * chunk_nbytes(spec, self.chunk_tokens)
+
+    def _bulk_get(self, spec, req, token_list, timeout) -> list[torch.Tensor] | None:
+        """Blobs over the bulk channel (views of this thread's buffer); None: the channel cannot take the call
+        (not configured on this sidecar, restarting, full), use gRPC, which has its own retries. After such a
+        failure the bulk channel is left alone for a few seconds so a sidecar without one costs nothing."""
+        size = self._expected_bytes(spec, token_list, req.start_chunk, req.max_chunks)
+        if size == 0:
+            return []
+        if time.monotonic() < self._bulk_retry_at:
+            return None
+        try:
+            return self._bulk.get(req, size, timeout or self.timeout)
+        except (errors.Unavailable, errors.ResourceExhausted) as exc:
+            self._bulk_retry_at = time.monotonic() + BULK_RETRY_SECONDS
+            log.warning("bulk channel not usable, using gRPC Get for %.0f s: %s", BULK_RETRY_SECONDS, exc)
+            return None
 
     # --- tensors ----------------------------------------------------------------------------------------
     def put(self, spec: ModelSpec, tokens, kv: KV, start_chunk: int = 0, timeout: float | None = None) -> PutResult:

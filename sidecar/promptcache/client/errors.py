@@ -52,12 +52,12 @@ class PermissionDenied(PromptCacheError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
-_BY_CODE = {cls.code: cls for cls in (Unavailable, DeadlineExceeded, InvalidArgument, ResourceExhausted,
+BY_CODE = {cls.code: cls for cls in (Unavailable, DeadlineExceeded, InvalidArgument, ResourceExhausted,
                                       CorruptChunk, FailedPrecondition, Unauthenticated, PermissionDenied)}
 
 
 def from_rpc_error(exc: grpc.RpcError) -> PromptCacheError:
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    cls = _BY_CODE.get(code, PromptCacheError)
+    cls = BY_CODE.get(code, PromptCacheError)
     return cls(f"{code.name if code else 'UNKNOWN'}: {details}", code)

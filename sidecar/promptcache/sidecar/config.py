@@ -46,6 +46,8 @@ class Settings:
     disk_bytes: int = 0
     disk_min_free_bytes: int = 256 << 20
     shm_dir: str = ""
+    bulk_address: str = ""
+    bulk_max_connections: int = 64
     workers: int = 32
     frame_bytes: int = 1 << 20
     log_level: str = "info"
@@ -76,6 +78,15 @@ class Settings:
             raise ValueError("--ttl-seconds must be positive")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if self.bulk_address:
+            from promptcache.bulkwire import parse_address
+
+            try:
+                parse_address(self.bulk_address)
+            except ValueError as exc:
+                raise ValueError(f"--bulk-address: {exc}") from None
+        if self.bulk_max_connections < 1:
+            raise ValueError("--bulk-max-connections must be at least 1")
         if self.workers < 1:
             raise ValueError("--workers must be at least 1")
         if not 4096 <= self.frame_bytes <= (3 << 20):
@@ -117,6 +128,9 @@ HELP = {
     "disk_min_free_bytes": "spilling stops while the data folder's filesystem has less free space than this",
     "shm_dir": "folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which node-local "
                "clients pass chunk bytes instead of streaming them; empty disables the fast path",
+    "bulk_address": "bulk channel for Get (docs/bulk-channel.md): HOST:PORT or unix:/PATH of a plain socket "
+                    "that streams chunk bytes without gRPC's per-call cost; empty disables it",
+    "bulk_max_connections": "open bulk-channel connections at most (one thread each); more are refused",
     "workers": "gRPC worker threads (concurrent calls served at once)",
     "frame_bytes": "bytes per streamed data frame in Put and Get",
     "log_level": "debug, info, warning or error",

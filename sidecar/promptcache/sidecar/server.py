@@ -30,6 +30,7 @@ from promptcache.layout import chunk_nbytes, chunk_shape
 from promptcache.shm import SharedBufferError, open_shared
 from promptcache.sidecar import cgroup, logs
 from promptcache.sidecar.auth import Authenticator, TokenStore, identity_of, server_credentials
+from promptcache.sidecar.bulk import BulkServer
 from promptcache.sidecar.config import Settings, settings_from_args
 from promptcache.sidecar.disk import DiskTierError
 from promptcache.sidecar.limits import CallLimiter, CallRejected, Guard, Watchdog
@@ -206,26 +207,36 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     @_observed("Get", streaming_response=True)
     def Get(self, request, context):
-        yield from self._get(request, context)
+        if request.HasField("shared_buffer"):  # the streamed form of GetShared: one batch frame at the end
+            batch = self.GetShared.__wrapped__(self, request, context)
+            if batch.chunks:
+                yield pb.GetResponse(batch=batch)
+            return
+        frame = self.settings.frame_bytes
+        for begin, view in self.verified_chunks(request, context):
+            yield pb.GetResponse(chunk=begin)
+            for off in range(0, begin.nbytes, frame):
+                yield frames.encode_data_frame(view[off:off + frame])
 
     @_observed("GetShared")
     def GetShared(self, request, context):
         if not request.HasField("shared_buffer"):
             raise invalid("GetShared needs shared_buffer (use Get to stream the bytes)")
-        batch = pb.ChunkBatch()
-        for frame in self._get(request, context):
-            batch.MergeFrom(frame.batch)
-        return batch
+        mm, shared = self._shared(request.shared_buffer.name, request.shared_buffer.length, writable=True)
+        try:
+            return pb.ChunkBatch(chunks=[begin for begin, _ in self.verified_chunks(request, context, shared)])
+        finally:
+            shared = None
+            mm.close()
 
-    def _get(self, request, context):
+    def verified_chunks(self, request, context, shared: np.ndarray | None = None):
+        """Yield (ChunkBegin, bytes) for each chunk of the longest cached run from request.start_chunk on,
+        each verified against its checksum just before it is yielded. The bytes are the stored tensor's own
+        memory (or, with `shared`, its copy there), and its lease is held until the consumer asks for the next
+        chunk: send them before that. Counts the lookup when the consumer stops."""
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
-        frame = self.settings.frame_bytes
-        mm = shared = None
-        if request.HasField("shared_buffer"):
-            mm, shared = self._shared(request.shared_buffer.name, request.shared_buffer.length, writable=True)
         served = position = from_disk = 0
-        batch: list[pb.ChunkBegin] = []
         try:
             for i, key in enumerate(self._keys(fp, request.tokens, request.start_chunk, request.max_chunks),
                                     start=request.start_chunk):
@@ -235,6 +246,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     entry, tier_name = self.spill.promote(key, fp), "disk"
                 if entry is None:
                     break
+                view = None
                 try:
                     if shared is not None:
                         if position + entry.nbytes > shared.size:
@@ -255,15 +267,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         log.error("chunk failed its checksum and was dropped",
                                   extra={"chunk_index": i, "key": key.hex()})
                         break
-                    begin = pb.ChunkBegin(index=i, nbytes=entry.nbytes, shape=entry.shape, dtype=entry.dtype,
-                                          xxh3_64=entry.checksum, buffer_offset=position)
-                    if shared is not None:
-                        batch.append(begin)
-                        position += entry.nbytes
-                    else:
-                        yield pb.GetResponse(chunk=begin)
-                        for off in range(0, entry.nbytes, frame):
-                            yield frames.encode_data_frame(view[off:off + frame])
+                    yield pb.ChunkBegin(index=i, nbytes=entry.nbytes, shape=entry.shape, dtype=entry.dtype,
+                                        xxh3_64=entry.checksum,
+                                        buffer_offset=position if shared is not None else 0), view
+                    position += entry.nbytes
                     self.metrics.sent_bytes.labels(tier_name).inc(entry.nbytes)
                     self.tenancy.touched(owner, key)
                     served += 1
@@ -271,15 +278,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 finally:
                     view = None
                     self.tier.release_lease(entry)
-            if batch:
-                yield pb.GetResponse(batch=pb.ChunkBatch(chunks=batch))
         finally:
             self._count_lookup("get", served * self.chunk_tokens,
                                max(0, len(request.tokens) - request.start_chunk * self.chunk_tokens), owner,
                                from_disk * self.chunk_tokens)
-            if mm is not None:
-                shared = view = None
-                mm.close()
 
     @_observed("Put")
     def Put(self, request_iterator, context):
@@ -546,6 +548,8 @@ class Sidecar:
             raise ValueError(f"--grpc-address {settings.grpc_address} is not loopback or a unix socket; "
                              "serve TLS there (--tls-cert-file, --tls-key-file) or, for plaintext, pass "
                              "--allow-insecure-remote")
+        if settings.bulk_address:
+            self._check_bulk_address(settings, tls)
         if not tls and not is_local_address(settings.grpc_address):
             log.warning("serving plaintext gRPC on a non-loopback address (--allow-insecure-remote): requests, "
                         "chunk bytes and bearer tokens cross the network unencrypted",
@@ -603,6 +607,9 @@ class Sidecar:
                      else self.server.add_insecure_port(settings.grpc_address))
         if self.port == 0:
             raise OSError(f"cannot listen on --grpc-address {settings.grpc_address}")
+        self.bulk = (BulkServer(settings.bulk_address, self.service, self.authenticator, self.metrics,
+                                settings.bulk_max_connections, settings.stream_idle_seconds)
+                     if settings.bulk_address else None)
         self._stop = threading.Event()
         self._stop_lock = threading.Lock()
         self._http = None
@@ -616,6 +623,24 @@ class Sidecar:
         self.metrics.evicted_bytes.labels("device", reason).inc(entry.nbytes)
         self.metrics.eviction_age.labels(reason).observe(age)
 
+    @staticmethod
+    def _check_bulk_address(settings: Settings, tls: bool) -> None:
+        if settings.tls_client_ca_file and not settings.token_file:
+            raise ValueError("--bulk-address: bulk clients authenticate with a bearer token, and with mTLS but no "
+                             "--token-file they could not; add --token-file or leave --bulk-address empty")
+        if settings.bulk_address.startswith("unix:"):
+            return
+        if tls:
+            raise ValueError(f"--bulk-address {settings.bulk_address} is TCP, and the bulk channel has no TLS: "
+                             "with TLS on, put it on a unix socket (unix:/PATH) or leave it empty")
+        if not is_local_address(settings.bulk_address) and not settings.allow_insecure_remote:
+            raise ValueError(f"--bulk-address {settings.bulk_address} is not loopback or a unix socket and the "
+                             "bulk channel is plaintext; use a unix socket or pass --allow-insecure-remote")
+
+    @property
+    def bulk_address(self) -> str | None:
+        return self.bulk.address if self.bulk is not None else None
+
     @property
     def address(self) -> str:
         a = self.settings.grpc_address
@@ -623,6 +648,12 @@ class Sidecar:
 
     def start(self) -> "Sidecar":
         self.server.start()
+        if self.bulk is not None:
+            try:
+                self.bulk.start()
+            except OSError:
+                self.server.stop(0)
+                raise
         if self.settings.metrics_port is not None:
             self._http, _ = start_http_server(self.settings.metrics_port, addr=self.settings.metrics_host,
                                               registry=self.metrics.registry)
@@ -647,6 +678,8 @@ class Sidecar:
     def _shutdown(self, grace: float) -> None:
         self.watchdog.stop()
         self.health.enter_graceful_shutdown()
+        if self.bulk is not None:
+            self.bulk.stop()
         self.server.stop(grace).wait()
         if self._http is not None:
             self._http.shutdown()
@@ -675,7 +708,7 @@ def serve_from_args(args) -> int:
         log.error("cannot start: %s", exc)
         return 2
     log.info("promptcache sidecar serving", extra={
-        "grpc": sidecar.address, "metrics": f"http://{settings.metrics_host}:{sidecar.metrics_port}/metrics",
+        "grpc": sidecar.address, "bulk": sidecar.bulk_address, "metrics": f"http://{settings.metrics_host}:{sidecar.metrics_port}/metrics",
         "device": str(sidecar.device), "memory_bytes": settings.memory_bytes,
         "chunk_tokens": settings.chunk_tokens, "eviction_policy": settings.eviction_policy})
 

@@ -1,0 +1,85 @@
+"""Framing of the bulk channel (docs/bulk-channel.md), shared by the sidecar and the client.
+
+Every message is one promptcache.v1.BulkFrame preceded by its length as 4 little-endian bytes; after a chunk
+frame come exactly chunk.nbytes raw bytes. The messages themselves are defined in the proto, like every other
+part of the data path; this module only moves them over a plain stream socket.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+
+from promptcache.v1 import kvcache_pb2 as pb
+
+VERSION = 1
+_LENGTH = struct.Struct("<I")
+# A get frame carries at most the server's token limit (4M ids, <= 5 bytes each packed) plus the model.
+MAX_FRAME_BYTES = (5 << 22) + (64 << 10)
+
+
+class FramingError(Exception):
+    """The peer broke the framing: the connection cannot be used any more."""
+
+
+class Closed(FramingError):
+    """The peer closed the connection between frames."""
+
+
+def parse_address(address: str) -> tuple[int, object]:
+    """'unix:/path' or 'unix:///path' -> (AF_UNIX, path); 'HOST:PORT' -> (AF_INET or AF_INET6, (host, port)).
+    Raises ValueError naming what is wrong."""
+    if address.startswith("unix:"):
+        path = address[len("unix:"):]
+        if path.startswith("//"):
+            path = path[2:]
+        if not path.startswith("/"):
+            raise ValueError(f"bulk address {address!r}: a unix socket needs an absolute path (unix:/run/x.sock)")
+        return socket.AF_UNIX, path
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"bulk address {address!r} is not HOST:PORT or unix:/PATH")
+    host = host.strip("[]")
+    return (socket.AF_INET6 if ":" in host else socket.AF_INET), (host, int(port))
+
+
+def encode(frame: pb.BulkFrame) -> bytes:
+    body = frame.SerializeToString()
+    return _LENGTH.pack(len(body)) + body
+
+
+def send(sock: socket.socket, frame: pb.BulkFrame) -> None:
+    sock.sendall(encode(frame))
+
+
+def recv_into(sock: socket.socket, buffer) -> None:
+    """Fill `buffer` (any writable buffer) from the socket; FramingError if the peer closes first."""
+    view = memoryview(buffer).cast("B")
+    got, total = 0, view.nbytes
+    while got < total:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise FramingError(f"connection closed after {got} of {total} bytes")
+        got += n
+
+
+def recv(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> pb.BulkFrame:
+    """The next frame. Closed if the peer closed cleanly before it; FramingError for anything malformed."""
+    head = bytearray(_LENGTH.size)
+    n = sock.recv_into(head)
+    if n == 0:
+        raise Closed("connection closed")
+    if n < len(head):
+        recv_into(sock, memoryview(head)[n:])
+    (length,) = _LENGTH.unpack(head)
+    if length > limit:
+        raise FramingError(f"frame of {length} bytes is over the limit of {limit}")
+    body = bytearray(length)
+    recv_into(sock, body)
+    frame = pb.BulkFrame()
+    try:
+        frame.ParseFromString(bytes(body))
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError
+        raise FramingError(f"frame of {length} bytes is not a valid BulkFrame ({type(exc).__name__})") from None
+    if frame.WhichOneof("frame") is None:
+        raise FramingError("frame carries none of hello, get, chunk, status")
+    return frame

@@ -1,0 +1,139 @@
+"""Client side of the bulk channel (docs/bulk-channel.md): Get over a plain socket, into a reused buffer.
+
+One connection and one receive buffer per thread. Receiving into memory that was touched before matters as much
+as leaving gRPC: on the small nodes measured, page-faulting a fresh 64 MiB buffer costs about as much as the
+transfer itself. So blobs come back as views of the thread's buffer, valid until its next get; callers decode
+or copy them at once (PromptCacheClient.get_blobs copies unless asked not to, get decodes straight from them).
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import grpc
+import torch
+import xxhash
+
+from promptcache import bulkwire
+from promptcache.client import errors
+from promptcache.v1 import kvcache_pb2 as pb
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_MAX_CHUNK_BYTES = 1 << 31  # a sanity bound on what a server may announce, far above any real chunk
+
+
+class _Connection:
+    def __init__(self, family: int, sockaddr, authorization: str, timeout: float):
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        if family != socket.AF_UNIX:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.connect(sockaddr)
+        bulkwire.send(self.sock, pb.BulkFrame(hello=pb.BulkHello(version=bulkwire.VERSION,
+                                                                 authorization=authorization)))
+        _check_status(_expect(self.sock, "status").status)
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _expect(sock: socket.socket, kind: str) -> pb.BulkFrame:
+    frame = bulkwire.recv(sock)
+    got = frame.WhichOneof("frame")
+    if got != kind and got != "status":
+        raise bulkwire.FramingError(f"expected a {kind} frame from the sidecar, got {got}")
+    return frame
+
+
+def _check_status(status: pb.BulkStatus) -> None:
+    if status.code != 0:
+        code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+        cls = errors.BY_CODE.get(code, errors.PromptCacheError)
+        raise cls(f"{code.name}: {status.message}", code)
+
+
+class BulkGetter:
+    """Thread-safe: each thread has its own connection and buffer."""
+
+    def __init__(self, address: str, authorization=lambda: ""):
+        self.address = address
+        self.family, self.sockaddr = bulkwire.parse_address(address)
+        self._authorization = authorization
+        self._local = threading.local()
+        self._all: list[_Connection] = []
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._all:
+                c.close()
+            self._all.clear()
+
+    def _connection(self, timeout: float) -> _Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = _Connection(self.family, self.sockaddr, self._authorization(), timeout)
+            except (OSError, bulkwire.FramingError) as exc:
+                raise errors.Unavailable(f"UNAVAILABLE: bulk channel {self.address}: {exc}") from None
+            self._local.conn = conn
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    def _drop(self, conn: _Connection) -> None:
+        self._local.conn = None
+        with self._lock:
+            if conn in self._all:
+                self._all.remove(conn)
+        conn.close()
+
+    def get(self, request: pb.GetRequest, expected_bytes: int, timeout: float) -> list[torch.Tensor]:
+        """Verified chunk blobs of the longest cached run, as views of this thread's buffer (valid until the
+        thread's next get). `expected_bytes` sizes the buffer; larger answers still fit (a new buffer)."""
+        deadline = time.monotonic() + timeout
+        conn = self._connection(timeout)
+        try:
+            conn.sock.settimeout(timeout)
+            bulkwire.send(conn.sock, pb.BulkFrame(get=request))
+            return self._receive(conn, request.start_chunk, expected_bytes, deadline)
+        except socket.timeout:
+            self._drop(conn)  # the answer may still arrive: this connection's framing can't be trusted
+            raise errors.DeadlineExceeded(f"DEADLINE_EXCEEDED: no answer from {self.address} in time") from None
+        except (OSError, bulkwire.FramingError) as exc:
+            self._drop(conn)
+            raise errors.Unavailable(f"UNAVAILABLE: bulk channel {self.address}: {exc}") from None
+        except errors.CorruptChunk:
+            self._drop(conn)  # the rest of the answer is still in the socket
+            raise
+
+    def _receive(self, conn: _Connection, start_chunk: int, expected_bytes: int, deadline: float):
+        if conn.buffer.numel() < expected_bytes:
+            conn.buffer = torch.empty(expected_bytes, dtype=torch.uint8)
+        buffer, position, blobs = conn.buffer, 0, []
+        while True:
+            frame = _expect(conn.sock, "chunk")
+            if frame.WhichOneof("frame") == "status":
+                if frame.status.chunks != len(blobs):
+                    raise bulkwire.FramingError(f"status counts {frame.status.chunks} chunks, "
+                                                f"{len(blobs)} arrived")
+                _check_status(frame.status)
+                return blobs
+            c = frame.chunk
+            if c.index != start_chunk + len(blobs):
+                raise errors.CorruptChunk(f"expected chunk {start_chunk + len(blobs)}, got {c.index}")
+            if c.nbytes > _MAX_CHUNK_BYTES:
+                raise errors.CorruptChunk(f"chunk {c.index} announces {c.nbytes} bytes")
+            if position + c.nbytes > buffer.numel():
+                # Earlier blobs keep the old buffer alive; the next call starts in the new, larger one.
+                buffer = conn.buffer = torch.empty(max(2 * buffer.numel(), c.nbytes), dtype=torch.uint8)
+                position = 0
+            view = buffer[position:position + c.nbytes]
+            conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            bulkwire.recv_into(conn.sock, view.numpy())
+            if xxhash.xxh3_64_intdigest(view.numpy()) != c.xxh3_64:
+                raise errors.CorruptChunk(f"chunk {c.index} failed its checksum in transit")
+            blobs.append(view)
+            position += c.nbytes

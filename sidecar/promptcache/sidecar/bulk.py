@@ -1,0 +1,264 @@
+"""The sidecar's bulk channel: Get over a plain stream socket (docs/bulk-channel.md).
+
+Same service code as the gRPC Get (KVCacheService.verified_chunks: model and token checks, tenancy, leases,
+checksums before serving, metrics), same authentication (the bearer token of the hello frame goes through the
+gRPC Authenticator), without gRPC's fixed per-call cost. Chunk bytes are sent straight from the stored tensor's
+memory while its lease is held. One thread per connection, at most --bulk-max-connections of them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import threading
+import time
+
+import grpc
+
+from promptcache import bulkwire
+from promptcache.sidecar.auth import AUTHORIZATION, attach_identity
+from promptcache.sidecar.limits import CallRejected
+from promptcache.v1 import kvcache_pb2 as pb
+
+log = logging.getLogger("promptcache.sidecar.bulk")
+RPC = "BulkGet"
+
+
+class _Context:
+    """What the service and the Authenticator read from a gRPC context, for one bulk connection."""
+
+    def __init__(self, peer: str, authorization: str):
+        self._peer = peer
+        self._metadata = ((AUTHORIZATION, authorization),) if authorization else ()
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def auth_context(self):
+        return {}  # no TLS on the bulk channel: identity comes from the bearer token only
+
+    def peer(self) -> str:
+        return self._peer
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _status(code: grpc.StatusCode, message: str = "", chunks: int = 0) -> pb.BulkFrame:
+    return pb.BulkFrame(status=pb.BulkStatus(code=code.value[0], message=message, chunks=chunks))
+
+
+class BulkServer:
+    def __init__(self, address: str, service, authenticator, metrics, max_connections: int = 64,
+                 idle_seconds: float = 30.0):
+        self.family, self.sockaddr = bulkwire.parse_address(address)
+        self.service = service
+        self.authenticator = authenticator
+        self.metrics = metrics
+        self.max_connections = max_connections
+        self.idle_seconds = idle_seconds or None
+        self._listener: socket.socket | None = None
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def address(self) -> str:
+        if self.family == socket.AF_UNIX:
+            return f"unix:{self.sockaddr}"
+        host, port = self._listener.getsockname()[:2]
+        return f"[{host}]:{port}" if self.family == socket.AF_INET6 else f"{host}:{port}"
+
+    def start(self) -> "BulkServer":
+        sock = socket.socket(self.family, socket.SOCK_STREAM)
+        try:
+            if self.family == socket.AF_UNIX:
+                if os.path.exists(self.sockaddr) and _is_stale_socket(self.sockaddr):
+                    os.unlink(self.sockaddr)
+            else:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(self.sockaddr)
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot listen on --bulk-address {self.sockaddr}: {exc.strerror or exc}") from None
+        self._listener = sock
+        t = threading.Thread(target=self._accept, name="bulk-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            connections = list(self._connections)
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in recv; it closes the socket
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=5)
+        if self.family == socket.AF_UNIX:
+            try:
+                os.unlink(self.sockaddr)
+            except OSError:
+                pass
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return  # listener closed by stop()
+            with self._lock:
+                if self._stopping:
+                    conn.close()
+                    return
+                full = len(self._connections) >= self.max_connections
+                if not full:
+                    self._connections.add(conn)
+            if full:
+                self._refuse_full(conn)
+                continue
+            name = f"unix:{self.sockaddr}" if self.family == socket.AF_UNIX else f"ip:{peer[0]}:{peer[1]}"
+            t = threading.Thread(target=self._serve, args=(conn, name), name="bulk-conn", daemon=True)
+            t.start()
+            with self._lock:
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+
+    def _refuse_full(self, conn: socket.socket) -> None:
+        self.metrics.requests.labels(RPC, "RESOURCE_EXHAUSTED").inc()
+        try:
+            conn.settimeout(1.0)
+            bulkwire.send(conn, _status(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"the bulk channel has its maximum of {self.max_connections} connections "
+                                        "(--bulk-max-connections); retry later or use gRPC Get"))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        try:
+            conn.settimeout(self.idle_seconds)
+            if self.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            readable = select.poll()
+            readable.register(conn, select.POLLIN)
+            context = self._hello(conn, peer, readable)
+            while True:
+                try:
+                    frame = self._next_frame(conn, readable)
+                except bulkwire.Closed:
+                    return
+                if frame.WhichOneof("frame") != "get":
+                    raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"expected a get frame, got {frame.WhichOneof('frame')}")
+                self._get(conn, context, frame.get)
+        except bulkwire.Closed:
+            pass  # the client left, or stop() shut the socket down
+        except _Refused as exc:
+            self.metrics.requests.labels(RPC, exc.code.name).inc()
+            self._try_send(conn, _status(exc.code, exc.message))
+        except bulkwire.FramingError as exc:
+            self.metrics.requests.labels(RPC, "INVALID_ARGUMENT").inc()
+            self._try_send(conn, _status(grpc.StatusCode.INVALID_ARGUMENT, f"malformed bulk frame: {exc}"))
+        except OSError:
+            pass  # peer gone, stalled past --stream-idle-seconds, or the server is stopping
+        except Exception:  # noqa: BLE001 - one broken connection must never take the server down
+            log.exception("unexpected error on a bulk connection")
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    @staticmethod
+    def _next_frame(conn: socket.socket, readable: select.poll) -> pb.BulkFrame:
+        """The next frame. Waiting for it has no time limit (an idle connection is fine; stop() wakes it
+        by shutting the socket down); once its first byte is here, a stall longer than the socket's
+        timeout (--stream-idle-seconds) ends the connection."""
+        readable.poll()
+        return bulkwire.recv(conn)
+
+    def _hello(self, conn: socket.socket, peer: str, readable: select.poll) -> _Context:
+        frame = self._next_frame(conn, readable)
+        if frame.WhichOneof("frame") != "hello":
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"a bulk connection must start with a hello frame, got {frame.WhichOneof('frame')}")
+        hello = frame.hello
+        if hello.version != bulkwire.VERSION:
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"bulk protocol version {hello.version} is not supported (this sidecar speaks "
+                           f"{bulkwire.VERSION})")
+        context = _Context(peer, hello.authorization)
+        identity = self.authenticator.authenticate(context)
+        if identity is None:
+            raise _Refused(grpc.StatusCode.UNAUTHENTICATED,
+                           "this sidecar requires authentication: a valid bearer token in the hello frame "
+                           "(authorization: Bearer ...)")
+        attach_identity(context, identity)
+        bulkwire.send(conn, _status(grpc.StatusCode.OK))
+        return context
+
+    def _get(self, conn: socket.socket, context: _Context, request: pb.GetRequest) -> None:
+        from promptcache.sidecar.server import RpcFailure
+
+        start = time.perf_counter()
+        sent = 0
+        code, message = grpc.StatusCode.OK, ""
+        try:
+            if request.HasField("shared_buffer"):
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
+                                 "the bulk channel sends the bytes on the socket: leave shared_buffer unset "
+                                 "(GetShared is the shared-memory path)")
+            for begin, view in self.service.verified_chunks(request, context):
+                bulkwire.send(conn, pb.BulkFrame(chunk=begin))
+                conn.sendall(memoryview(view).cast("B"))  # from the stored tensor's memory, lease held
+                sent += 1
+        except (RpcFailure, CallRejected) as exc:
+            code, message = exc.code, exc.message
+        except OSError:
+            self.metrics.requests.labels(RPC, "CANCELLED").inc()
+            raise
+        except Exception as exc:  # noqa: BLE001
+            log.exception("unexpected error in %s", RPC)
+            code, message = grpc.StatusCode.INTERNAL, f"internal error in {RPC}: {type(exc).__name__}"
+        finally:
+            self.metrics.latency.labels(RPC).observe(time.perf_counter() - start)
+        self.metrics.requests.labels(RPC, code.name).inc()
+        bulkwire.send(conn, _status(code, message, sent))
+
+    @staticmethod
+    def _try_send(conn: socket.socket, frame: pb.BulkFrame) -> None:
+        try:
+            conn.settimeout(1.0)
+            bulkwire.send(conn, frame)
+        except OSError:
+            pass
+
+
+def _is_stale_socket(path: str) -> bool:
+    """A leftover socket file nobody listens on (a previous run was killed) may be replaced; a live one not."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    else:
+        return False
+    finally:
+        probe.close()

@@ -1,0 +1,263 @@
+"""The bulk channel (docs/bulk-channel.md): Get over a plain socket next to gRPC, against a real sidecar.
+
+Raw-socket tests speak the framing by hand (promptcache.bulkwire) to send what the client never would.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from promptcache import bulkwire
+from promptcache.client import PromptCacheClient, errors
+from promptcache.keys import ModelSpec
+from promptcache.sidecar.config import Settings
+from promptcache.sidecar.server import Sidecar
+from promptcache.v1 import kvcache_pb2 as pb
+from promptcache.wire import model_to_proto
+from support import CHUNK, SMALL, free_port, make_kv
+from test_auth import pki, token_dir  # noqa: F401 - fixtures
+
+TOKENS = list(range(3 * CHUNK))
+
+
+def _metric(sidecar, name_and_labels: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name_and_labels + " "):
+                return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.fixture
+def bulk_sidecar(sidecar_factory, tmp_path):
+    return sidecar_factory(bulk_address=f"unix:{tmp_path}/bulk.sock")
+
+
+def _raw(sidecar) -> socket.socket:
+    family, addr = bulkwire.parse_address(sidecar.bulk_address)
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(addr)
+    return s
+
+
+def _hello(s: socket.socket, authorization: str = "") -> pb.BulkStatus:
+    bulkwire.send(s, pb.BulkFrame(hello=pb.BulkHello(version=1, authorization=authorization)))
+    return bulkwire.recv(s).status
+
+
+def _get(s: socket.socket, request: pb.GetRequest) -> tuple[list[bytes], pb.BulkStatus]:
+    bulkwire.send(s, pb.BulkFrame(get=request))
+    chunks = []
+    while True:
+        frame = bulkwire.recv(s)
+        if frame.WhichOneof("frame") == "status":
+            return chunks, frame.status
+        data = bytearray(frame.chunk.nbytes)
+        bulkwire.recv_into(s, data)
+        chunks.append(bytes(data))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_bulk_get_is_bit_identical(sidecar_factory, tmp_path, dtype, transport):
+    address = f"unix:{tmp_path}/bulk.sock" if transport == "unix" else f"127.0.0.1:{free_port()}"
+    sidecar = sidecar_factory(bulk_address=address)
+    spec = ModelSpec("test/bulk", "r1", dtype, num_layers=2, num_kv_heads=2, head_dim=8)
+    kv = make_kv(spec, len(TOKENS))
+    with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address) as c:
+        assert c.put(spec, TOKENS, kv).stored_chunks == 3
+        n, got = c.get(spec, TOKENS)
+    assert n == len(TOKENS)
+    for (k, v), (gk, gv) in zip(kv, got):
+        assert gk.dtype == k.dtype and torch.equal(gk, k) and torch.equal(gv, v)
+    # It really went over the bulk channel, not the gRPC fallback.
+    assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkGet"}') == 1
+    assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Get"}') == 0
+
+
+def test_bulk_longest_prefix_and_owned_copies(bulk_sidecar):
+    with PromptCacheClient(bulk_sidecar.address, bulk_address=bulk_sidecar.bulk_address) as c:
+        c.put(SMALL, TOKENS[:2 * CHUNK], make_kv(SMALL, 2 * CHUNK))
+        other = TOKENS[:CHUNK] + [9999] * CHUNK + TOKENS[2 * CHUNK:]
+        first = c.get_blobs(SMALL, TOKENS)  # chunks 0, 1 cached; chunk 2 missing
+        assert len(first) == 2
+        kept = [b.clone() for b in first]
+        assert len(c.get_blobs(SMALL, other)) == 1  # shares only chunk 0
+        assert len(c.get_blobs(SMALL, TOKENS, start_chunk=1)) == 1
+        assert c.get_blobs(SMALL, [5] * CHUNK) == []
+        # copy=True (the default) hands out owned tensors: later calls do not change them.
+        assert all(torch.equal(a, b) for a, b in zip(first, kept))
+        views = c.get_blobs(SMALL, TOKENS, copy=False)
+        assert all(torch.equal(a, b) for a, b in zip(views, kept))
+
+
+def test_bulk_corrupt_chunk_is_never_served(bulk_sidecar):
+    with PromptCacheClient(bulk_sidecar.address, bulk_address=bulk_sidecar.bulk_address) as c:
+        c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
+        keys = [ch.key for ch in c.lookup(SMALL, TOKENS).chunks]
+        bulk_sidecar.tier._entries[keys[1]].data[7] ^= 0x10
+        assert len(c.get_blobs(SMALL, TOKENS)) == 1  # chunk 0 only; the corrupt one ends the prefix
+    assert _metric(bulk_sidecar, 'promptcache_checksum_failures_total{tier="device"}') == 1
+
+
+@pytest.mark.parametrize("send, code, words", [
+    (lambda s: bulkwire.send(s, pb.BulkFrame(get=pb.GetRequest())), grpc.StatusCode.INVALID_ARGUMENT,
+     "must start with a hello"),
+    (lambda s: bulkwire.send(s, pb.BulkFrame(hello=pb.BulkHello(version=7))), grpc.StatusCode.FAILED_PRECONDITION,
+     "version 7"),
+    (lambda s: s.sendall(struct.pack("<I", 1 << 30)), grpc.StatusCode.INVALID_ARGUMENT, "over the limit"),
+    (lambda s: s.sendall(struct.pack("<I", 3) + b"\xff\xff\xff"), grpc.StatusCode.INVALID_ARGUMENT,
+     "not a valid BulkFrame"),
+    (lambda s: s.sendall(struct.pack("<I", 0)), grpc.StatusCode.INVALID_ARGUMENT, "none of hello"),
+])
+def test_bulk_malformed_frames_are_refused_and_the_server_keeps_serving(bulk_sidecar, send, code, words):
+    s = _raw(bulk_sidecar)
+    send(s)
+    status = bulkwire.recv(s).status
+    assert status.code == code.value[0] and words in status.message
+    assert s.recv(1) == b""  # the connection is closed after a framing error
+    s.close()
+    with PromptCacheClient(bulk_sidecar.address, bulk_address=bulk_sidecar.bulk_address) as c:
+        c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
+        assert len(c.get_blobs(SMALL, TOKENS)) == 3
+
+
+@pytest.mark.parametrize("request_, words", [
+    (pb.GetRequest(tokens=TOKENS), "model is missing"),
+    (pb.GetRequest(model=model_to_proto(SMALL)), "tokens is empty"),
+    (pb.GetRequest(model=pb.Model(model_id="m", kv_dtype=pb.DTYPE_FLOAT16), tokens=TOKENS), "num_layers"),
+    (pb.GetRequest(model=model_to_proto(SMALL), tokens=TOKENS, shared_buffer=pb.SharedBuffer(name="x")),
+     "shared_buffer"),
+])
+def test_bulk_bad_requests_get_a_status_naming_the_problem(bulk_sidecar, request_, words):
+    s = _raw(bulk_sidecar)
+    assert _hello(s).code == 0
+    chunks, status = _get(s, request_)
+    assert chunks == [] and status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert words in status.message
+    # A bad request does not end the connection: the next one on it is served.
+    chunks, status = _get(s, pb.GetRequest(model=model_to_proto(SMALL), tokens=TOKENS))
+    assert status.code == 0 and chunks == []
+    s.close()
+
+
+def test_bulk_requires_the_token_and_keeps_tenants_apart(sidecar_factory, token_dir, tmp_path):  # noqa: F811
+    sidecar = sidecar_factory(token_file=str(token_dir), bulk_address=f"unix:{tmp_path}/bulk.sock")
+    s = _raw(sidecar)
+    status = _hello(s, "Bearer not-a-token")
+    assert status.code == grpc.StatusCode.UNAUTHENTICATED.value[0] and "bearer token" in status.message
+    s.close()
+    with pytest.raises(errors.Unauthenticated):
+        with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address, token="wrong", retries=0) as c:
+            c.get_blobs(SMALL, TOKENS)
+    with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address, token="alice-token-1") as alice, \
+            PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address, token="bob-token-1") as bob:
+        alice.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
+        assert len(alice.get_blobs(SMALL, TOKENS)) == 3
+        assert bob.get_blobs(SMALL, TOKENS) == []
+    assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkGet"}') == 2
+
+
+def test_bulk_stalled_frame_is_dropped_but_idle_connections_stay(sidecar_factory, tmp_path):
+    sidecar = sidecar_factory(bulk_address=f"unix:{tmp_path}/bulk.sock", stream_idle_seconds=0.3)
+    idle, stalled = _raw(sidecar), _raw(sidecar)
+    assert _hello(idle).code == 0 and _hello(stalled).code == 0
+    stalled.sendall(struct.pack("<I", 100) + b"\x12")  # announces 100 bytes, sends 1, stops
+    time.sleep(1.0)
+    assert stalled.recv(1) == b""  # dropped after --stream-idle-seconds
+    chunks, status = _get(idle, pb.GetRequest(model=model_to_proto(SMALL), tokens=TOKENS))
+    assert status.code == 0  # an idle connection between frames is still served
+    idle.close()
+    stalled.close()
+
+
+def test_bulk_connection_limit_falls_back_to_grpc(sidecar_factory, tmp_path):
+    sidecar = sidecar_factory(bulk_address=f"unix:{tmp_path}/bulk.sock", bulk_max_connections=1)
+    holder = _raw(sidecar)
+    assert _hello(holder).code == 0
+    extra = _raw(sidecar)
+    status = bulkwire.recv(extra).status
+    assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "--bulk-max-connections" in status.message
+    with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address) as c:
+        c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
+        assert len(c.get_blobs(SMALL, TOKENS)) == 3  # served by gRPC Get instead
+    assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Get"}') == 1
+    holder.close()
+
+
+def test_client_falls_back_to_grpc_when_the_sidecar_has_no_bulk_channel(sidecar, tmp_path):
+    with PromptCacheClient(sidecar.address, bulk_address=f"unix:{tmp_path}/nothing.sock") as c:
+        c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
+        assert len(c.get_blobs(SMALL, TOKENS)) == 3
+
+
+def test_sidecar_stop_closes_bulk_connections_and_the_socket(sidecar_factory, tmp_path):
+    sidecar = sidecar_factory(bulk_address=f"unix:{tmp_path}/bulk.sock")
+    s = _raw(sidecar)
+    assert _hello(s).code == 0
+    sidecar.stop(0)
+    assert s.recv(1) == b""
+    assert not (tmp_path / "bulk.sock").exists()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"bulk_address": "nowhere"}, "not HOST:PORT or unix:/PATH"),
+    ({"bulk_address": "unix:relative.sock"}, "absolute path"),
+    ({"bulk_address": "127.0.0.1:1", "bulk_max_connections": 0}, "--bulk-max-connections"),
+    ({"bulk_address": "10.1.2.3:7000"}, "plaintext"),
+])
+def test_bad_bulk_settings_are_refused_at_start(overrides, words):
+    settings = Settings(grpc_address="127.0.0.1:0", metrics_port=0, **overrides)
+    with pytest.raises(ValueError, match=words):
+        Sidecar(settings)
+
+
+def test_bulk_channel_refuses_tcp_with_tls(pki):  # noqa: F811
+    settings = Settings(grpc_address="127.0.0.1:0", metrics_port=0, tls_cert_file=pki.server_cert,
+                        tls_key_file=pki.server_key, bulk_address="127.0.0.1:0")
+    with pytest.raises(ValueError, match="no TLS"):
+        Sidecar(settings)
+
+
+def test_bulk_survives_random_and_mutated_frames(bulk_sidecar):
+    """A small in-test fuzz: valid frames with random bytes flipped, cut or appended, on fresh connections.
+    Every answer is a status frame or a closed connection, never a hang or a crash, and a real client is
+    served afterwards."""
+    import random
+
+    rng = random.Random(1234)
+    valid = [bulkwire.encode(pb.BulkFrame(hello=pb.BulkHello(version=1))),
+             bulkwire.encode(pb.BulkFrame(get=pb.GetRequest(model=model_to_proto(SMALL), tokens=TOKENS)))]
+    for _ in range(150):
+        data = bytearray(b"".join(valid))
+        for _ in range(rng.randint(1, 4)):
+            op = rng.choice(("flip", "cut", "append"))
+            if op == "flip" and data:
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+            elif op == "cut" and data:
+                del data[rng.randrange(len(data)):]
+            else:
+                data += rng.randbytes(rng.randint(1, 64))
+        s = _raw(bulk_sidecar)
+        s.settimeout(0.5)
+        try:
+            s.sendall(bytes(data))
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(65536):
+                pass
+        except socket.timeout:
+            pass  # a frame that announces more bytes than were sent waits for them: the client just leaves
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # closed by the server after a framing error, with our extra bytes unread
+        s.close()
+    with PromptCacheClient(bulk_sidecar.address, bulk_address=bulk_sidecar.bulk_address) as c:
+        c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
+        assert len(c.get_blobs(SMALL, TOKENS)) == 3
+    assert _metric(bulk_sidecar, 'promptcache_requests_total{code="INTERNAL",rpc="BulkGet"}') == 0
