@@ -59,19 +59,23 @@ def _get(s: socket.socket, request: pb.GetRequest) -> tuple[list[bytes], pb.Bulk
         frame = bulkwire.recv(s)
         if frame.WhichOneof("frame") == "status":
             return chunks, frame.status
+        if request.HasField("shared_buffer"):  # the bytes are in the shared buffer, not on the socket
+            chunks.append(frame.chunk)
+            continue
         data = bytearray(frame.chunk.nbytes)
         bulkwire.recv_into(s, data)
         chunks.append(bytes(data))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("transport", ["unix", "tcp"])
+@pytest.mark.parametrize("transport", ["unix-memfd", "unix", "tcp"])
 def test_bulk_get_is_bit_identical(sidecar_factory, tmp_path, dtype, transport):
-    address = f"unix:{tmp_path}/bulk.sock" if transport == "unix" else f"127.0.0.1:{free_port()}"
+    address = f"unix:{tmp_path}/bulk.sock" if transport.startswith("unix") else f"127.0.0.1:{free_port()}"
     sidecar = sidecar_factory(bulk_address=address)
     spec = ModelSpec("test/bulk", "r1", dtype, num_layers=2, num_kv_heads=2, head_dim=8)
     kv = make_kv(spec, len(TOKENS))
-    with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address) as c:
+    with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address,
+                           bulk_shared_memory=transport == "unix-memfd") as c:
         assert c.put(spec, TOKENS, kv).stored_chunks == 3
         n, got = c.get(spec, TOKENS)
     assert n == len(TOKENS)
@@ -80,6 +84,8 @@ def test_bulk_get_is_bit_identical(sidecar_factory, tmp_path, dtype, transport):
     # It really went over the bulk channel, not the gRPC fallback.
     assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkGet"}') == 1
     assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Get"}') == 0
+    assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkBuffer"}') == (
+        1 if transport == "unix-memfd" else 0)
 
 
 def test_bulk_longest_prefix_and_owned_copies(bulk_sidecar):
@@ -261,3 +267,77 @@ def test_bulk_survives_random_and_mutated_frames(bulk_sidecar):
         c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
         assert len(c.get_blobs(SMALL, TOKENS)) == 3
     assert _metric(bulk_sidecar, 'promptcache_requests_total{code="INTERNAL",rpc="BulkGet"}') == 0
+
+
+def _plain_file(path, size: int) -> int:
+    import os
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)
+    return fd
+
+
+def _memfd(size: int, seal: bool = True) -> int:
+    import fcntl
+    import os
+
+    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    return fd
+
+
+@pytest.mark.parametrize("make_fd, length, words", [
+    (lambda tmp: _memfd(4096, seal=False), 4096, "sealed against shrinking"),
+    (lambda tmp: _plain_file(tmp / "plain", 4096), 4096, "sealed against shrinking"),
+    (lambda tmp: _memfd(4096), 8192, "must be in 1..4096"),
+    (lambda tmp: _memfd(4096), 0, "must be in 1..4096"),
+])
+def test_bulk_bad_shared_buffers_are_refused(bulk_sidecar, tmp_path, make_fd, length, words):
+    import os
+
+    s = _raw(bulk_sidecar)
+    assert _hello(s).code == 0
+    fd = make_fd(tmp_path)
+    bulkwire.send_with_fd(s, pb.BulkFrame(buffer=pb.BulkBuffer(length=length)), fd)
+    status = bulkwire.recv(s).status
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and words in status.message
+    # No buffer attached: a shared get is refused, and a plain get on the same connection still works.
+    chunks, status = _get(s, pb.GetRequest(model=model_to_proto(SMALL), tokens=TOKENS,
+                                           shared_buffer=pb.SharedBuffer(length=4096)))
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "no buffer frame" in status.message
+    assert _get(s, pb.GetRequest(model=model_to_proto(SMALL), tokens=TOKENS))[1].code == 0
+    os.close(fd)
+    s.close()
+
+
+def test_bulk_descriptor_on_a_get_frame_is_refused(bulk_sidecar):
+    s = _raw(bulk_sidecar)
+    assert _hello(s).code == 0
+    bulkwire.send_with_fd(s, pb.BulkFrame(get=pb.GetRequest(model=model_to_proto(SMALL), tokens=TOKENS)),
+                          _memfd(4096))
+    status = bulkwire.recv(s).status
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "only buffer frames" in status.message
+    s.close()
+
+
+def test_bulk_shared_buffer_cannot_be_shrunk_under_the_sidecar(bulk_sidecar):
+    """The seal is what makes keeping the client's memory mapped safe: a client that tries to truncate its
+    buffer (which would make the sidecar's next write fault with SIGBUS) is stopped by the kernel."""
+    import os
+
+    s = _raw(bulk_sidecar)
+    assert _hello(s).code == 0
+    fd = _memfd(1 << 16)
+    bulkwire.send_with_fd(s, pb.BulkFrame(buffer=pb.BulkBuffer(length=1 << 16)), fd)
+    assert bulkwire.recv(s).status.code == 0
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 0)
+    with PromptCacheClient(bulk_sidecar.address, bulk_address=bulk_sidecar.bulk_address) as c:
+        c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
+    chunks, status = _get(s, pb.GetRequest(model=model_to_proto(SMALL), tokens=TOKENS,
+                                           shared_buffer=pb.SharedBuffer(length=1 << 16)))
+    assert status.code == 0 and status.chunks == 3
+    os.close(fd)
+    s.close()

@@ -6,6 +6,7 @@ part of the data path; this module only moves them over a plain stream socket.
 """
 from __future__ import annotations
 
+import array
 import socket
 import struct
 
@@ -15,6 +16,9 @@ VERSION = 1
 _LENGTH = struct.Struct("<I")
 # A get frame carries at most the server's token limit (4M ids, <= 5 bytes each packed) plus the model.
 MAX_FRAME_BYTES = (5 << 22) + (64 << 10)
+
+
+_MAX_FDS = 4  # more than one is a protocol error, but all that arrive must be received to be closed
 
 
 class FramingError(Exception):
@@ -51,6 +55,18 @@ def send(sock: socket.socket, frame: pb.BulkFrame) -> None:
     sock.sendall(encode(frame))
 
 
+def send_chunk(sock: socket.socket, begin: pb.ChunkBegin, data) -> None:
+    """A chunk frame and its bytes in one sendmsg where the socket takes them (no copy of `data`)."""
+    head = encode(pb.BulkFrame(chunk=begin))
+    body = memoryview(data).cast("B")
+    sent = sock.sendmsg([head, body])
+    if sent < len(head):
+        sock.sendall(head[sent:])
+        sent = len(head)
+    if sent - len(head) < body.nbytes:
+        sock.sendall(body[sent - len(head):])
+
+
 def recv_into(sock: socket.socket, buffer) -> None:
     """Fill `buffer` (any writable buffer) from the socket; FramingError if the peer closes first."""
     view = memoryview(buffer).cast("B")
@@ -62,10 +78,25 @@ def recv_into(sock: socket.socket, buffer) -> None:
         got += n
 
 
-def recv(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> pb.BulkFrame:
-    """The next frame. Closed if the peer closed cleanly before it; FramingError for anything malformed."""
+def send_with_fd(sock: socket.socket, frame: pb.BulkFrame, fd: int) -> None:
+    """A frame with a file descriptor attached (SCM_RIGHTS, unix sockets); the fd travels with its first byte."""
+    data = encode(frame)
+    sent = socket.send_fds(sock, [data], [fd])
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def recv(sock: socket.socket, limit: int = MAX_FRAME_BYTES, fds: list[int] | None = None) -> pb.BulkFrame:
+    """The next frame. Closed if the peer closed cleanly before it; FramingError for anything malformed.
+    With `fds` (unix sockets), descriptors that arrive with the frame are appended to it: the caller owns them."""
     head = bytearray(_LENGTH.size)
-    n = sock.recv_into(head)
+    if fds is None:
+        n = sock.recv_into(head)
+    else:
+        n, ancdata, _, _ = sock.recvmsg_into([head], socket.CMSG_SPACE(4 * _MAX_FDS))
+        for level, kind, data in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array.array("i", data[:len(data) - len(data) % 4]))
     if n == 0:
         raise Closed("connection closed")
     if n < len(head):

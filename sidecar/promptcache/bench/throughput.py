@@ -21,10 +21,11 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-mb", default="1,8,64", help="prefix sizes in MiB (comma separated)")
     p.add_argument("--repeats", type=int, default=7, help="timed repetitions per cell (median reported)")
-    p.add_argument("--transports", default="tcp,unix,shm,bulk-tcp,bulk-unix",
+    p.add_argument("--transports", default="tcp,unix,shm,bulk-tcp,bulk-unix,bulk-shm",
                    help="tcp, unix (gRPC, bytes streamed over the socket), shm (gRPC on the unix socket for "
                         "metadata, bytes through shared memory), bulk-tcp, bulk-unix (Get over the bulk channel, "
-                        "docs/bulk-channel.md; Put over gRPC)")
+                        "docs/bulk-channel.md; Put over gRPC), bulk-shm (bulk channel on the unix socket, bytes "
+                        "through a memfd shared with the sidecar)")
     p.add_argument("--output", default="bench-results/throughput.md", help="where to write the markdown table")
 
 
@@ -80,8 +81,10 @@ def run(args) -> int:
         sock, bulk_sock = tmp / "sidecar.sock", tmp / "bulk.sock"
         budget = 4 * max(sizes) * chunk_bytes + (64 << 20)
         # One sidecar process per transport family: TCP, and a unix socket (also used by the shm path).
-        bulk = {"bulk-tcp": f"127.0.0.1:{bulk_port}", "bulk-unix": f"unix:{bulk_sock}"}
-        for address, bulk_address in ((f"127.0.0.1:{tcp_port}", bulk["bulk-tcp"]), (f"unix:{sock}", bulk["bulk-unix"])):
+        bulk = {"bulk-tcp": f"127.0.0.1:{bulk_port}", "bulk-unix": f"unix:{bulk_sock}",
+                "bulk-shm": f"unix:{bulk_sock}"}
+        for address, bulk_address in ((f"127.0.0.1:{tcp_port}", bulk["bulk-tcp"]),
+                                      (f"unix:{sock}", bulk["bulk-unix"])):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", address,
                  "--bulk-address", bulk_address,
@@ -89,7 +92,8 @@ def run(args) -> int:
                  "--max-chunk-bytes", str(chunk_bytes), "--log-level", "warning", "--shm-dir", str(shm_dir)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         addresses = {"tcp": f"127.0.0.1:{tcp_port}", "unix": f"unix://{sock}", "shm": f"unix://{sock}",
-                     "bulk-tcp": f"127.0.0.1:{tcp_port}", "bulk-unix": f"unix://{sock}"}
+                     "bulk-tcp": f"127.0.0.1:{tcp_port}", "bulk-unix": f"unix://{sock}",
+                     "bulk-shm": f"unix://{sock}"}
         redis_port = _free_port()
         redis_sock = tmp / "redis.sock"
         procs.append(subprocess.Popen(
@@ -99,10 +103,11 @@ def run(args) -> int:
         # Redis has no shared-memory path: the shm rows compare against Redis over its unix socket.
         rclients = {"tcp": redis.Redis(host="127.0.0.1", port=redis_port),
                     "unix": redis.Redis(unix_socket_path=str(redis_sock))}
-        rclients["shm"] = rclients["bulk-unix"] = rclients["unix"]
+        rclients["shm"] = rclients["bulk-unix"] = rclients["bulk-shm"] = rclients["unix"]
         rclients["bulk-tcp"] = rclients["tcp"]
         clients = {t: PromptCacheClient(addresses[t], timeout=120, chunk_tokens=chunk_tokens,
-                                        shm_dir=str(shm_dir) if t == "shm" else None, bulk_address=bulk.get(t))
+                                        shm_dir=str(shm_dir) if t == "shm" else None, bulk_address=bulk.get(t),
+                                        bulk_shared_memory=t == "bulk-shm")
                    for t in transports}
         for t in transports:
             _wait(lambda: clients[t].healthy(), f"sidecar ({t})")

@@ -1,17 +1,23 @@
 """Client side of the bulk channel (docs/bulk-channel.md): Get over a plain socket, into a reused buffer.
 
-One connection and one receive buffer per thread. Receiving into memory that was touched before matters as much
+One connection and one receive buffer per thread. On a unix socket the buffer is a memfd shared with the
+sidecar (sent once per connection, SCM_RIGHTS), which writes the chunk bytes straight into it; over TCP the
+bytes come on the socket. Receiving into memory that was touched before matters as much
 as leaving gRPC: on the small nodes measured, page-faulting a fresh 64 MiB buffer costs about as much as the
 transfer itself. So blobs come back as views of the thread's buffer, valid until its next get; callers decode
 or copy them at once (PromptCacheClient.get_blobs copies unless asked not to, get decodes straight from them).
 """
 from __future__ import annotations
 
+import fcntl
+import mmap
+import os
 import socket
 import threading
 import time
 
 import grpc
+import numpy as np
 import torch
 import xxhash
 
@@ -25,6 +31,7 @@ _MAX_CHUNK_BYTES = 1 << 31  # a sanity bound on what a server may announce, far 
 
 class _Connection:
     def __init__(self, family: int, sockaddr, authorization: str, timeout: float):
+        self.shared: np.ndarray | None = None  # the attached memfd's mapping (unix sockets, shared mode)
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         if family != socket.AF_UNIX:
@@ -37,6 +44,27 @@ class _Connection:
 
     def close(self) -> None:
         self.sock.close()
+
+    def attach(self, size: int) -> np.ndarray:
+        """This connection's shared buffer, at least `size` bytes: a memfd sealed against shrinking (so the
+        sidecar can keep it mapped safely), pre-faulted here (its pages are ours, not the sidecar's), sent once
+        over the socket. Returns its mapping."""
+        if self.shared is not None and self.shared.size >= size:
+            return self.shared
+        size = max(size, 2 * (self.shared.size if self.shared is not None else 0))
+        fd = os.memfd_create("promptcache-bulk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            array = np.frombuffer(mm, dtype=np.uint8)
+            array.fill(0)
+            bulkwire.send_with_fd(self.sock, pb.BulkFrame(buffer=pb.BulkBuffer(length=size)), fd)
+        finally:
+            os.close(fd)  # the mapping (ours) and the sidecar's copy of the descriptor keep it alive
+        _check_status(_expect(self.sock, "status").status)
+        self.shared = array  # earlier views keep the old mapping alive until they go
+        return array
 
 
 def _expect(sock: socket.socket, kind: str) -> pb.BulkFrame:
@@ -57,9 +85,11 @@ def _check_status(status: pb.BulkStatus) -> None:
 class BulkGetter:
     """Thread-safe: each thread has its own connection and buffer."""
 
-    def __init__(self, address: str, authorization=lambda: ""):
+    def __init__(self, address: str, authorization=lambda: "", shared_memory: bool = True):
         self.address = address
         self.family, self.sockaddr = bulkwire.parse_address(address)
+        # On a unix socket the peer is on this node: pass the bytes through a shared memfd instead.
+        self.shared_memory = shared_memory and self.family == socket.AF_UNIX
         self._authorization = authorization
         self._local = threading.local()
         self._all: list[_Connection] = []
@@ -97,6 +127,13 @@ class BulkGetter:
         conn = self._connection(timeout)
         try:
             conn.sock.settimeout(timeout)
+            if self.shared_memory:
+                shared = conn.attach(expected_bytes)
+                request = pb.GetRequest(model=request.model, tokens=request.tokens, start_chunk=request.start_chunk,
+                                        max_chunks=request.max_chunks,
+                                        shared_buffer=pb.SharedBuffer(length=expected_bytes))
+                bulkwire.send(conn.sock, pb.BulkFrame(get=request))
+                return self._receive_shared(conn, request.start_chunk, shared[:expected_bytes])
             bulkwire.send(conn.sock, pb.BulkFrame(get=request))
             return self._receive(conn, request.start_chunk, expected_bytes, deadline)
         except socket.timeout:
@@ -108,6 +145,26 @@ class BulkGetter:
         except errors.CorruptChunk:
             self._drop(conn)  # the rest of the answer is still in the socket
             raise
+
+    @staticmethod
+    def _receive_shared(conn: _Connection, start_chunk: int, shared: np.ndarray) -> list[torch.Tensor]:
+        """Chunk frames without bytes: the sidecar wrote them into the shared buffer and verified them there,
+        after the copy, so they are not hashed again here."""
+        blobs = []
+        while True:
+            frame = _expect(conn.sock, "chunk")
+            if frame.WhichOneof("frame") == "status":
+                if frame.status.chunks != len(blobs):
+                    raise bulkwire.FramingError(f"status counts {frame.status.chunks} chunks, "
+                                                f"{len(blobs)} arrived")
+                _check_status(frame.status)
+                return blobs
+            c = frame.chunk
+            if c.index != start_chunk + len(blobs):
+                raise errors.CorruptChunk(f"expected chunk {start_chunk + len(blobs)}, got {c.index}")
+            if c.buffer_offset + c.nbytes > shared.size:
+                raise errors.CorruptChunk(f"chunk {c.index} was placed outside the shared buffer")
+            blobs.append(torch.from_numpy(shared[c.buffer_offset:c.buffer_offset + c.nbytes]))
 
     def _receive(self, conn: _Connection, start_chunk: int, expected_bytes: int, deadline: float):
         if conn.buffer.numel() < expected_bytes:

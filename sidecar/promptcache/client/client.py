@@ -77,7 +77,8 @@ class PromptCacheClient:
 
     bulk_address: the sidecar's --bulk-address (HOST:PORT or unix:/PATH); Get then streams over that plain
     socket (docs/bulk-channel.md), several times faster than gRPC for node-local clients. It has no TLS: with
-    tls_ca set it is refused unless it is a unix socket. A sidecar without it falls back to gRPC.
+    tls_ca set it is refused unless it is a unix socket. A sidecar without it falls back to gRPC. On a unix
+    socket the bytes go through a memfd shared with the sidecar unless bulk_shared_memory is False.
     """
 
     def __init__(self, target: str, *, timeout: float = 5.0, retries: int = 2, backoff: float = 0.05,
@@ -85,7 +86,7 @@ class PromptCacheClient:
                  channel: grpc.Channel | None = None, tls_ca: str | bytes | None = None,
                  tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
                  tls_server_name: str | None = None, token: str | None = None, token_file: str | None = None,
-                 bulk_address: str | None = None):
+                 bulk_address: str | None = None, bulk_shared_memory: bool = True):
         self.target = target
         self.timeout = timeout
         self.retries = retries
@@ -112,7 +113,8 @@ class PromptCacheClient:
                 raise ValueError(f"bulk_address {bulk_address} is TCP and the bulk channel has no TLS; with "
                                  "tls_ca use a unix socket (unix:/PATH) or no bulk_address")
             source = _TokenSource(token, token_file) if (token or token_file) else None
-            self._bulk = BulkGetter(bulk_address, (lambda: f"Bearer {source.get()}") if source else (lambda: ""))
+            self._bulk = BulkGetter(bulk_address, (lambda: f"Bearer {source.get()}") if source else (lambda: ""),
+                                    shared_memory=bulk_shared_memory)
 
     def close(self) -> None:
         self._channel.close()

@@ -7,14 +7,18 @@ memory while its lease is held. One thread per connection, at most --bulk-max-co
 """
 from __future__ import annotations
 
+import fcntl
 import logging
+import mmap
 import os
 import select
 import socket
+import stat
 import threading
 import time
 
 import grpc
+import numpy as np
 
 from promptcache import bulkwire
 from promptcache.sidecar.auth import AUTHORIZATION, attach_identity
@@ -151,6 +155,8 @@ class BulkServer:
             conn.close()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
+        shared: _SharedBuffer | None = None
+        fds: list[int] | None = [] if self.family == socket.AF_UNIX else None  # received with frames
         try:
             conn.settimeout(self.idle_seconds)
             if self.family != socket.AF_UNIX:
@@ -160,13 +166,20 @@ class BulkServer:
             context = self._hello(conn, peer, readable)
             while True:
                 try:
-                    frame = self._next_frame(conn, readable)
+                    frame = self._next_frame(conn, readable, fds)
                 except bulkwire.Closed:
                     return
-                if frame.WhichOneof("frame") != "get":
+                kind = frame.WhichOneof("frame")
+                if kind == "buffer":
+                    shared = self._attach(conn, frame.buffer, fds, shared)
+                    continue
+                if fds:
+                    _close_all(fds)
                     raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"expected a get frame, got {frame.WhichOneof('frame')}")
-                self._get(conn, context, frame.get)
+                                   f"a file descriptor came with a {kind} frame; only buffer frames carry one")
+                if kind != "get":
+                    raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"expected a get or buffer frame, got {kind}")
+                self._get(conn, context, frame.get, shared)
         except bulkwire.Closed:
             pass  # the client left, or stop() shut the socket down
         except _Refused as exc:
@@ -180,17 +193,21 @@ class BulkServer:
         except Exception:  # noqa: BLE001 - one broken connection must never take the server down
             log.exception("unexpected error on a bulk connection")
         finally:
+            if fds:
+                _close_all(fds)
+            if shared is not None:
+                shared.close()
             with self._lock:
                 self._connections.discard(conn)
             conn.close()
 
     @staticmethod
-    def _next_frame(conn: socket.socket, readable: select.poll) -> pb.BulkFrame:
+    def _next_frame(conn: socket.socket, readable: select.poll, fds: list[int] | None = None) -> pb.BulkFrame:
         """The next frame. Waiting for it has no time limit (an idle connection is fine; stop() wakes it
         by shutting the socket down); once its first byte is here, a stall longer than the socket's
         timeout (--stream-idle-seconds) ends the connection."""
         readable.poll()
-        return bulkwire.recv(conn)
+        return bulkwire.recv(conn, fds=fds)
 
     def _hello(self, conn: socket.socket, peer: str, readable: select.poll) -> _Context:
         frame = self._next_frame(conn, readable)
@@ -212,20 +229,43 @@ class BulkServer:
         bulkwire.send(conn, _status(grpc.StatusCode.OK))
         return context
 
-    def _get(self, conn: socket.socket, context: _Context, request: pb.GetRequest) -> None:
+    def _attach(self, conn: socket.socket, buffer: pb.BulkBuffer, fds: list[int],
+                old: "_SharedBuffer | None") -> "_SharedBuffer | None":
+        """Map the memfd that came with a buffer frame; it replaces the connection's previous buffer."""
+        received = list(fds)
+        fds.clear()
+        try:
+            if len(received) != 1:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"a buffer frame must carry exactly one file descriptor, it carried {len(received)}")
+            new = _SharedBuffer.map(received.pop(), buffer.length)
+        except _Refused as exc:
+            _close_all(received)
+            self.metrics.requests.labels("BulkBuffer", exc.code.name).inc()
+            bulkwire.send(conn, _status(exc.code, exc.message))
+            return old
+        if old is not None:
+            old.close()
+        self.metrics.requests.labels("BulkBuffer", "OK").inc()
+        bulkwire.send(conn, _status(grpc.StatusCode.OK))
+        return new
+
+    def _get(self, conn: socket.socket, context: _Context, request: pb.GetRequest,
+             shared: "_SharedBuffer | None" = None) -> None:
         from promptcache.sidecar.server import RpcFailure
 
         start = time.perf_counter()
         sent = 0
         code, message = grpc.StatusCode.OK, ""
         try:
+            target = None
             if request.HasField("shared_buffer"):
-                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
-                                 "the bulk channel sends the bytes on the socket: leave shared_buffer unset "
-                                 "(GetShared is the shared-memory path)")
-            for begin, view in self.service.verified_chunks(request, context):
-                bulkwire.send(conn, pb.BulkFrame(chunk=begin))
-                conn.sendall(memoryview(view).cast("B"))  # from the stored tensor's memory, lease held
+                target = _shared_target(request.shared_buffer, shared)
+            for begin, view in self.service.verified_chunks(request, context, target):
+                if target is not None:
+                    bulkwire.send(conn, pb.BulkFrame(chunk=begin))  # the bytes are in the shared buffer
+                else:
+                    bulkwire.send_chunk(conn, begin, view)  # from the stored tensor's memory, lease held
                 sent += 1
         except (RpcFailure, CallRejected) as exc:
             code, message = exc.code, exc.message
@@ -247,6 +287,73 @@ class BulkServer:
             bulkwire.send(conn, frame)
         except OSError:
             pass
+
+
+class _SharedBuffer:
+    """A client's memfd, mapped for the life of its connection. Sealed against shrinking, so no write of ours
+    can ever land beyond its end (SIGBUS) whatever the client does to it afterwards."""
+
+    MAX_BYTES = 1 << 40
+
+    def __init__(self, mm: mmap.mmap):
+        self.mm = mm
+        self.array = np.frombuffer(mm, dtype=np.uint8)
+
+    @classmethod
+    def map(cls, fd: int, length: int) -> "_SharedBuffer":
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the buffer frame's descriptor is not a memfd")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0
+            if not seals & fcntl.F_SEAL_SHRINK:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                               "the shared buffer must be a memfd sealed against shrinking (F_SEAL_SHRINK)")
+            if not 0 < length <= min(st.st_size, cls.MAX_BYTES):
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"buffer length {length} must be in 1..{min(st.st_size, cls.MAX_BYTES)} "
+                               "(the memfd's size)")
+            try:
+                mm = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as exc:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"the shared buffer cannot be mapped for writing: {exc.strerror}") from None
+            return cls(mm)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.array = None
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with it
+
+
+def _shared_target(request: pb.SharedBuffer, shared: _SharedBuffer | None) -> np.ndarray:
+    from promptcache.sidecar.server import invalid
+
+    if shared is None:
+        raise invalid("shared_buffer is set but no buffer frame attached a memfd on this connection "
+                      "(on the bulk channel, shared memory needs a unix socket and a buffer frame first)")
+    if request.name:
+        raise invalid("shared_buffer.name must be empty on the bulk channel: the buffer is the attached memfd")
+    if not 0 < request.length <= shared.array.size:
+        raise invalid(f"shared_buffer.length {request.length} must be in 1..{shared.array.size} "
+                      "(the attached buffer's length)")
+    return shared.array[:request.length]
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def _is_stale_socket(path: str) -> bool:
