@@ -77,10 +77,15 @@ def test_wtinylfu_resists_a_scan():
         return reqs
 
     results = {}
-    for name in ("lru", "wtinylfu"):
-        r = simulate_policy(trace(), make_policy(name, capacity=cap), cap)
+    for name, pol in (("lru", make_policy("lru", capacity=cap)), ("wtinylfu", make_policy("wtinylfu", capacity=cap)),
+                      ("wtinylfu-w50", WTinyLFU(cap, window=0.5))):
+        r = simulate_policy(trace(), pol, cap)
         results[name] = r["hit"] / r["total"]
-    assert results["wtinylfu"] > results["lru"] + 0.05, results
+    # The frequency filter guards the main space: with half the cache behind it the hot set survives the scan.
+    assert results["wtinylfu-w50"] > results["lru"] + 0.05, results
+    # The default starts with an 80 % window (recency-heavy prefix reuse, docs/eviction.md): only 20 of the 50
+    # hot keys fit behind the filter before the climber has had a sample, so its margin here is smaller.
+    assert results["wtinylfu"] > results["lru"] + 0.01, results
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -207,3 +212,43 @@ def test_sketch_of_a_huge_budget_stays_bounded_and_consistent():
         policy.requested(key)
         policy.inserted(key, 4096, None)
     assert policy.victim() is not None
+
+
+def test_default_beats_lru_on_a_small_chat_trace():
+    """Issue #3's target on a small draw of the chat generator (the cell the 50 % start window lost on)."""
+    from promptcache.bench import replay, traces
+
+    reqs, ws = replay.prepare(traces.generate("chat", seed=0, scale=0.2))
+    for fraction in (0.05, 0.10):
+        cap = int(ws * fraction)
+        lru = simulate_policy(reqs, make_policy("lru", capacity=cap), cap)
+        default = simulate_policy(reqs, make_policy(DEFAULT_POLICY, capacity=cap), cap)
+        assert default["hit"] > lru["hit"], (fraction, default["hit"], lru["hit"])
+
+
+def test_wtinylfu_window_stays_within_bounds():
+    """The hill climber never takes the window past max_window: a TinyLFU-filtered main space always remains."""
+    from promptcache.bench import replay, traces
+
+    reqs, ws = replay.prepare(traces.generate("agent", seed=1, scale=0.1))
+    cap = int(ws * 0.1)
+    p = WTinyLFU(cap, climb_period=0.5)  # many climbs
+    seen = []
+    orig = p._climb
+
+    def climb():
+        orig()
+        seen.append(p.window_fraction)
+
+    p._climb = climb
+    simulate_policy(reqs, p, cap)
+    assert seen and all(p.min_window <= w <= p.max_window == 0.9 for w in seen)
+
+
+@pytest.mark.parametrize("adapt", ["shadow", "ghost", "none"])
+@settings(max_examples=30, deadline=None)
+@given(spec=chains, cap=st.integers(1, 40))
+def test_replay_invariants_of_the_experimental_adaptations(adapt, spec, cap):
+    pol = CheckingPolicy(WTinyLFU(cap, adapt=adapt), True)
+    r = simulate_policy(_requests(spec), pol, cap)
+    assert 0 <= r["hit"] <= r["total"]
