@@ -70,7 +70,7 @@ def test_restricted_pod_security_fields():
 
 
 def test_node_local_and_headless_services():
-    svc = builders.node_local_service(OWNER)
+    svc = builders.node_local_service(PromptCacheSpec.from_dict(example("minimal")["spec"]), OWNER)
     assert svc["spec"]["internalTrafficPolicy"] == "Local"
     metrics = builders.metrics_service(OWNER)
     assert metrics["spec"]["clusterIP"] == "None"
@@ -224,3 +224,25 @@ def test_every_child_is_owned_labelled_and_deterministic(spec, caps):
     assert ("PROMPTCACHE_ALLOW_INSECURE_REMOTE" in env) == (s.security.tls is None)
     assert int(env["PROMPTCACHE_MEMORY_BYTES"]) > 0
     assert env["PROMPTCACHE_CHUNK_TOKENS"] == str(s.cachePolicy.chunkTokens)
+
+
+def test_bulk_channel_is_served_only_without_tls():
+    """The bulk channel (docs/bulk-channel.md) is plaintext: the operator opens it when gRPC is plaintext too,
+    and with TLS leaves every trace of it out (env, container port, Service port)."""
+    plain = PromptCacheSpec.from_dict(example("minimal")["spec"])
+    tls = PromptCacheSpec.from_dict(example("full")["spec"])
+    assert tls.security.tls is not None and plain.security.tls is None
+    for spec, served in ((plain, True), (tls, False)):
+        env = builders.sidecar_env(spec)
+        ds = builders.daemon_set(spec, OWNER, builders.OperatorDefaults(), "h")
+        ports = ds["spec"]["template"]["spec"]["containers"][0]["ports"]
+        svc_ports = builders.node_local_service(spec, OWNER)["spec"]["ports"]
+        assert ("PROMPTCACHE_BULK_ADDRESS" in env) is served
+        assert any(p["name"] == "bulk" for p in ports) is served
+        assert any(p["name"] == "bulk" for p in svc_ports) is served
+        if served:
+            assert env["PROMPTCACHE_BULK_ADDRESS"] == f"0.0.0.0:{builders.BULK_PORT}"
+            # The sidecar accepts what the operator sets (it refuses TCP bulk with TLS, and bad addresses).
+            from promptcache.sidecar.config import Settings
+
+            Settings(bulk_address=env["PROMPTCACHE_BULK_ADDRESS"], allow_insecure_remote=True).validate()

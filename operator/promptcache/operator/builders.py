@@ -24,6 +24,7 @@ from . import alerts
 from .model import GROUP, KIND, VERSION, PromptCacheSpec, quantity_bytes, to_dict
 
 GRPC_PORT = 50051
+BULK_PORT = 50052  # the bulk channel (docs/bulk-channel.md); plaintext, so only without TLS
 METRICS_PORT = 9400
 CONTAINER = "sidecar"
 MANAGED_BY = "promptcache-operator"
@@ -155,7 +156,14 @@ def sidecar_env(spec: PromptCacheSpec) -> dict[str, str]:
     env.update(security_env(spec))
     if spec.security.tls is not None:
         del env["PROMPTCACHE_ALLOW_INSECURE_REMOTE"]  # TLS: never fall back to plaintext
+    elif _bulk_channel(spec):
+        env["PROMPTCACHE_BULK_ADDRESS"] = f"0.0.0.0:{BULK_PORT}"
     return dict(sorted(env.items()))
+
+
+def _bulk_channel(spec: PromptCacheSpec) -> bool:
+    """The bulk channel has no TLS (and so no client certificates): served only where gRPC is plaintext too."""
+    return spec.security.tls is None
 
 
 def security_env(spec: PromptCacheSpec) -> dict[str, str]:
@@ -246,6 +254,7 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
         # The root filesystem is read-only: libraries that cache under $HOME (torch, triton) use the tmp volume.
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TMPDIR", "value": "/tmp"}],
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+                  *([{"name": "bulk", "containerPort": BULK_PORT, "protocol": "TCP"}] if _bulk_channel(spec) else []),
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         **_probes(spec),
         "resources": _resources(spec),
@@ -305,7 +314,11 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
     }
 
 
-def node_local_service(owner: Owner) -> dict[str, Any]:
+def node_local_service(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
+    ports = [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}]
+    if _bulk_channel(spec):
+        ports.append({"name": "bulk", "port": BULK_PORT, "targetPort": "bulk", "protocol": "TCP",
+                      "appProtocol": "promptcache.io/bulk-v1"})
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -314,8 +327,7 @@ def node_local_service(owner: Owner) -> dict[str, Any]:
             "type": "ClusterIP",
             "internalTrafficPolicy": "Local",
             "selector": selector(owner),
-            "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
-                       "appProtocol": "grpc"}],
+            "ports": ports,
         },
     }
 
@@ -415,7 +427,7 @@ def desired_children(spec: PromptCacheSpec, owner: Owner, caps: Capabilities,
                      defaults: OperatorDefaults = OperatorDefaults()) -> list[dict[str, Any]]:
     """Every child this PromptCache should have, given which optional CRDs exist. Deterministic."""
     cm = config_map(spec, owner)
-    children = [cm, daemon_set(spec, owner, defaults, config_hash(cm)), node_local_service(owner),
+    children = [cm, daemon_set(spec, owner, defaults, config_hash(cm)), node_local_service(spec, owner),
                 metrics_service(owner), resource_quota(spec, owner)]
     if caps.vpa:
         children.append(vertical_pod_autoscaler(spec, owner))
