@@ -38,7 +38,8 @@ SHM_DIR ?= /dev/shm/promptcache-$(shell id -u)
 run: install
 	@mkdir -p .data $(SHM_DIR)
 	$(VENV)/bin/promptcache serve --grpc-address 127.0.0.1:50051 --metrics-host 127.0.0.1 --metrics-port 9400 \
-	  --data-dir .data --disk-bytes 2Gi --shm-dir $(SHM_DIR) --log-format text
+	  --data-dir .data --disk-bytes 2Gi --shm-dir $(SHM_DIR) --bulk-address unix:$(SHM_DIR)/bulk.sock \
+	  --log-format text
 
 system-deps:
 	@bash hack/system-deps.sh
