@@ -3,6 +3,7 @@ corruption, Resize, health and reflection."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 import urllib.request
@@ -287,6 +288,55 @@ def test_shared_buffer_names_are_confined_to_the_shm_dir(sidecar_factory, tmp_pa
             with pytest.raises(grpc.RpcError) as info:
                 list(pb_grpc.KVCacheStub(ch).Get(req, timeout=5))
             assert fragment in info.value.details()
+
+
+def test_a_truncated_shared_buffer_is_refused_not_a_crash(sidecar_factory, tmp_path):
+    """The sidecar reads and writes client buffers with pread/pwrite: a client that truncates its file gets a
+    clear error (a mapping would have killed the sidecar with SIGBUS), and the sidecar keeps serving."""
+    import numpy as np
+
+    from promptcache.shm import SharedBufferError, open_shared
+    from promptcache.v1 import kvcache_pb2 as pb
+    from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+    from promptcache.wire import model_to_proto
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "buf").write_bytes(b"\x01" * 8192)
+    f = open_shared(str(shm), "buf", 8192, writable=True)
+    os.truncate(shm / "buf", 100)  # what a misbehaving client can do at any moment
+    out = np.empty(4096, dtype=np.uint8)
+    with pytest.raises(SharedBufferError, match="truncated"):
+        f.read_into(4096, out)
+    f.write(4096, np.full(4096, 7, dtype=np.uint8))  # grows the file again; nothing faults
+    assert (shm / "buf").stat().st_size == 8192
+    f.close()
+
+    sidecar = sidecar_factory(shm_dir=str(shm))
+    kv = make_kv(SMALL, CHUNK)
+    from promptcache.client.client import encode_chunk
+
+    kv_blob = encode_chunk(SMALL, kv, 0, CHUNK).numpy()
+    (shm / "put").write_bytes(b"\x00" * (2 * kv_blob.size))  # header promises two chunks' room
+    os.truncate(shm / "put", kv_blob.size // 2)  # then the client cuts it short
+    import xxhash
+
+    from promptcache.layout import chunk_shape
+    from promptcache.wire import NAME_TO_DTYPE
+
+    frames = [pb.PutRequest(header=pb.PutHeader(model=model_to_proto(SMALL), tokens=list(range(CHUNK)),
+                                                shared_buffer="put")),
+              pb.PutRequest(chunk=pb.ChunkBegin(index=0, nbytes=kv_blob.size, shape=chunk_shape(SMALL, CHUNK),
+                                                dtype=NAME_TO_DTYPE[SMALL.kv_dtype],
+                                                xxh3_64=xxhash.xxh3_64_intdigest(kv_blob), buffer_offset=0))]
+    with grpc.insecure_channel(sidecar.address) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.KVCacheStub(ch).Put(iter(frames), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "runs past the shared buffer" in info.value.details()
+    with PromptCacheClient(sidecar.address) as c:
+        assert c.put(SMALL, list(range(CHUNK)), kv).stored_chunks == 1  # still serving; nothing partial kept
+        assert c.lookup(SMALL, list(range(CHUNK))).cached_tokens == CHUNK
 
 
 def test_pre_encoded_data_frames_are_plain_proto_on_the_wire(client, sidecar):

@@ -27,7 +27,7 @@ from prometheus_client import start_http_server
 from promptcache import keys as keyspec
 from promptcache import frames
 from promptcache.layout import chunk_nbytes, chunk_shape
-from promptcache.shm import SharedBufferError, open_shared
+from promptcache.shm import SharedBufferError, SharedFile, open_shared
 from promptcache.sidecar import cgroup, logs
 from promptcache.sidecar.auth import Authenticator, TokenStore, identity_of, server_credentials
 from promptcache.sidecar.bulk import BulkServer
@@ -222,18 +222,19 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def GetShared(self, request, context):
         if not request.HasField("shared_buffer"):
             raise invalid("GetShared needs shared_buffer (use Get to stream the bytes)")
-        mm, shared = self._shared(request.shared_buffer.name, request.shared_buffer.length, writable=True)
+        shared = self._shared(request.shared_buffer.name, request.shared_buffer.length, writable=True)
         try:
             return pb.ChunkBatch(chunks=[begin for begin, _ in self.verified_chunks(request, context, shared)])
         finally:
-            shared = None
-            mm.close()
+            shared.close()
 
-    def verified_chunks(self, request, context, shared: np.ndarray | None = None):
+    def verified_chunks(self, request, context, shared: np.ndarray | SharedFile | None = None):
         """Yield (ChunkBegin, bytes) for each chunk of the longest cached run from request.start_chunk on,
         each verified against its checksum just before it is yielded. The bytes are the stored tensor's own
-        memory (or, with `shared`, its copy there), and its lease is held until the consumer asks for the next
-        chunk: send them before that. Counts the lookup when the consumer stops."""
+        memory, and its lease is held until the consumer asks for the next chunk: send them before that.
+        With `shared` the chunks are also placed there one after another (buffer_offset): a mapping (the
+        bulk channel's sealed memfd) is written first and verified where the client reads it; a client's
+        file is written after the stored bytes are verified. Counts the lookup when the consumer stops."""
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
         served = position = from_disk = 0
@@ -248,9 +249,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     break
                 view = None
                 try:
-                    if shared is not None:
-                        if position + entry.nbytes > shared.size:
-                            break
+                    if shared is not None and position + entry.nbytes > shared.size:
+                        break
+                    if isinstance(shared, np.ndarray):
                         # Copy first, then verify the bytes exactly where the client will read them.
                         view = shared[position:position + entry.nbytes]
                         if entry.data.device.type == "cpu":
@@ -267,6 +268,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         log.error("chunk failed its checksum and was dropped",
                                   extra={"chunk_index": i, "key": key.hex()})
                         break
+                    if isinstance(shared, SharedFile):
+                        shared.write(position, view)
                     yield pb.ChunkBegin(index=i, nbytes=entry.nbytes, shape=entry.shape, dtype=entry.dtype,
                                         xxh3_64=entry.checksum,
                                         buffer_offset=position if shared is not None else 0), view
@@ -305,10 +308,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         stored = skipped = rejected = stored_bytes = 0
         seen: set[int] = set()
         current: _Incoming | None = None
-        mm = shared = None
+        shared = None
         if header.shared_buffer:
-            mm, shared = self._shared(header.shared_buffer, None, writable=False,
-                                      cap=n_chunks * expected_nbytes)
+            shared = self._shared(header.shared_buffer, None, writable=False, cap=n_chunks * expected_nbytes)
         try:
             for msg in request_iterator:
                 kind = msg.WhichOneof("frame")
@@ -356,7 +358,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         if end > shared.size:
                             raise invalid(f"chunk {begin.index}: buffer_offset {begin.buffer_offset} + nbytes "
                                           f"{begin.nbytes} runs past the shared buffer's {shared.size} bytes")
-                        current.buffer[:] = shared[begin.buffer_offset:end]
+                        try:
+                            shared.read_into(begin.buffer_offset, current.buffer)
+                        except SharedBufferError as exc:
+                            raise invalid(f"chunk {begin.index}: {exc}") from None
                         self.metrics.received_bytes.inc(begin.nbytes)
                         stored_bytes += self._store(current, fp, owner)
                         stored += 1
@@ -390,9 +395,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 self.tier.release(current.reservation)
             if current is not None and current.charged:
                 self.tenancy.release(owner, current.charged)
-            if mm is not None:
-                shared = None
-                mm.close()
+            if shared is not None:
+                shared.close()
         self.metrics.stored_chunks.inc(stored)
         return pb.PutResponse(stored_chunks=stored, skipped_chunks=skipped, stored_bytes=stored_bytes,
                               rejected_chunks=rejected)
