@@ -245,7 +245,7 @@ def test_wtinylfu_window_stays_within_bounds():
     assert seen and all(p.min_window <= w <= p.max_window == 0.9 for w in seen)
 
 
-@pytest.mark.parametrize("adapt", ["shadow", "ghost", "none"])
+@pytest.mark.parametrize("adapt", ["ghost", "none"])
 @settings(max_examples=30, deadline=None)
 @given(spec=chains, cap=st.integers(1, 40))
 def test_replay_invariants_of_the_experimental_adaptations(adapt, spec, cap):

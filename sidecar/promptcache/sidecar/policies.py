@@ -381,11 +381,8 @@ class WTinyLFU(_PrefixAware):
                  adaptive: bool = True, climb_period: float = 10.0, tie_admit: bool = False,
                  inherit: bool = False, sample_factor: float = 10.0, max_window: float = 0.9,
                  adapt: str = "climb", min_window: float = 0.0, climb_decay: float = 0.9,
-                 climb_restart: float = 0.1, shadow: float = 0.05, shadow_gain: float = 1.0) -> None:
+                 climb_restart: float = 0.1) -> None:
         super().__init__(capacity)
-        self.shadow = shadow
-        self.shadow_gain = shadow_gain
-        self._ghost_bytes = [0, 0]  # shadow mode: bytes in _ghost_w, _ghost_m
         self.adapt = adapt if adaptive else "none"
         self.min_window = min_window
         self.climb_decay = climb_decay
@@ -431,9 +428,6 @@ class WTinyLFU(_PrefixAware):
         if self.adapt == "ghost":
             if self._ghost_w or self._ghost_m:
                 self._ghost_adapt(key)
-        elif self.adapt == "shadow":
-            if self._ghost_w or self._ghost_m:
-                self._shadow_adapt(key)
         elif self.adapt == "climb":
             self._sample_requests += 1
             if self._sample_requests >= self.climb_period * self.sketch.entries:
@@ -511,38 +505,7 @@ class WTinyLFU(_PrefixAware):
             while len(ghost) > limit:
                 ghost.popitem(last=False)
             self._last = None
-        elif last is not None and last[0] == key and key in self.size and self.adapt == "shadow":
-            self._shadow_add(key, 0 if last[1] == WINDOW else 1)
-            self._last = None
         super().removed(key)
-
-    def _shadow_add(self, key: Key, side: int) -> None:
-        ghosts = (self._ghost_w, self._ghost_m)
-        for i in (0, 1):
-            sz = ghosts[i].pop(key, None)
-            if sz is not None:
-                self._ghost_bytes[i] -= sz
-        ghost = ghosts[side]
-        ghost[key] = self.size[key]
-        self._ghost_bytes[side] += self.size[key]
-        limit = self.shadow * self._cap()
-        while self._ghost_bytes[side] > limit and ghost:
-            self._ghost_bytes[side] -= ghost.popitem(last=False)[1]
-
-    def _shadow_adapt(self, key: Key) -> None:
-        """Cliffhanger-style marginal gradients (experiment, not the default): small shadow lists (`shadow` x
-        capacity bytes each) of the keys the window and the main space last evicted; a request for one moves
-        the window share by `shadow_gain` x its size toward the side that would have hit."""
-        sz = self._ghost_w.pop(key, None)
-        if sz is not None:
-            self._ghost_bytes[0] -= sz
-            self.window_fraction = min(self.max_window, self.window_fraction + self.shadow_gain * sz / self._cap())
-            self._demote_protected()
-            return
-        sz = self._ghost_m.pop(key, None)
-        if sz is not None:
-            self._ghost_bytes[1] -= sz
-            self.window_fraction = max(self.min_window, self.window_fraction - self.shadow_gain * sz / self._cap())
 
     def _ghost_adapt(self, key: Key) -> None:
         """ARC-style: a request for a key the window recently let go says the window is too small; one for a
