@@ -106,11 +106,55 @@ def recv(sock: socket.socket, limit: int = MAX_FRAME_BYTES, fds: list[int] | Non
         raise FramingError(f"frame of {length} bytes is over the limit of {limit}")
     body = bytearray(length)
     recv_into(sock, body)
+    return _parse(bytes(body))
+
+
+def _parse(body: bytes) -> pb.BulkFrame:
     frame = pb.BulkFrame()
     try:
-        frame.ParseFromString(bytes(body))
+        frame.ParseFromString(body)
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError
-        raise FramingError(f"frame of {length} bytes is not a valid BulkFrame ({type(exc).__name__})") from None
+        raise FramingError(f"frame of {len(body)} bytes is not a valid BulkFrame ({type(exc).__name__})") from None
     if frame.WhichOneof("frame") is None:
         raise FramingError("frame carries none of hello, get, chunk, status")
     return frame
+
+
+class FrameReader:
+    """Client-side reader: one recv brings in as many small frames as have arrived (a shared-memory answer is
+    all frames, sent at once), and raw chunk bytes go straight into their destination buffer."""
+
+    SCRATCH = 64 << 10
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._buf = bytearray()
+        self._scratch = bytearray(self.SCRATCH)
+
+    def _fill(self) -> None:
+        n = self.sock.recv_into(self._scratch)
+        if n == 0:
+            raise FramingError(f"connection closed with {len(self._buf)} bytes of a frame read")
+        self._buf += memoryview(self._scratch)[:n]
+
+    def frame(self, limit: int = MAX_FRAME_BYTES) -> pb.BulkFrame:
+        while len(self._buf) < _LENGTH.size:
+            self._fill()
+        (length,) = _LENGTH.unpack_from(self._buf)
+        if length > limit:
+            raise FramingError(f"frame of {length} bytes is over the limit of {limit}")
+        while len(self._buf) < _LENGTH.size + length:
+            self._fill()
+        body = bytes(self._buf[_LENGTH.size:_LENGTH.size + length])
+        del self._buf[:_LENGTH.size + length]
+        return _parse(body)
+
+    def read_into(self, buffer) -> None:
+        """Raw bytes after a chunk frame: first what is already buffered, then straight from the socket."""
+        view = memoryview(buffer).cast("B")
+        take = min(len(self._buf), view.nbytes)
+        if take:
+            view[:take] = self._buf[:take]
+            del self._buf[:take]
+        if take < view.nbytes:
+            recv_into(self.sock, view[take:])

@@ -37,9 +37,10 @@ class _Connection:
         if family != socket.AF_UNIX:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.connect(sockaddr)
+        self.reader = bulkwire.FrameReader(self.sock)
         bulkwire.send(self.sock, pb.BulkFrame(hello=pb.BulkHello(version=bulkwire.VERSION,
                                                                  authorization=authorization)))
-        _check_status(_expect(self.sock, "status").status)
+        _check_status(_expect(self.reader, "status").status)
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def close(self) -> None:
@@ -62,13 +63,13 @@ class _Connection:
             bulkwire.send_with_fd(self.sock, pb.BulkFrame(buffer=pb.BulkBuffer(length=size)), fd)
         finally:
             os.close(fd)  # the mapping (ours) and the sidecar's copy of the descriptor keep it alive
-        _check_status(_expect(self.sock, "status").status)
+        _check_status(_expect(self.reader, "status").status)
         self.shared = array  # earlier views keep the old mapping alive until they go
         return array
 
 
-def _expect(sock: socket.socket, kind: str) -> pb.BulkFrame:
-    frame = bulkwire.recv(sock)
+def _expect(reader: bulkwire.FrameReader, kind: str) -> pb.BulkFrame:
+    frame = reader.frame()
     got = frame.WhichOneof("frame")
     if got != kind and got != "status":
         raise bulkwire.FramingError(f"expected a {kind} frame from the sidecar, got {got}")
@@ -129,10 +130,11 @@ class BulkGetter:
             conn.sock.settimeout(timeout)
             if self.shared_memory:
                 shared = conn.attach(expected_bytes)
-                request = pb.GetRequest(model=request.model, tokens=request.tokens, start_chunk=request.start_chunk,
-                                        max_chunks=request.max_chunks,
-                                        shared_buffer=pb.SharedBuffer(length=expected_bytes))
-                bulkwire.send(conn.sock, pb.BulkFrame(get=request))
+                request.shared_buffer.length = expected_bytes
+                try:
+                    bulkwire.send(conn.sock, pb.BulkFrame(get=request))
+                finally:
+                    request.ClearField("shared_buffer")  # the caller may retry the request over gRPC
                 return self._receive_shared(conn, request.start_chunk, shared[:expected_bytes])
             bulkwire.send(conn.sock, pb.BulkFrame(get=request))
             return self._receive(conn, request.start_chunk, expected_bytes, deadline)
@@ -152,7 +154,7 @@ class BulkGetter:
         after the copy, so they are not hashed again here."""
         blobs = []
         while True:
-            frame = _expect(conn.sock, "chunk")
+            frame = _expect(conn.reader, "chunk")
             if frame.WhichOneof("frame") == "status":
                 if frame.status.chunks != len(blobs):
                     raise bulkwire.FramingError(f"status counts {frame.status.chunks} chunks, "
@@ -171,7 +173,7 @@ class BulkGetter:
             conn.buffer = torch.empty(expected_bytes, dtype=torch.uint8)
         buffer, position, blobs = conn.buffer, 0, []
         while True:
-            frame = _expect(conn.sock, "chunk")
+            frame = _expect(conn.reader, "chunk")
             if frame.WhichOneof("frame") == "status":
                 if frame.status.chunks != len(blobs):
                     raise bulkwire.FramingError(f"status counts {frame.status.chunks} chunks, "
@@ -189,7 +191,7 @@ class BulkGetter:
                 position = 0
             view = buffer[position:position + c.nbytes]
             conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            bulkwire.recv_into(conn.sock, view.numpy())
+            conn.reader.read_into(view.numpy())
             if xxhash.xxh3_64_intdigest(view.numpy()) != c.xxh3_64:
                 raise errors.CorruptChunk(f"chunk {c.index} failed its checksum in transit")
             blobs.append(view)

@@ -256,6 +256,7 @@ class BulkServer:
 
         start = time.perf_counter()
         sent = 0
+        pending = bytearray()  # a shared-memory answer's frames, sent at once with the status: one wake-up
         code, message = grpc.StatusCode.OK, ""
         try:
             target = None
@@ -263,7 +264,7 @@ class BulkServer:
                 target = _shared_target(request.shared_buffer, shared)
             for begin, view in self.service.verified_chunks(request, context, target):
                 if target is not None:
-                    bulkwire.send(conn, pb.BulkFrame(chunk=begin))  # the bytes are in the shared buffer
+                    pending += bulkwire.encode(pb.BulkFrame(chunk=begin))  # the bytes are in the shared buffer
                 else:
                     bulkwire.send_chunk(conn, begin, view)  # from the stored tensor's memory, lease held
                 sent += 1
@@ -278,7 +279,8 @@ class BulkServer:
         finally:
             self.metrics.latency.labels(RPC).observe(time.perf_counter() - start)
         self.metrics.requests.labels(RPC, code.name).inc()
-        bulkwire.send(conn, _status(code, message, sent))
+        pending += bulkwire.encode(_status(code, message, sent))
+        conn.sendall(pending)
 
     @staticmethod
     def _try_send(conn: socket.socket, frame: pb.BulkFrame) -> None:
