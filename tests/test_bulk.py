@@ -341,3 +341,47 @@ def test_bulk_shared_buffer_cannot_be_shrunk_under_the_sidecar(bulk_sidecar):
     assert status.code == 0 and status.chunks == 3
     os.close(fd)
     s.close()
+
+
+def test_bulk_revoked_token_stops_working_on_open_connections(sidecar_factory, tmp_path):
+    from test_auth import write_secret_dir
+
+    tokens = tmp_path / "tokens"
+    write_secret_dir(tokens, {"alice": "alice-token-1"})
+    sidecar = sidecar_factory(token_file=str(tokens), token_reload_seconds=0.05,
+                              bulk_address=f"unix:{tmp_path}/bulk.sock")
+    s = _raw(sidecar)
+    assert _hello(s, "Bearer alice-token-1").code == 0
+    request = pb.GetRequest(model=model_to_proto(SMALL), tokens=TOKENS)
+    assert _get(s, request)[1].code == 0
+    write_secret_dir(tokens, {"alice": "alice-token-2"})  # rotated: the old token is revoked
+    time.sleep(0.3)
+    chunks, status = _get(s, request)
+    assert status.code == grpc.StatusCode.UNAUTHENTICATED.value[0] and "no longer valid" in status.message
+    assert s.recv(1) == b""
+    s.close()
+
+
+def test_bulk_get_slower_than_max_call_seconds_is_cancelled(sidecar_factory, tmp_path):
+    """A client that reads an answer too slowly cannot hold chunk leases for ever."""
+    sidecar = sidecar_factory(bulk_address=f"unix:{tmp_path}/bulk.sock", max_call_seconds=0.5,
+                              memory_bytes=64 << 20, max_chunk_bytes=8 << 20)
+    spec = ModelSpec("test/big", "r1", "float32", num_layers=16, num_kv_heads=8, head_dim=64)  # 2 MiB chunks
+    tokens = list(range(8 * CHUNK))
+    with PromptCacheClient(sidecar.address) as c:
+        assert c.put(spec, tokens, make_kv(spec, len(tokens))).stored_chunks == 8
+    s = _raw(sidecar)  # a unix socket buffers far less than the 16 MiB answer: the sidecar waits on us
+    assert _hello(s).code == 0
+    bulkwire.send(s, pb.BulkFrame(get=pb.GetRequest(model=model_to_proto(spec), tokens=tokens)))
+    time.sleep(1.5)  # read nothing for longer than --max-call-seconds
+    chunks, status = [], None
+    while status is None:
+        frame = bulkwire.recv(s)
+        if frame.WhichOneof("frame") == "status":
+            status = frame.status
+        else:
+            bulkwire.recv_into(s, bytearray(frame.chunk.nbytes))
+            chunks.append(frame.chunk.index)
+    assert status.code == grpc.StatusCode.CANCELLED.value[0] and "--max-call-seconds" in status.message
+    assert 0 < len(chunks) < 8
+    s.close()

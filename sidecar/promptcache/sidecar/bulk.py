@@ -58,13 +58,14 @@ def _status(code: grpc.StatusCode, message: str = "", chunks: int = 0) -> pb.Bul
 
 class BulkServer:
     def __init__(self, address: str, service, authenticator, metrics, max_connections: int = 64,
-                 idle_seconds: float = 30.0):
+                 idle_seconds: float = 30.0, max_call_seconds: float = 0.0):
         self.family, self.sockaddr = bulkwire.parse_address(address)
         self.service = service
         self.authenticator = authenticator
         self.metrics = metrics
         self.max_connections = max_connections
         self.idle_seconds = idle_seconds or None
+        self.max_call_seconds = max_call_seconds
         self._listener: socket.socket | None = None
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -258,11 +259,19 @@ class BulkServer:
         sent = 0
         pending = bytearray()  # a shared-memory answer's frames, sent at once with the status: one wake-up
         code, message = grpc.StatusCode.OK, ""
+        # Credentials are checked on every get, as on every gRPC call: a token revoked (removed from the token
+        # file) stops working on open connections too. The connection is then closed.
+        if self.authenticator.enabled and self.authenticator.authenticate(context) is None:
+            raise _Refused(grpc.StatusCode.UNAUTHENTICATED, "the bearer token of this connection's hello is no "
+                           "longer valid; reconnect with a current one")
         try:
             target = None
             if request.HasField("shared_buffer"):
                 target = _shared_target(request.shared_buffer, shared)
             for begin, view in self.service.verified_chunks(request, context, target):
+                if self.max_call_seconds and time.perf_counter() - start > self.max_call_seconds:
+                    raise RpcFailure(grpc.StatusCode.CANCELLED, f"this get ran longer than --max-call-seconds "
+                                     f"({self.max_call_seconds:g} s); the client is reading too slowly")
                 if target is not None:
                     pending += bulkwire.encode(pb.BulkFrame(chunk=begin))  # the bytes are in the shared buffer
                 else:

@@ -612,7 +612,8 @@ class Sidecar:
         if self.port == 0:
             raise OSError(f"cannot listen on --grpc-address {settings.grpc_address}")
         self.bulk = (BulkServer(settings.bulk_address, self.service, self.authenticator, self.metrics,
-                                settings.bulk_max_connections, settings.stream_idle_seconds)
+                                settings.bulk_max_connections, settings.stream_idle_seconds,
+                                settings.max_call_seconds)
                      if settings.bulk_address else None)
         self._stop = threading.Event()
         self._stop_lock = threading.Lock()
