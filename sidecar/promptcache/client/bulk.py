@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+from typing import Iterator
 
 import grpc
 import numpy as np
@@ -152,37 +153,19 @@ class BulkGetter:
     def _receive_shared(conn: _Connection, start_chunk: int, shared: np.ndarray) -> list[torch.Tensor]:
         """Chunk frames without bytes: the sidecar wrote them into the shared buffer and verified them there,
         after the copy, so they are not hashed again here."""
-        blobs = []
-        while True:
-            frame = _expect(conn.reader, "chunk")
-            if frame.WhichOneof("frame") == "status":
-                if frame.status.chunks != len(blobs):
-                    raise bulkwire.FramingError(f"status counts {frame.status.chunks} chunks, "
-                                                f"{len(blobs)} arrived")
-                _check_status(frame.status)
-                return blobs
-            c = frame.chunk
-            if c.index != start_chunk + len(blobs):
-                raise errors.CorruptChunk(f"expected chunk {start_chunk + len(blobs)}, got {c.index}")
+        blobs: list[torch.Tensor] = []
+        for c in _answer(conn, start_chunk, blobs):
             if c.buffer_offset + c.nbytes > shared.size:
                 raise errors.CorruptChunk(f"chunk {c.index} was placed outside the shared buffer")
             blobs.append(torch.from_numpy(shared[c.buffer_offset:c.buffer_offset + c.nbytes]))
+        return blobs
 
-    def _receive(self, conn: _Connection, start_chunk: int, expected_bytes: int, deadline: float):
+    @staticmethod
+    def _receive(conn: _Connection, start_chunk: int, expected_bytes: int, deadline: float) -> list[torch.Tensor]:
         if conn.buffer.numel() < expected_bytes:
             conn.buffer = torch.empty(expected_bytes, dtype=torch.uint8)
         buffer, position, blobs = conn.buffer, 0, []
-        while True:
-            frame = _expect(conn.reader, "chunk")
-            if frame.WhichOneof("frame") == "status":
-                if frame.status.chunks != len(blobs):
-                    raise bulkwire.FramingError(f"status counts {frame.status.chunks} chunks, "
-                                                f"{len(blobs)} arrived")
-                _check_status(frame.status)
-                return blobs
-            c = frame.chunk
-            if c.index != start_chunk + len(blobs):
-                raise errors.CorruptChunk(f"expected chunk {start_chunk + len(blobs)}, got {c.index}")
+        for c in _answer(conn, start_chunk, blobs):
             if c.nbytes > _MAX_CHUNK_BYTES:
                 raise errors.CorruptChunk(f"chunk {c.index} announces {c.nbytes} bytes")
             if position + c.nbytes > buffer.numel():
@@ -196,3 +179,19 @@ class BulkGetter:
                 raise errors.CorruptChunk(f"chunk {c.index} failed its checksum in transit")
             blobs.append(view)
             position += c.nbytes
+        return blobs
+
+
+def _answer(conn: _Connection, start_chunk: int, blobs: list) -> Iterator[pb.ChunkBegin]:
+    """The chunk frames of one answer, each checked to be the next index (`blobs`: what the caller kept so far),
+    until its status frame; an error status raises its exception type."""
+    while True:
+        frame = _expect(conn.reader, "chunk")
+        if frame.WhichOneof("frame") == "status":
+            if frame.status.chunks != len(blobs):
+                raise bulkwire.FramingError(f"status counts {frame.status.chunks} chunks, {len(blobs)} arrived")
+            _check_status(frame.status)
+            return
+        if frame.chunk.index != start_chunk + len(blobs):
+            raise errors.CorruptChunk(f"expected chunk {start_chunk + len(blobs)}, got {frame.chunk.index}")
+        yield frame.chunk
