@@ -9,9 +9,11 @@ through generic channel calls, so that any bytes at all reach the server:
   path traversal, huge offsets);
 * raw: serialized valid requests with their bytes flipped, inserted, deleted, truncated or spliced, and random
   bytes, sent to every method, including unknown ones;
-* credentials: with auth on (the default), valid tokens of two tenants, wrong, empty and malformed ones.
+* credentials: with auth on (the default), valid tokens of two tenants, wrong, empty and malformed ones;
+* the bulk channel (docs/bulk-channel.md, on a unix socket): byte streams of hello, get and buffer frames, valid
+  and mutated, with wrong lengths, versions, tokens and attached descriptors, on fresh connections.
 
-Every answer is classified by status code. A crash is the sidecar process dying (it is restarted and the run
+Every answer is classified by status code (on the bulk channel, its status frames'). A crash is the sidecar process dying (it is restarted and the run
 goes on); a hang is a call that reaches its deadline; a bad status is UNKNOWN or INTERNAL (an unhandled error
 or a request the server could not even parse answered without a proper status). Every 500 requests a valid
 Put/Get round trip checks that the sidecar still serves correct bytes. Exit status 0 only when crashes, hangs
@@ -73,7 +75,9 @@ class SidecarUnderTest:
     def start(self) -> None:
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.bulk = str(self.dir / "bulk.sock")
         cmd = [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", self.address,
+               "--bulk-address", f"unix:{self.bulk}",
                "--metrics-port", "0", "--chunk-tokens", str(CHUNK), "--memory-bytes", self.memory,
                "--shm-dir", str(self.shm), "--stream-idle-seconds", "5", "--max-call-seconds", "30",
                "--log-level", "error", *self.extra]
@@ -274,6 +278,46 @@ class Generator:
                 b[i:i] = b[i:j]  # splice a copy of a piece of itself
         return bytes(b)
 
+    def bulk(self, authorization: str) -> tuple[bytes, int | None]:
+        """(bytes for one bulk connection, a descriptor to attach to them or None)."""
+        from promptcache import bulkwire
+
+        pb, rng = self.pb, self.rng
+        version = rng.choice([1] * 8 + [0, 2, 2**32 - 1])
+        frames = [pb.BulkFrame(hello=pb.BulkHello(version=version, authorization=authorization))]
+        if rng.random() < 0.05:
+            frames.pop()
+        for _ in range(rng.randint(0, 3)):
+            method, payload = "Lookup", b""
+            while method != "Get":
+                method, payload = self.structured()
+            get = pb.GetRequest.FromString(payload)
+            if rng.random() < 0.2:
+                get.shared_buffer.name = ""
+            frames.append(pb.BulkFrame(get=get))
+        if rng.random() < 0.05:
+            frames.insert(rng.randrange(len(frames) + 1), pb.BulkFrame(status=pb.BulkStatus(code=0)))
+        data = b"".join(bulkwire.encode(f) for f in frames)
+        if rng.random() < 0.4:
+            data = self.mutate(data)
+        fd = None
+        if rng.random() < 0.1:  # a descriptor on whatever frame comes first: a memfd, sealed or not, or /dev/null
+            kind = rng.randrange(3)
+            if kind == 2:
+                fd = os.open(os.devnull, os.O_RDWR)
+            else:
+                fd = os.memfd_create("fuzz", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                os.ftruncate(fd, rng.choice([0, 4096, self.nbytes * 4]))
+                if kind == 1:
+                    import fcntl
+
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            buffer_frame = bulkwire.encode(pb.BulkFrame(buffer=pb.BulkBuffer(
+                length=rng.choice([0, 4096, self.nbytes, self.nbytes * 4, 2**63]))))
+            cut = len(bulkwire.encode(frames[0])) if frames and rng.random() < 0.8 else 0
+            data = data[:cut] + buffer_frame + data[cut:]
+        return data, fd
+
     def raw(self):
         method, payload = self.structured()
         if self.rng.random() < 0.1:
@@ -323,8 +367,62 @@ def _call(channel, method: str, payload, metadata, timeout: float):
         return exc.code().name, exc.details() or ""
 
 
-def _round_trip(address: str, auth: bool, rng: random.Random) -> str | None:
-    """A valid Put then Get through the real client; None if the bytes came back identical."""
+_STATUS_NAMES = None
+
+
+def _bulk_call(path: str, data: bytes, fd: int | None, timeout: float) -> tuple[str, str]:
+    """Send one connection's bytes (the descriptor with the first of them), half-close, read every answer
+    until the sidecar closes. Returns the worst status code name seen (OK, or CLOSED when it closed without
+    any status frame, e.g. after a clean end of the stream), and its message."""
+    import grpc
+
+    from promptcache import bulkwire
+
+    global _STATUS_NAMES
+    if _STATUS_NAMES is None:
+        _STATUS_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    worst, message = "CLOSED", ""
+    try:
+        s.connect(path)
+        if fd is not None and data:
+            sent = socket.send_fds(s, [data], [fd])
+            s.sendall(data[sent:])
+        else:
+            s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        reader = bulkwire.FrameReader(s)
+        while True:
+            try:
+                frame = reader.frame()
+            except bulkwire.FramingError:
+                break  # closed by the sidecar
+            if frame.WhichOneof("frame") == "chunk":
+                if not frame.chunk.buffer_offset and frame.chunk.nbytes <= (64 << 20):
+                    try:
+                        reader.read_into(bytearray(frame.chunk.nbytes))
+                    except bulkwire.FramingError:
+                        break
+                continue
+            if frame.WhichOneof("frame") == "status":
+                name = _STATUS_NAMES.get(frame.status.code, f"CODE_{frame.status.code}")
+                if worst in ("CLOSED", "OK") or name in BAD_CODES:
+                    worst, message = name, frame.status.message
+    except socket.timeout:
+        return "DEADLINE_EXCEEDED", "no answer from the bulk channel"
+    except (ConnectionResetError, BrokenPipeError):
+        pass  # closed by the sidecar with our bytes unread: a framing error
+    finally:
+        s.close()
+        if fd is not None:
+            os.close(fd)
+    return worst, message
+
+
+def _round_trip(address: str, auth: bool, rng: random.Random, bulk: str | None = None) -> str | None:
+    """A valid Put then Get through the real client (the Get over the bulk channel when given); None if the
+    bytes came back identical."""
     import torch
 
     from promptcache.client import PromptCacheClient, errors
@@ -334,6 +432,8 @@ def _round_trip(address: str, auth: bool, rng: random.Random) -> str | None:
     tokens = [rng.randrange(50_000) for _ in range(2 * CHUNK)]
     kv = [(torch.randn(1, 2, 2 * CHUNK, 8), torch.randn(1, 2, 2 * CHUNK, 8)) for _ in range(2)]
     kwargs = {"token": TOKENS["fuzz-a"]} if auth else {}
+    if bulk:
+        kwargs["bulk_address"] = f"unix:{bulk}"
     problem = None
     with PromptCacheClient(address, timeout=10, chunk_tokens=CHUNK, **kwargs) as c:
         # Other fuzzing threads may Resize the budget down or evict in between: retry a few times; bytes
@@ -406,17 +506,23 @@ def fuzz(requests: int, seed: int = 0, workers: int = 4, auth: bool = True, time
                     channel.close()
                     current = sidecar.address
                     channel = grpc.insecure_channel(current, options=[("grpc.use_local_subchannel_pool", 1)])
-                method, payload = gen.raw() if rng.random() < 0.4 else gen.structured()
                 md = ([("authorization", f"Bearer {token}")] if token else _metadata(rng, auth and target is None))
-                code, details = _call(channel, method, payload, md, timeout)
+                if sidecar is not None and rng.random() < 0.2:
+                    method = "bulk"
+                    payload, fd = gen.bulk(dict(md or []).get("authorization", ""))
+                    code, details = _bulk_call(sidecar.bulk, payload, fd, timeout)
+                else:
+                    method, payload = gen.raw() if rng.random() < 0.4 else gen.structured()
+                    code, details = _call(channel, method, payload, md, timeout)
                 if code == "UNAVAILABLE":
                     check_alive(rng)
                 record(code, details, method, payload)
                 if i % 500 == 499:
                     check_alive(rng)
                     try:
-                        problem = _round_trip(sidecar.address if sidecar else address,
-                                              auth and target is None, rng) if not token else None
+                        problem = _round_trip(sidecar.address if sidecar else address, auth and target is None,
+                                              rng, sidecar.bulk if sidecar and i % 1000 == 999 else None
+                                              ) if not token else None
                     except Exception as exc:  # noqa: BLE001
                         problem = f"round trip raised {type(exc).__name__}: {exc}"
                     if problem:
