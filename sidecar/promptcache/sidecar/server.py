@@ -129,6 +129,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self.read_memory_limit = cgroup.memory_limit
         self.spill = None  # promptcache.sidecar.spill.Spill when the disk tier is on
         self._totals_lock = threading.Lock()
+        self._models: dict = {}  # (Model bytes, identity) -> (spec, fingerprint, owner); namespace() is pure
         self.hit_tokens = 0
         self.missed_tokens = 0
 
@@ -137,17 +138,26 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         """(spec, fingerprint, owner). With tenancy on, the salt is derived from the caller's identity."""
         if not present:
             raise invalid("model is missing")
+        identity = identity_of(context)
+        cache_key = (msg.SerializeToString(deterministic=True), identity)
+        known = self._models.get(cache_key)
+        if known is not None:  # pods send the same few models on every call: skip validation and hashing
+            return known
         try:
             spec = model_from_proto(msg)
         except ValueError as exc:
             raise invalid(str(exc)) from None
         try:
-            salt, owner = self.tenancy.namespace(identity_of(context), spec.tenant_salt)
+            salt, owner = self.tenancy.namespace(identity, spec.tenant_salt)
         except TenancyError as exc:
             raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, exc.message) from None
         if self.tenancy.enabled:
             spec = dataclasses.replace(spec, tenant_salt=salt)
-        return spec, keyspec.fingerprint(spec), owner
+        result = spec, keyspec.fingerprint(spec), owner
+        if len(self._models) >= 1024:  # bounded: a client cycling through models cannot grow it
+            self._models.clear()
+        self._models[cache_key] = result
+        return result
 
     def _tokens(self, tokens) -> None:
         if len(tokens) == 0:
