@@ -117,7 +117,7 @@ class Gpu:
 class CachePolicy:
     chunkTokens: int = 256
     ttlSeconds: int = 14400
-    evictionPolicy: Literal["lru", "lru-prefix", "lfu", "wtinylfu"] = "lru"
+    evictionPolicy: Literal["lru", "lru-prefix", "lfu", "wtinylfu"] = "wtinylfu"  # the sidecar's, by trace replay
     quantization: Literal["none", "k8v8", "k8v4"] = "none"
     maxChunkBytes: str | None = None
 
