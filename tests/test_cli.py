@@ -45,6 +45,10 @@ def test_every_setting_is_a_flag_and_an_environment_variable():
                 value = "64"
             if f.name == "bulk_address":
                 value = "unix:/run/promptcache/bulk.sock"
+            if f.name == "quantization":
+                value = "k8v4"
+            if f.name == "tenancy":
+                value = "shared"
             argv, env_value = ["--" + f.name.replace("_", "-"), value], value
             expected = {"int": int, "float": float, "str": str}[f.type](value)
         from_flag = getattr(parse(argv), f.name)

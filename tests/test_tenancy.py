@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from support import CHUNK, SMALL, make_kv
 from promptcache.client import PromptCacheClient, errors
@@ -67,6 +68,41 @@ def test_another_tenants_chunks_are_invisible(multi):
     with pytest.raises(errors.PermissionDenied):
         alice.resize(4 << 20)
     assert c["ops"].resize(16 << 20).memory_bytes == 16 << 20
+
+
+def test_shared_tenancy_with_authentication(sidecar_factory, tokens):
+    """--tenancy shared (the operator's spec.tenancy.mode Shared): callers still authenticate, admin-only calls
+    stay admin-only, but every tenant reuses every other tenant's prefixes."""
+    sidecar = sidecar_factory(token_file=tokens, tenancy="shared", admin_tenants="ops")
+    with PromptCacheClient(sidecar.address, token="alice-token", retries=0) as alice, \
+            PromptCacheClient(sidecar.address, token="bob-token", retries=0) as bob, \
+            PromptCacheClient(sidecar.address, retries=0) as nobody:
+        tokens_ = prefix(7, 2)
+        kv = make_kv(SMALL, len(tokens_))
+        assert alice.put(SMALL, tokens_, kv).stored_chunks == 2
+        cached, got = bob.get(SMALL, tokens_)
+        assert cached == 2 * CHUNK and all(torch.equal(g[0], k[0]) for g, k in zip(got, kv))
+        assert bob.put(SMALL, tokens_, kv).skipped_chunks == 2
+        with pytest.raises(errors.Unauthenticated):
+            nobody.lookup(SMALL, tokens_)
+        with pytest.raises(errors.PermissionDenied):
+            bob.resize(16 << 20)
+
+
+def test_isolated_tenancy_needs_authentication(sidecar_factory):
+    with pytest.raises(ValueError, match="--tenancy isolated needs authentication"):
+        sidecar_factory(tenancy="isolated")
+
+
+def test_quantization_setting_refuses_other_modes(sidecar_factory):
+    sidecar = sidecar_factory(quantization="k8v4")
+    k8v4 = dataclasses.replace(SMALL, kv_dtype="float16", quantization="k8v4")
+    with PromptCacheClient(sidecar.address, retries=0) as c:
+        assert c.lookup(k8v4, prefix(1)).cached_tokens == 0
+        with pytest.raises(errors.FailedPrecondition, match="keeps k8v4 chunks only"):
+            c.lookup(SMALL, prefix(1))
+        with pytest.raises(errors.FailedPrecondition, match="--quantization"):
+            c.put(SMALL, prefix(1), make_kv(SMALL, 2 * CHUNK))
 
 
 def test_sharing_groups_are_opt_in(multi):

@@ -41,6 +41,8 @@ class Settings:
     chunk_tokens: int = 256
     ttl_seconds: float = 4 * 3600.0
     eviction_policy: str = "wtinylfu"  # chosen by trace replay: docs/eviction.md
+    quantization: str = "any"
+    tenancy: str = "auto"
     device: str = "auto"
     data_dir: str = "./promptcache-data"
     disk_bytes: int = 0
@@ -105,6 +107,10 @@ class Settings:
             raise ValueError("--max-calls-per-client must not be negative (0: no limit)")
         if self.stream_idle_seconds < 0 or self.max_call_seconds < 0:
             raise ValueError("--stream-idle-seconds and --max-call-seconds must not be negative (0: no limit)")
+        if self.quantization not in ("any", "none", "k8v8", "k8v4"):
+            raise ValueError(f"--quantization must be any, none, k8v8 or k8v4, got {self.quantization!r}")
+        if self.tenancy not in ("auto", "isolated", "shared"):
+            raise ValueError(f"--tenancy must be auto, isolated or shared, got {self.tenancy!r}")
         from promptcache.sidecar.policies import POLICIES
 
         if self.eviction_policy not in POLICIES:
@@ -122,6 +128,10 @@ HELP = {
     "chunk_tokens": "tokens per chunk (a power of two); chunk keys are chained over these",
     "ttl_seconds": "lifetime of an entry after it is stored",
     "eviction_policy": "which entry goes first when the budget is full",
+    "quantization": "the only KV quantization mode accepted (none, k8v8, k8v4; clients quantize, the mode is "
+                    "part of every key); other models get FAILED_PRECONDITION. any: accept every mode",
+    "tenancy": "isolated: each tenant's chunks are keyed apart (needs --token-file or mTLS); shared: every "
+               "caller shares one namespace even with authentication on; auto: isolated when authentication is on",
     "device": "where the device tier lives: auto (CUDA if present, else CPU), cpu, cuda, cuda:N",
     "data_dir": "folder for the disk tier (RocksDB)",
     "disk_bytes": "byte budget of the disk tier; 0 disables it",

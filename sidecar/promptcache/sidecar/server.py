@@ -147,11 +147,16 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             spec = model_from_proto(msg)
         except ValueError as exc:
             raise invalid(str(exc)) from None
+        served = self.settings.quantization
+        if served != "any" and spec.quantization != served:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"model.quantization {spec.quantization!r} is not served here: this sidecar keeps "
+                             f"{served} chunks only (--quantization)")
         try:
             salt, owner = self.tenancy.namespace(identity, spec.tenant_salt)
         except TenancyError as exc:
             raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, exc.message) from None
-        if self.tenancy.enabled:
+        if self.tenancy.isolate:
             spec = dataclasses.replace(spec, tenant_salt=salt)
         result = spec, keyspec.fingerprint(spec), owner
         if len(self._models) >= 1024:  # bounded: a client cycling through models cannot grow it

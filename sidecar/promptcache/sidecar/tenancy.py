@@ -105,8 +105,10 @@ class _Usage:
 
 class Tenancy:
     def __init__(self, *, enabled: bool, secret: bytes | None = None, groups: dict | None = None,
-                 admins: frozenset[str] = frozenset(), default_quota: int = 0, quotas: dict | None = None):
-        self.enabled = enabled
+                 admins: frozenset[str] = frozenset(), default_quota: int = 0, quotas: dict | None = None,
+                 isolate: bool | None = None):
+        self.enabled = enabled  # callers are authenticated tenants (admins, per-tenant quotas and stats)
+        self.isolate = enabled if isolate is None else isolate and enabled  # tenants' keys are salted apart
         self.secret = secret if secret is not None else secrets.token_bytes(32)
         self.groups = groups or {}
         self.admins = admins
@@ -120,6 +122,10 @@ class Tenancy:
     @classmethod
     def from_settings(cls, settings) -> "Tenancy":
         enabled = bool(settings.token_file or settings.tls_client_ca_file)
+        mode = getattr(settings, "tenancy", "auto")
+        if mode == "isolated" and not enabled:
+            raise ValueError("--tenancy isolated needs authentication (--token-file or --tls-client-ca-file): "
+                             "without it every caller is the same anonymous tenant")
         if settings.tenant_secret_file:
             secret = load_secret(settings.tenant_secret_file)
         else:
@@ -130,7 +136,8 @@ class Tenancy:
         admins = frozenset(check_tenant_name(a.strip(), "--admin-tenants")
                            for a in settings.admin_tenants.split(",") if a.strip())
         return cls(enabled=enabled, secret=secret, groups=parse_groups(settings.sharing_groups), admins=admins,
-                   default_quota=settings.tenant_quota_bytes, quotas=parse_quotas(settings.tenant_quotas))
+                   default_quota=settings.tenant_quota_bytes, quotas=parse_quotas(settings.tenant_quotas),
+                   isolate=mode != "shared")
 
     def bind(self, tier) -> None:
         self.tier = tier
@@ -138,7 +145,7 @@ class Tenancy:
     # --- namespaces -------------------------------------------------------------------------------------
     def namespace(self, identity: Identity, client_salt: bytes) -> tuple[bytes, str]:
         """(salt to hash into the fingerprint, owner charged for the chunks)."""
-        if not self.enabled:
+        if not self.isolate:  # one shared namespace (auth off, or --tenancy shared): the client's salt as is
             return client_salt, ""
         if client_salt.startswith(SHARE_PREFIX):
             group = client_salt[len(SHARE_PREFIX):].decode("utf-8", "replace")
