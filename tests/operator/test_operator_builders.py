@@ -224,6 +224,31 @@ def test_every_child_is_owned_labelled_and_deterministic(spec, caps):
     assert ("PROMPTCACHE_ALLOW_INSECURE_REMOTE" in env) == (s.security.tls is None)
     assert int(env["PROMPTCACHE_MEMORY_BYTES"]) > 0
     assert env["PROMPTCACHE_CHUNK_TOKENS"] == str(s.cachePolicy.chunkTokens)
+    _sidecar_takes(env)
+
+
+def _sidecar_takes(env: dict[str, str]) -> None:
+    """The contract between the operator and `promptcache serve`: every variable the operator sets is a sidecar
+    setting (an unknown one would be silently ignored), and the sidecar's own parser accepts every value."""
+    import argparse
+    import dataclasses
+
+    from promptcache.sidecar import config
+
+    known = {config.env_name(f.name): f.name for f in dataclasses.fields(config.Settings)}
+    sidecar_vars = {k for k in env if k.startswith("PROMPTCACHE_")}
+    assert sidecar_vars <= set(known), f"the sidecar has no setting for {sorted(sidecar_vars - set(known))}"
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    settings = config.settings_from_args(parser.parse_args([]), environ=env)
+    for var in sidecar_vars:
+        value = getattr(settings, known[var])
+        if isinstance(value, bool):
+            assert value == (env[var].lower() == "true"), var
+        elif isinstance(value, (int, float)):
+            assert value == config.parse_bytes(env[var]) if var.endswith("_BYTES") else value == float(env[var]), var
+        else:
+            assert value == env[var], (var, value, env[var])
 
 
 def test_bulk_channel_is_served_only_without_tls():
