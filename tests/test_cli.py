@@ -26,6 +26,12 @@ def test_defaults_are_the_embedded_ones():
     assert config.Settings().grpc_address.startswith("127.0.0.1:")  # loopback unless told otherwise
 
 
+# A valid value for the settings whose generic sample ("7", "1.5", "json") their validation would refuse.
+VALID_SAMPLES = {"memory_bytes": "8192", "max_chunk_bytes": "8192", "disk_bytes": "8192", "frame_bytes": "8192",
+                 "log_level": "debug", "device": "cpu", "eviction_policy": "lru", "chunk_tokens": "64",
+                 "bulk_address": "unix:/run/promptcache/bulk.sock", "quantization": "k8v4", "tenancy": "shared"}
+
+
 def test_every_setting_is_a_flag_and_an_environment_variable():
     for f in dataclasses.fields(config.Settings):
         if f.type in ("bool", bool):
@@ -33,22 +39,7 @@ def test_every_setting_is_a_flag_and_an_environment_variable():
             argv = ["--" + f.name.replace("_", "-")]
         else:
             value = {"int": "7", "float": "1.5", "str": "json"}[f.type]
-            if f.name in ("memory_bytes", "max_chunk_bytes", "disk_bytes", "frame_bytes"):
-                value = "8192"
-            if f.name == "log_level":
-                value = "debug"
-            if f.name == "device":
-                value = "cpu"
-            if f.name == "eviction_policy":
-                value = "lru"
-            if f.name == "chunk_tokens":
-                value = "64"
-            if f.name == "bulk_address":
-                value = "unix:/run/promptcache/bulk.sock"
-            if f.name == "quantization":
-                value = "k8v4"
-            if f.name == "tenancy":
-                value = "shared"
+            value = VALID_SAMPLES.get(f.name, value)
             argv, env_value = ["--" + f.name.replace("_", "-"), value], value
             expected = {"int": int, "float": float, "str": str}[f.type](value)
         from_flag = getattr(parse(argv), f.name)
