@@ -53,6 +53,7 @@ test: install system-deps tools
 bench: install system-deps
 	@mkdir -p bench-results
 	$(VENV)/bin/promptcache bench throughput
+	$(VENV)/bin/promptcache bench latency
 	$(VENV)/bin/promptcache bench replay --synthetic all --policy all
 	$(PY) -m promptcache.sidecar.disk
 	$(VENV)/bin/promptcache bench fidelity

@@ -8,6 +8,7 @@ import sys
 # Sub-benchmarks: name -> module with add_arguments(parser) and run(args) -> int.
 BENCHES = {
     "throughput": "promptcache.bench.throughput",
+    "latency": "promptcache.bench.latency",
     "replay": "promptcache.bench.replay",
     "fidelity": "promptcache.bench.fidelity",
     "ttft": "promptcache.bench.ttft",

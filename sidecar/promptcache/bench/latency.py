@@ -1,0 +1,118 @@
+"""Where the time of one Get goes: gRPC's fixed cost, and a 1 MiB bulk-channel Get alone and between Redis GETs.
+
+Measures, in one run against a sidecar subprocess and a redis-server subprocess on unix sockets:
+* an empty gRPC call (health check): the floor of any gRPC Get;
+* a bulk-channel Get (shared memfd) of one 1 MiB chunk, back to back ("warm") and interleaved with a Redis GET
+  of the same bytes ("cold": what the throughput benchmark's interleaved rounds see), with the sidecar's own
+  share of it read from its promptcache_request_duration_seconds{rpc="BulkGet"} histogram;
+* the Redis GET itself.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=300, help="calls per measurement (median reported)")
+
+
+def _server_seconds(metrics_port: int) -> tuple[float, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    total = re.search(r'promptcache_request_duration_seconds_sum\{rpc="BulkGet"\} (\S+)', text)
+    count = re.search(r'promptcache_request_duration_seconds_count\{rpc="BulkGet"\} (\S+)', text)
+    return (float(total.group(1)), float(count.group(1))) if total and count else (0.0, 0.0)
+
+
+def run(args) -> int:
+    import redis
+    import torch
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from promptcache.client import PromptCacheClient
+    from promptcache.keys import ModelSpec
+    from promptcache.procs import stop_process, wait_healthy
+
+    redis_bin = shutil.which("redis-server")
+    if not redis_bin:
+        print("redis-server is not installed: run `make system-deps`", file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp(prefix="promptcache-latency-"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", f"unix:{tmp}/grpc.sock",
+         "--bulk-address", f"unix:{tmp}/bulk.sock", "--metrics-port", str(metrics_port), "--memory-bytes", "256Mi",
+         "--max-chunk-bytes", "1Mi", "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rds = subprocess.Popen([redis_bin, "--port", "0", "--unixsocket", f"{tmp}/redis.sock", "--save", "",
+                            "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(f"unix://{tmp}/grpc.sock", sidecar)
+        client = PromptCacheClient(f"unix://{tmp}/grpc.sock", timeout=30, chunk_tokens=256,
+                                   bulk_address=f"unix:{tmp}/bulk.sock")
+        r = redis.Redis(unix_socket_path=f"{tmp}/redis.sock")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        spec = ModelSpec("bench/1mib-chunks", "v1", "float16", num_layers=4, num_kv_heads=4, head_dim=64)
+        blob = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+        tokens = list(range(256))
+        client.put_blobs(spec, tokens, {0: blob})
+        r.set("chunk", blob.numpy().tobytes())
+        health = health_pb2_grpc.HealthStub(client._channel)
+
+        def timed(fn, before=None) -> float:
+            for _ in range(10):
+                fn()
+            times = []
+            for _ in range(args.rounds):
+                if before is not None:
+                    before()
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return statistics.median(times) * 1e3
+
+        def get():
+            assert len(client.get_blobs(spec, tokens, copy=False)) == 1
+
+        def bulk(before=None) -> tuple[float, float]:
+            s0, n0 = _server_seconds(metrics_port)
+            client_ms = timed(get, before)
+            s1, n1 = _server_seconds(metrics_port)
+            return client_ms, (s1 - s0) / max(n1 - n0, 1) * 1e3
+
+        grpc_ms = timed(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5))
+        warm, warm_server = bulk()
+        cold, cold_server = bulk(before=lambda: r.get("chunk"))
+        redis_ms = timed(lambda: r.get("chunk"), before=get)
+        rows = [("empty gRPC call (health check)", f"{grpc_ms:.3f}", ""),
+                ("bulk Get 1 MiB, back to back", f"{warm:.3f}", f"{warm_server:.3f} (mean)"),
+                ("bulk Get 1 MiB, between Redis GETs", f"{cold:.3f}", f"{cold_server:.3f} (mean)"),
+                ("Redis GET 1 MiB, between bulk Gets", f"{redis_ms:.3f}", "")]
+        print("| what | ms (median) | of which in the sidecar, ms |\n|---|---|---|")
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        print(f"\nbulk Get / Redis GET, interleaved: {redis_ms / cold:.2f}x")
+        client.close()
+        return 0
+    finally:
+        stop_process(sidecar)
+        stop_process(rds)
+        shutil.rmtree(tmp, ignore_errors=True)
