@@ -1,0 +1,31 @@
+"""Short runs of the throughput and latency benchmarks (`make bench` runs them in full): they keep working and
+print what the README quotes. Real sidecar and real redis-server subprocesses; the figures are not checked."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from promptcache.cli import main
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is installed by `make test` (hack/system-deps.sh)")
+
+
+def test_throughput_bench_prints_every_transport_against_redis(tmp_path, capsys):
+    out = tmp_path / "throughput.md"
+    assert main(["bench", "throughput", "--sizes-mb", "1", "--repeats", "1", "--transports",
+                 "tcp,shm,bulk-tcp,bulk-shm", "--output", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 1 MiB")]
+    assert [r.split("|")[2].strip() for r in rows] == ["tcp", "shm", "shm, views", "bulk-tcp", "bulk-tcp, views",
+                                                       "bulk-shm", "bulk-shm, views"]
+    for r in rows:
+        ratio = r.split("|")[9].strip()
+        assert ratio.endswith("x") and float(ratio[:-1]) > 0
+
+
+def test_latency_bench_reports_grpc_floor_and_bulk_share(capsys):
+    assert main(["bench", "latency", "--rounds", "5"]) == 0
+    text = capsys.readouterr().out
+    assert "empty gRPC call" in text and "between Redis GETs" in text
+    assert "bulk Get / Redis GET, interleaved:" in text
