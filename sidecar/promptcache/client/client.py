@@ -107,12 +107,12 @@ class PromptCacheClient:
         self._bulk_retry_at = 0.0
         if bulk_address:
             from promptcache.client.bulk import BulkGetter
-            from promptcache.sidecar.auth import _TokenSource
+            from promptcache.sidecar.auth import TokenSource
 
             if tls_ca is not None and not bulk_address.startswith("unix:"):
                 raise ValueError(f"bulk_address {bulk_address} is TCP and the bulk channel has no TLS; with "
                                  "tls_ca use a unix socket (unix:/PATH) or no bulk_address")
-            source = _TokenSource(token, token_file) if (token or token_file) else None
+            source = TokenSource(token, token_file) if (token or token_file) else None
             self._bulk = BulkGetter(bulk_address, (lambda: f"Bearer {source.get()}") if source else (lambda: ""),
                                     shared_memory=bulk_shared_memory)
 

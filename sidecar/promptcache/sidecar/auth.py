@@ -255,7 +255,7 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str,
 
 
 # --- client side ----------------------------------------------------------------------------------------
-class _TokenSource:
+class TokenSource:
     """A fixed token, or one read from a file and re-read when the file changes (rotation)."""
 
     def __init__(self, token: str | None, token_file: str | None):
@@ -290,7 +290,7 @@ class BearerTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamC
     """Adds `authorization: Bearer TOKEN` to every call; works on plaintext (loopback) and TLS channels."""
 
     def __init__(self, token: str | None = None, token_file: str | None = None):
-        self.source = _TokenSource(token, token_file)
+        self.source = TokenSource(token, token_file)
 
     def _details(self, details):
         metadata = [m for m in (details.metadata or ()) if m[0] != AUTHORIZATION]
