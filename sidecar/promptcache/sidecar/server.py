@@ -223,7 +223,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     @_observed("Get", streaming_response=True)
     def Get(self, request, context):
         if request.HasField("shared_buffer"):  # the streamed form of GetShared: one batch frame at the end
-            batch = self.GetShared.__wrapped__(self, request, context)
+            batch = self._get_shared(request, context)
             if batch.chunks:
                 yield pb.GetResponse(batch=batch)
             return
@@ -237,6 +237,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def GetShared(self, request, context):
         if not request.HasField("shared_buffer"):
             raise invalid("GetShared needs shared_buffer (use Get to stream the bytes)")
+        return self._get_shared(request, context)
+
+    def _get_shared(self, request, context) -> pb.ChunkBatch:
         shared = self._shared(request.shared_buffer.name, request.shared_buffer.length, writable=True)
         try:
             return pb.ChunkBatch(chunks=[begin for begin, _ in self.verified_chunks(request, context, shared)])
