@@ -3,7 +3,6 @@ modules in one run would shadow each other)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,17 +10,11 @@ from pathlib import Path
 import torch
 
 from promptcache.keys import ModelSpec
-from promptcache.procs import stop_process, wait_healthy
+from promptcache.procs import free_port, stop_process, wait_healthy  # noqa: F401 - free_port re-exported
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ModelSpec("test/tiny-llama", "rev-1", "float32", num_layers=2, num_kv_heads=2, head_dim=8)
 CHUNK = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_kv(spec: ModelSpec, tokens: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -54,3 +47,19 @@ class SidecarProcess:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+
+def metrics_text(sidecar) -> str:
+    """The /metrics page of an in-process Sidecar, as Prometheus scrapes it."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def metric(sidecar, name_and_labels: str) -> float:
+    """One sample's value, e.g. metric(s, 'promptcache_requests_total{code="OK",rpc="Get"}'); 0 when absent."""
+    for line in metrics_text(sidecar).splitlines():
+        if line.startswith(name_and_labels + " "):
+            return float(line.split()[-1])
+    return 0.0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 import struct
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -20,18 +19,10 @@ from promptcache.sidecar.config import Settings
 from promptcache.sidecar.server import Sidecar
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.wire import model_to_proto
-from support import CHUNK, SMALL, free_port, make_kv
+from support import CHUNK, SMALL, free_port, make_kv, metric
 from test_auth import pki, token_dir  # noqa: F401 - fixtures
 
 TOKENS = list(range(3 * CHUNK))
-
-
-def _metric(sidecar, name_and_labels: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name_and_labels + " "):
-                return float(line.split()[-1])
-    return 0.0
 
 
 @pytest.fixture
@@ -82,9 +73,9 @@ def test_bulk_get_is_bit_identical(sidecar_factory, tmp_path, dtype, transport):
     for (k, v), (gk, gv) in zip(kv, got):
         assert gk.dtype == k.dtype and torch.equal(gk, k) and torch.equal(gv, v)
     # It really went over the bulk channel, not the gRPC fallback.
-    assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkGet"}') == 1
-    assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Get"}') == 0
-    assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkBuffer"}') == (
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkGet"}') == 1
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Get"}') == 0
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkBuffer"}') == (
         1 if transport == "unix-memfd" else 0)
 
 
@@ -110,7 +101,7 @@ def test_bulk_corrupt_chunk_is_never_served(bulk_sidecar):
         keys = [ch.key for ch in c.lookup(SMALL, TOKENS).chunks]
         bulk_sidecar.tier._entries[keys[1]].data[7] ^= 0x10
         assert len(c.get_blobs(SMALL, TOKENS)) == 1  # chunk 0 only; the corrupt one ends the prefix
-    assert _metric(bulk_sidecar, 'promptcache_checksum_failures_total{tier="device"}') == 1
+    assert metric(bulk_sidecar, 'promptcache_checksum_failures_total{tier="device"}') == 1
 
 
 @pytest.mark.parametrize("send, code, words", [
@@ -168,7 +159,7 @@ def test_bulk_requires_the_token_and_keeps_tenants_apart(sidecar_factory, token_
         alice.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
         assert len(alice.get_blobs(SMALL, TOKENS)) == 3
         assert bob.get_blobs(SMALL, TOKENS) == []
-    assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkGet"}') == 2
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkGet"}') == 2
 
 
 def test_bulk_stalled_frame_is_dropped_but_idle_connections_stay(sidecar_factory, tmp_path):
@@ -194,7 +185,7 @@ def test_bulk_connection_limit_falls_back_to_grpc(sidecar_factory, tmp_path):
     with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address) as c:
         c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
         assert len(c.get_blobs(SMALL, TOKENS)) == 3  # served by gRPC Get instead
-    assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Get"}') == 1
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Get"}') == 1
     holder.close()
 
 
@@ -266,7 +257,7 @@ def test_bulk_survives_random_and_mutated_frames(bulk_sidecar):
     with PromptCacheClient(bulk_sidecar.address, bulk_address=bulk_sidecar.bulk_address) as c:
         c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
         assert len(c.get_blobs(SMALL, TOKENS)) == 3
-    assert _metric(bulk_sidecar, 'promptcache_requests_total{code="INTERNAL",rpc="BulkGet"}') == 0
+    assert metric(bulk_sidecar, 'promptcache_requests_total{code="INTERNAL",rpc="BulkGet"}') == 0
 
 
 def _plain_file(path, size: int) -> int:

@@ -6,14 +6,13 @@ import dataclasses
 import os
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from support import CHUNK, SMALL, make_kv
+from support import CHUNK, SMALL, make_kv, metric, metrics_text
 from promptcache.client import PromptCacheClient, errors
 from promptcache.layout import chunk_nbytes
 
@@ -98,19 +97,7 @@ def test_ttl_expiry(sidecar_factory):
         assert client.lookup(SMALL, tokens).cached_tokens == 0
         assert client.get_blobs(SMALL, tokens) == []
     assert sidecar.tier.usage()["used"] == 0  # the sweeper freed the bytes too
-    assert _metric(sidecar, 'promptcache_evictions_total{reason="ttl",tier="device"}') == 2
-
-
-def _metrics_text(sidecar) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=5) as r:
-        return r.read().decode()
-
-
-def _metric(sidecar, name_and_labels: str) -> float:
-    for line in _metrics_text(sidecar).splitlines():
-        if line.startswith(name_and_labels + " "):
-            return float(line.split()[-1])
-    return 0.0
+    assert metric(sidecar, 'promptcache_evictions_total{reason="ttl",tier="device"}') == 2
 
 
 def test_capacity_eviction_never_exceeds_budget_under_concurrency(sidecar_factory):
@@ -152,7 +139,7 @@ def test_capacity_eviction_never_exceeds_budget_under_concurrency(sidecar_factor
     assert max(s[0] for s in samples) <= budget
     assert max(s[1] for s in samples) <= budget  # measured from torch's storages, not our counters
     assert sidecar.tier.usage()["entries"] <= 10
-    assert _metric(sidecar, 'promptcache_evictions_total{reason="capacity",tier="device"}') > 0
+    assert metric(sidecar, 'promptcache_evictions_total{reason="capacity",tier="device"}') > 0
 
 
 def test_lru_evicts_least_recently_used(sidecar_factory):
@@ -176,8 +163,8 @@ def test_corrupted_chunk_is_dropped_and_never_served(sidecar, client):
     blobs = client.get_blobs(SMALL, tokens)
     assert len(blobs) == 1  # chunk 0 served, corrupt chunk 1 ends the prefix, chunk 2 unreachable
     assert client.lookup(SMALL, tokens).cached_tokens == CHUNK
-    assert _metric(sidecar, 'promptcache_checksum_failures_total{tier="device"}') == 1
-    assert _metric(sidecar, 'promptcache_evictions_total{reason="checksum",tier="device"}') == 1
+    assert metric(sidecar, 'promptcache_checksum_failures_total{tier="device"}') == 1
+    assert metric(sidecar, 'promptcache_evictions_total{reason="checksum",tier="device"}') == 1
 
 
 def test_resize_shrinks_by_evicting_and_grows_without_loss(sidecar_factory):
@@ -225,18 +212,18 @@ def test_metrics_follow_prometheus_naming(sidecar, client):
     tokens = list(range(2 * CHUNK))
     client.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
     client.get_blobs(SMALL, tokens + [1] * CHUNK)
-    text = _metrics_text(sidecar)
+    text = metrics_text(sidecar)
     for name in ("promptcache_lookups_total", "promptcache_hit_tokens_total", "promptcache_missed_tokens_total",
                  "promptcache_received_bytes_total", "promptcache_sent_bytes_total", "promptcache_entries",
                  "promptcache_stored_bytes", "promptcache_budget_bytes", "promptcache_evictions_total",
                  "promptcache_eviction_entry_age_seconds", "promptcache_request_duration_seconds",
                  "promptcache_requests_total", "promptcache_checksum_failures_total"):
         assert name in text, name
-    assert _metric(sidecar, 'promptcache_hit_tokens_total{rpc="get",tier="device"}') == 2 * CHUNK
-    assert _metric(sidecar, 'promptcache_missed_tokens_total{rpc="get"}') == CHUNK
-    assert _metric(sidecar, 'promptcache_sent_bytes_total{tier="device"}') == 2 * CHUNK_BYTES
-    assert _metric(sidecar, 'promptcache_entries{tier="device"}') == 2
-    assert _metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Put"}') == 1
+    assert metric(sidecar, 'promptcache_hit_tokens_total{rpc="get",tier="device"}') == 2 * CHUNK
+    assert metric(sidecar, 'promptcache_missed_tokens_total{rpc="get"}') == CHUNK
+    assert metric(sidecar, 'promptcache_sent_bytes_total{tier="device"}') == 2 * CHUNK_BYTES
+    assert metric(sidecar, 'promptcache_entries{tier="device"}') == 2
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Put"}') == 1
 
 
 def test_client_maps_unreachable_sidecar_to_unavailable():

@@ -34,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+from promptcache.procs import free_port
+
 BAD_CODES = ("UNKNOWN", "INTERNAL")
 CHUNK = 16
 SERVICE = "/promptcache.v1.KVCache/"
@@ -43,12 +45,6 @@ METHODS = {  # name -> (arity, request message name)
     "Resize": ("uu", "ResizeRequest"),
 }
 TOKENS = {"fuzz-a": "token-a-0123456789", "fuzz-b": "token-b-0123456789"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SidecarUnderTest:
@@ -73,7 +69,7 @@ class SidecarUnderTest:
         self.start()
 
     def start(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.bulk = str(self.dir / "bulk.sock")
         cmd = [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", self.address,
@@ -367,20 +363,13 @@ def _call(channel, method: str, payload, metadata, timeout: float):
         return exc.code().name, exc.details() or ""
 
 
-_STATUS_NAMES = None
-
-
 def _bulk_call(path: str, data: bytes, fd: int | None, timeout: float) -> tuple[str, str]:
     """Send one connection's bytes (the descriptor with the first of them), half-close, read every answer
     until the sidecar closes. Returns the worst status code name seen (OK, or CLOSED when it closed without
     any status frame, e.g. after a clean end of the stream), and its message."""
-    import grpc
-
     from promptcache import bulkwire
+    from promptcache.client.errors import STATUS_BY_VALUE
 
-    global _STATUS_NAMES
-    if _STATUS_NAMES is None:
-        _STATUS_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     worst, message = "CLOSED", ""
@@ -406,7 +395,8 @@ def _bulk_call(path: str, data: bytes, fd: int | None, timeout: float) -> tuple[
                         break
                 continue
             if frame.WhichOneof("frame") == "status":
-                name = _STATUS_NAMES.get(frame.status.code, f"CODE_{frame.status.code}")
+                code = STATUS_BY_VALUE.get(frame.status.code)
+                name = code.name if code is not None else f"CODE_{frame.status.code}"
                 if worst in ("CLOSED", "OK") or name in BAD_CODES:
                     worst, message = name, frame.status.message
     except socket.timeout:

@@ -1,9 +1,31 @@
-"""Helpers for a `promptcache serve` child process, shared by the benchmarks, the fuzzer and the tests."""
+"""Helpers for a `promptcache serve` child process (and the redis-server the benchmarks compare against),
+shared by the benchmarks, the fuzzer and the tests."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from typing import Callable
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check: Callable[[], object], what: str, timeout: float = 30.0) -> None:
+    """Return once check() is truthy; exceptions count as "not yet". TimeoutError naming `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} did not come up within {timeout:g} s")
 
 
 def wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 30.0,

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from promptcache.procs import free_port
 
 OPS = ("lookup", "get", "put")
 
@@ -47,12 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", help="CA file for a --target that serves TLS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON here")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _mix(text: str) -> dict[str, float]:
@@ -217,7 +212,7 @@ def _start_sidecar(args) -> tuple[subprocess.Popen, str, str]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    port, mport = _free_port(), _free_port()
+    port, mport = free_port(), free_port()
     address = f"127.0.0.1:{port}"
     log = open(Path(tempfile.mkdtemp(prefix="promptcache-load-")) / "sidecar.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", address,

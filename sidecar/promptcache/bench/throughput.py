@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,24 +27,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "docs/bulk-channel.md; Put over gRPC), bulk-shm (bulk channel on the unix socket, bytes "
                         "through a memfd shared with the sidecar)")
     p.add_argument("--output", default="bench-results/throughput.md", help="where to write the markdown table")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(check, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{what} did not come up")
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -78,6 +59,7 @@ def run(args) -> int:
 
     from promptcache.client import PromptCacheClient
     from promptcache.keys import ModelSpec
+    from promptcache.procs import free_port, wait_until
 
     # A layout whose chunks are exactly 1 MiB: 4 layers x (K, V) x 4 heads x 256 tokens x 64 dims x fp16.
     spec = ModelSpec("bench/1mib-chunks", "v1", "float16", num_layers=4, num_kv_heads=4, head_dim=64)
@@ -92,7 +74,7 @@ def run(args) -> int:
     shm_dir = Path(tempfile.mkdtemp(prefix="promptcache-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     procs = []
     try:
-        tcp_port, bulk_port = _free_port(), _free_port()
+        tcp_port, bulk_port = free_port(), free_port()
         sock, bulk_sock = tmp / "sidecar.sock", tmp / "bulk.sock"
         budget = 4 * max(sizes) * chunk_bytes + (64 << 20)
         # One sidecar process per transport family: TCP, and a unix socket (also used by the shm path).
@@ -109,7 +91,7 @@ def run(args) -> int:
         addresses = {"tcp": f"127.0.0.1:{tcp_port}", "unix": f"unix://{sock}", "shm": f"unix://{sock}",
                      "bulk-tcp": f"127.0.0.1:{tcp_port}", "bulk-unix": f"unix://{sock}",
                      "bulk-shm": f"unix://{sock}"}
-        redis_port = _free_port()
+        redis_port = free_port()
         redis_sock = tmp / "redis.sock"
         procs.append(subprocess.Popen(
             [redis_bin, "--port", str(redis_port), "--bind", "127.0.0.1", "--unixsocket", str(redis_sock),
@@ -125,8 +107,8 @@ def run(args) -> int:
                                         bulk_shared_memory=t == "bulk-shm")
                    for t in transports}
         for t in transports:
-            _wait(lambda: clients[t].healthy(), f"sidecar ({t})")
-            _wait(lambda: rclients[t].ping(), f"redis ({t})")
+            wait_until(lambda: clients[t].healthy(), f"sidecar ({t})")
+            wait_until(lambda: rclients[t].ping(), f"redis ({t})")
 
         rows = []
         for size in sizes:

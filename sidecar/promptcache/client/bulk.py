@@ -2,9 +2,8 @@
 
 One connection and one receive buffer per thread. On a unix socket the buffer is a memfd shared with the
 sidecar (sent once per connection, SCM_RIGHTS), which writes the chunk bytes straight into it; over TCP the
-bytes come on the socket. Receiving into memory that was touched before matters as much
-as leaving gRPC: on the small nodes measured, page-faulting a fresh 64 MiB buffer costs about as much as the
-transfer itself. So blobs come back as views of the thread's buffer, valid until its next get; callers decode
+bytes come on the socket. Receiving into memory that was touched before saves page faults: copying a 64 MiB
+answer out into fresh memory adds about 14 ms to a 20-35 ms Get (docs/bulk-channel.md). So blobs come back as views of the thread's buffer, valid until its next get; callers decode
 or copy them at once (PromptCacheClient.get_blobs copies unless asked not to, get decodes straight from them).
 """
 from __future__ import annotations
@@ -17,7 +16,6 @@ import threading
 import time
 from typing import Iterator
 
-import grpc
 import numpy as np
 import torch
 import xxhash
@@ -26,7 +24,6 @@ from promptcache import bulkwire
 from promptcache.client import errors
 from promptcache.v1 import kvcache_pb2 as pb
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 _MAX_CHUNK_BYTES = 1 << 31  # a sanity bound on what a server may announce, far above any real chunk
 
 
@@ -79,9 +76,7 @@ def _expect(reader: bulkwire.FrameReader, kind: str) -> pb.BulkFrame:
 
 def _check_status(status: pb.BulkStatus) -> None:
     if status.code != 0:
-        code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
-        cls = errors.BY_CODE.get(code, errors.PromptCacheError)
-        raise cls(f"{code.name}: {status.message}", code)
+        raise errors.from_status(status.code, status.message)
 
 
 class BulkGetter:

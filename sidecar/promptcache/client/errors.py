@@ -56,6 +56,15 @@ BY_CODE = {cls.code: cls for cls in (Unavailable, DeadlineExceeded, InvalidArgum
                                       CorruptChunk, FailedPrecondition, Unauthenticated, PermissionDenied)}
 
 
+# grpc.StatusCode by its numeric value, as the bulk channel's status frames carry it.
+STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def from_status(value: int, message: str) -> PromptCacheError:
+    code = STATUS_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
+    return BY_CODE.get(code, PromptCacheError)(f"{code.name}: {message}", code)
+
+
 def from_rpc_error(exc: grpc.RpcError) -> PromptCacheError:
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
