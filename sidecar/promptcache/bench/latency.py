@@ -2,6 +2,7 @@
 
 Measures, in one run against a sidecar subprocess and a redis-server subprocess on unix sockets:
 * an empty gRPC call (health check): the floor of any gRPC Get;
+* a bulk-channel Get of a prefix that is not cached: the floor of the bulk channel;
 * a bulk-channel Get (shared memfd) of one 1 MiB chunk, back to back ("warm") and interleaved with a Redis GET
   of the same bytes ("cold": what the throughput benchmark's interleaved rounds see), with the sidecar's own
   share of it read from its promptcache_request_duration_seconds{rpc="BulkGet"} histogram;
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -71,16 +71,14 @@ def run(args) -> int:
 
     from promptcache.client import PromptCacheClient
     from promptcache.keys import ModelSpec
-    from promptcache.procs import stop_process, wait_healthy
+    from promptcache.procs import free_port, stop_process, wait_healthy, wait_until
 
     redis_bin = shutil.which("redis-server")
     if not redis_bin:
         print("redis-server is not installed: run `make system-deps`", file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="promptcache-latency-"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        metrics_port = s.getsockname()[1]
+    metrics_port = free_port()
     sidecar = subprocess.Popen(
         [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", f"unix:{tmp}/grpc.sock",
          "--bulk-address", f"unix:{tmp}/bulk.sock", "--metrics-port", str(metrics_port), "--memory-bytes", "256Mi",
@@ -92,15 +90,7 @@ def run(args) -> int:
         client = PromptCacheClient(f"unix://{tmp}/grpc.sock", timeout=30, chunk_tokens=256,
                                    bulk_address=f"unix:{tmp}/bulk.sock")
         r = redis.Redis(unix_socket_path=f"{tmp}/redis.sock")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        wait_until(r.ping, "redis-server")
         spec = ModelSpec("bench/1mib-chunks", "v1", "float16", num_layers=4, num_kv_heads=4, head_dim=64)
         blob = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
         tokens = list(range(256))
@@ -130,11 +120,14 @@ def run(args) -> int:
             return client_ms, (s1 - s0) / max(n1 - n0, 1) * 1e3
 
         grpc_ms = timed(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5))
+        uncached = list(range(10_000, 10_256))
+        miss_ms = timed(lambda: client.get_blobs(spec, uncached, copy=False))  # the channel's own fixed cost
         warm, warm_server = bulk()
         cold, cold_server = bulk(before=lambda: r.get("chunk"))
         redis_ms = timed(lambda: r.get("chunk"), before=get)
         copy_ms, hash_ms = _cold_copy_and_checksum(blob.numpy(), args.rounds)
         rows = [("empty gRPC call (health check)", f"{grpc_ms:.3f}", ""),
+                ("bulk Get, nothing cached", f"{miss_ms:.3f}", ""),
                 ("bulk Get 1 MiB, back to back", f"{warm:.3f}", f"{warm_server:.3f} (mean)"),
                 ("bulk Get 1 MiB, between Redis GETs", f"{cold:.3f}", f"{cold_server:.3f} (mean)"),
                 ("Redis GET 1 MiB, between bulk Gets", f"{redis_ms:.3f}", ""),
