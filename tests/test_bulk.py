@@ -59,14 +59,18 @@ def _get(s: socket.socket, request: pb.GetRequest) -> tuple[list[bytes], pb.Bulk
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("transport", ["unix-memfd", "unix", "tcp"])
+@pytest.mark.parametrize("transport", ["unix-lent", "unix-memfd", "unix", "tcp"])
 def test_bulk_get_is_bit_identical(sidecar_factory, tmp_path, dtype, transport):
+    """unix-lent: chunks lent as sealed memfds (zero copy); unix-memfd: copied into the client's memfd (the
+    sidecar's zero copy off); unix, tcp: bytes on the socket."""
     address = f"unix:{tmp_path}/bulk.sock" if transport.startswith("unix") else f"127.0.0.1:{free_port()}"
-    sidecar = sidecar_factory(bulk_address=address)
+    sidecar = sidecar_factory(bulk_address=address,
+                              bulk_zero_copy="on" if transport == "unix-lent" else "off" if address[0] == "u"
+                              else "auto")
     spec = ModelSpec("test/bulk", "r1", dtype, num_layers=2, num_kv_heads=2, head_dim=8)
     kv = make_kv(spec, len(TOKENS))
     with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address,
-                           bulk_shared_memory=transport == "unix-memfd") as c:
+                           bulk_shared_memory=transport in ("unix-lent", "unix-memfd")) as c:
         assert c.put(spec, TOKENS, kv).stored_chunks == 3
         n, got = c.get(spec, TOKENS)
     assert n == len(TOKENS)
@@ -77,6 +81,13 @@ def test_bulk_get_is_bit_identical(sidecar_factory, tmp_path, dtype, transport):
     assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Get"}') == 0
     assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkBuffer"}') == (
         1 if transport == "unix-memfd" else 0)
+    assert metric(sidecar, "promptcache_bulk_lent_chunks_total") == (3 if transport == "unix-lent" else 0)
+
+
+@pytest.mark.parametrize("n_tokens", [0, 1, 31, 32, 4000, 70000])
+def test_get_frames_encode_as_protobuf_does(n_tokens):
+    request = pb.GetRequest(model=model_to_proto(SMALL), tokens=list(range(n_tokens)), start_chunk=1)
+    assert bulkwire.encode_get(request) == bulkwire.encode(pb.BulkFrame(get=request))
 
 
 def test_bulk_longest_prefix_and_owned_copies(bulk_sidecar):

@@ -29,7 +29,8 @@ def test_defaults_are_the_embedded_ones():
 # A valid value for the settings whose generic sample ("7", "1.5", "json") their validation would refuse.
 VALID_SAMPLES = {"memory_bytes": "8192", "max_chunk_bytes": "8192", "disk_bytes": "8192", "frame_bytes": "8192",
                  "log_level": "debug", "device": "cpu", "eviction_policy": "lru", "chunk_tokens": "64",
-                 "bulk_address": "unix:/run/promptcache/bulk.sock", "quantization": "k8v4", "tenancy": "shared"}
+                 "bulk_address": "unix:/run/promptcache/bulk.sock", "quantization": "k8v4", "tenancy": "shared",
+                 "bulk_zero_copy": "off"}
 
 
 def test_every_setting_is_a_flag_and_an_environment_variable():

@@ -7,8 +7,12 @@ part of the data path; this module only moves them over a plain stream socket.
 from __future__ import annotations
 
 import array
+import collections
+import fcntl
+import os
 import socket
 import struct
+import sys
 
 from promptcache.v1 import kvcache_pb2 as pb
 
@@ -19,6 +23,12 @@ MAX_FRAME_BYTES = (5 << 22) + (64 << 10)
 
 
 _MAX_FDS = 4  # more than one is a protocol error, but all that arrive must be received to be closed
+MAX_LENT_FDS = 253  # what one message of lent chunks may carry (SCM_MAX_FD)
+# A lent chunk's memfd is sealed with all of these (docs/bulk-channel.md): nobody can write, resize or re-seal it.
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux >= 5.1; not in Python 3.11's fcntl
+LENT_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# Python < 3.13 keeps a dup of the descriptor in every mmap object; later ones can be told not to.
+MMAP_OPTIONS = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 
 class FramingError(Exception):
@@ -51,6 +61,19 @@ def encode(frame: pb.BulkFrame) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
+def encode_get(request: pb.GetRequest) -> bytes:
+    """encode(BulkFrame(get=request)) without copying the request into a BulkFrame first: the frame is that one
+    field (number 2, length-delimited), so its bytes are a tag, the request's length and the request's bytes."""
+    body = request.SerializeToString()
+    head = bytearray(b"\x12")
+    n = len(body)
+    while n >= 0x80:
+        head.append(n & 0x7F | 0x80)
+        n >>= 7
+    head.append(n)
+    return _LENGTH.pack(len(head) + len(body)) + head + body
+
+
 def send(sock: socket.socket, frame: pb.BulkFrame) -> None:
     sock.sendall(encode(frame))
 
@@ -80,10 +103,15 @@ def recv_into(sock: socket.socket, buffer) -> None:
 
 def send_with_fd(sock: socket.socket, frame: pb.BulkFrame, fd: int) -> None:
     """A frame with a file descriptor attached (SCM_RIGHTS, unix sockets); the fd travels with its first byte."""
-    data = encode(frame)
-    sent = socket.send_fds(sock, [data], [fd])
+    send_with_fds(sock, encode(frame), [fd])
+
+
+def send_with_fds(sock: socket.socket, data, fds: list[int]) -> None:
+    """Bytes with descriptors attached (at most 253, the kernel's limit per message): the receiver gets them
+    in this order, together with the first of these bytes."""
+    sent = socket.send_fds(sock, [data], fds)
     if sent < len(data):
-        sock.sendall(data[sent:])
+        sock.sendall(memoryview(data)[sent:])
 
 
 def recv(sock: socket.socket, limit: int = MAX_FRAME_BYTES, fds: list[int] | None = None) -> pb.BulkFrame:
@@ -122,20 +150,45 @@ def _parse(body: bytes) -> pb.BulkFrame:
 
 class FrameReader:
     """Client-side reader: one recv brings in as many small frames as have arrived (a shared-memory answer is
-    all frames, sent at once), and raw chunk bytes go straight into their destination buffer."""
+    all frames, sent at once), and raw chunk bytes go straight into their destination buffer. With
+    `descriptors` (unix sockets), file descriptors that arrive are queued in order for take_fd()."""
 
     SCRATCH = 64 << 10
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, descriptors: bool = False):
         self.sock = sock
         self._buf = bytearray()
         self._scratch = bytearray(self.SCRATCH)
+        self._fds: collections.deque[int] | None = collections.deque() if descriptors else None
+        self._cmsg_space = socket.CMSG_SPACE(4 * MAX_LENT_FDS) if descriptors else 0
 
     def _fill(self) -> None:
-        n = self.sock.recv_into(self._scratch)
+        if self._fds is None:
+            n = self.sock.recv_into(self._scratch)
+        else:
+            n, ancdata, flags, _ = self.sock.recvmsg_into([self._scratch], self._cmsg_space)
+            for level, kind, data in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    self._fds.extend(array.array("i", data[:len(data) - len(data) % 4]))
+            if flags & socket.MSG_CTRUNC:
+                raise FramingError("file descriptors were lost in transit (control data truncated)")
         if n == 0:
             raise FramingError(f"connection closed with {len(self._buf)} bytes of a frame read")
         self._buf += memoryview(self._scratch)[:n]
+
+    def take_fd(self) -> int:
+        """The next descriptor that came with the frames read so far; the caller owns it."""
+        if not self._fds:
+            raise FramingError("a chunk frame announced a memfd, but no file descriptor came with it")
+        return self._fds.popleft()
+
+    def close(self) -> None:
+        """Close descriptors that arrived and were never taken."""
+        while self._fds:
+            try:
+                os.close(self._fds.popleft())
+            except OSError:
+                pass
 
     def frame(self, limit: int = MAX_FRAME_BYTES) -> pb.BulkFrame:
         while len(self._buf) < _LENGTH.size:

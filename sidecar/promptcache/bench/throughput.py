@@ -21,11 +21,12 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-mb", default="1,8,64", help="prefix sizes in MiB (comma separated)")
     p.add_argument("--repeats", type=int, default=7, help="timed repetitions per cell (median reported)")
-    p.add_argument("--transports", default="tcp,unix,shm,bulk-tcp,bulk-unix,bulk-shm",
+    p.add_argument("--transports", default="tcp,unix,shm,bulk-tcp,bulk-unix,bulk-shm,bulk-lent",
                    help="tcp, unix (gRPC, bytes streamed over the socket), shm (gRPC on the unix socket for "
                         "metadata, bytes through shared memory), bulk-tcp, bulk-unix (Get over the bulk channel, "
                         "docs/bulk-channel.md; Put over gRPC), bulk-shm (bulk channel on the unix socket, bytes "
-                        "through a memfd shared with the sidecar)")
+                        "copied into a memfd shared with the sidecar), bulk-lent (bulk channel on the unix "
+                        "socket, chunks lent as the sidecar's own sealed memfds: zero copy, the default)")
     p.add_argument("--output", default="bench-results/throughput.md", help="where to write the markdown table")
 
 
@@ -79,7 +80,7 @@ def run(args) -> int:
         budget = 4 * max(sizes) * chunk_bytes + (64 << 20)
         # One sidecar process per transport family: TCP, and a unix socket (also used by the shm path).
         bulk = {"bulk-tcp": f"127.0.0.1:{bulk_port}", "bulk-unix": f"unix:{bulk_sock}",
-                "bulk-shm": f"unix:{bulk_sock}"}
+                "bulk-shm": f"unix:{bulk_sock}", "bulk-lent": f"unix:{bulk_sock}"}
         for address, bulk_address in ((f"127.0.0.1:{tcp_port}", bulk["bulk-tcp"]),
                                       (f"unix:{sock}", bulk["bulk-unix"])):
             procs.append(subprocess.Popen(
@@ -90,7 +91,7 @@ def run(args) -> int:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         addresses = {"tcp": f"127.0.0.1:{tcp_port}", "unix": f"unix://{sock}", "shm": f"unix://{sock}",
                      "bulk-tcp": f"127.0.0.1:{tcp_port}", "bulk-unix": f"unix://{sock}",
-                     "bulk-shm": f"unix://{sock}"}
+                     "bulk-shm": f"unix://{sock}", "bulk-lent": f"unix://{sock}"}
         redis_port = free_port()
         redis_sock = tmp / "redis.sock"
         procs.append(subprocess.Popen(
@@ -100,11 +101,12 @@ def run(args) -> int:
         # Redis has no shared-memory path: the shm rows compare against Redis over its unix socket.
         rclients = {"tcp": redis.Redis(host="127.0.0.1", port=redis_port),
                     "unix": redis.Redis(unix_socket_path=str(redis_sock))}
-        rclients["shm"] = rclients["bulk-unix"] = rclients["bulk-shm"] = rclients["unix"]
+        rclients["shm"] = rclients["bulk-unix"] = rclients["bulk-shm"] = rclients["bulk-lent"] = rclients["unix"]
         rclients["bulk-tcp"] = rclients["tcp"]
         clients = {t: PromptCacheClient(addresses[t], timeout=120, chunk_tokens=chunk_tokens,
                                         shm_dir=str(shm_dir) if t == "shm" else None, bulk_address=bulk.get(t),
-                                        bulk_shared_memory=t == "bulk-shm")
+                                        bulk_shared_memory=t in ("bulk-shm", "bulk-lent"),
+                                        bulk_zero_copy=t == "bulk-lent")
                    for t in transports}
         for t in transports:
             wait_until(lambda: clients[t].healthy(), f"sidecar ({t})")

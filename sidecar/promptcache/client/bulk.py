@@ -1,19 +1,23 @@
 """Client side of the bulk channel (docs/bulk-channel.md): Get over a plain socket, into a reused buffer.
 
-One connection and one receive buffer per thread. On a unix socket the buffer is a memfd shared with the
-sidecar (sent once per connection, SCM_RIGHTS), which writes the chunk bytes straight into it; over TCP the
-bytes come on the socket. Receiving into memory that was touched before saves page faults: copying a 64 MiB
+One connection and one receive buffer per thread. On a unix socket a sidecar with zero copy on lends each chunk
+as its own sealed memfd, which is mapped here copy-on-write: no byte is copied. Otherwise, on a unix socket,
+the buffer is a memfd shared with the sidecar (sent once per connection, SCM_RIGHTS), which writes the chunk
+bytes straight into it; over TCP the bytes come on the socket. Receiving into memory that was touched before saves page faults: copying a 64 MiB
 answer out into fresh memory adds about 14 ms to a 20-35 ms Get (docs/bulk-channel.md). So blobs come back as views of the thread's buffer, valid until its next get; callers decode
 or copy them at once (PromptCacheClient.get_blobs copies unless asked not to, get decodes straight from them).
 """
 from __future__ import annotations
 
+import collections
 import fcntl
 import mmap
 import os
 import socket
+import stat
 import threading
 import time
+import warnings
 from typing import Iterator
 
 import numpy as np
@@ -28,21 +32,33 @@ _MAX_CHUNK_BYTES = 1 << 31  # a sanity bound on what a server may announce, far 
 
 
 class _Connection:
-    def __init__(self, family: int, sockaddr, authorization: str, timeout: float):
+    def __init__(self, family: int, sockaddr, authorization: str, timeout: float, shared_memory: bool,
+                 zero_copy: bool):
         self.shared: np.ndarray | None = None  # the attached memfd's mapping (unix sockets, shared mode)
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
+        self.timeout = timeout  # what the socket has now: setting it costs a system call
         if family != socket.AF_UNIX:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.connect(sockaddr)
-        self.reader = bulkwire.FrameReader(self.sock)
+        want_lent = shared_memory and zero_copy
+        self.reader = bulkwire.FrameReader(self.sock, descriptors=want_lent)
         bulkwire.send(self.sock, pb.BulkFrame(hello=pb.BulkHello(version=bulkwire.VERSION,
-                                                                 authorization=authorization)))
-        _check_status(_expect(self.reader, "status").status)
+                                                                 authorization=authorization,
+                                                                 sealed_memfds=want_lent)))
+        status = _expect(self.reader, "status").status
+        _check_status(status)
+        self.lent = want_lent and status.sealed_memfds  # the sidecar lends chunks: no buffer needed
         self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def set_timeout(self, timeout: float) -> None:
+        if timeout != self.timeout:
+            self.sock.settimeout(timeout)
+            self.timeout = timeout
 
     def close(self) -> None:
         self.sock.close()
+        self.reader.close()
 
     def attach(self, size: int) -> np.ndarray:
         """This connection's shared buffer, at least `size` bytes: a memfd sealed against shrinking (so the
@@ -82,12 +98,15 @@ def _check_status(status: pb.BulkStatus) -> None:
 class BulkGetter:
     """Thread-safe: each thread has its own connection and buffer."""
 
-    def __init__(self, address: str, authorization=lambda: "", shared_memory: bool = True):
+    def __init__(self, address: str, authorization=lambda: "", shared_memory: bool = True,
+                 zero_copy: bool = True, lent_cache_bytes: int = 512 << 20):
         self.address = address
         self.family, self.sockaddr = bulkwire.parse_address(address)
         # On a unix socket the peer is on this node: pass the bytes through a shared memfd instead.
         self.shared_memory = shared_memory and self.family == socket.AF_UNIX
+        self.zero_copy = zero_copy  # take lent chunks where the sidecar lends them
         self._authorization = authorization
+        self.lent = LentChunks(lent_cache_bytes)
         self._local = threading.local()
         self._all: list[_Connection] = []
         self._lock = threading.Lock()
@@ -97,12 +116,14 @@ class BulkGetter:
             for c in self._all:
                 c.close()
             self._all.clear()
+        self.lent.clear()
 
     def _connection(self, timeout: float) -> _Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             try:
-                conn = _Connection(self.family, self.sockaddr, self._authorization(), timeout)
+                conn = _Connection(self.family, self.sockaddr, self._authorization(), timeout, self.shared_memory,
+                                   self.zero_copy)
             except (OSError, bulkwire.FramingError) as exc:
                 raise errors.Unavailable(f"UNAVAILABLE: bulk channel {self.address}: {exc}") from None
             self._local.conn = conn
@@ -119,21 +140,22 @@ class BulkGetter:
 
     def get(self, request: pb.GetRequest, expected_bytes: int, timeout: float) -> list[torch.Tensor]:
         """Verified chunk blobs of the longest cached run, as views of this thread's buffer (valid until the
-        thread's next get). `expected_bytes` sizes the buffer; larger answers still fit (a new buffer)."""
+        thread's next get) or of lent chunks (valid while referenced). `expected_bytes` sizes the buffer;
+        larger answers still fit (a new buffer)."""
         deadline = time.monotonic() + timeout
         conn = self._connection(timeout)
         try:
-            conn.sock.settimeout(timeout)
-            if self.shared_memory:
+            conn.set_timeout(timeout)
+            if self.shared_memory and not conn.lent:
                 shared = conn.attach(expected_bytes)
                 request.shared_buffer.length = expected_bytes
                 try:
-                    bulkwire.send(conn.sock, pb.BulkFrame(get=request))
+                    conn.sock.sendall(bulkwire.encode_get(request))
                 finally:
                     request.ClearField("shared_buffer")  # the caller may retry the request over gRPC
-                return self._receive_shared(conn, request.start_chunk, shared[:expected_bytes])
-            bulkwire.send(conn.sock, pb.BulkFrame(get=request))
-            return self._receive(conn, request.start_chunk, expected_bytes, deadline)
+                return self._receive_shared(conn, request.start_chunk, shared[:expected_bytes], self.lent)
+            conn.sock.sendall(bulkwire.encode_get(request))
+            return self._receive(conn, request.start_chunk, expected_bytes, deadline, self.lent)
         except socket.timeout:
             self._drop(conn)  # the answer may still arrive: this connection's framing can't be trusted
             raise errors.DeadlineExceeded(f"DEADLINE_EXCEEDED: no answer from {self.address} in time") from None
@@ -145,22 +167,30 @@ class BulkGetter:
             raise
 
     @staticmethod
-    def _receive_shared(conn: _Connection, start_chunk: int, shared: np.ndarray) -> list[torch.Tensor]:
+    def _receive_shared(conn: _Connection, start_chunk: int, shared: np.ndarray,
+                        lent: LentChunks) -> list[torch.Tensor]:
         """Chunk frames without bytes: the sidecar wrote them into the shared buffer and verified them there,
         after the copy, so they are not hashed again here."""
         blobs: list[torch.Tensor] = []
         for c in _answer(conn, start_chunk, blobs):
+            if c.sealed_memfd:
+                blobs.append(lent.take(conn.reader.take_fd(), c))
+                continue
             if c.buffer_offset + c.nbytes > shared.size:
                 raise errors.CorruptChunk(f"chunk {c.index} was placed outside the shared buffer")
             blobs.append(torch.from_numpy(shared[c.buffer_offset:c.buffer_offset + c.nbytes]))
         return blobs
 
     @staticmethod
-    def _receive(conn: _Connection, start_chunk: int, expected_bytes: int, deadline: float) -> list[torch.Tensor]:
-        if conn.buffer.numel() < expected_bytes:
+    def _receive(conn: _Connection, start_chunk: int, expected_bytes: int, deadline: float,
+                 lent: LentChunks) -> list[torch.Tensor]:
+        if conn.buffer.numel() < expected_bytes and not conn.lent:  # lent chunks need no buffer
             conn.buffer = torch.empty(expected_bytes, dtype=torch.uint8)
         buffer, position, blobs = conn.buffer, 0, []
         for c in _answer(conn, start_chunk, blobs):
+            if c.sealed_memfd:
+                blobs.append(lent.take(conn.reader.take_fd(), c))
+                continue
             if c.nbytes > _MAX_CHUNK_BYTES:
                 raise errors.CorruptChunk(f"chunk {c.index} announces {c.nbytes} bytes")
             if position + c.nbytes > buffer.numel():
@@ -168,13 +198,94 @@ class BulkGetter:
                 buffer = conn.buffer = torch.empty(max(2 * buffer.numel(), c.nbytes), dtype=torch.uint8)
                 position = 0
             view = buffer[position:position + c.nbytes]
-            conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            conn.set_timeout(max(deadline - time.monotonic(), 0.001))
             conn.reader.read_into(view.numpy())
             if xxhash.xxh3_64_intdigest(view.numpy()) != c.xxh3_64:
                 raise errors.CorruptChunk(f"chunk {c.index} failed its checksum in transit")
             blobs.append(view)
             position += c.nbytes
         return blobs
+
+
+class LentChunks:
+    """Mappings of the chunks a sidecar lent (sealed memfds), kept for reuse: the sidecar passes a chunk's
+    memfd with every Get that serves it, and when this process still has that memfd mapped (same inode, size
+    and checksum) the mapping is used again instead of mapping it anew. Lent memfds are sealed, so a mapping
+    can never go stale; what it costs is memory: a chunk the sidecar has evicted stays alive while mapped
+    here. So mappings unused for `idle_seconds` go, and at most `max_bytes` stay mapped (0: none are kept).
+
+    Mappings are shared and read-only (PROT_READ): a write through one of these tensors is a segmentation
+    fault. get() and get_blobs() copy out of them; only get_blobs(copy=False) hands them out."""
+
+    def __init__(self, max_bytes: int, idle_seconds: float = 30.0):
+        self.max_bytes = max_bytes
+        self.idle_seconds = idle_seconds
+        self._maps: collections.OrderedDict[tuple[int, int], tuple[torch.Tensor, int, float]] = \
+            collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self._bytes
+
+    def take(self, fd: int, c: pb.ChunkBegin) -> torch.Tensor:
+        """The chunk lent with `fd` (which this call closes), as a read-only tensor of c.nbytes bytes."""
+        try:
+            st = os.fstat(fd)
+            key, now = (st.st_dev, st.st_ino), time.monotonic()
+            with self._lock:
+                kept = self._maps.get(key)
+                if kept is not None and kept[0].numel() == c.nbytes and kept[1] == c.xxh3_64:
+                    self._maps[key] = (kept[0], kept[1], now)
+                    self._maps.move_to_end(key)
+                    self._expire(now)
+                    return kept[0]
+            tensor = _map_lent(fd, st, c)
+        finally:
+            os.close(fd)
+        if c.nbytes <= self.max_bytes:
+            with self._lock:
+                old = self._maps.pop(key, None)
+                self._bytes += c.nbytes - (old[0].numel() if old is not None else 0)
+                self._maps[key] = (tensor, c.xxh3_64, now)
+                self._expire(now)
+        return tensor
+
+    def _expire(self, now: float) -> None:
+        while self._maps:
+            key, (tensor, _, used) = next(iter(self._maps.items()))
+            if self._bytes <= self.max_bytes and now - used < self.idle_seconds:
+                return
+            del self._maps[key]
+            self._bytes -= tensor.numel()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._maps.clear()
+            self._bytes = 0
+
+
+_quiet_once = [False]
+
+
+def _map_lent(fd: int, st: os.stat_result, c: pb.ChunkBegin) -> torch.Tensor:
+    """Map a lent chunk's memfd read-only and pre-faulted, after checking it is what the protocol promises
+    (sealed, large enough: a short one would fault on read). The sidecar verified these very pages just before
+    lending them and the seals keep them as they were, so they are not hashed again here."""
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if stat.S_ISREG(st.st_mode) else 0
+    if seals & bulkwire.LENT_SEALS != bulkwire.LENT_SEALS or not 0 < c.nbytes <= min(st.st_size, _MAX_CHUNK_BYTES):
+        raise errors.CorruptChunk(f"chunk {c.index}: what came with it is not a sealed memfd of at least "
+                                  f"{c.nbytes} bytes")
+    mm = mmap.mmap(fd, c.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ,
+                   **bulkwire.MMAP_OPTIONS)
+    if _quiet_once[0]:
+        return torch.frombuffer(mm, dtype=torch.uint8)
+    # torch warns once per process that the buffer is not writable; that is the point here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _quiet_once[0] = True
+        return torch.frombuffer(mm, dtype=torch.uint8)
 
 
 def _answer(conn: _Connection, start_chunk: int, blobs: list) -> Iterator[pb.ChunkBegin]:

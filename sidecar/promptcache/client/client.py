@@ -78,7 +78,9 @@ class PromptCacheClient:
     bulk_address: the sidecar's --bulk-address (HOST:PORT or unix:/PATH); Get then streams over that plain
     socket (docs/bulk-channel.md), several times faster than gRPC for node-local clients. It has no TLS: with
     tls_ca set it is refused unless it is a unix socket. A sidecar without it falls back to gRPC. On a unix
-    socket the bytes go through a memfd shared with the sidecar unless bulk_shared_memory is False.
+    socket the bytes go through memfds unless bulk_shared_memory is False: the chunks' own, lent read-only by a
+    sidecar with zero copy on (unless bulk_zero_copy is False; mappings kept for reuse, up to
+    bulk_lent_cache_bytes, 0 for none), or one this client shares with the sidecar, which copies the chunks in.
     """
 
     def __init__(self, target: str, *, timeout: float = 5.0, retries: int = 2, backoff: float = 0.05,
@@ -86,7 +88,8 @@ class PromptCacheClient:
                  channel: grpc.Channel | None = None, tls_ca: str | bytes | None = None,
                  tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
                  tls_server_name: str | None = None, token: str | None = None, token_file: str | None = None,
-                 bulk_address: str | None = None, bulk_shared_memory: bool = True):
+                 bulk_address: str | None = None, bulk_shared_memory: bool = True,
+                 bulk_zero_copy: bool = True, bulk_lent_cache_bytes: int = 512 << 20):
         self.target = target
         self.timeout = timeout
         self.retries = retries
@@ -114,7 +117,8 @@ class PromptCacheClient:
                                  "tls_ca use a unix socket (unix:/PATH) or no bulk_address")
             source = TokenSource(token, token_file) if (token or token_file) else None
             self._bulk = BulkGetter(bulk_address, (lambda: f"Bearer {source.get()}") if source else (lambda: ""),
-                                    shared_memory=bulk_shared_memory)
+                                    shared_memory=bulk_shared_memory, zero_copy=bulk_zero_copy,
+                                    lent_cache_bytes=bulk_lent_cache_bytes)
 
     def close(self) -> None:
         self._channel.close()

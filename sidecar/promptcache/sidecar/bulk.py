@@ -27,10 +27,13 @@ from promptcache.v1 import kvcache_pb2 as pb
 
 log = logging.getLogger("promptcache.sidecar.bulk")
 RPC = "BulkGet"
+MAX_FDS_PER_WRITE = 250  # the kernel passes at most 253 descriptors per message (SCM_MAX_FD)
 
 
 class _Context:
     """What the service and the Authenticator read from a gRPC context, for one bulk connection."""
+
+    lend = False  # this connection takes lent chunks (sealed memfds)
 
     def __init__(self, peer: str, authorization: str):
         self._peer = peer
@@ -58,7 +61,7 @@ def _status(code: grpc.StatusCode, message: str = "", chunks: int = 0) -> pb.Bul
 
 class BulkServer:
     def __init__(self, address: str, service, authenticator, metrics, max_connections: int = 64,
-                 idle_seconds: float = 30.0, max_call_seconds: float = 0.0):
+                 idle_seconds: float = 30.0, max_call_seconds: float = 0.0, lend: bool = False):
         self.family, self.sockaddr = bulkwire.parse_address(address)
         self.service = service
         self.authenticator = authenticator
@@ -66,6 +69,7 @@ class BulkServer:
         self.max_connections = max_connections
         self.idle_seconds = idle_seconds or None
         self.max_call_seconds = max_call_seconds
+        self.lend = lend and self.family == socket.AF_UNIX  # descriptors only cross unix sockets
         self._listener: socket.socket | None = None
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -227,7 +231,10 @@ class BulkServer:
                            "this sidecar requires authentication: a valid bearer token in the hello frame "
                            "(authorization: Bearer ...)")
         attach_identity(context, identity)
-        bulkwire.send(conn, _status(grpc.StatusCode.OK))
+        context.lend = self.lend and hello.sealed_memfds
+        frame = _status(grpc.StatusCode.OK)
+        frame.status.sealed_memfds = context.lend
+        bulkwire.send(conn, frame)
         return context
 
     def _attach(self, conn: socket.socket, buffer: pb.BulkBuffer, fds: list[int],
@@ -257,7 +264,10 @@ class BulkServer:
 
         start = time.perf_counter()
         sent = 0
-        pending = bytearray()  # a shared-memory answer's frames, sent at once with the status: one wake-up
+        # Frames without bytes after them (memfd answers) are sent at once with the status: one wake-up.
+        pending = bytearray()
+        lent: list = []  # the SealedChunks whose descriptors go with `pending`; held until it is sent
+        n_lent = 0
         code, message = grpc.StatusCode.OK, ""
         # Credentials are checked on every get, as on every gRPC call: a token revoked (removed from the token
         # file) stops working on open connections too. The connection is then closed.
@@ -268,13 +278,20 @@ class BulkServer:
             target = None
             if request.HasField("shared_buffer"):
                 target = _shared_target(request.shared_buffer, shared)
-            for begin, view in self.service.verified_chunks(request, context, target):
+            for begin, view in self.service.verified_chunks(request, context, target, lend=context.lend):
                 if self.max_call_seconds and time.perf_counter() - start > self.max_call_seconds:
                     raise RpcFailure(grpc.StatusCode.CANCELLED, f"this get ran longer than --max-call-seconds "
                                      f"({self.max_call_seconds:g} s); the client is reading too slowly")
-                if target is not None:
+                if begin.sealed_memfd:
+                    pending += bulkwire.encode(pb.BulkFrame(chunk=begin))  # its descriptor goes with it
+                    lent.append(view)
+                    n_lent += 1
+                    if len(lent) == MAX_FDS_PER_WRITE:
+                        _flush(conn, pending, lent)
+                elif target is not None:
                     pending += bulkwire.encode(pb.BulkFrame(chunk=begin))  # the bytes are in the shared buffer
                 else:
+                    _flush(conn, pending, lent)  # frames already queued go first
                     bulkwire.send_chunk(conn, begin, view)  # from the stored tensor's memory, lease held
                 sent += 1
         except (RpcFailure, CallRejected) as exc:
@@ -289,7 +306,9 @@ class BulkServer:
             self.metrics.latency.labels(RPC).observe(time.perf_counter() - start)
         self.metrics.requests.labels(RPC, code.name).inc()
         pending += bulkwire.encode(_status(code, message, sent))
-        conn.sendall(pending)
+        _flush(conn, pending, lent)
+        if n_lent:
+            self.metrics.lent_chunks.inc(n_lent)
 
     @staticmethod
     def _try_send(conn: socket.socket, frame: pb.BulkFrame) -> None:
@@ -356,6 +375,16 @@ def _shared_target(request: pb.SharedBuffer, shared: _SharedBuffer | None) -> np
         raise invalid(f"shared_buffer.length {request.length} must be in 1..{shared.array.size} "
                       "(the attached buffer's length)")
     return shared.array[:request.length]
+
+
+def _flush(conn: socket.socket, pending: bytearray, lent: list) -> None:
+    """Send the queued frames, with the descriptors of the chunks they lend (in order), and clear both."""
+    if lent:
+        bulkwire.send_with_fds(conn, pending, [chunk.fd for chunk in lent])
+    elif pending:
+        conn.sendall(pending)
+    pending.clear()
+    lent.clear()
 
 
 def _close_all(fds: list[int]) -> None:

@@ -50,6 +50,7 @@ class Settings:
     shm_dir: str = ""
     bulk_address: str = ""
     bulk_max_connections: int = 64
+    bulk_zero_copy: str = "auto"
     workers: int = 32
     frame_bytes: int = 1 << 20
     log_level: str = "info"
@@ -89,6 +90,8 @@ class Settings:
                 raise ValueError(f"--bulk-address: {exc}") from None
         if self.bulk_max_connections < 1:
             raise ValueError("--bulk-max-connections must be at least 1")
+        if self.bulk_zero_copy not in ("auto", "on", "off"):
+            raise ValueError(f"--bulk-zero-copy must be auto, on or off, got {self.bulk_zero_copy!r}")
         if self.workers < 1:
             raise ValueError("--workers must be at least 1")
         if not 4096 <= self.frame_bytes <= (3 << 20):
@@ -141,6 +144,10 @@ HELP = {
     "bulk_address": "bulk channel for Get (docs/bulk-channel.md): HOST:PORT or unix:/PATH of a plain socket "
                     "that streams chunk bytes without gRPC's per-call cost; empty disables it",
     "bulk_max_connections": "open bulk-channel connections at most (one thread each); more are refused",
+    "bulk_zero_copy": "on a unix-socket bulk channel, lend stored chunks to clients as sealed read-only memfds "
+                      "instead of copying them (docs/bulk-channel.md); a client can then keep an evicted "
+                      "chunk's memory alive. auto: on with a CPU tier and shared tenancy, off with isolated "
+                      "tenants; on: also with isolated tenants",
     "workers": "gRPC worker threads (concurrent calls served at once)",
     "frame_bytes": "bytes per streamed data frame in Put and Get",
     "log_level": "debug, info, warning or error",

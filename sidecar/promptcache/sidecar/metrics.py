@@ -8,6 +8,27 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 AGE_BUCKETS = (1, 10, 60, 300, 900, 1800, 3600, 7200, 14400, 43200, 86400)
 
 
+class _Children:
+    """A labelled metric whose labels() remembers its children: prometheus_client validates the values and
+    takes a lock on every labels() call, and a Get asks for the same few children several times. Everything
+    else goes to the metric itself."""
+
+    __slots__ = ("metric", "_children")
+
+    def __init__(self, metric):
+        self.metric = metric
+        self._children: dict[tuple, object] = {}
+
+    def labels(self, *values):
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+    def __getattr__(self, name):
+        return getattr(self.metric, name)
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
@@ -24,6 +45,8 @@ class Metrics:
         self.received_bytes = Counter("promptcache_received_bytes", "chunk bytes received by Put", registry=r)
         self.sent_bytes = Counter("promptcache_sent_bytes", "chunk bytes sent by Get, by tier", ["tier"],
                                   registry=r)
+        self.lent_chunks = Counter("promptcache_bulk_lent_chunks", "chunks a bulk-channel Get lent to the client "
+                                   "as sealed memfds instead of copying them (--bulk-zero-copy)", registry=r)
         self.stored_chunks = Counter("promptcache_stored_chunks", "chunks stored by Put", registry=r)
         self.evictions = Counter("promptcache_evictions", "entries removed, by tier and reason "
                                  "(capacity, ttl, purge, delete, checksum)", ["tier", "reason"], registry=r)
@@ -44,6 +67,9 @@ class Metrics:
                                          "disk full): the chunk is dropped", registry=r)
         self.promotions = Counter("promptcache_promotions", "chunks moved from disk back into memory on a hit",
                                   registry=r)
+        for name, metric in list(vars(self).items()):
+            if isinstance(metric, (Counter, Histogram)) and metric._labelnames:
+                setattr(self, name, _Children(metric))
 
     def watch(self, tiers) -> None:
         """Report entries/bytes/budget of each tier at scrape time, read from the tiers themselves."""

@@ -28,12 +28,13 @@ from promptcache import keys as keyspec
 from promptcache import frames
 from promptcache.layout import chunk_nbytes, chunk_shape
 from promptcache.shm import SharedBufferError, SharedFile, open_shared
-from promptcache.sidecar import cgroup, logs
+from promptcache.sidecar import cgroup, logs, memfd
 from promptcache.sidecar.auth import Authenticator, TokenStore, identity_of, server_credentials
 from promptcache.sidecar.bulk import BulkServer
 from promptcache.sidecar.config import Settings, settings_from_args
 from promptcache.sidecar.disk import DiskTierError
 from promptcache.sidecar.limits import CallLimiter, CallRejected, Guard, Watchdog
+from promptcache.sidecar.memfd import ChunkMemory
 from promptcache.sidecar.metrics import Metrics
 from promptcache.sidecar.policies import make_policy
 from promptcache.sidecar.store import (AdmissionRejected, ChunkTooLarge, MemoryTier, NoRoom, Reservation,
@@ -246,13 +247,17 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         finally:
             shared.close()
 
-    def verified_chunks(self, request, context, shared: np.ndarray | SharedFile | None = None):
+    def verified_chunks(self, request, context, shared: np.ndarray | SharedFile | None = None,
+                        lend: bool = False):
         """Yield (ChunkBegin, bytes) for each chunk of the longest cached run from request.start_chunk on,
         each verified against its checksum just before it is yielded. The bytes are the stored tensor's own
         memory, and its lease is held until the consumer asks for the next chunk: send them before that.
         With `shared` the chunks are also placed there one after another (buffer_offset): a mapping (the
-        bulk channel's sealed memfd) is written first and verified where the client reads it; a client's
-        file is written after the stored bytes are verified. Counts the lookup when the consumer stops."""
+        bulk channel's memfd) is written first and verified where the client reads it; a client's
+        file is written after the stored bytes are verified. With `lend`, a chunk kept in a sealed memfd is
+        yielded as (ChunkBegin with sealed_memfd set, its SealedChunk) instead, verified in place and
+        neither copied nor counted against `shared`: the caller passes the descriptor on. Counts the lookup
+        when the consumer stops."""
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
         served = position = from_disk = 0
@@ -266,19 +271,21 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 if entry is None:
                     break
                 view = None
+                lent = lend and entry.memfd is not None and entry.memfd.sealed
                 try:
-                    if shared is not None and position + entry.nbytes > shared.size:
+                    if lent:
+                        view = entry.array  # the sidecar's mapping of the very pages the client maps
+                    elif shared is not None and position + entry.nbytes > shared.size:
                         break
-                    if isinstance(shared, np.ndarray):
+                    elif isinstance(shared, np.ndarray):
                         # Copy first, then verify the bytes exactly where the client will read them.
                         view = shared[position:position + entry.nbytes]
                         if entry.data.device.type == "cpu":
-                            view[:] = entry.data.numpy()  # one plain memcpy (torch's copy_ measured slower here)
+                            view[:] = entry.array  # one plain memcpy (torch's copy_ measured slower here)
                         else:
                             torch.from_numpy(view).copy_(entry.data)
                     else:
-                        host = entry.data if entry.data.device.type == "cpu" else entry.data.cpu()
-                        view = host.numpy()
+                        view = entry.array if entry.data.device.type == "cpu" else entry.data.cpu().numpy()
                     if checksum(view) != entry.checksum:
                         # Never served: drop it and end the prefix here, as if it had been evicted.
                         self.tier.drop_corrupt(entry)
@@ -286,12 +293,16 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         log.error("chunk failed its checksum and was dropped",
                                   extra={"chunk_index": i, "key": key.hex()})
                         break
-                    if isinstance(shared, SharedFile):
+                    if isinstance(shared, SharedFile) and not lent:
                         shared.write(position, view)
-                    yield pb.ChunkBegin(index=i, nbytes=entry.nbytes, shape=entry.shape, dtype=entry.dtype,
-                                        xxh3_64=entry.checksum,
-                                        buffer_offset=position if shared is not None else 0), view
-                    position += entry.nbytes
+                    if lent:
+                        yield pb.ChunkBegin(index=i, nbytes=entry.nbytes, shape=entry.shape, dtype=entry.dtype,
+                                            xxh3_64=entry.checksum, sealed_memfd=True), entry.memfd
+                    else:
+                        yield pb.ChunkBegin(index=i, nbytes=entry.nbytes, shape=entry.shape, dtype=entry.dtype,
+                                            xxh3_64=entry.checksum,
+                                            buffer_offset=position if shared is not None else 0), view
+                        position += entry.nbytes
                     self.metrics.sent_bytes.labels(tier_name).inc(entry.nbytes)
                     self.tenancy.touched(owner, key)
                     served += 1
@@ -369,7 +380,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         current.charged = 0
                         raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"chunk {begin.index}: {exc}") from None
                     # Received into host memory first, checksummed, then moved to the device in one copy.
-                    current.host = torch.empty(begin.nbytes, dtype=torch.uint8)
+                    current.host = self.tier.host_buffer(current.reservation)
                     current.buffer = current.host.numpy()
                     if shared is not None:
                         end = begin.buffer_offset + begin.nbytes
@@ -442,6 +453,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         if begin.nbytes != nbytes:
             raise invalid(f"chunk {i}: nbytes is {begin.nbytes}, but this model's layout and quantization "
                           f"need exactly {nbytes}")
+        if begin.sealed_memfd:
+            raise invalid(f"chunk {i}: sealed_memfd is set only by the sidecar, on chunks it lends on the bulk "
+                          "channel; a Put sends the bytes")
 
     @staticmethod
     def _cut_short(current: _Incoming) -> RpcFailure:
@@ -588,7 +602,7 @@ class Sidecar:
         self.metrics = Metrics()
         policy = make_policy(settings.eviction_policy, capacity=settings.memory_bytes)
         self.tier = MemoryTier(settings.memory_bytes, self.device, policy,
-                               settings.ttl_seconds, on_evict=self._evicted)
+                               settings.ttl_seconds, on_evict=self._evicted, host_memory=self._chunk_memory())
         self.tenancy.bind(self.tier)
         self.metrics.watch({"device": self.tier})
         self.service = KVCacheService(settings, self.tier, self.metrics, self.tenancy)
@@ -631,12 +645,36 @@ class Sidecar:
             raise OSError(f"cannot listen on --grpc-address {settings.grpc_address}")
         self.bulk = (BulkServer(settings.bulk_address, self.service, self.authenticator, self.metrics,
                                 settings.bulk_max_connections, settings.stream_idle_seconds,
-                                settings.max_call_seconds)
+                                settings.max_call_seconds, lend=self.tier.host_memory is not None)
                      if settings.bulk_address else None)
         self._stop = threading.Event()
         self._stop_lock = threading.Lock()
         self._http = None
         self.metrics_port = None
+
+    def _chunk_memory(self) -> ChunkMemory | None:
+        """Memfd-backed chunk memory when the bulk channel may lend chunks (--bulk-zero-copy), else None."""
+        mode = self.settings.bulk_zero_copy
+        if mode == "on" and not self.settings.bulk_address.startswith("unix:"):
+            raise ValueError("--bulk-zero-copy on needs a unix-socket --bulk-address (unix:/PATH): descriptors "
+                             "cannot cross TCP")
+        if mode == "off" or not self.settings.bulk_address.startswith("unix:"):
+            return None
+        if mode == "auto" and self.tenancy.isolate:
+            log.info("bulk zero-copy is off: with isolated tenants a client could keep evicted chunks' memory "
+                     "alive (--bulk-zero-copy on allows it)")
+            return None
+        why = ("the device tier is on " + self.device.type) if self.device.type != "cpu" else memfd.probe()
+        limit = memfd.descriptor_budget() if not why else 0
+        if not why and limit < 64:
+            why = f"only {limit} chunks could have a descriptor (raise the open-files limit)"
+        if why:
+            if mode == "on":
+                raise ValueError(f"--bulk-zero-copy on: {why}")
+            log.info("bulk zero-copy is off: %s", why)
+            return None
+        log.info("bulk zero-copy is on", extra={"max_lendable_chunks": limit})
+        return ChunkMemory(limit)
 
     def _evicted(self, entry, reason: str, age: float) -> None:
         self.tenancy.on_evicted(entry)

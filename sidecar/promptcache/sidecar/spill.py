@@ -11,6 +11,7 @@ import logging
 import struct
 import time
 
+import numpy as np
 import torch
 
 from promptcache.sidecar.disk import DiskTier
@@ -82,19 +83,22 @@ class Spill:
         if payload is None or disk_entry is None:
             return None
         remaining = disk_entry.expires - self.disk.clock()
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        if checksum(data.numpy()) != value:
+        raw = np.frombuffer(payload, dtype=np.uint8)
+        if checksum(raw) != value:
             self.disk.delete(key)
             if self.metrics is not None:
                 self.metrics.checksum_failures.labels("disk").inc()
             log.error("disk chunk failed its checksum after read and was dropped", extra={"key": key.hex()})
             return None
         try:
-            reservation = self.memory.reserve(data.numel(), key, parent)
+            reservation = self.memory.reserve(raw.size, key, parent)
         except StoreError:
             # No room in memory right now: serve it from this copy, held only for the call and not cached.
             now = self.memory.clock()
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             return Entry(key, fp, parent, index, data, value, shape, dtype, now, now, 0, leases=1, evicted=True)
+        data = self.memory.host_buffer(reservation)
+        data.numpy()[:] = raw
         device_data = data if self.memory.device.type == "cpu" else data.to(self.memory.device)
         self.memory.commit(reservation, key=key, fingerprint=fp, parent=parent, index=index, data=device_data,
                            checksum_value=value, shape=shape, dtype=dtype, ttl=max(remaining, 0.001))

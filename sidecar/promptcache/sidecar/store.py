@@ -3,7 +3,8 @@
 Accounting is the point: `used + reserved + draining` is every byte the tier has allocated or promised
 (stored entries, Puts in flight, evicted entries still being streamed to a reader), and it never exceeds
 the budget. A Put reserves its bytes before allocating; a reader holds a lease so eviction cannot free
-(or double-count) what it is still sending.
+(or double-count) what it is still sending. On the CPU, chunk memory may come from promptcache.sidecar.memfd
+(a sealed memfd per chunk, which the bulk channel lends to clients instead of copying).
 """
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 import xxhash
 
+from promptcache.sidecar.memfd import ChunkMemory, SealedChunk
 from promptcache.sidecar.policies import EvictionPolicy
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this
@@ -52,10 +55,20 @@ class Entry:
     leases: int = 0
     evicted: bool = False
     last_access: float = field(default=0.0)
+    memfd: SealedChunk | None = None  # set when `data` is a sealed memfd's mapping: the chunk can be lent
+    _array: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    @property
+    def array(self) -> np.ndarray:
+        """`data` (in host memory) as a numpy view, made once: torch's .numpy() costs more than the rest of
+        serving a small chunk's bookkeeping."""
+        if self._array is None:
+            self._array = self.data.numpy()
+        return self._array
 
 
 @dataclass
@@ -63,6 +76,8 @@ class Reservation:
     nbytes: int
     accounted: int
     done: bool = False
+    host: torch.Tensor | None = None  # what host_buffer() allocated
+    memfd: SealedChunk | None = None  # its memfd, if it has one
 
 
 EvictionListener = Callable[[Entry, str, float], None]  # (entry, reason, age_seconds)
@@ -74,7 +89,8 @@ def checksum(buf) -> int:
 
 class MemoryTier:
     def __init__(self, budget_bytes: int, device: torch.device, policy: EvictionPolicy, ttl_seconds: float,
-                 clock: Callable[[], float] = time.monotonic, on_evict: EvictionListener | None = None):
+                 clock: Callable[[], float] = time.monotonic, on_evict: EvictionListener | None = None,
+                 host_memory: ChunkMemory | None = None):
         if budget_bytes <= 0:
             raise ValueError("budget must be positive")
         self.device = device
@@ -89,6 +105,8 @@ class MemoryTier:
         self._draining = 0
         self._lock = threading.Lock()
         self._round = CUDA_BLOCK if device.type == "cuda" else 1
+        # Memfd-backed chunks only where the chunk stays in host memory: a CUDA tier copies to the device.
+        self.host_memory = host_memory if device.type == "cpu" else None
 
     # --- accounting -------------------------------------------------------------------------------------
     @property
@@ -166,14 +184,23 @@ class MemoryTier:
                 reservation.done = True
                 self._reserved -= reservation.accounted
 
-    def allocate(self, reservation: Reservation) -> torch.Tensor:
-        return torch.empty(reservation.nbytes, dtype=torch.uint8, device=self.device)
+    def host_buffer(self, reservation: Reservation) -> torch.Tensor:
+        """Host memory to receive the reserved chunk into (a CPU tier stores this very tensor)."""
+        if self.host_memory is None:
+            reservation.host = torch.empty(reservation.nbytes, dtype=torch.uint8)
+        else:
+            reservation.host, reservation.memfd = self.host_memory.allocate(reservation.nbytes)
+        return reservation.host
 
     def commit(self, reservation: Reservation, *, key: bytes, fingerprint: bytes, parent: bytes, index: int,
                data: torch.Tensor, checksum_value: int, shape: tuple[int, ...], dtype: int,
                ttl: float | None = None) -> bool:
         """Insert a fully received, verified chunk (living `ttl` seconds, default the tier's TTL; a chunk
-        promoted from disk keeps what it had left). False if an equal key won the race (bytes released)."""
+        promoted from disk keeps what it had left). False if an equal key won the race (bytes released).
+        A chunk stored in its reservation's memfd is sealed here: from now on its bytes cannot change."""
+        memfd = reservation.memfd if data is reservation.host and reservation.memfd is not None else None
+        if memfd is not None and not memfd.sealed and not memfd.seal():
+            memfd = None
         now = self.clock()
         with self._lock:
             if reservation.done:
@@ -186,7 +213,8 @@ class MemoryTier:
             if existing is not None:
                 self._remove(existing, "ttl")
             entry = Entry(key, fingerprint, parent, index, data, checksum_value, shape, dtype, now,
-                          now + (self.ttl if ttl is None else ttl), reservation.accounted, last_access=now)
+                          now + (self.ttl if ttl is None else ttl), reservation.accounted, last_access=now,
+                          memfd=memfd)
             self._entries[key] = entry
             self._used += entry.accounted
             self.policy.inserted(key, entry.nbytes, parent)

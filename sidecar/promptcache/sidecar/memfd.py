@@ -1,0 +1,132 @@
+"""Chunk memory the sidecar can lend: each stored chunk in a memfd of its own, sealed once it is written.
+
+Why: on the bulk channel's unix socket a Get can then hand the client the chunk's memfd (SCM_RIGHTS) and the
+client maps it: no chunk byte is copied by anyone (docs/bulk-channel.md, "Lent chunks"). The seals make the
+lent memory immutable: after F_SEAL_FUTURE_WRITE no new writable shared mapping and no write() is allowed
+(through any descriptor, a reopened one included), and F_SEAL_SHRINK/F_SEAL_GROW/F_SEAL_SEAL keep its size and
+seals fixed, so no client can change the bytes, punch holes or truncate it under the sidecar (which would make
+its reads fault). Only the sidecar's own mapping, made before sealing, stays writable.
+
+The host tier without lending (a CUDA device, an old kernel, or --bulk-zero-copy off) keeps plain tensors.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import resource
+import threading
+
+import numpy as np
+import torch
+
+from promptcache.bulkwire import LENT_SEALS as SEALS
+from promptcache.bulkwire import MMAP_OPTIONS
+
+log = logging.getLogger("promptcache.sidecar.memfd")
+
+FDS_PER_CHUNK = 1 if MMAP_OPTIONS else 2
+RESERVED_FDS = 2048  # left for sockets, RocksDB files and the rest of the process
+
+
+class SealedChunk:
+    """One chunk's memfd. Its descriptor is closed when the last reference goes (entry evicted and no Get still
+    sending it); memory a client has mapped lives on until the client unmaps it."""
+
+    __slots__ = ("fd", "sealed", "_pool")
+
+    def __init__(self, fd: int, pool: "ChunkMemory"):
+        self.fd, self.sealed, self._pool = fd, False, pool
+
+    def seal(self) -> bool:
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
+        except OSError as exc:  # never expected after probe(); the chunk is then served by copying
+            log.warning("could not seal a chunk memfd; it will not be lent: %s", exc)
+            return False
+        self.sealed = True
+        return True
+
+    def __del__(self):
+        try:
+            os.close(self.fd)
+        except (OSError, TypeError):
+            pass
+        self._pool.freed()
+
+
+def probe() -> str:
+    """Why chunk memory cannot be lent on this machine, or "" if it can (memfd with the seals above)."""
+    if not hasattr(os, "memfd_create"):
+        return "os.memfd_create is not available (Linux only)"
+    try:
+        fd = os.memfd_create("promptcache-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        return f"memfd_create failed: {exc.strerror}"
+    try:
+        os.ftruncate(fd, 4096)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        return ""
+    except OSError as exc:
+        return f"this kernel cannot seal a memfd against future writes (Linux >= 5.1 needed): {exc.strerror}"
+    finally:
+        os.close(fd)
+
+
+def descriptor_budget() -> int:
+    """Chunks that may hold a memfd: bounded by open files (raising the soft limit to the hard one) and by
+    the kernel's limit on mappings per process."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            max_maps = int(f.read())
+    except (OSError, ValueError):
+        max_maps = 65530
+    return max(0, min((soft - RESERVED_FDS) // FDS_PER_CHUNK, max_maps // 2))
+
+
+class ChunkMemory:
+    """Allocates host memory for chunks: a memfd each while under `limit` live ones, plain memory after that
+    (those chunks are served by copying)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._live = 0
+        self._lock = threading.RLock()  # RLock: SealedChunk.__del__ may run inside allocate() (a GC pass)
+
+    @property
+    def live(self) -> int:
+        return self._live
+
+    def freed(self) -> None:
+        with self._lock:
+            self._live -= 1
+
+    def allocate(self, nbytes: int) -> tuple[torch.Tensor, SealedChunk | None]:
+        with self._lock:
+            full = nbytes == 0 or self._live >= self.limit
+            if not full:
+                self._live += 1
+        if full:
+            return torch.empty(nbytes, dtype=torch.uint8), None
+        try:
+            fd = os.memfd_create("promptcache-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError:
+            self.freed()
+            return torch.empty(nbytes, dtype=torch.uint8), None
+        chunk = SealedChunk(fd, self)  # owns fd (and the count) from here on
+        try:
+            os.ftruncate(fd, nbytes)
+            # Pre-faulted in one call: the bytes are written at once anyway.
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, **MMAP_OPTIONS)
+        except OSError:
+            return torch.empty(nbytes, dtype=torch.uint8), None
+        return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)), chunk
