@@ -15,10 +15,10 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
 def test_throughput_bench_prints_every_transport_against_redis(tmp_path, capsys):
     out = tmp_path / "throughput.md"
     assert main(["bench", "throughput", "--sizes-mb", "1", "--repeats", "1", "--transports",
-                 "tcp,shm,bulk-tcp,bulk-shm", "--output", str(out)]) == 0
+                 "tcp,shm,bulk-tcp,bulk-shm,bulk-lent", "--output", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 1 MiB")]
     assert [r.split("|")[2].strip() for r in rows] == ["tcp", "shm", "shm, views", "bulk-tcp", "bulk-tcp, views",
-                                                       "bulk-shm", "bulk-shm, views"]
+                                                       "bulk-shm", "bulk-shm, views", "bulk-lent", "bulk-lent, views"]
     for r in rows:
         ratio = r.split("|")[9].strip()
         assert ratio.endswith("x") and float(ratio[:-1]) > 0
@@ -27,5 +27,5 @@ def test_throughput_bench_prints_every_transport_against_redis(tmp_path, capsys)
 def test_latency_bench_reports_grpc_floor_and_bulk_share(capsys):
     assert main(["bench", "latency", "--rounds", "5"]) == 0
     text = capsys.readouterr().out
-    assert "empty gRPC call" in text and "between Redis GETs" in text
-    assert "bulk Get / Redis GET, interleaved:" in text
+    assert "empty gRPC call" in text and "lent (zero copy), back to back" in text and "between Redis GETs" in text
+    assert "lent bulk Get / Redis GET:" in text

@@ -22,6 +22,7 @@ _LENGTH = struct.Struct("<I")
 MAX_FRAME_BYTES = (5 << 22) + (64 << 10)
 
 
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)  # a plain int: the IntFlag's & costs more than the rest of a small read
 _MAX_FDS = 4  # more than one is a protocol error, but all that arrive must be received to be closed
 MAX_LENT_FDS = 253  # what one message of lent chunks may carry (SCM_MAX_FD)
 # A lent chunk's memfd is sealed with all of these (docs/bulk-channel.md): nobody can write, resize or re-seal it.
@@ -170,7 +171,7 @@ class FrameReader:
             for level, kind, data in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     self._fds.extend(array.array("i", data[:len(data) - len(data) % 4]))
-            if flags & socket.MSG_CTRUNC:
+            if flags & _MSG_CTRUNC:
                 raise FramingError("file descriptors were lost in transit (control data truncated)")
         if n == 0:
             raise FramingError(f"connection closed with {len(self._buf)} bytes of a frame read")

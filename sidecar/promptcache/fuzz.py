@@ -280,7 +280,8 @@ class Generator:
 
         pb, rng = self.pb, self.rng
         version = rng.choice([1] * 8 + [0, 2, 2**32 - 1])
-        frames = [pb.BulkFrame(hello=pb.BulkHello(version=version, authorization=authorization))]
+        frames = [pb.BulkFrame(hello=pb.BulkHello(version=version, authorization=authorization,
+                                                  sealed_memfds=rng.random() < 0.5))]
         if rng.random() < 0.05:
             frames.pop()
         for _ in range(rng.randint(0, 3)):
@@ -372,7 +373,7 @@ def _bulk_call(path: str, data: bytes, fd: int | None, timeout: float) -> tuple[
 
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
-    worst, message = "CLOSED", ""
+    worst, message, reader = "CLOSED", "", None
     try:
         s.connect(path)
         if fd is not None and data:
@@ -381,12 +382,19 @@ def _bulk_call(path: str, data: bytes, fd: int | None, timeout: float) -> tuple[
         else:
             s.sendall(data)
         s.shutdown(socket.SHUT_WR)
-        reader = bulkwire.FrameReader(s)
+        reader = bulkwire.FrameReader(s, descriptors=True)
         while True:
             try:
                 frame = reader.frame()
             except bulkwire.FramingError:
                 break  # closed by the sidecar
+            if frame.WhichOneof("frame") == "chunk" and frame.chunk.sealed_memfd:
+                try:
+                    os.close(reader.take_fd())  # a lent chunk: its memfd came with the frame, no bytes follow
+                except bulkwire.FramingError:
+                    worst, message = "INTERNAL", "a lent chunk frame came without its memfd"
+                    break
+                continue
             if frame.WhichOneof("frame") == "chunk":
                 if not frame.chunk.buffer_offset and frame.chunk.nbytes <= (64 << 20):
                     try:
@@ -405,6 +413,8 @@ def _bulk_call(path: str, data: bytes, fd: int | None, timeout: float) -> tuple[
         pass  # closed by the sidecar with our bytes unread: a framing error
     finally:
         s.close()
+        if reader is not None:
+            reader.close()  # descriptors that came and were not taken
         if fd is not None:
             os.close(fd)
     return worst, message

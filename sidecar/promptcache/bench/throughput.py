@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "docs/bulk-channel.md; Put over gRPC), bulk-shm (bulk channel on the unix socket, bytes "
                         "copied into a memfd shared with the sidecar), bulk-lent (bulk channel on the unix "
                         "socket, chunks lent as the sidecar's own sealed memfds: zero copy, the default)")
+    p.add_argument("--block-seconds", type=float, default=0.02,
+                   help="in each round, each contender runs a block of calls lasting about this long (at most 20 "
+                        "calls; the same count for all, sized by the slowest); 0: one call each per round")
     p.add_argument("--output", default="bench-results/throughput.md", help="where to write the markdown table")
 
 
@@ -40,17 +43,26 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _interleaved_medians(fns: dict, repeats: int) -> dict:
-    """Median seconds of each function, measured in rounds that call every one of them once: on a shared
-    machine, load that comes and goes then hits each side alike instead of whichever ran at the time."""
+def _interleaved_medians(fns: dict, repeats: int, block_seconds: float = 0.0) -> dict:
+    """Median seconds per call of each function, measured in rounds that run every one of them once, or for a
+    block of calls lasting about `block_seconds` (the same count for each, sized by the slowest): on a shared
+    machine, load that comes and goes then hits each side alike instead of whichever ran at the time. Blocks
+    keep each side running as a stream of calls, which is what throughput is; with one call each, every call
+    starts right after the other side's, with the CPU caches full of its data (`promptcache bench latency`
+    measures that case)."""
+    slowest = 0.0
     for fn in fns.values():
+        start = time.perf_counter()
         fn()  # warm-up
+        slowest = max(slowest, time.perf_counter() - start)
+    block = max(1, min(20, int(block_seconds / max(slowest, 1e-6))))
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            for _ in range(block):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -154,7 +166,7 @@ def run(args) -> int:
                 if t == "shm" or t.startswith("bulk"):
                     # Views of the reused receive buffer: what get() decodes from (shm and bulk paths have them).
                     gets["views"] = lambda: get_once(copy=False)
-                medians = _interleaved_medians(gets, args.repeats)
+                medians = _interleaved_medians(gets, args.repeats, args.block_seconds)
                 get_s, rget_s, view_s = medians["get"], medians["redis"], medians.get("views")
                 rc.flushall()
                 mb = size * chunk_bytes / 1e6
@@ -173,7 +185,8 @@ def run(args) -> int:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(f"<!-- promptcache bench throughput, {time.strftime('%Y-%m-%d %H:%M')}, "
-                       f"{os.cpu_count()} CPUs, median of {args.repeats} -->\n{table}\n")
+                       f"{os.cpu_count()} CPUs, {args.repeats} rounds, blocks of ~{args.block_seconds:g} s -->\n"
+                       f"{table}\n")
         return 0
     finally:
         for p in procs:

@@ -283,8 +283,9 @@ class BulkServer:
                     raise RpcFailure(grpc.StatusCode.CANCELLED, f"this get ran longer than --max-call-seconds "
                                      f"({self.max_call_seconds:g} s); the client is reading too slowly")
                 if begin.sealed_memfd:
-                    pending += bulkwire.encode(pb.BulkFrame(chunk=begin))  # its descriptor goes with it
-                    lent.append(view)
+                    memfd, frame = view
+                    pending += frame  # its descriptor goes with it
+                    lent.append(memfd)
                     n_lent += 1
                     if len(lent) == MAX_FDS_PER_WRITE:
                         _flush(conn, pending, lent)

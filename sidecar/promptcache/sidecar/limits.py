@@ -159,6 +159,12 @@ class _WatchedRequests:
             if self._watch.expired:
                 raise CallRejected(grpc.StatusCode.DEADLINE_EXCEEDED, self._watch.reason) from None
             raise CallRejected(grpc.StatusCode.CANCELLED, "the client cancelled the call") from None
+        except StopIteration:
+            # A call the watchdog cancelled may see its request stream simply end: that is still the watchdog's
+            # cancellation, not a client that stopped mid-chunk (which the method would call INVALID_ARGUMENT).
+            if self._watch.expired:
+                raise CallRejected(grpc.StatusCode.DEADLINE_EXCEEDED, self._watch.reason) from None
+            raise
         self._watch.touch()
         return item
 

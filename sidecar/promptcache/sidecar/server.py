@@ -216,7 +216,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             self.metrics.hit_tokens.labels(rpc, "device").inc(cached - on_disk)
         if on_disk:
             self.metrics.hit_tokens.labels(rpc, "disk").inc(on_disk)
-        self.metrics.missed_tokens.labels(rpc).inc(total - cached)
+        if total - cached:
+            self.metrics.missed_tokens.labels(rpc).inc(total - cached)
         with self._totals_lock:
             self.hit_tokens += cached
             self.missed_tokens += total - cached
@@ -255,8 +256,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         With `shared` the chunks are also placed there one after another (buffer_offset): a mapping (the
         bulk channel's memfd) is written first and verified where the client reads it; a client's
         file is written after the stored bytes are verified. With `lend`, a chunk kept in a sealed memfd is
-        yielded as (ChunkBegin with sealed_memfd set, its SealedChunk) instead, verified in place and
-        neither copied nor counted against `shared`: the caller passes the descriptor on. Counts the lookup
+        yielded as (ChunkBegin with sealed_memfd set, (its SealedChunk, the encoded bulk frame)) instead,
+        verified in place and neither copied nor counted against `shared`: the caller passes the descriptor on. Counts the lookup
         when the consumer stops."""
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
@@ -296,8 +297,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     if isinstance(shared, SharedFile) and not lent:
                         shared.write(position, view)
                     if lent:
-                        yield pb.ChunkBegin(index=i, nbytes=entry.nbytes, shape=entry.shape, dtype=entry.dtype,
-                                            xxh3_64=entry.checksum, sealed_memfd=True), entry.memfd
+                        begin, frame = entry.lent_frame(i)
+                        yield begin, (entry.memfd, frame)
                     else:
                         yield pb.ChunkBegin(index=i, nbytes=entry.nbytes, shape=entry.shape, dtype=entry.dtype,
                                             xxh3_64=entry.checksum,

@@ -17,8 +17,10 @@ import numpy as np
 import torch
 import xxhash
 
+from promptcache import bulkwire
 from promptcache.sidecar.memfd import ChunkMemory, SealedChunk
 from promptcache.sidecar.policies import EvictionPolicy
+from promptcache.v1 import kvcache_pb2 as pb
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this
 
@@ -57,10 +59,20 @@ class Entry:
     last_access: float = field(default=0.0)
     memfd: SealedChunk | None = None  # set when `data` is a sealed memfd's mapping: the chunk can be lent
     _array: np.ndarray | None = field(default=None, repr=False)
+    _lent_frame: tuple[pb.ChunkBegin, bytes] | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    def lent_frame(self, index: int) -> tuple[pb.ChunkBegin, bytes]:
+        """The chunk frame that lends this entry on the bulk channel, and its encoding: the same on every Get,
+        so made once."""
+        if self._lent_frame is None or self._lent_frame[0].index != index:
+            begin = pb.ChunkBegin(index=index, nbytes=self.nbytes, shape=self.shape, dtype=self.dtype,
+                                  xxh3_64=self.checksum, sealed_memfd=True)
+            self._lent_frame = begin, bulkwire.encode(pb.BulkFrame(chunk=begin))
+        return self._lent_frame
 
     @property
     def array(self) -> np.ndarray:
