@@ -1,11 +1,13 @@
 """Client side of the bulk channel (docs/bulk-channel.md): Get over a plain socket, into a reused buffer.
 
-One connection and one receive buffer per thread. On a unix socket a sidecar with zero copy on lends each chunk
-as its own sealed memfd, which is mapped here copy-on-write: no byte is copied. Otherwise, on a unix socket,
-the buffer is a memfd shared with the sidecar (sent once per connection, SCM_RIGHTS), which writes the chunk
-bytes straight into it; over TCP the bytes come on the socket. Receiving into memory that was touched before saves page faults: copying a 64 MiB
-answer out into fresh memory adds about 14 ms to a 20-35 ms Get (docs/bulk-channel.md). So blobs come back as views of the thread's buffer, valid until its next get; callers decode
-or copy them at once (PromptCacheClient.get_blobs copies unless asked not to, get decodes straight from them).
+One connection per thread. On a unix socket a sidecar with zero copy on lends each chunk as its own sealed
+memfd, which is mapped here read-only and kept for the next Get (LentChunks): no byte is copied. Otherwise, on
+a unix socket, the thread's buffer is a memfd shared with the sidecar (sent once per connection, SCM_RIGHTS),
+which writes the chunk bytes straight into it; over TCP the bytes come on the socket into a reused buffer.
+Receiving into memory that was touched before saves page faults: copying a 64 MiB answer out into fresh memory
+adds about 14 ms to a 20-35 ms Get (docs/bulk-channel.md). So blobs come back as views (of the thread's
+buffer, valid until its next get, or of lent chunks); callers decode or copy them at once
+(PromptCacheClient.get_blobs copies unless asked not to, get decodes straight from them).
 """
 from __future__ import annotations
 

@@ -257,8 +257,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         bulk channel's memfd) is written first and verified where the client reads it; a client's
         file is written after the stored bytes are verified. With `lend`, a chunk kept in a sealed memfd is
         yielded as (ChunkBegin with sealed_memfd set, (its SealedChunk, the encoded bulk frame)) instead,
-        verified in place and neither copied nor counted against `shared`: the caller passes the descriptor on. Counts the lookup
-        when the consumer stops."""
+        verified in place and neither copied nor counted against `shared`: the caller passes the descriptor
+        on. Counts the lookup when the consumer stops."""
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
         served = position = from_disk = 0
