@@ -10,8 +10,9 @@ through generic channel calls, so that any bytes at all reach the server:
 * raw: serialized valid requests with their bytes flipped, inserted, deleted, truncated or spliced, and random
   bytes, sent to every method, including unknown ones;
 * credentials: with auth on (the default), valid tokens of two tenants, wrong, empty and malformed ones;
-* the bulk channel (docs/bulk-channel.md, on a unix socket): byte streams of hello, get and buffer frames, valid
-  and mutated, with wrong lengths, versions, tokens and attached descriptors, on fresh connections.
+* the bulk channel (docs/bulk-channel.md, on a unix socket): byte streams of hello (half of them asking for lent
+  chunks), get and buffer frames, valid and mutated, with wrong lengths, versions, tokens and attached
+  descriptors, on fresh connections.
 
 Every answer is classified by status code (on the bulk channel, its status frames'). A crash is the sidecar process dying (it is restarted and the run
 goes on); a hang is a call that reaches its deadline; a bad status is UNKNOWN or INTERNAL (an unhandled error
