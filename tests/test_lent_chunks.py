@@ -239,3 +239,28 @@ def test_chunk_memory_falls_back_to_plain_memory_past_its_limit():
     gc.collect()
     assert pool.live == 0  # the descriptor goes with its SealedChunk...
     assert int(first.sum()) == 0  # ...while the mapping lives on with the tensor
+
+
+def test_one_sidecar_serves_a_unix_socket_with_zero_copy_and_tcp_without(sidecar_factory, tmp_path):
+    sidecar = sidecar_factory(bulk_address=f"unix:{tmp_path}/bulk.sock,127.0.0.1:0")
+    unix, tcp = sidecar.bulk_addresses
+    assert unix == f"unix:{tmp_path}/bulk.sock" and tcp.startswith("127.0.0.1:") and not tcp.endswith(":0")
+    kv = make_kv(SMALL, len(TOKENS))
+    with PromptCacheClient(sidecar.address, bulk_address=unix) as near, \
+            PromptCacheClient(sidecar.address, bulk_address=tcp) as far:
+        near.put(SMALL, TOKENS, kv)
+        for c in (near, far):
+            n, got = c.get(SMALL, TOKENS)
+            assert n == len(TOKENS) and all(torch.equal(a, b) for (a, _), (b, _) in zip(kv, got))
+    assert metric(sidecar, "promptcache_bulk_lent_chunks_total") == 3  # the unix client's get only
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkGet"}') == 2
+
+
+@pytest.mark.parametrize("address, words", [
+    ("unix:/tmp/a.sock,nowhere", "not HOST:PORT or unix:/PATH"),
+    ("127.0.0.1:7000,127.0.0.1:7000", "names an address twice"),
+    ("unix:/tmp/a.sock,10.1.2.3:7000", "10.1.2.3:7000 is not loopback"),
+])
+def test_bad_bulk_address_lists_name_the_bad_address(address, words):
+    with pytest.raises(ValueError, match=words):
+        Sidecar(Settings(grpc_address="127.0.0.1:0", metrics_port=0, bulk_address=address))

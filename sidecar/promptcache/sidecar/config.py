@@ -70,6 +70,11 @@ class Settings:
     stream_idle_seconds: float = 30.0
     max_call_seconds: float = 600.0
 
+    @property
+    def bulk_addresses(self) -> list[str]:
+        """--bulk-address split at commas: the channel may listen on a unix socket and TCP at once."""
+        return [a.strip() for a in self.bulk_address.split(",")] if self.bulk_address else []
+
     def validate(self) -> "Settings":
         if self.memory_bytes <= 0:
             raise ValueError("--memory-bytes must be positive")
@@ -84,10 +89,13 @@ class Settings:
         if self.bulk_address:
             from promptcache.bulkwire import parse_address
 
-            try:
-                parse_address(self.bulk_address)
-            except ValueError as exc:
-                raise ValueError(f"--bulk-address: {exc}") from None
+            for address in self.bulk_addresses:
+                try:
+                    parse_address(address)
+                except ValueError as exc:
+                    raise ValueError(f"--bulk-address: {exc}") from None
+            if len(set(self.bulk_addresses)) != len(self.bulk_addresses):
+                raise ValueError(f"--bulk-address names an address twice: {self.bulk_address}")
         if self.bulk_max_connections < 1:
             raise ValueError("--bulk-max-connections must be at least 1")
         if self.bulk_zero_copy not in ("auto", "on", "off"):
@@ -142,7 +150,8 @@ HELP = {
     "shm_dir": "folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which node-local "
                "clients pass chunk bytes instead of streaming them; empty disables the fast path",
     "bulk_address": "bulk channel for Get (docs/bulk-channel.md): HOST:PORT or unix:/PATH of a plain socket "
-                    "that streams chunk bytes without gRPC's per-call cost; empty disables it",
+                    "that streams chunk bytes without gRPC's per-call cost, or several, comma-separated (a unix "
+                    "socket for zero copy and TCP for other pods); empty disables it",
     "bulk_max_connections": "open bulk-channel connections at most (one thread each); more are refused",
     "bulk_zero_copy": "on a unix-socket bulk channel, lend stored chunks to clients as sealed read-only memfds "
                       "instead of copying them (docs/bulk-channel.md); a client can then keep an evicted "

@@ -644,10 +644,10 @@ class Sidecar:
                      else self.server.add_insecure_port(settings.grpc_address))
         if self.port == 0:
             raise OSError(f"cannot listen on --grpc-address {settings.grpc_address}")
-        self.bulk = (BulkServer(settings.bulk_address, self.service, self.authenticator, self.metrics,
+        self.bulk = [BulkServer(address, self.service, self.authenticator, self.metrics,
                                 settings.bulk_max_connections, settings.stream_idle_seconds,
                                 settings.max_call_seconds, lend=self.tier.host_memory is not None)
-                     if settings.bulk_address else None)
+                     for address in settings.bulk_addresses]
         self._stop = threading.Event()
         self._stop_lock = threading.Lock()
         self._http = None
@@ -656,10 +656,11 @@ class Sidecar:
     def _chunk_memory(self) -> ChunkMemory | None:
         """Memfd-backed chunk memory when the bulk channel may lend chunks (--bulk-zero-copy), else None."""
         mode = self.settings.bulk_zero_copy
-        if mode == "on" and not self.settings.bulk_address.startswith("unix:"):
+        unix = any(a.startswith("unix:") for a in self.settings.bulk_addresses)
+        if mode == "on" and not unix:
             raise ValueError("--bulk-zero-copy on needs a unix-socket --bulk-address (unix:/PATH): descriptors "
                              "cannot cross TCP")
-        if mode == "off" or not self.settings.bulk_address.startswith("unix:"):
+        if mode == "off" or not unix:
             return None
         if mode == "auto" and self.tenancy.isolate:
             log.info("bulk zero-copy is off: with isolated tenants a client could keep evicted chunks' memory "
@@ -690,18 +691,24 @@ class Sidecar:
         if settings.tls_client_ca_file and not settings.token_file:
             raise ValueError("--bulk-address: bulk clients authenticate with a bearer token, and with mTLS but no "
                              "--token-file they could not; add --token-file or leave --bulk-address empty")
-        if settings.bulk_address.startswith("unix:"):
-            return
-        if tls:
-            raise ValueError(f"--bulk-address {settings.bulk_address} is TCP, and the bulk channel has no TLS: "
-                             "with TLS on, put it on a unix socket (unix:/PATH) or leave it empty")
-        if not is_local_address(settings.bulk_address) and not settings.allow_insecure_remote:
-            raise ValueError(f"--bulk-address {settings.bulk_address} is not loopback or a unix socket and the "
-                             "bulk channel is plaintext; use a unix socket or pass --allow-insecure-remote")
+        for address in settings.bulk_addresses:
+            if address.startswith("unix:"):
+                continue
+            if tls:
+                raise ValueError(f"--bulk-address {address} is TCP, and the bulk channel has no TLS: with TLS on, "
+                                 "put it on a unix socket (unix:/PATH) or leave it empty")
+            if not is_local_address(address) and not settings.allow_insecure_remote:
+                raise ValueError(f"--bulk-address {address} is not loopback or a unix socket and the bulk channel "
+                                 "is plaintext; use a unix socket or pass --allow-insecure-remote")
 
     @property
     def bulk_address(self) -> str | None:
-        return self.bulk.address if self.bulk is not None else None
+        """The first bulk-channel address (as listening: a TCP port 0 resolved), or None."""
+        return self.bulk[0].address if self.bulk else None
+
+    @property
+    def bulk_addresses(self) -> list[str]:
+        return [b.address for b in self.bulk]
 
     @property
     def address(self) -> str:
@@ -710,12 +717,15 @@ class Sidecar:
 
     def start(self) -> "Sidecar":
         self.server.start()
-        if self.bulk is not None:
-            try:
-                self.bulk.start()
-            except OSError:
-                self.server.stop(0)
-                raise
+        started = []
+        try:
+            for b in self.bulk:
+                started.append(b.start())
+        except OSError:
+            for b in started:
+                b.stop()
+            self.server.stop(0)
+            raise
         if self.settings.metrics_port is not None:
             self._http, _ = start_http_server(self.settings.metrics_port, addr=self.settings.metrics_host,
                                               registry=self.metrics.registry)
@@ -740,8 +750,8 @@ class Sidecar:
     def _shutdown(self, grace: float) -> None:
         self.watchdog.stop()
         self.health.enter_graceful_shutdown()
-        if self.bulk is not None:
-            self.bulk.stop()
+        for b in self.bulk:
+            b.stop()
         self.server.stop(grace).wait()
         if self._http is not None:
             self._http.shutdown()
@@ -770,7 +780,7 @@ def serve_from_args(args) -> int:
         log.error("cannot start: %s", exc)
         return 2
     log.info("promptcache sidecar serving", extra={
-        "grpc": sidecar.address, "bulk": sidecar.bulk_address, "metrics": f"http://{settings.metrics_host}:{sidecar.metrics_port}/metrics",
+        "grpc": sidecar.address, "bulk": ",".join(sidecar.bulk_addresses), "metrics": f"http://{settings.metrics_host}:{sidecar.metrics_port}/metrics",
         "device": str(sidecar.device), "memory_bytes": settings.memory_bytes,
         "chunk_tokens": settings.chunk_tokens, "eviction_policy": settings.eviction_policy})
 
