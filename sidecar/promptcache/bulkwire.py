@@ -123,9 +123,7 @@ def recv(sock: socket.socket, limit: int = MAX_FRAME_BYTES, fds: list[int] | Non
         n = sock.recv_into(head)
     else:
         n, ancdata, _, _ = sock.recvmsg_into([head], socket.CMSG_SPACE(4 * _MAX_FDS))
-        for level, kind, data in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(array.array("i", data[:len(data) - len(data) % 4]))
+        _collect_fds(ancdata, fds)
     if n == 0:
         raise Closed("connection closed")
     if n < len(head):
@@ -136,6 +134,13 @@ def recv(sock: socket.socket, limit: int = MAX_FRAME_BYTES, fds: list[int] | Non
     body = bytearray(length)
     recv_into(sock, body)
     return _parse(bytes(body))
+
+
+def _collect_fds(ancdata, into) -> None:
+    """Append the descriptors of recvmsg's SCM_RIGHTS control messages to `into`, in the order they came."""
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            into.extend(array.array("i", data[:len(data) - len(data) % 4]))
 
 
 def _parse(body: bytes) -> pb.BulkFrame:
@@ -168,9 +173,7 @@ class FrameReader:
             n = self.sock.recv_into(self._scratch)
         else:
             n, ancdata, flags, _ = self.sock.recvmsg_into([self._scratch], self._cmsg_space)
-            for level, kind, data in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    self._fds.extend(array.array("i", data[:len(data) - len(data) % 4]))
+            _collect_fds(ancdata, self._fds)
             if flags & _MSG_CTRUNC:
                 raise FramingError("file descriptors were lost in transit (control data truncated)")
         if n == 0:

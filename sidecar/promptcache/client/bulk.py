@@ -268,7 +268,7 @@ class LentChunks:
             self._bytes = 0
 
 
-_quiet_once = [False]
+_warned = False  # torch's warning about non-writable buffers has been swallowed (it fires once per process)
 
 
 def _map_lent(fd: int, st: os.stat_result, c: pb.ChunkBegin) -> torch.Tensor:
@@ -281,12 +281,13 @@ def _map_lent(fd: int, st: os.stat_result, c: pb.ChunkBegin) -> torch.Tensor:
                                   f"{c.nbytes} bytes")
     mm = mmap.mmap(fd, c.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ,
                    **bulkwire.MMAP_OPTIONS)
-    if _quiet_once[0]:
+    global _warned
+    if _warned:
         return torch.frombuffer(mm, dtype=torch.uint8)
     # torch warns once per process that the buffer is not writable; that is the point here.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        _quiet_once[0] = True
+        _warned = True
         return torch.frombuffer(mm, dtype=torch.uint8)
 
 
