@@ -290,7 +290,26 @@ def _memfd(size: int, seal: bool = True) -> int:
     return fd
 
 
+def _fifo(path) -> int:
+    import os
+
+    os.mkfifo(path)
+    return os.open(path, os.O_RDWR | os.O_NONBLOCK)
+
+
+def _socket_fd() -> int:
+    import socket
+
+    a, b = socket.socketpair()
+    b.close()
+    return a.detach()
+
+
 @pytest.mark.parametrize("make_fd, length, words", [
+    (lambda tmp: _fifo(tmp / "fifo"), 4096, "not a memfd"),  # nothing that could block a read or a mapping
+    (lambda tmp: _socket_fd(), 4096, "not a memfd"),
+    (lambda tmp: __import__("os").open(tmp, __import__("os").O_RDONLY | __import__("os").O_DIRECTORY), 4096,
+     "not a memfd"),
     (lambda tmp: _memfd(4096, seal=False), 4096, "sealed against shrinking"),
     (lambda tmp: _plain_file(tmp / "plain", 4096), 4096, "sealed against shrinking"),
     (lambda tmp: _memfd(4096), 8192, "must be in 1..4096"),

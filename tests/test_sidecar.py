@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import CHUNK, SMALL, make_kv, metric, metrics_text
 from promptcache.client import PromptCacheClient, errors
 from promptcache.layout import chunk_nbytes
+from promptcache.sidecar.auth import ANONYMOUS
 
 CHUNK_BYTES = chunk_nbytes(SMALL, CHUNK)  # 2 layers * 2 * 2 heads * 16 tokens * 8 dim * 4 bytes = 4096
 
@@ -250,11 +251,17 @@ def test_shared_memory_fast_path_round_trip(sidecar_factory, tmp_path):
         # Both transports see the same bytes.
         assert [b.tolist() for b in fast.get_blobs(SMALL, tokens)] == \
             [b.tolist() for b in streamed.get_blobs(SMALL, tokens)]
-        assert len(list(shm.iterdir())) == 1  # one reusable buffer for this client thread
-    assert list(shm.iterdir()) == []  # removed on close
+        # One reusable buffer for this client thread, created by the sidecar; its name left the folder at its
+        # first use, so no other process can open it.
+        assert len(fast._shm._all) == 1
+        assert list(shm.iterdir()) == []
+        assert sidecar.service.buffers.held(ANONYMOUS) == (1, fast._shm._all[0].size)
+    assert sidecar.service.buffers.held(ANONYMOUS) == (0, 0)  # closed with the client
 
 
-def test_shared_buffer_names_are_confined_to_the_shm_dir(sidecar_factory, tmp_path):
+def test_shared_buffers_are_only_those_the_sidecar_created(sidecar_factory, tmp_path):
+    """A name is never opened as a path: files in --shm-dir, symlinks, paths and unknown names are all just
+    handles nobody was granted."""
     from promptcache.v1 import kvcache_pb2 as pb
     from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
     from promptcache.wire import model_to_proto
@@ -263,64 +270,73 @@ def test_shared_buffer_names_are_confined_to_the_shm_dir(sidecar_factory, tmp_pa
     shm.mkdir()
     (tmp_path / "secret").write_bytes(b"x" * 10_000)
     (shm / "link").symlink_to(tmp_path / "secret")
+    (shm / "plain").write_bytes(b"y" * 10_000)  # a client-made file, as before the sidecar created them
     sidecar = sidecar_factory(shm_dir=str(shm))
     plain = sidecar_factory()
-    for address, name, fragment in ((sidecar.address, "../secret", "not a plain file name"),
-                                    (sidecar.address, "link", "cannot be opened"),
-                                    (sidecar.address, "missing", "cannot be opened"),
-                                    (plain.address, "anything", "disabled on this sidecar")):
+    for address, name, code in ((sidecar.address, "../secret", grpc.StatusCode.NOT_FOUND),
+                                (sidecar.address, "link", grpc.StatusCode.NOT_FOUND),
+                                (sidecar.address, "plain", grpc.StatusCode.NOT_FOUND),
+                                (sidecar.address, "missing", grpc.StatusCode.NOT_FOUND),
+                                (plain.address, "anything", grpc.StatusCode.FAILED_PRECONDITION)):
         with grpc.insecure_channel(address) as ch:
             req = pb.GetRequest(model=model_to_proto(SMALL), tokens=list(range(CHUNK)),
                                 shared_buffer=pb.SharedBuffer(name=name, length=4096))
             with pytest.raises(grpc.RpcError) as info:
                 list(pb_grpc.KVCacheStub(ch).Get(req, timeout=5))
-            assert fragment in info.value.details()
+            assert info.value.code() == code
+            assert (name in info.value.details()) if code == grpc.StatusCode.NOT_FOUND else \
+                "disabled on this sidecar" in info.value.details()
+    with grpc.insecure_channel(plain.address) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.KVCacheStub(ch).OpenSharedBuffer(pb.OpenSharedBufferRequest(length=4096), timeout=5)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_a_truncated_shared_buffer_is_refused_not_a_crash(sidecar_factory, tmp_path):
     """The sidecar reads and writes client buffers with pread/pwrite: a client that truncates its file gets a
     clear error (a mapping would have killed the sidecar with SIGBUS), and the sidecar keeps serving."""
     import numpy as np
+    import xxhash
 
-    from promptcache.shm import SharedBufferError, open_shared
+    from promptcache.client.client import encode_chunk
+    from promptcache.layout import chunk_shape
+    from promptcache.shm import SharedBufferError
     from promptcache.v1 import kvcache_pb2 as pb
     from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
-    from promptcache.wire import model_to_proto
+    from promptcache.wire import NAME_TO_DTYPE, model_to_proto
 
     shm = tmp_path / "shm"
     shm.mkdir()
-    (shm / "buf").write_bytes(b"\x01" * 8192)
-    f = open_shared(str(shm), "buf", 8192, writable=True)
-    os.truncate(shm / "buf", 100)  # what a misbehaving client can do at any moment
+    sidecar = sidecar_factory(shm_dir=str(shm))
+    grant = sidecar.service.buffers.open(ANONYMOUS, 8192)
+    client_fd = os.open(shm / grant.file_name, os.O_RDWR)  # as the client opens it
+    f = sidecar.service.buffers.use(ANONYMOUS, grant.handle, 8192)
+    os.ftruncate(client_fd, 100)  # what a misbehaving client can do at any moment
+    os.close(client_fd)
     out = np.empty(4096, dtype=np.uint8)
     with pytest.raises(SharedBufferError, match="truncated"):
         f.read_into(4096, out)
     f.write(4096, np.full(4096, 7, dtype=np.uint8))  # grows the file again; nothing faults
-    assert (shm / "buf").stat().st_size == 8192
+    assert os.fstat(grant.fd).st_size == 8192
     f.close()
 
-    sidecar = sidecar_factory(shm_dir=str(shm))
     kv = make_kv(SMALL, CHUNK)
-    from promptcache.client.client import encode_chunk
-
     kv_blob = encode_chunk(SMALL, kv, 0, CHUNK).numpy()
-    (shm / "put").write_bytes(b"\x00" * (2 * kv_blob.size))  # header promises two chunks' room
-    os.truncate(shm / "put", kv_blob.size // 2)  # then the client cuts it short
-    import xxhash
-
-    from promptcache.layout import chunk_shape
-    from promptcache.wire import NAME_TO_DTYPE
-
-    frames = [pb.PutRequest(header=pb.PutHeader(model=model_to_proto(SMALL), tokens=list(range(CHUNK)),
-                                                shared_buffer="put")),
-              pb.PutRequest(chunk=pb.ChunkBegin(index=0, nbytes=kv_blob.size, shape=chunk_shape(SMALL, CHUNK),
-                                                dtype=NAME_TO_DTYPE[SMALL.kv_dtype],
-                                                xxh3_64=xxhash.xxh3_64_intdigest(kv_blob), buffer_offset=0))]
     with grpc.insecure_channel(sidecar.address) as ch:
+        stub = pb_grpc.KVCacheStub(ch)
+        granted = stub.OpenSharedBuffer(pb.OpenSharedBufferRequest(length=2 * kv_blob.size), timeout=5)
+        fd = os.open(shm / granted.file_name, os.O_RDWR)
+        os.ftruncate(fd, kv_blob.size // 2)  # the header promises two chunks' room; the client cuts it short
+        os.close(fd)
+        frames = [pb.PutRequest(header=pb.PutHeader(model=model_to_proto(SMALL), tokens=list(range(CHUNK)),
+                                                    shared_buffer=granted.handle)),
+                  pb.PutRequest(chunk=pb.ChunkBegin(index=0, nbytes=kv_blob.size, shape=chunk_shape(SMALL, CHUNK),
+                                                    dtype=NAME_TO_DTYPE[SMALL.kv_dtype],
+                                                    xxh3_64=xxhash.xxh3_64_intdigest(kv_blob), buffer_offset=0))]
         with pytest.raises(grpc.RpcError) as info:
-            pb_grpc.KVCacheStub(ch).Put(iter(frames), timeout=5)
+            stub.Put(iter(frames), timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "runs past the shared buffer" in info.value.details()
+    assert "truncated" in info.value.details()
     with PromptCacheClient(sidecar.address) as c:
         assert c.put(SMALL, list(range(CHUNK)), kv).stored_chunks == 1  # still serving; nothing partial kept
         assert c.lookup(SMALL, list(range(CHUNK))).cached_tokens == CHUNK

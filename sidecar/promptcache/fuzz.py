@@ -43,7 +43,8 @@ SERVICE = "/promptcache.v1.KVCache/"
 METHODS = {  # name -> (arity, request message name)
     "Lookup": ("uu", "LookupRequest"), "Put": ("su", "PutRequest"), "Get": ("us", "GetRequest"),
     "Delete": ("uu", "DeleteRequest"), "Purge": ("uu", "PurgeRequest"), "Stats": ("uu", "StatsRequest"),
-    "Resize": ("uu", "ResizeRequest"),
+    "Resize": ("uu", "ResizeRequest"), "GetShared": ("uu", "GetRequest"),
+    "OpenSharedBuffer": ("uu", "OpenSharedBufferRequest"), "CloseSharedBuffer": ("uu", "CloseSharedBufferRequest"),
 }
 TOKENS = {"fuzz-a": "token-a-0123456789", "fuzz-b": "token-b-0123456789"}
 
@@ -55,6 +56,7 @@ class SidecarUnderTest:
         self.dir = Path(tempfile.mkdtemp(prefix="promptcache-fuzz-"))
         self.shm = self.dir / "shm"
         self.shm.mkdir()
+        os.mkfifo(self.shm / "fifo")  # named as a shared buffer now and then: it must never block a worker
         self.auth = auth
         self.memory = memory
         self.extra = extra or []
@@ -174,24 +176,29 @@ class Generator:
 
     def _shared_name(self) -> str:
         return self.rng.choice(["", "", "", "missing.buf", "../escape", "a/b", ".", "..", "x" * 300,
-                                "ok-name_1.buf", "\u00e9", "/abs"])
+                                "ok-name_1.buf", "\u00e9", "/abs", "fifo", "pc-0123456789abcdef"])
 
     # --- structured requests ----------------------------------------------------------------------------
     def structured(self):
         pb = self.pb
-        method = self.rng.choices(list(METHODS), weights=[3, 4, 3, 1, 1, 1, 1])[0]
+        method = self.rng.choices(list(METHODS), weights=[3, 4, 3, 1, 1, 1, 1, 1, 1, 1])[0]
         if method == "Lookup":
             req = pb.LookupRequest(model=self.model_msg(), tokens=self.tokens())
             if self.rng.random() < 0.05:
                 req.ClearField("model")
             return method, req.SerializeToString()
-        if method == "Get":
+        if method in ("Get", "GetShared"):
             req = pb.GetRequest(model=self.model_msg(), tokens=self.tokens(),
                                 start_chunk=self._uint(0), max_chunks=self._uint(0))
-            if self.rng.random() < 0.15:
+            if self.rng.random() < (0.15 if method == "Get" else 0.9):
                 req.shared_buffer.name = self._shared_name()
                 req.shared_buffer.length = self.rng.choice([0, 1, self.nbytes, 2**40, 2**64 - 1])
             return method, req.SerializeToString()
+        if method == "OpenSharedBuffer":
+            length = self.rng.choice([0, 1, self.nbytes, 4 * self.nbytes, 2**40, 2**64 - 1])
+            return method, pb.OpenSharedBufferRequest(length=length).SerializeToString()
+        if method == "CloseSharedBuffer":
+            return method, pb.CloseSharedBufferRequest(handle=self._shared_name()).SerializeToString()
         if method == "Delete":
             return method, pb.DeleteRequest(model=self.model_msg(), tokens=self.tokens(),
                                             start_chunk=self._uint(0)).SerializeToString()

@@ -1,24 +1,29 @@
 """Shared-memory buffers for the node-local fast path.
 
 Over a unix socket the gRPC stream carries only metadata; the chunk bytes move through a file in a
-shared-memory folder (tmpfs, e.g. /dev/shm/promptcache) that both the client and the sidecar can open: one
-copy each way instead of the four or more of a socket stream. The client creates and owns the file; the
-sidecar opens it by plain name inside its --shm-dir only (no paths, no symlinks, regular files only) and reads
-or writes it with pread/pwrite, never through a mapping (see SharedFile).
+shared-memory folder (tmpfs, the sidecar's --shm-dir) that both the client and the sidecar hold open: one copy
+each way instead of the four or more of a socket stream.
+
+Who may name what (docs/security.md, "Shared-memory and bulk paths: threat model"): the sidecar creates each
+buffer file itself for one caller (OpenSharedBuffer; promptcache.sidecar.shmbuffers) and answers with a random
+handle and the file's name. The client opens that file (checking it is the regular file the sidecar created)
+and names the buffer by its handle; the sidecar uses the descriptor it opened at creation, never a path, and
+takes a handle only from the identity it was granted to. The sidecar reads and writes the file with
+pread/pwrite, never through a mapping (see SharedFile).
 """
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
-import re
 import stat
 import threading
-import uuid
-import weakref
+from typing import Callable
 
 import numpy as np
 
-_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+log = logging.getLogger("promptcache.shm")
 
 
 class SharedBufferError(ValueError):
@@ -26,14 +31,16 @@ class SharedBufferError(ValueError):
 
 
 class SharedFile:
-    """The sidecar's handle on a client's buffer file, read and written with pread/pwrite, never mapped.
+    """The sidecar's use of a buffer for one call: pread/pwrite on the descriptor it opened when it created the
+    file, never a mapping, at most `size` bytes. close() ends the use (the descriptor belongs to the registry).
 
     A mapping would let the client crash the sidecar: truncate the file while the sidecar copies and the copy
     faults with SIGBUS. With pread a truncated file is a short read (refused, naming the chunk), with pwrite
     the file just grows again. The copy is the same one memcpy, done by the kernel."""
 
-    def __init__(self, fd: int, name: str, size: int):
+    def __init__(self, fd: int, name: str, size: int, release: Callable[[], None] | None = None):
         self.fd, self.name, self.size = fd, name, size
+        self._release = release
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
         view = memoryview(out).cast("B")
@@ -52,102 +59,123 @@ class SharedFile:
             done += os.pwritev(self.fd, [view[done:]], offset + done)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
-def open_shared(directory: str, name: str, need: int | None, writable: bool,
-                cap: int | None = None) -> SharedFile:
-    """Open `directory/name` for reading (and writing) its first `need` bytes (None: the whole file, at most
-    `cap` bytes). Raises SharedBufferError saying what is wrong."""
-    if not _NAME.fullmatch(name or ""):
-        raise SharedBufferError(f"shared_buffer name {name!r} is not a plain file name "
-                                "(letters, digits, '.', '_', '-'; at most 128)")
-    path = os.path.join(directory, name)
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"))
+
+
+def kind_of(mode: int) -> str:
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(directory: str, name: str, writable: bool) -> tuple[int, os.stat_result]:
+    """Open a plain file name in `directory` without ever blocking or following a link: O_NONBLOCK (a FIFO's
+    open would otherwise wait for a writer forever), O_NOFOLLOW, then fstat and require a regular file.
+    Returns (fd, its stat); raises SharedBufferError naming what the name is instead."""
+    if not name or "/" in name or name in (".", ".."):
+        raise SharedBufferError(f"{name[:64]!r} is not a plain file name")
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(directory, name), flags)
     except OSError as exc:
-        raise SharedBufferError(f"shared_buffer {name!r} cannot be opened in the sidecar's --shm-dir: "
-                                f"{exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SharedBufferError(f"shared_buffer {name!r} is not a regular file")
-        need = (st.st_size if cap is None else min(st.st_size, cap)) if need is None else need
-        if st.st_size < need:
-            raise SharedBufferError(f"shared_buffer {name!r} has {st.st_size} bytes, {need} are needed")
-        if need == 0:
-            raise SharedBufferError(f"shared_buffer {name!r} is empty")
-    except BaseException:
+        raise SharedBufferError(f"{name!r} in {directory} cannot be opened: "
+                                f"{'a symbolic link' if exc.errno == errno.ELOOP else exc.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise
-    return SharedFile(fd, name, need)
+        raise SharedBufferError(f"{name!r} in {directory} is {kind_of(st.st_mode)}, not a regular file")
+    return fd, st
 
 
 class ClientBuffers:
-    """One growing shared-memory file per client thread, reused across calls, removed on close()."""
+    """One shared-memory buffer per client thread, reused across calls. The sidecar creates each one for this
+    client (`open_buffer(length)` is the OpenSharedBuffer call; `close_buffer(handle)` CloseSharedBuffer)."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, open_buffer: Callable[[int], object], close_buffer: Callable[[str], None]):
         self.directory = directory
-        os.makedirs(directory, exist_ok=True)
+        self._open_buffer = open_buffer
+        self._close_buffer = close_buffer
         self._local = threading.local()
         self._all: list[_Buffer] = []
         self._lock = threading.Lock()
 
     def get(self, size: int) -> "_Buffer":
+        """This thread's buffer, at least `size` bytes; a larger one replaces it (sizes double)."""
         buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = _Buffer(self.directory)
-            self._local.buf = buf
-            with self._lock:
-                self._all.append(buf)
-        buf.ensure(size)
-        return buf
+        if buf is not None and buf.size >= size:
+            return buf
+        granted = self._open_buffer(max(size, 2 * buf.size if buf is not None else 0))
+        try:
+            new = _Buffer(self.directory, granted)
+        except SharedBufferError:
+            self._close_quietly(granted.handle)
+            raise
+        if buf is not None:
+            self._forget(buf)
+            self._close_quietly(buf.handle)
+        self._local.buf = new
+        with self._lock:
+            self._all.append(new)
+        return new
+
+    def discard(self) -> None:
+        """Drop this thread's buffer without telling the sidecar: it no longer knows the handle (restarted, or
+        closed it after --shm-idle-seconds unused)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is not None:
+            self._forget(buf)
 
     def close(self) -> None:
         with self._lock:
-            for buf in self._all:
-                buf.close()
-            self._all.clear()
+            buffers, self._all = self._all, []
+        for buf in buffers:
+            buf.unmap()
+            self._close_quietly(buf.handle)
+
+    def _forget(self, buf: "_Buffer") -> None:
+        self._local.buf = None
+        with self._lock:
+            if buf in self._all:
+                self._all.remove(buf)
+        buf.unmap()
+
+    def _close_quietly(self, handle: str) -> None:
+        try:
+            self._close_buffer(handle)
+        except Exception as exc:  # noqa: BLE001 - the sidecar reclaims it when idle anyway
+            log.debug("closing shared buffer failed: %s", exc)
 
 
 class _Buffer:
-    def __init__(self, directory: str):
-        self.name = f"pc-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.path = os.path.join(directory, self.name)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o660)
-        self.size = 0
-        self.mm: mmap.mmap | None = None
-        self.array: np.ndarray | None = None
-        self._finalizer = weakref.finalize(self, _remove, self.path)
+    """A buffer the sidecar created: the file it named, checked to be that very file, mapped and pre-faulted."""
 
-    def ensure(self, size: int) -> None:
-        if size <= self.size:
-            return
-        size = max(size, 2 * self.size)
-        self.array = None
-        if self.mm is not None:
-            self.mm.close()
-        os.ftruncate(self.fd, size)
-        self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
-        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+    def __init__(self, directory: str, granted):
+        self.handle = granted.handle
+        fd, st = open_regular(directory, granted.file_name, writable=True)
+        try:
+            if st.st_ino != granted.inode or st.st_size < granted.length or granted.length == 0:
+                raise SharedBufferError(f"{granted.file_name!r} in {directory} is not the buffer the sidecar "
+                                        f"created (inode {st.st_ino}, {st.st_size} bytes; expected inode "
+                                        f"{granted.inode}, {granted.length} bytes)")
+            self.mm = mmap.mmap(fd, granted.length, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)  # the mapping keeps the file; the sidecar has its own descriptor
+        self.size = granted.length
+        self.array: np.ndarray | None = np.frombuffer(self.mm, dtype=np.uint8)
         self.array.fill(0)  # fault the pages in here: they are the client's memory, not the sidecar's
-        self.size = size
 
-    def close(self) -> None:
+    @property
+    def name(self) -> str:
+        """What requests name the buffer by: its handle (not the file name)."""
+        return self.handle
+
+    def unmap(self) -> None:
         self.array = None
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:
-                pass  # a caller still holds a view; the mapping goes with it
-        os.close(self.fd)
-        self._finalizer()
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with it

@@ -21,7 +21,7 @@ from promptcache import frames
 from promptcache.client import errors
 from promptcache.keys import ModelSpec
 from promptcache.layout import TORCH_DTYPES, chunk_nbytes, chunk_shape
-from promptcache.shm import ClientBuffers
+from promptcache.shm import ClientBuffers, SharedBufferError
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
 from promptcache.wire import NAME_TO_DTYPE, TIER_NAMES, model_to_proto
@@ -30,6 +30,7 @@ log = logging.getLogger("promptcache.client")
 T = TypeVar("T")
 KV = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [H, T, D] or [1, H, T, D]
 BULK_RETRY_SECONDS = 5.0
+SHM_RETRY_SECONDS = 5.0  # after the sidecar refused a shared buffer (its limits), stream for this long
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -104,8 +105,10 @@ class PromptCacheClient:
         self._stub = pb_grpc.KVCacheStub(self._channel)
         self._get = frames.get_callable(self._channel)  # data frames arrive as memoryviews, not copied
         self._chunk_tokens = chunk_tokens
-        # Node-local fast path: chunk bytes go through shared memory in this folder (the sidecar's --shm-dir).
-        self._shm = ClientBuffers(shm_dir) if shm_dir else None
+        # Node-local fast path: chunk bytes go through shared memory in this folder (the sidecar's --shm-dir),
+        # in buffers the sidecar creates for this client (docs/security.md).
+        self._shm = ClientBuffers(shm_dir, self._open_shared_buffer, self._close_shared_buffer) if shm_dir else None
+        self._shm_retry_at = 0.0
         self._bulk = None
         self._bulk_retry_at = 0.0
         if bulk_address:
@@ -121,11 +124,11 @@ class PromptCacheClient:
                                     lent_cache_bytes=bulk_lent_cache_bytes)
 
     def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()  # tells the sidecar, so before the channel goes
         self._channel.close()
         if self._bulk is not None:
             self._bulk.close()
-        if self._shm is not None:
-            self._shm.close()
 
     def __enter__(self) -> "PromptCacheClient":
         return self
@@ -134,7 +137,7 @@ class PromptCacheClient:
         self.close()
 
     # --- plumbing ---------------------------------------------------------------------------------------
-    def _call(self, fn: Callable[[float], T], timeout: float | None = None) -> T:
+    def _call(self, fn: Callable[[float], T], timeout: float | None = None, retryable=RETRYABLE) -> T:
         """Run fn(remaining_seconds) with retries on retryable codes, all inside one overall deadline."""
         deadline = time.monotonic() + (timeout or self.timeout)
         attempt = 0
@@ -145,7 +148,7 @@ class PromptCacheClient:
             try:
                 return fn(remaining)
             except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or attempt >= self.retries:
+                if exc.code() not in retryable or attempt >= self.retries:
                     raise errors.from_rpc_error(exc) from None
             attempt += 1
             time.sleep(min(self.backoff * (2 ** attempt) * random.uniform(0.5, 1.0),
@@ -180,6 +183,40 @@ class PromptCacheClient:
     def resize(self, memory_bytes: int) -> pb.ResizeResponse:
         return self._call(lambda t: self._stub.Resize(pb.ResizeRequest(memory_bytes=memory_bytes), timeout=t))
 
+    # --- shared memory ----------------------------------------------------------------------------------
+    def _open_shared_buffer(self, length: int) -> pb.OpenSharedBufferResponse:
+        req = pb.OpenSharedBufferRequest(length=length)
+        # RESOURCE_EXHAUSTED here is the sidecar's limit on buffers: stream instead of waiting for it.
+        return self._call(lambda t: self._stub.OpenSharedBuffer(req, timeout=t),
+                          retryable=(grpc.StatusCode.UNAVAILABLE,))
+
+    def _close_shared_buffer(self, handle: str) -> None:
+        self._stub.CloseSharedBuffer(pb.CloseSharedBufferRequest(handle=handle), timeout=min(self.timeout, 1.0))
+
+    def _shared_buffer(self, size: int):
+        """This thread's shared buffer of at least `size` bytes, or None: stream the bytes instead (no shm
+        configured, or the sidecar refused a buffer a moment ago)."""
+        if self._shm is None or time.monotonic() < self._shm_retry_at:
+            return None
+        try:
+            return self._shm.get(size)
+        except (errors.ResourceExhausted, SharedBufferError) as exc:
+            self._shm_retry_at = time.monotonic() + SHM_RETRY_SECONDS
+            log.warning("no shared-memory buffer, streaming for %.0f s: %s", SHM_RETRY_SECONDS, exc)
+            return None
+
+    def _with_shared_buffer(self, size: int, call: Callable[[object], T]) -> T:
+        """call(buffer or None). A buffer the sidecar no longer knows (restarted, or closed it after
+        --shm-idle-seconds unused) is replaced once."""
+        shared = self._shared_buffer(size)
+        try:
+            return call(shared)
+        except errors.NotFound:
+            if shared is None:
+                raise
+            self._shm.discard()
+            return call(self._shared_buffer(size))
+
     # --- blobs ------------------------------------------------------------------------------------------
     def put_blobs(self, spec: ModelSpec, tokens, blobs: Mapping[int, torch.Tensor | bytes],
                   timeout: float | None = None) -> PutResult:
@@ -189,26 +226,31 @@ class PromptCacheClient:
         dtype = NAME_TO_DTYPE[spec.kv_dtype]
         arrays = {i: _as_bytes_array(b) for i, b in sorted(blobs.items())}
         sums = {i: xxhash.xxh3_64_intdigest(arr) for i, arr in arrays.items()}
-        shared = None
-        if self._shm is not None and arrays:
-            shared = self._shm.get(sum(a.size for a in arrays.values()))
+
+        def put(shared) -> pb.PutResponse:
             offsets, pos = {}, 0
-            for i, arr in arrays.items():
-                shared.array[pos:pos + arr.size] = arr
-                offsets[i], pos = pos, pos + arr.size
+            if shared is not None:
+                for i, arr in arrays.items():
+                    shared.array[pos:pos + arr.size] = arr
+                    offsets[i], pos = pos, pos + arr.size
 
-        def frames() -> Iterator[pb.PutRequest]:
-            yield pb.PutRequest(header=pb.PutHeader(model=model_to_proto(spec), tokens=token_list,
-                                                    shared_buffer=shared.name if shared else ""))
-            for index, arr in arrays.items():
-                yield pb.PutRequest(chunk=pb.ChunkBegin(index=index, nbytes=arr.size, shape=shape, dtype=dtype,
-                                                        xxh3_64=sums[index],
-                                                        buffer_offset=offsets[index] if shared else 0))
-                if shared is None:
-                    for off in range(0, arr.size, self.frame_bytes):
-                        yield pb.PutRequest(data=arr[off:off + self.frame_bytes].tobytes())
+            def frames() -> Iterator[pb.PutRequest]:
+                yield pb.PutRequest(header=pb.PutHeader(model=model_to_proto(spec), tokens=token_list,
+                                                        shared_buffer=shared.name if shared else ""))
+                for index, arr in arrays.items():
+                    yield pb.PutRequest(chunk=pb.ChunkBegin(index=index, nbytes=arr.size, shape=shape, dtype=dtype,
+                                                            xxh3_64=sums[index],
+                                                            buffer_offset=offsets[index] if shared else 0))
+                    if shared is None:
+                        for off in range(0, arr.size, self.frame_bytes):
+                            yield pb.PutRequest(data=arr[off:off + self.frame_bytes].tobytes())
 
-        resp = self._call(lambda t: self._stub.Put(frames(), timeout=t), timeout)
+            return self._call(lambda t: self._stub.Put(frames(), timeout=t), timeout)
+
+        if self._shm is not None and arrays:
+            resp = self._with_shared_buffer(sum(a.size for a in arrays.values()), put)
+        else:
+            resp = put(None)
         return PutResult(resp.stored_chunks, resp.skipped_chunks, resp.rejected_chunks, resp.stored_bytes)
 
     def get_blobs(self, spec: ModelSpec, tokens, start_chunk: int = 0, max_chunks: int = 0,
@@ -244,10 +286,16 @@ class PromptCacheClient:
         size = self._expected_bytes(spec, token_list, start_chunk, max_chunks)
         if size == 0:
             return []
-        shared = self._shm.get(size)
-        req.shared_buffer.name, req.shared_buffer.length = shared.name, size
-        return self._call(lambda t: _receive_shared(self._stub.GetShared(req, timeout=t), start_chunk,
-                                                    shared.array), timeout)
+
+        def get(shared) -> list[torch.Tensor]:
+            if shared is None:
+                req.ClearField("shared_buffer")
+                return self._call(lambda t: _receive(self._get(req, timeout=t), start_chunk), timeout)
+            req.shared_buffer.name, req.shared_buffer.length = shared.name, size
+            return self._call(lambda t: _receive_shared(self._stub.GetShared(req, timeout=t), start_chunk,
+                                                        shared.array), timeout)
+
+        return self._with_shared_buffer(size, get)
 
     def _expected_bytes(self, spec: ModelSpec, token_list: list[int], start_chunk: int, max_chunks: int) -> int:
         n = len(token_list) // self.chunk_tokens - start_chunk

@@ -44,6 +44,11 @@ class FailedPrecondition(PromptCacheError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class NotFound(PromptCacheError):
+    """A shared-memory buffer the sidecar no longer knows (restarted, or closed it when idle)."""
+    code = grpc.StatusCode.NOT_FOUND
+
+
 class Unauthenticated(PromptCacheError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
@@ -53,7 +58,8 @@ class PermissionDenied(PromptCacheError):
 
 
 BY_CODE = {cls.code: cls for cls in (Unavailable, DeadlineExceeded, InvalidArgument, ResourceExhausted,
-                                      CorruptChunk, FailedPrecondition, Unauthenticated, PermissionDenied)}
+                                      CorruptChunk, FailedPrecondition, NotFound, Unauthenticated,
+                                      PermissionDenied)}
 
 
 # grpc.StatusCode by its numeric value, as the bulk channel's status frames carry it.

@@ -48,6 +48,9 @@ class Settings:
     disk_bytes: int = 0
     disk_min_free_bytes: int = 256 << 20
     shm_dir: str = ""
+    shm_max_buffers: int = 256
+    shm_max_bytes: int = 16 << 30
+    shm_idle_seconds: float = 300.0
     bulk_address: str = ""
     bulk_max_connections: int = 64
     bulk_zero_copy: str = "auto"
@@ -96,6 +99,10 @@ class Settings:
                     raise ValueError(f"--bulk-address: {exc}") from None
             if len(set(self.bulk_addresses)) != len(self.bulk_addresses):
                 raise ValueError(f"--bulk-address names an address twice: {self.bulk_address}")
+        if self.shm_max_buffers < 1 or self.shm_max_bytes < 1:
+            raise ValueError("--shm-max-buffers and --shm-max-bytes must be positive")
+        if self.shm_idle_seconds <= 0:
+            raise ValueError("--shm-idle-seconds must be positive")
         if self.bulk_max_connections < 1:
             raise ValueError("--bulk-max-connections must be at least 1")
         if self.bulk_zero_copy not in ("auto", "on", "off"):
@@ -148,7 +155,14 @@ HELP = {
     "disk_bytes": "byte budget of the disk tier; 0 disables it",
     "disk_min_free_bytes": "spilling stops while the data folder's filesystem has less free space than this",
     "shm_dir": "folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which node-local "
-               "clients pass chunk bytes instead of streaming them; empty disables the fast path",
+               "clients pass chunk bytes instead of streaming them; empty disables the fast path. The sidecar "
+               "creates the buffer files there itself, each for one caller (docs/security.md)",
+    "shm_max_buffers": "shared-memory buffers one tenant may hold open at once (without authentication: all "
+                       "clients together); more get RESOURCE_EXHAUSTED and the client streams instead",
+    "shm_max_bytes": "bytes of shared-memory buffers one tenant may hold open at once (without authentication: "
+                     "all clients together)",
+    "shm_idle_seconds": "close a shared-memory buffer no call used this long (a client that died without "
+                        "closing it); its client then opens a new one",
     "bulk_address": "bulk channel for Get (docs/bulk-channel.md): HOST:PORT or unix:/PATH of a plain socket "
                     "that streams chunk bytes without gRPC's per-call cost, or several, comma-separated (a unix "
                     "socket for zero copy and TCP for other pods); empty disables it",
@@ -184,7 +198,7 @@ HELP = {
 }
 
 _BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "disk_min_free_bytes", "frame_bytes",
-                "tenant_quota_bytes"}
+                "tenant_quota_bytes", "shm_max_bytes"}
 
 
 def env_name(field_name: str) -> str:

@@ -27,7 +27,7 @@ from prometheus_client import start_http_server
 from promptcache import keys as keyspec
 from promptcache import frames
 from promptcache.layout import chunk_nbytes, chunk_shape
-from promptcache.shm import SharedBufferError, SharedFile, open_shared
+from promptcache.shm import SharedBufferError, SharedFile
 from promptcache.sidecar import cgroup, logs, memfd
 from promptcache.sidecar.auth import Authenticator, TokenStore, identity_of, server_credentials
 from promptcache.sidecar.bulk import BulkServer
@@ -37,6 +37,7 @@ from promptcache.sidecar.limits import CallLimiter, CallRejected, Guard, Watchdo
 from promptcache.sidecar.memfd import ChunkMemory
 from promptcache.sidecar.metrics import Metrics
 from promptcache.sidecar.policies import make_policy
+from promptcache.sidecar.shmbuffers import BufferLimit, SharedBuffers, UnknownBuffer
 from promptcache.sidecar.store import (AdmissionRejected, ChunkTooLarge, MemoryTier, NoRoom, Reservation,
                                        checksum)
 from promptcache.sidecar.tenancy import Tenancy, TenancyError
@@ -131,6 +132,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self.spill = None  # promptcache.sidecar.spill.Spill when the disk tier is on
         self._totals_lock = threading.Lock()
         self._models: dict = {}  # (Model bytes, identity) -> (spec, fingerprint, owner); namespace() is pure
+        # The shared-memory buffers this sidecar created for its callers (the only ones Put/GetShared use).
+        self.buffers = (SharedBuffers(settings.shm_dir, settings.shm_max_buffers, settings.shm_max_bytes,
+                                      settings.shm_idle_seconds) if settings.shm_dir else None)
         self.hit_tokens = 0
         self.missed_tokens = 0
 
@@ -176,12 +180,19 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         stop = n if limit == 0 else min(n, start + limit)
         return keyspec.chunk_keys(fp, tokens, self.chunk_tokens, limit=stop)[start:]
 
-    def _shared(self, name: str, need: int | None, writable: bool, cap: int | None = None):
-        if not self.settings.shm_dir:
+    def _buffers(self) -> SharedBuffers:
+        if self.buffers is None:
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
                              "shared-memory transfer is disabled on this sidecar (start it with --shm-dir)")
+        return self.buffers
+
+    def _shared(self, handle: str, need: int | None, context, cap: int | None = None) -> SharedFile:
+        """The caller's own shared buffer `handle` for this call (close() it after). Another identity's handle
+        gets the same NOT_FOUND as one never granted: neither its bytes nor its existence are revealed."""
         try:
-            return open_shared(self.settings.shm_dir, name, need, writable, cap)
+            return self._buffers().use(identity_of(context), handle, need, cap)
+        except UnknownBuffer as exc:
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         except SharedBufferError as exc:
             raise invalid(str(exc)) from None
 
@@ -242,7 +253,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return self._get_shared(request, context)
 
     def _get_shared(self, request, context) -> pb.ChunkBatch:
-        shared = self._shared(request.shared_buffer.name, request.shared_buffer.length, writable=True)
+        shared = self._shared(request.shared_buffer.name, request.shared_buffer.length, context)
         try:
             return pb.ChunkBatch(chunks=[begin for begin, _ in self.verified_chunks(request, context, shared)])
         finally:
@@ -340,7 +351,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         current: _Incoming | None = None
         shared = None
         if header.shared_buffer:
-            shared = self._shared(header.shared_buffer, None, writable=False, cap=n_chunks * expected_nbytes)
+            shared = self._shared(header.shared_buffer, None, context, cap=n_chunks * expected_nbytes)
         try:
             for msg in request_iterator:
                 kind = msg.WhichOneof("frame")
@@ -479,6 +490,27 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             return begin.nbytes
         self.tenancy.release(owner, charged)
         return 0
+
+    @_observed("OpenSharedBuffer")
+    def OpenSharedBuffer(self, request, context):
+        buffers = self._buffers()
+        if request.length == 0:
+            raise invalid("length must be positive")
+        try:
+            grant = buffers.open(identity_of(context), request.length)
+        except BufferLimit as exc:
+            raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+        except SharedBufferError as exc:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        return pb.OpenSharedBufferResponse(handle=grant.handle, file_name=grant.file_name, length=grant.length,
+                                           inode=grant.inode)
+
+    @_observed("CloseSharedBuffer")
+    def CloseSharedBuffer(self, request, context):
+        if not self._buffers().close(identity_of(context), request.handle):
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"shared_buffer {request.handle[:64]!r} is not a buffer "
+                             "this client opened, or it was closed already")
+        return pb.CloseSharedBufferResponse()
 
     @_observed("Delete")
     def Delete(self, request, context):
@@ -739,6 +771,8 @@ class Sidecar:
         interval = min(max(self.settings.ttl_seconds / 4, 0.05), 30.0)
         while not self._stop.wait(interval):
             self.tier.expire()
+            if self.service.buffers is not None:
+                self.service.buffers.reap()
 
     def stop(self, grace: float = 2.0) -> None:
         """Idempotent; a second caller waits until the first has finished (the disk flush included)."""
@@ -753,6 +787,8 @@ class Sidecar:
         for b in self.bulk:
             b.stop()
         self.server.stop(grace).wait()
+        if self.service.buffers is not None:
+            self.service.buffers.close_all()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
