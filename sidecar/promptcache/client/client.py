@@ -76,6 +76,10 @@ class PromptCacheClient:
     token_file (re-read when it changes) sends `authorization: Bearer ...` with every call; tls_server_name
     overrides the name checked against the server certificate.
 
+    shm_dir: the sidecar's --shm-dir, as this process sees it; Put and Get bytes then pass through a shared-memory
+    buffer per thread that the sidecar creates for this client (OpenSharedBuffer), streamed instead while the
+    sidecar's per-tenant limits refuse one.
+
     bulk_address: the sidecar's --bulk-address (HOST:PORT or unix:/PATH); Get then streams over that plain
     socket (docs/bulk-channel.md), several times faster than gRPC for node-local clients. It has no TLS: with
     tls_ca set it is refused unless it is a unix socket. A sidecar without it falls back to gRPC. On a unix
