@@ -35,12 +35,17 @@ def series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
 CASES = {
     "PromptCacheHitRatioLow": (
         "30m",
-        [series("promptcache_hit_tokens_total", {**POD, "rpc": "Lookup", "tier": "device"}, "0+10x40"),
-         series("promptcache_missed_tokens_total", {**POD, "rpc": "Lookup"}, "0+90x40")],
+        [series("promptcache_hit_tokens_total", {**POD, "rpc": "Lookup", "tier": "device"}, "0+6000x40"),
+         series("promptcache_missed_tokens_total", {**POD, "rpc": "Lookup"}, "0+54000x40")],
         {**BASE, "severity": "warning"},
-        # 50 % hits; plus an idle cache (no lookups at all), which is not alerted on.
-        [series("promptcache_hit_tokens_total", {**POD, "rpc": "Lookup", "tier": "device"}, "0+50x40"),
-         series("promptcache_missed_tokens_total", {**POD, "rpc": "Lookup"}, "0+50x40"),
+        # 50 % hits; an idle cache (no lookups at all); and a trickle (one missed token a minute, hit ratio 0):
+        # none is alerted on.
+        [series("promptcache_hit_tokens_total", {**POD, "rpc": "Lookup", "tier": "device"}, "0+30000x40"),
+         series("promptcache_missed_tokens_total", {**POD, "rpc": "Lookup"}, "0+30000x40"),
+         series("promptcache_hit_tokens_total", {**POD, "service": "trickle-metrics", "rpc": "Lookup",
+                                                 "tier": "device"}, "0x40"),
+         series("promptcache_missed_tokens_total", {**POD, "service": "trickle-metrics", "rpc": "Lookup"},
+                "0+1x40"),
          series("promptcache_hit_tokens_total", {**POD, "service": "idle-metrics", "rpc": "Lookup",
                                                  "tier": "device"}, "0x40"),
          series("promptcache_missed_tokens_total", {**POD, "service": "idle-metrics", "rpc": "Lookup"}, "0x40")]),
@@ -127,7 +132,7 @@ def test_every_alert_has_cases():
 
 def operator_rule_groups(labels: dict[str, str] | None = None) -> list[dict]:
     spec = PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "4Gi"}})
-    d = OperatorDefaults(rule_labels=tuple((labels or {}).items()))
+    d = OperatorDefaults(monitoring_labels=tuple((labels or {}).items()))
     return builders.prometheus_rule(spec, Owner(NAME, NS, "uid"), d)["spec"]["groups"]
 
 
@@ -188,14 +193,16 @@ def test_annotations_and_runbooks():
             assert anchor in anchors, f"docs/runbooks.md has no section {r['alert']}"
 
 
-def test_operator_rule_labels_from_env():
-    assert alerts.rule_labels_from_env({}) == {"release": "kube-prometheus-stack"}
-    assert alerts.rule_labels_from_env({"PROMPTCACHE_OPERATOR_RULE_LABELS": "release=prom,team=ml"}) == {
+def test_operator_monitoring_labels_from_env():
+    assert alerts.monitoring_labels_from_env({}) == {"release": "kube-prometheus-stack"}
+    assert alerts.monitoring_labels_from_env({"PROMPTCACHE_OPERATOR_MONITORING_LABELS": "release=prom,team=ml"}) == {
         "release": "prom", "team": "ml"}
-    assert alerts.rule_labels_from_env({"PROMPTCACHE_OPERATOR_RULE_LABELS": ""}) == {}
-    d = OperatorDefaults.from_env({"PROMPTCACHE_OPERATOR_RULE_LABELS": "release=prom"})
+    assert alerts.monitoring_labels_from_env({"PROMPTCACHE_OPERATOR_MONITORING_LABELS": ""}) == {}
+    d = OperatorDefaults.from_env({"PROMPTCACHE_OPERATOR_MONITORING_LABELS": "release=prom"})
     spec = PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "4Gi"}})
-    assert builders.prometheus_rule(spec, Owner(NAME, NS, "u"), d)["metadata"]["labels"]["release"] == "prom"
+    owner = Owner(NAME, NS, "u")
+    assert builders.prometheus_rule(spec, owner, d)["metadata"]["labels"]["release"] == "prom"
+    assert builders.service_monitor(spec, owner, d)["metadata"]["labels"]["release"] == "prom"
 
 
 def test_chart_template_is_generated():

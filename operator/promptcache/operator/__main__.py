@@ -47,13 +47,18 @@ def main(argv: list[str] | None = None, stop_flag: threading.Event | None = None
     os.environ["PROMPTCACHE_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)
 
     import kopf
-    from kopf._core.actions.loggers import LogFormat
 
-    kopf.configure(debug=args.debug, verbose=args.verbose, log_format=LogFormat[args.log_format.upper()])
-    from . import handlers  # noqa: F401  (registers the handlers)
+    kopf.configure(debug=args.debug, verbose=args.verbose, log_format=kopf.LogFormat[args.log_format.upper()])
+    from . import handlers  # registers the handlers
 
     namespaces = args.namespace or [n for n in os.environ.get("PROMPTCACHE_OPERATOR_NAMESPACES", "").split(",")
                                     if n]
+    if not args.standalone:
+        problem = handlers.kube().peering_problem(args.peering, namespaces)
+        if problem:  # kopf would wait for the peering silently, doing nothing: refuse to start instead
+            logging.getLogger("promptcache.operator").error("cannot start: %s", problem)
+            print(f"promptcache operator: {problem}", file=sys.stderr, flush=True)
+            return 2
     priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
     logging.getLogger("promptcache.operator").info("peering %s, priority %d", args.peering, priority)
     kopf.run(
