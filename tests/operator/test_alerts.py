@@ -265,3 +265,34 @@ def test_alerts_use_only_sidecar_series():
     # besides: up (Prometheus), container_memory_working_set_bytes (cAdvisor), kube_pod_container_resource_limits
     # (kube-state-metrics), all in kube-prometheus-stack
     assert used and used <= sidecar_series(), used - sidecar_series()
+
+
+def test_chart_operator_rule_degraded_reads_the_operators_own_series(helm_offline, tmp_path):
+    """PromptCacheDegraded reads promptcache_operator_cache_condition (tests/operator/test_operator_apiserver.py
+    checks the operator exports it); a standby replica's missing series or a healthy cache stays silent."""
+    out = helm_offline("template", "x", str(CHART), "--set", "prometheusRule.enabled=true",
+                       "--show-only", "templates/prometheusrule.yaml")
+    (doc,) = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert doc["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": doc["spec"]["groups"]}, sort_keys=False))
+    r = promtool("check", "rules", "rules.yaml", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cond = "promptcache_operator_cache_condition"
+    degraded = {"namespace": NS, "name": NAME, "condition": "Degraded", "pod": "op-1"}
+    tests = [
+        {"name": "degraded fires", "interval": "1m",
+         "input_series": [series(cond, degraded, "1x30"), series(cond, {**degraded, "pod": "op-2"}, "0x30")],
+         "alert_rule_test": [{"eval_time": "20m", "alertname": "PromptCacheDegraded",
+                              "exp_alerts": [{"exp_labels": {"namespace": NS, "name": NAME,
+                                                             "severity": "warning"}}]}]},
+        {"name": "healthy or briefly degraded stays silent", "interval": "1m",
+         "input_series": [series(cond, degraded, "0x30"),
+                          series(cond, {**degraded, "name": "blip"}, "0x10 1x5 0x15")],
+         "alert_rule_test": [{"eval_time": "20m", "alertname": "PromptCacheDegraded", "exp_alerts": []}]}]
+    bare = [{**g, "rules": [{k: v for k, v in r.items() if k != "annotations"} for r in g["rules"]]}
+            for g in doc["spec"]["groups"]]
+    (tmp_path / "bare.yaml").write_text(yaml.safe_dump({"groups": bare}, sort_keys=False, width=10000))
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(
+        {"rule_files": ["bare.yaml"], "evaluation_interval": "1m", "tests": tests}, sort_keys=False, width=10000))
+    r = promtool("test", "rules", "tests.yaml", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr

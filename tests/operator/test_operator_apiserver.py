@@ -487,3 +487,24 @@ def test_crd_refuses_pod_settings_that_would_break_the_operator(crd, kube, names
     assert ok["spec"]["pod"]["serviceAccountName"] == "cache-sa"
     defaulted = apply_pc(kube, namespace, example(), name="defaulted-pod")
     assert defaulted["spec"]["pod"] == {"serviceAccountName": "default"}
+
+
+def test_operator_exports_each_caches_conditions(operator, kube, namespace):
+    """PromptCacheDegraded reads the operator's own series: a cache's conditions appear, follow the status, and
+    go when the cache is deleted."""
+    import re as _re
+
+    apply_pc(kube, namespace, example())
+    wait_for(lambda: all_present(kube, namespace, "llama-8b"), timeout=10)
+
+    def value(cond: str) -> float | None:
+        m = _re.search(rf'promptcache_operator_cache_condition{{condition="{cond}",name="llama-8b",'
+                       rf'namespace="{namespace}"}} (\S+)', operator.metrics())
+        return float(m.group(1)) if m else None
+    # No DaemonSet controller runs here: Ready is False, Progressing True, Degraded False.
+    wait_for(lambda: value("Progressing") == 1.0 and value("Ready") == 0.0 and value("Degraded") == 0.0,
+             timeout=10, what="conditions exported")
+    assert 'promptcache_operator_reconciles_total{name="llama-8b",namespace="%s",result="ok"}' % namespace \
+        in operator.metrics()
+    kube.delete(PC_API, "PromptCache", namespace, "llama-8b")
+    wait_for(lambda: value("Ready") is None, timeout=10, what="series dropped with the cache")

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "replica)")
     p.add_argument("--liveness", default=env("PROMPTCACHE_OPERATOR_LIVENESS", "http://0.0.0.0:8080/healthz"),
                    help="kopf liveness endpoint URL, '' for none (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=int(env("PROMPTCACHE_OPERATOR_METRICS_PORT", "8081")),
+                   help="port of the operator's Prometheus /metrics (cache conditions, reconciles); 0: off "
+                        "(env PROMPTCACHE_OPERATOR_METRICS_PORT; default %(default)s)")
     p.add_argument("--resync-seconds", type=float,
                    default=float(env("PROMPTCACHE_OPERATOR_RESYNC_SECONDS", "30")),
                    help="interval of the level-based resync timer (default %(default)s)")
@@ -59,6 +62,15 @@ def main(argv: list[str] | None = None, stop_flag: threading.Event | None = None
             logging.getLogger("promptcache.operator").error("cannot start: %s", problem)
             print(f"promptcache operator: {problem}", file=sys.stderr, flush=True)
             return 2
+    if args.metrics_port:
+        from . import telemetry
+
+        try:
+            port = telemetry.serve(args.metrics_port)
+        except OSError as exc:
+            print(f"promptcache operator: --metrics-port {args.metrics_port}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        logging.getLogger("promptcache.operator").info("metrics on :%d/metrics", port)
     priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
     logging.getLogger("promptcache.operator").info("peering %s, priority %d", args.peering, priority)
     kopf.run(

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import kopf
 
-from . import autoscale, metrics_source
+from . import autoscale, metrics_source, telemetry
 from .builders import CACHE_LABEL, MANAGED_BY, OperatorDefaults
 from .kube import Kube
 from .model import GROUP, KIND, PLURAL, VERSION
@@ -57,12 +57,21 @@ def _reconcile(body: kopf.Body, logger: logging.Logger, reason: str) -> None:
     # Objects of kopf are read-only views; reconcile wants plain dicts.
     obj = {"metadata": dict(body.metadata), "spec": dict(body.spec), "status": dict(body.status)}
     out = reconcile(kube(), obj, OperatorDefaults.from_env())
+    md = obj["metadata"]
+    telemetry.record(md["namespace"], md["name"], out.status.get("conditions") or [],
+                     "invalid_spec" if out.invalid_spec else "error" if out.errors else "ok")
     if out.invalid_spec:
         raise kopf.PermanentError("; ".join(out.errors))  # status says InvalidSpec; wait for a spec change
     if out.errors:
         logger.warning("%s: reconciled with errors: %s", reason, "; ".join(out.errors))
         raise kopf.TemporaryError("; ".join(out.errors), delay=5)
     logger.debug("%s: applied %s, deleted %s", reason, out.applied, out.deleted)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def on_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
+    if event.get("type") == "DELETED":  # an event handler adds no finalizer, so deletion is never held up
+        telemetry.forget(body.metadata.namespace, body.metadata.name)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -153,6 +162,8 @@ def _repair(key: tuple[str, str]) -> None:
         return  # the PromptCache is gone or going: its children go with it (garbage collection)
     obj = {"metadata": body["metadata"], "spec": body.get("spec") or {}, "status": body.get("status") or {}}
     out = reconcile(kube(), obj, OperatorDefaults.from_env())
+    telemetry.record(namespace, name, out.status.get("conditions") or [],
+                     "invalid_spec" if out.invalid_spec else "error" if out.errors else "ok")
     if out.errors:
         log.warning("repairing the children of %s/%s: %s", namespace, name, "; ".join(out.errors))
 
