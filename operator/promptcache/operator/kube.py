@@ -169,7 +169,12 @@ class Kube:
             return (f"the peering CRD {plural}.kopf.dev is not installed: install the chart's CRDs "
                     "(charts/promptcache-operator/crds/) or run a single replica with --standalone")
         for ns in namespaces or [None]:
-            if self.get("kopf.dev/v1", kind, ns, name) is None:
+            path = f"/apis/kopf.dev/v1/namespaces/{ns}/{plural}/{name}" if ns else f"/apis/kopf.dev/v1/{plural}/{name}"
+            try:
+                self.request("GET", path)
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
                 where = f" in namespace {ns}" if ns else ""
                 return (f"the {kind} {name!r}{where} does not exist: create it (the chart does), pass the right "
                         "--peering, or run a single replica with --standalone")
