@@ -1,7 +1,8 @@
 # PromptCache operator image (chart value image.repository: ghcr.io/promptcache/promptcache-operator).
 # Build from the repository root:
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/promptcache/promptcache-operator:0.1.0 .
-# Only the operator's code and its four dependencies go in (no torch; grpcio for the sidecars' Resize):
+# Only the operator's code and its dependencies go in (no torch; grpcio for the sidecars' Resize,
+# prometheus-client for its own /metrics):
 # promptcache.operator is a PEP 420 namespace portion, runnable as `python -m promptcache.operator`.
 
 # Pinned base (by exact version; pin by digest as well in the release pipeline).
@@ -11,6 +12,7 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /venv \
  && /venv/bin/pip install --only-binary=:all: kopf==1.45.2 kubernetes==37.0.2 PyYAML==6.0.4 grpcio==1.85.1 \
+      prometheus-client==0.26.0 \
  && /venv/bin/pip uninstall -y pip setuptools wheel || true
 COPY operator/promptcache/operator /app/promptcache/operator
 RUN /venv/bin/python -m compileall -q /app
@@ -22,5 +24,5 @@ COPY --from=build /venv /venv
 COPY --from=build /app /app
 ENV PATH=/venv/bin:$PATH PYTHONPATH=/app PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 USER 65532:65532
-EXPOSE 8080
+EXPOSE 8080 8081
 ENTRYPOINT ["python", "-m", "promptcache.operator"]

@@ -1,4 +1,4 @@
-"""`promptcache` command: serve | bench NAME | operator."""
+"""`promptcache` command: serve | bench NAME | operator | stats | lookup | purge | resize | top."""
 from __future__ import annotations
 
 import argparse
@@ -16,10 +16,22 @@ BENCHES = {
 }
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("promptcache")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from promptcache import admin
     from promptcache.sidecar import config
 
     parser = argparse.ArgumentParser(prog="promptcache", description="Prompt-prefix KV cache for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the node-local cache sidecar",
                            description=config.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(bench_run=module.run)
     op = sub.add_parser("operator", help="run the Kubernetes operator (kopf)", add_help=False)
     op.add_argument("operator_args", nargs=argparse.REMAINDER)
+    admin.add_arguments(sub)
     return parser
 
 
@@ -52,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         from promptcache.sidecar import server
 
         return server.serve_from_args(args)
-    return args.bench_run(args)
+    if args.command == "bench":
+        return args.bench_run(args)
+    return args.admin_run(args)
 
 
 if __name__ == "__main__":

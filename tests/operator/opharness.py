@@ -260,13 +260,18 @@ class OperatorProcess:
         full_env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
                     "PROMPTCACHE_OPERATOR_RESYNC_SECONDS": "2", **(env or {})}
         self.log = log
+        self.metrics_port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "promptcache.operator", "--liveness", "",
-                                      "--log-format", "plain", *args],
+                                      "--metrics-port", str(self.metrics_port), "--log-format", "plain", *args],
                                      stdout=log.open("ab"), stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True, cwd=str(ROOT), preexec_fn=_die_with_parent)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc.poll() is None:

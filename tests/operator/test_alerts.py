@@ -35,12 +35,17 @@ def series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
 CASES = {
     "PromptCacheHitRatioLow": (
         "30m",
-        [series("promptcache_hit_tokens_total", {**POD, "rpc": "Lookup", "tier": "device"}, "0+10x40"),
-         series("promptcache_missed_tokens_total", {**POD, "rpc": "Lookup"}, "0+90x40")],
+        [series("promptcache_hit_tokens_total", {**POD, "rpc": "Lookup", "tier": "device"}, "0+6000x40"),
+         series("promptcache_missed_tokens_total", {**POD, "rpc": "Lookup"}, "0+54000x40")],
         {**BASE, "severity": "warning"},
-        # 50 % hits; plus an idle cache (no lookups at all), which is not alerted on.
-        [series("promptcache_hit_tokens_total", {**POD, "rpc": "Lookup", "tier": "device"}, "0+50x40"),
-         series("promptcache_missed_tokens_total", {**POD, "rpc": "Lookup"}, "0+50x40"),
+        # 50 % hits; an idle cache (no lookups at all); and a trickle (one missed token a minute, hit ratio 0):
+        # none is alerted on.
+        [series("promptcache_hit_tokens_total", {**POD, "rpc": "Lookup", "tier": "device"}, "0+30000x40"),
+         series("promptcache_missed_tokens_total", {**POD, "rpc": "Lookup"}, "0+30000x40"),
+         series("promptcache_hit_tokens_total", {**POD, "service": "trickle-metrics", "rpc": "Lookup",
+                                                 "tier": "device"}, "0x40"),
+         series("promptcache_missed_tokens_total", {**POD, "service": "trickle-metrics", "rpc": "Lookup"},
+                "0+1x40"),
          series("promptcache_hit_tokens_total", {**POD, "service": "idle-metrics", "rpc": "Lookup",
                                                  "tier": "device"}, "0x40"),
          series("promptcache_missed_tokens_total", {**POD, "service": "idle-metrics", "rpc": "Lookup"}, "0x40")]),
@@ -127,7 +132,7 @@ def test_every_alert_has_cases():
 
 def operator_rule_groups(labels: dict[str, str] | None = None) -> list[dict]:
     spec = PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "4Gi"}})
-    d = OperatorDefaults(rule_labels=tuple((labels or {}).items()))
+    d = OperatorDefaults(monitoring_labels=tuple((labels or {}).items()))
     return builders.prometheus_rule(spec, Owner(NAME, NS, "uid"), d)["spec"]["groups"]
 
 
@@ -188,14 +193,16 @@ def test_annotations_and_runbooks():
             assert anchor in anchors, f"docs/runbooks.md has no section {r['alert']}"
 
 
-def test_operator_rule_labels_from_env():
-    assert alerts.rule_labels_from_env({}) == {"release": "kube-prometheus-stack"}
-    assert alerts.rule_labels_from_env({"PROMPTCACHE_OPERATOR_RULE_LABELS": "release=prom,team=ml"}) == {
+def test_operator_monitoring_labels_from_env():
+    assert alerts.monitoring_labels_from_env({}) == {"release": "kube-prometheus-stack"}
+    assert alerts.monitoring_labels_from_env({"PROMPTCACHE_OPERATOR_MONITORING_LABELS": "release=prom,team=ml"}) == {
         "release": "prom", "team": "ml"}
-    assert alerts.rule_labels_from_env({"PROMPTCACHE_OPERATOR_RULE_LABELS": ""}) == {}
-    d = OperatorDefaults.from_env({"PROMPTCACHE_OPERATOR_RULE_LABELS": "release=prom"})
+    assert alerts.monitoring_labels_from_env({"PROMPTCACHE_OPERATOR_MONITORING_LABELS": ""}) == {}
+    d = OperatorDefaults.from_env({"PROMPTCACHE_OPERATOR_MONITORING_LABELS": "release=prom"})
     spec = PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "4Gi"}})
-    assert builders.prometheus_rule(spec, Owner(NAME, NS, "u"), d)["metadata"]["labels"]["release"] == "prom"
+    owner = Owner(NAME, NS, "u")
+    assert builders.prometheus_rule(spec, owner, d)["metadata"]["labels"]["release"] == "prom"
+    assert builders.service_monitor(spec, owner, d)["metadata"]["labels"]["release"] == "prom"
 
 
 def test_chart_template_is_generated():
@@ -258,3 +265,34 @@ def test_alerts_use_only_sidecar_series():
     # besides: up (Prometheus), container_memory_working_set_bytes (cAdvisor), kube_pod_container_resource_limits
     # (kube-state-metrics), all in kube-prometheus-stack
     assert used and used <= sidecar_series(), used - sidecar_series()
+
+
+def test_chart_operator_rule_degraded_reads_the_operators_own_series(helm_offline, tmp_path):
+    """PromptCacheDegraded reads promptcache_operator_cache_condition (tests/operator/test_operator_apiserver.py
+    checks the operator exports it); a standby replica's missing series or a healthy cache stays silent."""
+    out = helm_offline("template", "x", str(CHART), "--set", "prometheusRule.enabled=true",
+                       "--show-only", "templates/prometheusrule.yaml")
+    (doc,) = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert doc["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": doc["spec"]["groups"]}, sort_keys=False))
+    r = promtool("check", "rules", "rules.yaml", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cond = "promptcache_operator_cache_condition"
+    degraded = {"namespace": NS, "name": NAME, "condition": "Degraded", "pod": "op-1"}
+    tests = [
+        {"name": "degraded fires", "interval": "1m",
+         "input_series": [series(cond, degraded, "1x30"), series(cond, {**degraded, "pod": "op-2"}, "0x30")],
+         "alert_rule_test": [{"eval_time": "20m", "alertname": "PromptCacheDegraded",
+                              "exp_alerts": [{"exp_labels": {"namespace": NS, "name": NAME,
+                                                             "severity": "warning"}}]}]},
+        {"name": "healthy or briefly degraded stays silent", "interval": "1m",
+         "input_series": [series(cond, degraded, "0x30"),
+                          series(cond, {**degraded, "name": "blip"}, "0x10 1x5 0x15")],
+         "alert_rule_test": [{"eval_time": "20m", "alertname": "PromptCacheDegraded", "exp_alerts": []}]}]
+    bare = [{**g, "rules": [{k: v for k, v in r.items() if k != "annotations"} for r in g["rules"]]}
+            for g in doc["spec"]["groups"]]
+    (tmp_path / "bare.yaml").write_text(yaml.safe_dump({"groups": bare}, sort_keys=False, width=10000))
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(
+        {"rule_files": ["bare.yaml"], "evaluation_interval": "1m", "tests": tests}, sort_keys=False, width=10000))
+    r = promtool("test", "rules", "tests.yaml", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr

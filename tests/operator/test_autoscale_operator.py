@@ -49,10 +49,13 @@ def test_operator_grows_memory_under_load(start_operator, crd, kube, namespace, 
                  what="DaemonSet limit raised")
         wait_for(lambda: (metrics_source.scrape(f"http://127.0.0.1:{sidecar.metrics_port}/metrics").budget_bytes
                           > MIN), timeout=10, what="sidecar resized up")
-        events = kube.request("GET", f"/api/v1/namespaces/{namespace}/events",
-                              query=[("fieldSelector", f"involvedObject.name={name}")])["items"]
-        assert any(e["reason"] == "HitRatioBelowTarget" and e["source"]["component"] == "promptcache-autoscaler"
-                   for e in events)
+
+        def grow_event():  # posted after the Resize, so it can trail what the waits above saw
+            events = kube.request("GET", f"/api/v1/namespaces/{namespace}/events",
+                                  query=[("fieldSelector", f"involvedObject.name={name}")])["items"]
+            return any(e["reason"] == "HitRatioBelowTarget" and e["source"]["component"] == "promptcache-autoscaler"
+                       for e in events)
+        wait_for(grow_event, timeout=10, what="the grow's Event")
         assert sidecar.proc.poll() is None
     finally:
         workload.stop.set()

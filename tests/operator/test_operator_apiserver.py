@@ -201,7 +201,11 @@ def test_optional_crds_missing_then_installed(operator, kube, namespace):
         got = wait_for(lambda: all_present(kube, namespace, "llama-8b", CORE_CHILDREN + OPTIONAL_CHILDREN),
                        timeout=15, what="VPA, ServiceMonitor, PrometheusRule created")
         vpa = got["VerticalPodAutoscaler/llama-8b"]
-        assert vpa["spec"]["updatePolicy"]["updateMode"] == "Recreate"
+        # Off until the autoscaler decides: the VPA's recommender must not evict cache pods on its own.
+        assert vpa["spec"]["updatePolicy"]["updateMode"] == "Off"
+        # kube-prometheus-stack's default selectors match its release label.
+        for key in ("ServiceMonitor/llama-8b", "PrometheusRule/llama-8b"):
+            assert got[key]["metadata"]["labels"]["release"] == "kube-prometheus-stack", key
         assert vpa["spec"]["resourcePolicy"]["containerPolicies"][0]["maxAllowed"] == {"memory": "32Gi"}
         for key in ("VerticalPodAutoscaler/llama-8b", "ServiceMonitor/llama-8b", "PrometheusRule/llama-8b"):
             assert got[key]["metadata"]["ownerReferences"][0]["kind"] == "PromptCache"
@@ -418,3 +422,89 @@ def test_status_reports_nodes_hit_ratio_and_readiness(start_operator, crd, kube,
             (1, 1, 0.75, "16Gi", "AllSidecarsReady")
     finally:
         server.shutdown()
+
+
+def test_children_deleted_or_edited_by_hand_are_repaired_within_2s(start_operator, crd, kube, namespace):
+    """The children are watched: drift is repaired at once, not at the next resync (set to 5 minutes here, so
+    only the watch can do it)."""
+    op = start_operator("--standalone", env={**FAST, "PROMPTCACHE_OPERATOR_RESYNC_SECONDS": "300"})
+    apply_pc(kube, namespace, example())
+    got = wait_for(lambda: all_present(kube, namespace, "llama-8b"), timeout=60, what="children\n" + op.log.name)
+    ds_path = object_path("apps/v1", "DaemonSet", namespace, "llama-8b")
+    image = got["DaemonSet/llama-8b"]["spec"]["template"]["spec"]["containers"][0]["image"]
+
+    # An image edited by hand (as `kubectl set image` would, another field manager) is put back.
+    kube.request("PATCH", ds_path, content_type="application/strategic-merge-patch+json",
+                 query=[("fieldManager", "kubectl-set")],
+                 body={"spec": {"template": {"spec": {"containers": [{"name": "sidecar", "image": "evil:latest"}]}}}})
+    start = time.monotonic()
+    wait_for(lambda: kube.get("apps/v1", "DaemonSet", namespace, "llama-8b")["spec"]["template"]["spec"]
+             ["containers"][0]["image"] == image, timeout=2, interval=0.02, what="image edit reverted within 2 s")
+    print(f"edited image reverted after {(time.monotonic() - start) * 1000:.0f} ms")
+
+    # Children deleted by hand come back.
+    for api, kind, name in (("apps/v1", "DaemonSet", "llama-8b"), ("v1", "Service", "llama-8b"),
+                            ("v1", "ConfigMap", "llama-8b-config")):
+        old_uid = kube.get(api, kind, namespace, name)["metadata"]["uid"]
+        kube.delete(api, kind, namespace, name)
+        start = time.monotonic()
+
+        def recreated():
+            obj = kube.get(api, kind, namespace, name)
+            return obj is not None and obj["metadata"]["uid"] != old_uid
+        wait_for(recreated, timeout=2, interval=0.02, what=f"{kind}/{name} recreated within 2 s")
+        print(f"{kind}/{name} recreated after {(time.monotonic() - start) * 1000:.0f} ms")
+
+    # Steady state: the operator's own applies raise no events, so it does not reconcile in a loop.
+    reconciles = lambda: op.output().count("reconciled ")  # noqa: E731
+    time.sleep(1.0)
+    settled = reconciles()
+    time.sleep(3.0)
+    assert reconciles() - settled <= 1, op.output()[-3000:]
+
+
+def test_operator_without_its_peering_object_refuses_to_start(start_operator, crd, kube):
+    """Without --standalone kopf would wait for a missing peering object silently, doing nothing."""
+    op = start_operator("--peering", "no-such-peering", env=FAST)
+    assert op.proc.wait(timeout=60) == 2
+    out = op.output()
+    assert "ClusterKopfPeering 'no-such-peering'" in out and "--standalone" in out, out[-2000:]
+
+
+def test_crd_refuses_pod_settings_that_would_break_the_operator(crd, kube, namespace):
+    doc = example()
+    doc["spec"]["pod"] = {"labels": {"promptcache.io/cache": "other"}}
+    with pytest.raises(ApiError) as exc:
+        apply_pc(kube, namespace, doc, name="bad-labels")
+    assert exc.value.status == 422 and "spec.pod.labels may not set" in exc.value.body
+    doc["spec"]["pod"] = {"imagePullSecrets": [{"name": "Bad_Name"}]}
+    with pytest.raises(ApiError) as exc:
+        apply_pc(kube, namespace, doc, name="bad-secret")
+    assert exc.value.status == 422 and "imagePullSecrets" in exc.value.body
+    doc["spec"]["pod"] = {"serviceAccountName": "cache-sa", "imagePullSecrets": [{"name": "regcred"}],
+                          "labels": {"team": "ml"}, "annotations": {"example.com/x": "y"}}
+    ok = apply_pc(kube, namespace, doc, name="good-pod")
+    assert ok["spec"]["pod"]["serviceAccountName"] == "cache-sa"
+    defaulted = apply_pc(kube, namespace, example(), name="defaulted-pod")
+    assert defaulted["spec"]["pod"] == {"serviceAccountName": "default"}
+
+
+def test_operator_exports_each_caches_conditions(operator, kube, namespace):
+    """PromptCacheDegraded reads the operator's own series: a cache's conditions appear, follow the status, and
+    go when the cache is deleted."""
+    import re as _re
+
+    apply_pc(kube, namespace, example())
+    wait_for(lambda: all_present(kube, namespace, "llama-8b"), timeout=10)
+
+    def value(cond: str) -> float | None:
+        m = _re.search(rf'promptcache_operator_cache_condition{{condition="{cond}",name="llama-8b",'
+                       rf'namespace="{namespace}"}} (\S+)', operator.metrics())
+        return float(m.group(1)) if m else None
+    # No DaemonSet controller runs here: Ready is False, Progressing True, Degraded False.
+    wait_for(lambda: value("Progressing") == 1.0 and value("Ready") == 0.0 and value("Degraded") == 0.0,
+             timeout=10, what="conditions exported")
+    assert 'promptcache_operator_reconciles_total{name="llama-8b",namespace="%s",result="ok"}' % namespace \
+        in operator.metrics()
+    kube.delete(PC_API, "PromptCache", namespace, "llama-8b")
+    wait_for(lambda: value("Ready") is None, timeout=10, what="series dropped with the cache")

@@ -5,6 +5,7 @@ Regenerate the golden files after an intended change:  PROMPTCACHE_UPDATE_GOLDEN
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -271,3 +272,51 @@ def test_bulk_channel_is_served_only_without_tls():
             from promptcache.sidecar.config import Settings
 
             Settings(bulk_address=env["PROMPTCACHE_BULK_ADDRESS"], allow_insecure_remote=True).validate()
+
+
+def test_pod_settings_reach_the_daemonset_and_cannot_break_its_selector():
+    base = example("minimal")["spec"]
+    spec = PromptCacheSpec.from_dict({**base, "pod": {
+        "serviceAccountName": "cache-sa", "imagePullSecrets": [{"name": "regcred"}, {"name": "mirror"}],
+        "labels": {"team": "ml"}, "annotations": {"example.com/a": "b"}}})
+    ds = builders.daemon_set(spec, OWNER, OperatorDefaults(), "h")
+    pod = _pod(ds)
+    assert pod["serviceAccountName"] == "cache-sa"
+    assert pod["automountServiceAccountToken"] is False  # a custom ServiceAccount still gets no API token
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+    meta = ds["spec"]["template"]["metadata"]
+    assert meta["labels"]["team"] == "ml" and meta["annotations"]["example.com/a"] == "b"
+    assert ds["spec"]["selector"]["matchLabels"].items() <= meta["labels"].items()
+    assert meta["annotations"][builders.CONFIG_HASH_ANNOTATION] == "h"
+    # Without spec.pod: the namespace's default ServiceAccount and no pull secrets, as before.
+    plain = _pod(builders.daemon_set(PromptCacheSpec.from_dict(base), OWNER, OperatorDefaults(), "h"))
+    assert plain["serviceAccountName"] == "default" and "imagePullSecrets" not in plain
+
+
+@pytest.mark.parametrize("pod, culprit", [
+    ({"labels": {"promptcache.io/cache": "other"}}, "promptcache.io/cache"),
+    ({"labels": {"app.kubernetes.io/component": "x"}}, "app.kubernetes.io/component"),
+    ({"annotations": {"promptcache.io/config-hash": "0"}}, "promptcache.io/config-hash"),
+    ({"serviceAccountName": "Not_A_Name"}, "Not_A_Name"),
+    ({"imagePullSecrets": [{"name": "-bad"}]}, "-bad"),
+])
+def test_pod_settings_that_would_break_the_operator_are_refused(pod, culprit):
+    with pytest.raises(SpecError, match=re.escape(culprit)):
+        PromptCacheSpec.from_dict({**example("minimal")["spec"], "pod": pod})
+
+
+def test_monitoring_labels_merge_over_the_operator_defaults_but_not_over_its_own():
+    spec = PromptCacheSpec.from_dict({**example("minimal")["spec"], "monitoring": {"labels": {
+        "team": "ml", "promptcache.io/cache": "spoof"}}})
+    d = OperatorDefaults(monitoring_labels=(("release", "kps"),))
+    for obj in (builders.service_monitor(spec, OWNER, d), builders.prometheus_rule(spec, OWNER, d)):
+        labels = obj["metadata"]["labels"]
+        assert labels["release"] == "kps" and labels["team"] == "ml"
+        assert labels["promptcache.io/cache"] == OWNER.name, obj["kind"]
+    over = PromptCacheSpec.from_dict({**example("minimal")["spec"], "monitoring": {"labels": {"release": "prom"}}})
+    assert builders.service_monitor(over, OWNER, d)["metadata"]["labels"]["release"] == "prom"
+
+
+def test_vpa_starts_off_until_the_autoscaler_decides():
+    spec = PromptCacheSpec.from_dict({**example("minimal")["spec"], "autoscaling": {"enabled": True}})
+    assert builders.vertical_pod_autoscaler(spec, OWNER)["spec"]["updatePolicy"]["updateMode"] == "Off"

@@ -102,3 +102,45 @@ def test_chart_deployment_draws_no_pod_security_warning(helm_release, helm_offli
     dep = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment")
     _, _, warnings = kube.apply(dep, with_headers=True)
     assert warnings == []
+
+
+def test_renders_as_a_dependency_of_an_umbrella_chart_with_global_values(helm_offline, tmp_path):
+    """Helm hands an umbrella chart's `global` values to every subchart; the values schema must accept them."""
+    import shutil
+
+    umbrella = tmp_path / "platform"
+    (umbrella / "charts").mkdir(parents=True)
+    shutil.copytree(CHART, umbrella / "charts" / CHART.name)
+    (umbrella / "Chart.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "v2", "name": "platform", "version": "1.0.0",
+        "dependencies": [{"name": CHART.name, "version": yaml.safe_load((CHART / "Chart.yaml").read_text())["version"],
+                          "alias": "cache"}]}))
+    (umbrella / "values.yaml").write_text(yaml.safe_dump({
+        "global": {"imageRegistry": "registry.example.com", "storageClass": "fast"},
+        "cache": {"replicaCount": 1, "monitoring": {"labels": {"release": "prometheus"}},
+                  "prometheusRule": {"enabled": True}}}))
+    out = helm_offline("template", "platform", str(umbrella), "--namespace", RELEASE_NS)
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["replicas"] == 1
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PROMPTCACHE_OPERATOR_MONITORING_LABELS"] == "release=prometheus"
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+
+
+def test_monitoring_labels_reach_every_monitoring_object(helm_offline):
+    """kube-prometheus-stack selects ServiceMonitors and PrometheusRules by its release label: by default the
+    chart's own rules and (through the operator's environment) the operator's carry it."""
+    out = helm_offline("template", "promptcache", str(CHART), "--namespace", RELEASE_NS,
+                       "--set", "prometheusRule.enabled=true", "--set", "cacheAlerts.enabled=true",
+                       "--set", "cacheAlerts.labels.team=ml")
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    rules = [d for d in docs if d["kind"] == "PrometheusRule"]
+    assert len(rules) == 2
+    for r in rules:
+        assert r["metadata"]["labels"]["release"] == "kube-prometheus-stack", r["metadata"]["name"]
+    assert next(r for r in rules if r["metadata"]["name"].endswith("-caches"))["metadata"]["labels"]["team"] == "ml"
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PROMPTCACHE_OPERATOR_MONITORING_LABELS"] == "release=kube-prometheus-stack"

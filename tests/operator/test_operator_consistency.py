@@ -145,7 +145,7 @@ def test_values_schema_agrees_with_crd_and_operator():
 
 def _leaves(d: dict, prefix: str = ""):
     for k, v in d.items():
-        if isinstance(v, dict) and v and k not in ("resources",):
+        if isinstance(v, dict) and v and k not in ("resources", "labels"):  # free-form maps: one value
             yield from _leaves(v, f"{prefix}{k}.")
         else:
             yield f"{prefix}{k}"

@@ -41,20 +41,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
-{{/* Labels of the cache PrometheusRules as a map */}}
-{{- define "promptcache-operator.ruleLabelMap" -}}
-{{- $m := dict -}}
-{{- if .Values.cacheAlerts.ruleSelectorLabel -}}
-{{- $_ := set $m .Values.cacheAlerts.ruleSelectorLabel .Values.cacheAlerts.ruleSelectorLabelValue -}}
-{{- end -}}
-{{- $m = merge $m .Values.cacheAlerts.labels -}}
-{{- if $m }}{{ toYaml $m }}{{ end -}}
-{{- end -}}
-
-{{/* The same as k=v,k=v (PROMPTCACHE_OPERATOR_RULE_LABELS of the operator) */}}
-{{- define "promptcache-operator.ruleLabels" -}}
+{{/* monitoring.labels as k=v,k=v (PROMPTCACHE_OPERATOR_MONITORING_LABELS of the operator) */}}
+{{- define "promptcache-operator.monitoringLabels" -}}
 {{- $out := list -}}
-{{- range $k, $v := (include "promptcache-operator.ruleLabelMap" . | fromYaml) -}}
+{{- range $k, $v := .Values.monitoring.labels -}}
 {{- $out = append $out (printf "%s=%s" $k $v) -}}
 {{- end -}}
 {{- join "," $out -}}

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "replica)")
     p.add_argument("--liveness", default=env("PROMPTCACHE_OPERATOR_LIVENESS", "http://0.0.0.0:8080/healthz"),
                    help="kopf liveness endpoint URL, '' for none (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=int(env("PROMPTCACHE_OPERATOR_METRICS_PORT", "8081")),
+                   help="port of the operator's Prometheus /metrics (cache conditions, reconciles); 0: off "
+                        "(env PROMPTCACHE_OPERATOR_METRICS_PORT; default %(default)s)")
     p.add_argument("--resync-seconds", type=float,
                    default=float(env("PROMPTCACHE_OPERATOR_RESYNC_SECONDS", "30")),
                    help="interval of the level-based resync timer (default %(default)s)")
@@ -47,13 +50,27 @@ def main(argv: list[str] | None = None, stop_flag: threading.Event | None = None
     os.environ["PROMPTCACHE_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)
 
     import kopf
-    from kopf._core.actions.loggers import LogFormat
 
-    kopf.configure(debug=args.debug, verbose=args.verbose, log_format=LogFormat[args.log_format.upper()])
-    from . import handlers  # noqa: F401  (registers the handlers)
+    kopf.configure(debug=args.debug, verbose=args.verbose, log_format=kopf.LogFormat[args.log_format.upper()])
+    from . import handlers  # registers the handlers
 
     namespaces = args.namespace or [n for n in os.environ.get("PROMPTCACHE_OPERATOR_NAMESPACES", "").split(",")
                                     if n]
+    if not args.standalone:
+        problem = handlers.kube().peering_problem(args.peering, namespaces)
+        if problem:  # kopf would wait for the peering silently, doing nothing: refuse to start instead
+            logging.getLogger("promptcache.operator").error("cannot start: %s", problem)
+            print(f"promptcache operator: {problem}", file=sys.stderr, flush=True)
+            return 2
+    if args.metrics_port:
+        from . import telemetry
+
+        try:
+            port = telemetry.serve(args.metrics_port)
+        except OSError as exc:
+            print(f"promptcache operator: --metrics-port {args.metrics_port}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        logging.getLogger("promptcache.operator").info("metrics on :%d/metrics", port)
     priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
     logging.getLogger("promptcache.operator").info("peering %s, priority %d", args.peering, priority)
     kopf.run(

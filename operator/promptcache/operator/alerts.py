@@ -20,7 +20,9 @@ from typing import Any
 import yaml
 
 RUNBOOK_BASE = "https://github.com/promptcache/promptcache/blob/main/docs/runbooks.md"
-DEFAULT_RULE_LABELS = {"release": "kube-prometheus-stack"}  # kube-prometheus-stack's default ruleSelector
+# kube-prometheus-stack selects ServiceMonitors and PrometheusRules by its release label (serviceMonitorSelector,
+# ruleSelector: release=<its Helm release>, kube-prometheus-stack by default).
+DEFAULT_MONITORING_LABELS = {"release": "kube-prometheus-stack"}
 CHART_SELECTOR = 'service=~".+-metrics"'
 # gRPC codes that say the server failed (client mistakes such as INVALID_ARGUMENT or NOT_FOUND do not count).
 SERVER_ERROR_CODES = "INTERNAL|UNKNOWN|UNAVAILABLE|DATA_LOSS|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED"
@@ -41,6 +43,9 @@ class Thresholds:
     disk_utilization_above: float = 0.9
     error_ratio_above: float = 0.05
     container_memory_above: float = 0.9
+    # The hit-ratio alert needs this much traffic (tokens looked up per second over its window): a cache that
+    # sees one prompt an hour has a hit ratio that says nothing.
+    min_lookup_tokens_per_second: float = 10.0
 
 
 def _num(v: Any) -> str:
@@ -68,8 +73,9 @@ def rules(selector: str, th: Thresholds | dict[str, str] = Thresholds(), runbook
 
     out = [
         rule("PromptCacheHitRatioLow",
-             # No traffic: 0/0 is NaN and the comparison drops it (an idle cache is not a bad cache).
-             f"{hits} / ({hits} + {misses}) < {t['hit_ratio_below']}",
+             # Only with real traffic: an idle cache (0/0 is NaN, dropped) or a trickle of lookups is not a bad cache.
+             f"({hits} / ({hits} + {misses}) < {t['hit_ratio_below']}) and "
+             f"({hits} + {misses} > {t['min_lookup_tokens_per_second']})",
              t["for_"], "warning",
              f"PromptCache {cache}: hit ratio below {t['hit_ratio_below']}",
              f"Only {{{{ $value | humanizePercentage }}}} of the prompt tokens looked up in {cache} over {win} were "
@@ -146,11 +152,12 @@ def thresholds_from_spec(alerts_spec: Any) -> Thresholds:
                       for_=alerts_spec.for_)
 
 
-def rule_labels_from_env(env: dict[str, str]) -> dict[str, str]:
-    """PROMPTCACHE_OPERATOR_RULE_LABELS="release=kube-prometheus-stack,team=ml" (empty string: none)."""
-    raw = env.get("PROMPTCACHE_OPERATOR_RULE_LABELS")
+def monitoring_labels_from_env(env: dict[str, str]) -> dict[str, str]:
+    """Labels of the ServiceMonitors and PrometheusRules the operator creates:
+    PROMPTCACHE_OPERATOR_MONITORING_LABELS="release=kube-prometheus-stack,team=ml" (empty string: none)."""
+    raw = env.get("PROMPTCACHE_OPERATOR_MONITORING_LABELS")
     if raw is None:
-        return dict(DEFAULT_RULE_LABELS)
+        return dict(DEFAULT_MONITORING_LABELS)
     return dict(kv.split("=", 1) for kv in raw.split(",") if "=" in kv)
 
 
@@ -159,7 +166,8 @@ HELM_VALUES = ".Values.cacheAlerts"
 HELM_THRESHOLDS = {"hit_ratio_below": "hitRatioBelow", "memory_utilization_above": "memoryUtilizationAbove",
                    "evictions_per_second_above": "evictionsPerSecondAbove", "for_": "for",
                    "disk_utilization_above": "diskUtilizationAbove", "error_ratio_above": "errorRatioAbove",
-                   "container_memory_above": "containerMemoryAbove"}
+                   "container_memory_above": "containerMemoryAbove",
+                   "min_lookup_tokens_per_second": "minLookupTokensPerSecond"}
 _PROM_TEMPLATE = re.compile(r"\{\{[^}]*\}\}")
 
 
@@ -185,7 +193,9 @@ def helm_template() -> str:
         "  namespace: {{ .Release.Namespace }}\n"
         "  labels:\n"
         "    {{- include \"promptcache-operator.labels\" . | nindent 4 }}\n"
-        "    {{- include \"promptcache-operator.ruleLabelMap\" . | nindent 4 }}\n"
+        "    {{- with merge (dict) .Values.cacheAlerts.labels .Values.monitoring.labels }}\n"
+        "    {{- toYaml . | nindent 4 }}\n"
+        "    {{- end }}\n"
         "spec:\n"
         "  groups:\n"
         "    - name: promptcache-caches\n"

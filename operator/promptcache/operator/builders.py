@@ -6,7 +6,7 @@ Children of a PromptCache named N in namespace NS:
   Service        N           node-local gRPC endpoint (internalTrafficPolicy: Local)
   Service        N-metrics   headless, for Prometheus
   ResourceQuota  N-quota     scoped by PriorityClass to the cache pods only
-  VerticalPodAutoscaler N    if the VPA CRD is installed (updateMode Off unless spec.autoscaling.enabled)
+  VerticalPodAutoscaler N    if the VPA CRD is installed (updateMode Off until the autoscaler decides a size)
   ServiceMonitor N           if the Prometheus operator CRDs are installed
   PrometheusRule N           if installed and spec.alerts.enabled
 """
@@ -57,7 +57,7 @@ class OperatorDefaults:
     image_repository: str = "ghcr.io/promptcache/promptcache-sidecar"
     image_tag: str = "0.1.0"
     image_pull_policy: str = "IfNotPresent"
-    rule_labels: tuple[tuple[str, str], ...] = tuple(alerts.DEFAULT_RULE_LABELS.items())
+    monitoring_labels: tuple[tuple[str, str], ...] = tuple(alerts.DEFAULT_MONITORING_LABELS.items())
     runbook_base_url: str = alerts.RUNBOOK_BASE
 
     @classmethod
@@ -68,7 +68,7 @@ class OperatorDefaults:
             image_repository=env.get("PROMPTCACHE_SIDECAR_IMAGE_REPOSITORY", d.image_repository),
             image_tag=env.get("PROMPTCACHE_SIDECAR_IMAGE_TAG", d.image_tag),
             image_pull_policy=env.get("PROMPTCACHE_SIDECAR_IMAGE_PULL_POLICY", d.image_pull_policy),
-            rule_labels=tuple(sorted(alerts.rule_labels_from_env(env).items())),
+            monitoring_labels=tuple(sorted(alerts.monitoring_labels_from_env(env).items())),
             runbook_base_url=env.get("PROMPTCACHE_OPERATOR_RUNBOOK_BASE_URL", d.runbook_base_url),
         )
 
@@ -273,7 +273,7 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec: dict[str, Any] = {
-        "serviceAccountName": "default",
+        "serviceAccountName": spec.pod.serviceAccountName,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "hostNetwork": False,
@@ -293,6 +293,8 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
         "containers": [container],
         "volumes": volumes,
     }
+    if spec.pod.imagePullSecrets:
+        pod_spec["imagePullSecrets"] = to_dict(spec.pod.imagePullSecrets)
     if spec.placement.affinity:
         pod_spec["affinity"] = spec.placement.affinity
     return {
@@ -304,9 +306,9 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
             "template": {
                 "metadata": {
-                    "labels": labels(owner),
-                    "annotations": {CONFIG_HASH_ANNOTATION: cfg_hash,
-                                    f"{GROUP}/model": spec.model.name},
+                    "labels": dict(sorted({**spec.pod.labels, **labels(owner)}.items())),
+                    "annotations": dict(sorted({**spec.pod.annotations, CONFIG_HASH_ANNOTATION: cfg_hash,
+                                                f"{GROUP}/model": spec.model.name}.items())),
                 },
                 "spec": pod_spec,
             },
@@ -390,17 +392,27 @@ def vertical_pod_autoscaler(spec: PromptCacheSpec, owner: Owner) -> dict[str, An
         "metadata": _meta(owner, owner.name),
         "spec": {
             "targetRef": {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": owner.name},
-            "updatePolicy": {"updateMode": "Recreate" if spec.autoscaling.enabled else "Off"},
+            # Off until the autoscaler's first decision (autoscale.adjust_children then sets the configured mode):
+            # in any other mode the VPA's own recommender could evict cache pods, and their memory tier, at once.
+            "updatePolicy": {"updateMode": "Off"},
             "resourcePolicy": {"containerPolicies": [policy]},
         },
     }
 
 
-def service_monitor(owner: Owner) -> dict[str, Any]:
+def _monitoring_meta(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults) -> dict[str, Any]:
+    """Metadata of the ServiceMonitor and PrometheusRule: the labels Prometheus selects them by (the operator's
+    defaults, then spec.monitoring.labels) under the operator's own, which stay authoritative."""
+    selection = {**dict(defaults.monitoring_labels), **spec.monitoring.labels}
+    return _meta(owner, owner.name, {k: v for k, v in selection.items() if k not in labels(owner)})
+
+
+def service_monitor(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults = OperatorDefaults()
+                    ) -> dict[str, Any]:
     return {
         "apiVersion": SERVICE_MONITOR[0],
         "kind": SERVICE_MONITOR[1],
-        "metadata": _meta(owner, owner.name),
+        "metadata": _monitoring_meta(spec, owner, defaults),
         "spec": {
             "selector": {"matchLabels": {CACHE_LABEL: owner.name, f"{GROUP}/metrics": "true"}},
             "endpoints": [{"port": "metrics", "interval": "30s", "path": "/metrics"}],
@@ -413,12 +425,10 @@ def prometheus_rule(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefau
     """The cache alerts of promptcache.operator.alerts (shared with the chart), for this cache's series only."""
     sel = f'namespace="{owner.namespace}",service="{owner.name}-metrics"'
     rules = alerts.rules(sel, alerts.thresholds_from_spec(spec.alerts), defaults.runbook_base_url)
-    meta = _meta(owner, owner.name)
-    meta["labels"].update(dict(defaults.rule_labels))
     return {
         "apiVersion": PROMETHEUS_RULE[0],
         "kind": PROMETHEUS_RULE[1],
-        "metadata": meta,
+        "metadata": _monitoring_meta(spec, owner, defaults),
         "spec": {"groups": [{"name": f"promptcache.{owner.namespace}.{owner.name}", "rules": rules}]},
     }
 
@@ -432,7 +442,7 @@ def desired_children(spec: PromptCacheSpec, owner: Owner, caps: Capabilities,
     if caps.vpa:
         children.append(vertical_pod_autoscaler(spec, owner))
     if caps.service_monitor:
-        children.append(service_monitor(owner))
+        children.append(service_monitor(spec, owner, defaults))
     if caps.prometheus_rule and spec.alerts.enabled:
         children.append(prometheus_rule(spec, owner, defaults))
     return children

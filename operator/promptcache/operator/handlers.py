@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+import threading
+import time
+from typing import Any, Callable
 
 import kopf
 
-from . import autoscale, metrics_source
-from .builders import OperatorDefaults
+from . import autoscale, metrics_source, telemetry
+from .builders import CACHE_LABEL, MANAGED_BY, OperatorDefaults
 from .kube import Kube
-from .model import GROUP, PLURAL, VERSION
+from .model import GROUP, KIND, PLURAL, VERSION
 from .reconcile import reconcile
 
 log = logging.getLogger("promptcache.operator")
@@ -55,12 +57,21 @@ def _reconcile(body: kopf.Body, logger: logging.Logger, reason: str) -> None:
     # Objects of kopf are read-only views; reconcile wants plain dicts.
     obj = {"metadata": dict(body.metadata), "spec": dict(body.spec), "status": dict(body.status)}
     out = reconcile(kube(), obj, OperatorDefaults.from_env())
+    md = obj["metadata"]
+    telemetry.record(md["namespace"], md["name"], out.status.get("conditions") or [],
+                     "invalid_spec" if out.invalid_spec else "error" if out.errors else "ok")
     if out.invalid_spec:
         raise kopf.PermanentError("; ".join(out.errors))  # status says InvalidSpec; wait for a spec change
     if out.errors:
         logger.warning("%s: reconciled with errors: %s", reason, "; ".join(out.errors))
         raise kopf.TemporaryError("; ".join(out.errors), delay=5)
     logger.debug("%s: applied %s, deleted %s", reason, out.applied, out.deleted)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def on_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
+    if event.get("type") == "DELETED":  # an event handler adds no finalizer, so deletion is never held up
+        telemetry.forget(body.metadata.namespace, body.metadata.name)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -101,3 +112,81 @@ def autoscale_timer(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
         logger.info("autoscaling: %s", out.decision.message)
     for err in out.errors:
         logger.warning("autoscaling: %s", err)
+
+
+# --- drift: children changed or deleted by hand -------------------------------------------------------------------
+# The core children are watched (filtered by the labels the operator puts on them), so drift is repaired within
+# about a second instead of at the next resync. The optional ones (VPA, ServiceMonitor, PrometheusRule) are left to
+# the resync timer: their CRDs may not exist, and they hold no cached data.
+WATCHED_CHILDREN = (("apps", "v1", "daemonsets"), ("", "v1", "services"), ("", "v1", "configmaps"),
+                    ("", "v1", "resourcequotas"))
+CHILD_LABELS = {CACHE_LABEL: kopf.PRESENT, "app.kubernetes.io/managed-by": MANAGED_BY}
+DRIFT_MIN_INTERVAL_SECONDS = 0.5  # one repair per cache per interval, however many child events arrive
+
+
+class Coalescer:
+    """Runs fn(key) in a thread after request(key), at most once per `interval` per key: requests that arrive
+    while a run is pending or too recent are folded into one trailing run, so a burst of events (a rollout
+    updating a DaemonSet's status) costs one reconcile and the last request is never lost."""
+
+    def __init__(self, fn: Callable[[Any], None], interval: float, clock: Callable[[], float] = time.monotonic):
+        self.fn, self.interval, self.clock = fn, interval, clock
+        self._lock = threading.Lock()
+        self._pending: set[Any] = set()
+        self._last: dict[Any, float] = {}
+
+    def request(self, key: Any) -> None:
+        with self._lock:
+            if key in self._pending:
+                return
+            self._pending.add(key)
+            delay = max(0.0, self._last.get(key, -1e18) + self.interval - self.clock())
+        timer = threading.Timer(delay, self._run, args=(key,))
+        timer.daemon = True
+        timer.start()
+
+    def _run(self, key: Any) -> None:
+        with self._lock:
+            self._pending.discard(key)
+            self._last[key] = self.clock()
+        try:
+            self.fn(key)
+        except Exception:  # noqa: BLE001 - a failed repair is retried by the next event or the resync timer
+            log.exception("repairing the children of %s/%s failed", *key)
+
+
+def _repair(key: tuple[str, str]) -> None:
+    namespace, name = key
+    body = kube().get(f"{GROUP}/{VERSION}", KIND, namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return  # the PromptCache is gone or going: its children go with it (garbage collection)
+    obj = {"metadata": body["metadata"], "spec": body.get("spec") or {}, "status": body.get("status") or {}}
+    out = reconcile(kube(), obj, OperatorDefaults.from_env())
+    telemetry.record(namespace, name, out.status.get("conditions") or [],
+                     "invalid_spec" if out.invalid_spec else "error" if out.errors else "ok")
+    if out.errors:
+        log.warning("repairing the children of %s/%s: %s", namespace, name, "; ".join(out.errors))
+
+
+_drift = Coalescer(_repair, DRIFT_MIN_INTERVAL_SECONDS)
+
+
+def _controller(body: kopf.Body) -> str | None:
+    for ref in body.metadata.get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("kind") == KIND and ref.get("apiVersion") == f"{GROUP}/{VERSION}":
+            return ref.get("name")
+    return None
+
+
+def _child_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
+    """A child was modified or deleted: reconcile its PromptCache (level-based; a no-op when nothing drifted,
+    since server-side apply of an unchanged object changes nothing and so raises no further event)."""
+    if event.get("type") not in ("MODIFIED", "DELETED"):
+        return  # ADDED: the operator's own create, or the initial listing
+    owner = _controller(body)
+    if owner is not None:
+        _drift.request((body.metadata.namespace, owner))
+
+
+for _group, _version, _plural in WATCHED_CHILDREN:
+    kopf.on.event(_group, _version, _plural, labels=CHILD_LABELS)(_child_event)

@@ -161,6 +161,25 @@ class Kube:
                 return True
             raise
 
+    def peering_problem(self, name: str, namespaces: list[str]) -> str | None:
+        """Why kopf would idle with peering `name` (its CRD or object missing), or None. kopf itself waits
+        silently for a peering object that never comes."""
+        plural, kind = ("kopfpeerings", "KopfPeering") if namespaces else ("clusterkopfpeerings", "ClusterKopfPeering")
+        if not self.crd_established(f"{plural}.kopf.dev"):
+            return (f"the peering CRD {plural}.kopf.dev is not installed: install the chart's CRDs "
+                    "(charts/promptcache-operator/crds/) or run a single replica with --standalone")
+        for ns in namespaces or [None]:
+            path = f"/apis/kopf.dev/v1/namespaces/{ns}/{plural}/{name}" if ns else f"/apis/kopf.dev/v1/{plural}/{name}"
+            try:
+                self.request("GET", path)
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                where = f" in namespace {ns}" if ns else ""
+                return (f"the {kind} {name!r}{where} does not exist: create it (the chart does), pass the right "
+                        "--peering, or run a single replica with --standalone")
+        return None
+
     # -- optional CRDs ---------------------------------------------------------------------------------------
     def crd_established(self, name: str) -> bool:
         try:

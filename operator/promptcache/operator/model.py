@@ -173,6 +173,36 @@ class Image:
 
 
 @dataclass(frozen=True)
+class LocalObjectReference:
+    name: str
+
+
+# Labels and annotations the operator sets on the sidecar pods itself; a spec may not override them (the
+# DaemonSet's selector and the restart-on-config-change hash depend on them).
+RESERVED_POD_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
+                       "app.kubernetes.io/managed-by", f"{GROUP}/cache")
+RESERVED_POD_ANNOTATIONS = (f"{GROUP}/config-hash", f"{GROUP}/model")
+
+
+@dataclass(frozen=True)
+class Pod:
+    """Settings of the sidecar pods: private registries, workload identity, pod metadata."""
+
+    serviceAccountName: str = "default"
+    imagePullSecrets: tuple[LocalObjectReference, ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Monitoring:
+    """Labels of the cache's ServiceMonitor and PrometheusRule, merged over the operator's defaults (chart value
+    monitoring.labels): what Prometheus' serviceMonitorSelector and ruleSelector match."""
+
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Resources:
     requests: dict[str, str | int] = field(default_factory=dict)
     limits: dict[str, str | int] = field(default_factory=dict)
@@ -191,6 +221,8 @@ class PromptCacheSpec:
     alerts: Alerts = field(default_factory=Alerts)
     image: Image = field(default_factory=Image)
     resources: Resources = field(default_factory=Resources)
+    pod: Pod = field(default_factory=Pod)
+    monitoring: Monitoring = field(default_factory=Monitoring)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PromptCacheSpec":
@@ -227,6 +259,15 @@ class PromptCacheSpec:
                 raise SpecError(f"spec.security.{name}.secretName must be a Secret name (DNS-1123 subdomain)")
         if self.tenancy.mode == "Isolated" and not isolated_identity(sec):
             raise SpecError(ISOLATED_MESSAGE)
+        pod = self.pod
+        for name in (pod.serviceAccountName, *(r.name for r in pod.imagePullSecrets)):
+            if len(name) > 253 or not _SECRET_NAME.match(name):
+                raise SpecError(f"spec.pod: {name!r} is not a valid object name (DNS-1123 subdomain)")
+        for what, given, reserved in (("labels", pod.labels, RESERVED_POD_LABELS),
+                                      ("annotations", pod.annotations, RESERVED_POD_ANNOTATIONS)):
+            taken = sorted(set(given) & set(reserved))
+            if taken:
+                raise SpecError(f"spec.pod.{what} may not set {', '.join(taken)}: the operator sets them")
         return self
 
 

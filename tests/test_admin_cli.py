@@ -1,0 +1,112 @@
+"""`promptcache stats|lookup|purge|resize|top` and `--version` against a real sidecar (gRPC on loopback), with and
+without bearer tokens; the formatting functions on their own."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from promptcache import admin, cli
+from promptcache.client import PromptCacheClient
+from support import CHUNK, SMALL, make_kv
+from test_auth import write_secret_dir
+
+MODEL_ARGS = ["--model", SMALL.model_id, "--revision", SMALL.revision, "--kv-dtype", SMALL.kv_dtype,
+              "--layers", str(SMALL.num_layers), "--kv-heads", str(SMALL.num_kv_heads),
+              "--head-dim", str(SMALL.head_dim)]
+TOKENS = list(range(1000, 1000 + 3 * CHUNK + 5))
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def fill(address: str, **client_kwargs) -> None:
+    with PromptCacheClient(address, timeout=10, **client_kwargs) as c:
+        c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
+
+
+def test_version_is_the_installed_distribution():
+    from importlib.metadata import version
+
+    out = subprocess.run([sys.executable, "-m", "promptcache.cli", "--version"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == f"promptcache {version('promptcache')}"
+
+
+def test_stats_lookup_purge_resize_against_a_sidecar(sidecar, capsys):
+    fill(sidecar.address)
+    code, out, _ = run_cli(capsys, "lookup", "--address", sidecar.address, *MODEL_ARGS,
+                           "--tokens", ",".join(map(str, TOKENS)), "-o", "json")
+    assert code == 0
+    got = json.loads(out)
+    assert got["cached_tokens"] == 3 * CHUNK and [c["tier"] for c in got["chunks"]] == ["device"] * 3
+
+    code, out, _ = run_cli(capsys, "stats", "--address", sidecar.address, "-o", "json")
+    s = json.loads(out)
+    assert code == 0 and s["hit_tokens"] == 3 * CHUNK and s["missed_tokens"] == len(TOKENS) - 3 * CHUNK
+    (device,) = s["tiers"]
+    assert device["tier"] == "device" and device["entries"] == 3 and device["bytes_budget"] == 8 << 20
+    code, out, _ = run_cli(capsys, "stats", "--address", sidecar.address)
+    assert code == 0 and "device" in out and "3 entries" in out.replace("        ", " ").replace("  ", " ")
+
+    code, out, _ = run_cli(capsys, "resize", "--address", sidecar.address, "4Mi", "-o", "json")
+    assert code == 0 and json.loads(out)["memory_bytes"] == 4 << 20
+    assert sidecar.tier.usage()["budget"] == 4 << 20
+
+    code, out, _ = run_cli(capsys, "purge", "--address", sidecar.address, *MODEL_ARGS)
+    assert code == 0 and out.startswith("deleted 3 chunks")
+    assert sidecar.tier.usage()["entries"] == 0
+
+
+def test_top_prints_interval_rates(sidecar, capsys):
+    fill(sidecar.address)
+    code, out, _ = run_cli(capsys, "top", "--address", sidecar.address, "--interval", "0.05", "--iterations", "2")
+    lines = out.strip().splitlines()
+    assert code == 0 and lines[0] == admin.TOP_HEADER and len(lines) == 3
+
+
+def test_tokens_are_required_when_the_sidecar_authenticates(sidecar_factory, tmp_path, capsys, monkeypatch):
+    tokens = tmp_path / "tokens"
+    write_secret_dir(tokens, {"ops": "ops-token-1"})
+    sidecar = sidecar_factory(token_file=str(tokens), admin_tenants="ops")
+    fill(sidecar.address, token="ops-token-1")
+    code, _, err = run_cli(capsys, "stats", "--address", sidecar.address)
+    assert code == 1 and "UNAUTHENTICATED" in err and sidecar.address in err
+    mine = tmp_path / "token"
+    mine.write_text("ops-token-1\n")
+    code, out, _ = run_cli(capsys, "stats", "--address", sidecar.address, "--token-file", str(mine), "-o", "json")
+    assert code == 0 and json.loads(out)["tiers"][0]["entries"] == 3
+    monkeypatch.setenv("PROMPTCACHE_TOKEN", "ops-token-1")  # the token from the environment, never a flag
+    code, out, _ = run_cli(capsys, "resize", "--address", sidecar.address, "6Mi", "-o", "json")
+    assert code == 0 and json.loads(out)["memory_bytes"] == 6 << 20
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["resize", "lots"], "lots"),
+    (["lookup", *MODEL_ARGS, "--tokens", "1,two"], "token ids must be integers"),
+    (["lookup", *MODEL_ARGS, "--tokens", "-1"], "0..4294967295"),
+    (["lookup", *MODEL_ARGS[:4], "--kv-dtype", "int3", *MODEL_ARGS[6:], "--tokens", "1"], "kv_dtype"),
+])
+def test_bad_input_is_refused_before_any_call(capsys, argv, message):
+    code, _, err = run_cli(capsys, *argv, "--address", "127.0.0.1:1")
+    assert code == 2 and message in err
+
+
+def test_unreachable_sidecar_is_one_line(capsys):
+    code, _, err = run_cli(capsys, "stats", "--address", "127.0.0.1:1", "--timeout", "0.5")
+    assert code == 1 and "UNAVAILABLE" in err and "Traceback" not in err
+
+
+def test_top_row_rates_and_restart():
+    tier = {"tier": "device", "entries": 4, "bytes_used": 1 << 20, "bytes_budget": 4 << 20}
+    prev = {"hit_tokens": 100, "missed_tokens": 100, "tiers": [tier]}
+    cur = {"hit_tokens": 400, "missed_tokens": 200, "tiers": [tier]}
+    row = admin.top_row(prev, cur, 2.0, "12:00:00").split()
+    assert row[:4] == ["12:00:00", "0.750", "150", "50"]
+    restarted = admin.top_row(cur, {**prev, "hit_tokens": 10, "missed_tokens": 30}, 1.0, "t").split()
+    assert restarted[1] == "0.250"
