@@ -29,6 +29,8 @@ OPS = ("lookup", "get", "put")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds to run (default 60)")
+    p.add_argument("--progress-seconds", type=float, default=5.0,
+                   help="print a progress line to stderr this often while running (0: never; default 5)")
     p.add_argument("--processes", type=int, default=0,
                    help="client processes the clients are spread over (0: one per 16 clients, at most CPUs)")
     p.add_argument("--mix", default="lookup=4,get=4,put=2", help="relative weights of the operations")
@@ -173,6 +175,9 @@ class _Sampler(threading.Thread):
         self.budget = 0
         self.over_budget_samples = 0
         self.samples = 0
+        self.rss = 0
+        self.committed = 0
+        self.requests = 0  # calls the sidecar has answered (promptcache_requests_total), for progress
 
     def run(self) -> None:
         proc = None
@@ -183,11 +188,12 @@ class _Sampler(threading.Thread):
         while not self.stop_event.is_set():
             try:
                 if proc is not None:
-                    rss = proc.memory_info().rss
+                    rss = self.rss = proc.memory_info().rss
                     self.baseline_rss = self.baseline_rss or rss
                     self.peak_rss = max(self.peak_rss, rss)
                 if self.url:
-                    committed, budget = _scrape(self.url)
+                    committed, budget, self.requests = _scrape(self.url)
+                    self.committed = committed
                     self.samples += 1
                     self.peak_committed = max(self.peak_committed, committed)
                     self.budget = budget
@@ -198,14 +204,30 @@ class _Sampler(threading.Thread):
             self.stop_event.wait(self.interval)
 
 
-def _scrape(url: str) -> tuple[int, int]:
+def _scrape(url: str) -> tuple[int, int, int]:
+    """(committed, budget) of the device tier and the calls answered so far."""
     text = urllib.request.urlopen(url, timeout=2).read().decode()
     values = {}
+    requests = 0.0
     for line in text.splitlines():
         for name in ("promptcache_committed_bytes", "promptcache_budget_bytes"):
             if line.startswith(name + "{") and 'tier="device"' in line:
                 values[name] = int(float(line.rsplit(" ", 1)[1]))
-    return values["promptcache_committed_bytes"], values["promptcache_budget_bytes"]
+        if line.startswith("promptcache_requests_total{"):
+            requests += float(line.rsplit(" ", 1)[1])
+    return values["promptcache_committed_bytes"], values["promptcache_budget_bytes"], int(requests)
+
+
+def progress_line(elapsed: float, duration: float, requests: int, since: int, interval: float,
+                  committed: int, budget: int, rss: int) -> str:
+    """One progress line of a running load test (pure)."""
+    mib = 1 << 20
+    parts = [f"loadtest: {elapsed:.0f}/{duration:.0f} s", f"{requests} calls answered ({(requests - since) / interval:.0f}/s)"]
+    if budget:
+        parts.append(f"committed {committed / mib:.1f} of {budget / mib:.0f} MiB")
+    if rss:
+        parts.append(f"sidecar RSS {rss / mib:.0f} MiB")
+    return ", ".join(parts)
 
 
 def _start_sidecar(args) -> tuple[subprocess.Popen, str, str]:
@@ -230,6 +252,29 @@ def _start_sidecar(args) -> tuple[subprocess.Popen, str, str]:
                     raise RuntimeError(f"sidecar did not start; see {log.name}") from None
                 time.sleep(0.1)
     return proc, address, f"http://127.0.0.1:{mport}/metrics"
+
+
+def _collect(queue, n: int, started: float, args, sampler: "_Sampler") -> list[dict]:
+    """Wait for every client process's results, printing a progress line every --progress-seconds."""
+    import queue as queue_mod
+
+    results: list[dict] = []
+    interval = args.progress_seconds
+    deadline = started + args.duration + 300
+    next_line, last_requests = started + (interval or float("inf")), sampler.requests
+    while len(results) < n:
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError(f"client processes did not report within {args.duration + 300:.0f} s")
+        try:
+            results.append(queue.get(timeout=max(0.05, min(next_line, deadline) - now)))
+        except queue_mod.Empty:
+            if time.monotonic() >= next_line:
+                print(progress_line(time.monotonic() - started, args.duration, sampler.requests, last_requests,
+                                    interval, sampler.committed, sampler.budget, sampler.rss),
+                      file=sys.stderr, flush=True)
+                last_requests, next_line = sampler.requests, next_line + interval
+    return results
 
 
 def load(args) -> dict:
@@ -260,7 +305,7 @@ def load(args) -> dict:
             ready.get(timeout=300)
         started = time.monotonic()
         go.set()
-        results = [queue.get(timeout=args.duration + 300) for _ in workers]
+        results = _collect(queue, len(workers), started, args, sampler)
         for w in workers:
             w.join(30)
         elapsed = time.monotonic() - started
