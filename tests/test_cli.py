@@ -55,7 +55,7 @@ def test_flag_beats_environment_and_quantities_parse():
 
 @pytest.mark.parametrize("argv,env,fragment", [
     (["--memory-bytes", "0"], {}, "--memory-bytes must be positive"),
-    (["--memory-bytes", "lots"], {}, "--memory-bytes='lots': 'lots' is not a byte size"),
+    (["--memory-bytes", "lots"], {}, "--memory-bytes='lots': 'lots' is not a Kubernetes quantity"),
     ([], {"PROMPTCACHE_MEMORY_BYTES": "-5"}, "PROMPTCACHE_MEMORY_BYTES='-5'"),
     (["--chunk-tokens", "100"], {}, "--chunk-tokens must be a positive power of two, got 100"),
     (["--ttl-seconds", "0"], {}, "--ttl-seconds must be positive"),

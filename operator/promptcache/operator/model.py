@@ -12,7 +12,10 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Literal, get_args, get_origin
+
+from promptcache import quantity
 
 GROUP = "promptcache.io"
 VERSION = "v1alpha1"
@@ -34,30 +37,20 @@ class SpecError(ValueError):
     """The spec is invalid (the CRD's validation should have caught it first)."""
 
 
-_QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eE][+-]?[0-9]+|[numkMGTPE]|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_SUFFIX = {None: 1, "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-           "P": 10**15, "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-
-
-def parse_quantity(text: str | int | float) -> float:
-    """Kubernetes quantity -> number ('16Gi' -> 17179869184). Raises SpecError."""
-    if isinstance(text, (int, float)):
-        return float(text)
-    m = _QUANTITY.match(str(text).strip())
-    if not m:
-        raise SpecError(f"{text!r} is not a Kubernetes quantity")
-    number, suffix = m.groups()
+def parse_quantity(text: str | int) -> Decimal:
+    """Kubernetes quantity -> exact number ('16Gi' -> 17179869184; promptcache.quantity). Raises SpecError."""
     try:
-        value = float(number)
+        return quantity.parse_quantity(text)
     except ValueError as exc:
-        raise SpecError(f"{text!r} is not a Kubernetes quantity") from exc
-    if suffix and suffix[0] in "eE" and len(suffix) > 1:
-        return value * 10 ** int(suffix[1:])
-    return value * _SUFFIX[suffix]
+        raise SpecError(str(exc)) from None
 
 
-def quantity_bytes(text: str) -> int:
-    return int(parse_quantity(text))
+def quantity_bytes(text: str | int) -> int:
+    """Whole bytes, a fraction rounded up as Kubernetes does."""
+    try:
+        return quantity.parse_bytes(text)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
 
 
 _SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")

@@ -14,21 +14,7 @@ Every flag can also be set by an environment variable: --memory-bytes is PROMPTC
 Byte sizes accept Kubernetes quantities: 512Mi, 4Gi, 1G, or plain integers.
 """
 
-_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|k|M|G|T)?\s*$")
-_FACTORS = {None: 1, "K": 10**3, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'4Gi' -> 4294967296. Raises ValueError for anything that is not a non-negative quantity."""
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"{text} is negative")
-        return text
-    m = _QUANTITY.match(str(text))
-    if not m:
-        raise ValueError(f"{text!r} is not a byte size (examples: 1073741824, 512Mi, 4Gi)")
-    return int(float(m.group(1)) * _FACTORS[m.group(2)])
+from promptcache.quantity import parse_bytes  # noqa: E402,F401 - byte flags are Kubernetes quantities
 
 
 @dataclass(frozen=True)
