@@ -115,9 +115,11 @@ def send_with_fds(sock: socket.socket, data, fds: list[int]) -> None:
         sock.sendall(memoryview(data)[sent:])
 
 
-def recv(sock: socket.socket, limit: int = MAX_FRAME_BYTES, fds: list[int] | None = None) -> pb.BulkFrame:
+def recv(sock: socket.socket, limit: int = MAX_FRAME_BYTES, fds: list[int] | None = None,
+         admit=None) -> pb.BulkFrame:
     """The next frame. Closed if the peer closed cleanly before it; FramingError for anything malformed.
-    With `fds` (unix sockets), descriptors that arrive with the frame are appended to it: the caller owns them."""
+    With `fds` (unix sockets), descriptors that arrive with the frame are appended to it: the caller owns them.
+    `admit(length)` is called once the length is known, before any memory is taken for the body; it may raise."""
     head = bytearray(_LENGTH.size)
     if fds is None:
         n = sock.recv_into(head)
@@ -129,11 +131,13 @@ def recv(sock: socket.socket, limit: int = MAX_FRAME_BYTES, fds: list[int] | Non
     if n < len(head):
         recv_into(sock, memoryview(head)[n:])
     (length,) = _LENGTH.unpack(head)
+    if admit is not None:
+        admit(length)
     if length > limit:
         raise FramingError(f"frame of {length} bytes is over the limit of {limit}")
     body = bytearray(length)
     recv_into(sock, body)
-    return _parse(bytes(body))
+    return _parse(body)
 
 
 def _collect_fds(ancdata, into) -> None:
