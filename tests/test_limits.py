@@ -41,6 +41,13 @@ OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # each channel its own
 assert WIDE_NBYTES == MIB
 
 
+def eventually(check, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return check()
+
+
 def trickling_put(address: str, seed: int, stop: threading.Event, metadata=None, every: float = 0.2):
     """A Put on its own connection that announces a 1 MiB chunk and then sends one byte every `every` seconds:
     each byte is progress, so the idle limit never fires. Returns (future, channel)."""
@@ -84,14 +91,12 @@ def test_trickling_puts_are_cut_off_and_an_honest_writer_gets_in(sidecar_factory
     stop = threading.Event()
     streams = [trickling_put(sidecar.address, seed, stop) for seed in range(4)]
     try:
-        deadline = time.monotonic() + 5
-        while sidecar.tier.usage()["reserved"] < 4 * MIB and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert sidecar.tier.usage()["reserved"] == 4 * MIB  # the attack holds the whole budget
+        # The attack holds the whole budget.
+        assert eventually(lambda: sidecar.tier.usage()["reserved"] == 4 * MIB), sidecar.tier.usage()
         with PromptCacheClient(sidecar.address, retries=0, timeout=10) as honest:
             took, refusals = honest_put(honest, seed=7, deadline=time.monotonic() + 8)
         assert refusals and "no room" in refusals[0]  # it was locked out at first ...
-        assert took < 3.0, took  # ... for about one window, not for --max-call-seconds
+        assert took < 4.0, took  # ... for about one window, not for --max-call-seconds
         for future, _ in streams:
             with pytest.raises(grpc.RpcError) as info:
                 future.result(timeout=5)
@@ -142,11 +147,9 @@ def test_one_tenant_may_hold_only_part_of_the_budget_reserved(sidecar_factory, t
     md = [("authorization", "Bearer m-token")]
     streams = []
     try:
-        for seed in range(4):
-            streams.append(trickling_put(sidecar.address, seed, stop, md))
-            time.sleep(0.2)  # in order: the first two are admitted
+        streams = [trickling_put(sidecar.address, seed, stop, md) for seed in range(4)]
+        assert eventually(lambda: sum(f.done() for f, _ in streams) == 2), [f.done() for f, _ in streams]
         refused = [f for f, _ in streams if f.done()]
-        assert len(refused) == 2, [f.done() for f, _ in streams]
         for f in refused:
             assert f.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--max-put-reserved-fraction" in f.exception().details()
@@ -236,14 +239,13 @@ def test_idle_bulk_connections_cannot_lock_out_a_client_with_a_token(sidecar_fac
     write_secret_dir(d, {"alice": "a-token"})
     path = f"{tmp_path}/bulk.sock"
     sidecar = sidecar_factory(token_file=str(d), bulk_address=f"unix:{path}", bulk_max_connections=64,
-                              bulk_max_connections_per_peer=64, bulk_hello_seconds=1.5)
+                              bulk_max_connections_per_peer=64, bulk_hello_seconds=3)
     tokens = list(range(3 * CHUNK))
     with PromptCacheClient(sidecar.address, token="a-token") as c:
         c.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
-    attacker = hold_connections(path, 64, hold=3.0)
+    attacker = hold_connections(path, 64, hold=5.0)
     try:
-        time.sleep(0.2)
-        assert len(sidecar.bulk[0]._connections) == 64  # every slot taken
+        assert eventually(lambda: len(sidecar.bulk[0]._connections) == 64)  # every slot taken
         alice = raw_bulk(path)
         bulkwire.send(alice, pb.BulkFrame(hello=pb.BulkHello(version=1, authorization="Bearer a-token")))
         assert bulkwire.recv(alice).status.code == 0, "alice was refused while the attacker held the slots"
@@ -254,8 +256,7 @@ def test_idle_bulk_connections_cannot_lock_out_a_client_with_a_token(sidecar_fac
         attacker.kill()
     # One made room for alice; every other one was closed once its hello was late. None is left open.
     assert outcome == {"8 --bulk-max-connections": 1, "4 --bulk-hello-seconds": 63}, outcome
-    time.sleep(0.2)
-    assert len(sidecar.bulk[0]._connections) == 1  # alice's
+    assert eventually(lambda: len(sidecar.bulk[0]._connections) == 1)  # alice's
     chunks, status = bulk_get(alice, pb.GetRequest(model=model_to_proto(SMALL), tokens=tokens))
     assert (chunks, status.code) == (3, 0)  # a connection past its hello stays however long it idles
     alice.close()
@@ -278,7 +279,55 @@ def test_one_peer_holds_at_most_its_share_of_bulk_connections(sidecar_factory, t
         attacker.kill()
 
 
-# --- memory per request --------------------------------------------------------------------------------------
+# --- memory per request -------------------------------------------------------------------------------------
+
+def test_grpc_requests_over_the_token_limit_are_refused_naming_it(sidecar_factory):
+    sidecar = sidecar_factory(max_request_tokens=1000)
+    with grpc.insecure_channel(sidecar.address) as ch:
+        stub = pb_grpc.KVCacheStub(ch)
+        assert stub.Lookup(pb.LookupRequest(model=model_to_proto(SMALL), tokens=range(1000))).cached_tokens == 0
+        for call in (lambda t: stub.Lookup(pb.LookupRequest(model=model_to_proto(SMALL), tokens=t)),
+                     lambda t: list(stub.Get(pb.GetRequest(model=model_to_proto(SMALL), tokens=t))),
+                     lambda t: stub.Delete(pb.DeleteRequest(model=model_to_proto(SMALL), tokens=t)),
+                     lambda t: stub.Put(iter([pb.PutRequest(header=pb.PutHeader(model=model_to_proto(SMALL),
+                                                                                tokens=t))]))):
+            with pytest.raises(grpc.RpcError) as info:
+                call(range(1001))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "1001 ids, more than the limit of 1000 (--max-request-tokens)" in info.value.details()
+
+
+def test_a_large_bulk_frame_trickled_in_cannot_keep_its_slot(sidecar_factory, tmp_path):
+    """With one large-request slot: a connection that announces a large get frame and trickles its body holds
+    the slot only until --stream-idle-seconds has passed in all; meanwhile a large gRPC request is refused at
+    once, naming --max-large-requests; afterwards it is served."""
+    path = f"{tmp_path}/bulk.sock"
+    sidecar = sidecar_factory(bulk_address=f"unix:{path}", max_large_requests=1, stream_idle_seconds=1.5)
+    s = raw_bulk(path)
+    bulkwire.send(s, pb.BulkFrame(hello=pb.BulkHello(version=1)))
+    assert bulkwire.recv(s).status.code == 0
+    frame = _encoded_get(100_000, seed=1)
+    s.sendall(frame[:1000])
+    big = pb.LookupRequest(model=model_to_proto(SMALL), tokens=range(100_000))
+    with grpc.insecure_channel(sidecar.address) as ch:
+        stub = pb_grpc.KVCacheStub(ch)
+        assert eventually(lambda: sidecar.service.large_requests.active == 1)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Lookup(big)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-large-requests" in info.value.details()
+        t0 = time.monotonic()
+        try:
+            for i in range(1000, 1040):  # a byte every 0.1 s: never idle for a whole second
+                s.sendall(frame[i:i + 1])
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert time.monotonic() - t0 < 3.5
+        assert eventually(lambda: sidecar.service.large_requests.active == 0)
+        assert stub.Lookup(big).cached_tokens == 0
+    s.close()
+
 
 def _encoded_get(n_tokens: int, seed: int) -> bytes:
     """A bulk get frame of `n_tokens` token ids below 150,000 (3 bytes each, packed), as a vocabulary's are."""

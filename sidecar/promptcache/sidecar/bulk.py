@@ -314,10 +314,11 @@ class BulkServer:
         readable.poll()
         return bulkwire.recv(conn, limit=limit, fds=fds, admit=admit)
 
-    def _admit(self, length: int, large: list) -> None:
+    def _admit(self, length: int, large: list) -> float | None:
         """Before a frame's body is read: refuse one too long for --max-request-tokens, and take one of
         --max-large-requests for one that may carry more than LARGE_REQUEST_TOKENS tokens. Either refusal
-        ends the connection (the body is never read)."""
+        ends the connection (the body is never read). A large frame's body must then arrive within
+        --stream-idle-seconds in all (the deadline returned), so a client that trickles it cannot keep the slot."""
         if length > self.max_frame_bytes:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
                            f"a bulk frame of {length} bytes is over the limit of {self.max_frame_bytes} bytes "
@@ -327,6 +328,8 @@ class BulkServer:
                 raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                self.service.large_requests.refusal(f"a bulk frame of {length} bytes").message)
             large[0] = True
+            return time.monotonic() + (self.idle_seconds or 30.0)
+        return None
 
     def _release_large(self, large: list) -> None:
         if large[0]:
