@@ -95,6 +95,7 @@ def test_trickling_puts_are_cut_off_and_an_honest_writer_gets_in(sidecar_factory
         assert eventually(lambda: sidecar.tier.usage()["reserved"] == 4 * MIB), sidecar.tier.usage()
         with PromptCacheClient(sidecar.address, retries=0, timeout=10) as honest:
             took, refusals = honest_put(honest, seed=7, deadline=time.monotonic() + 8)
+        print(f"honest Put stored after {took:.2f} s, {len(refusals)} refusals")
         assert refusals and "no room" in refusals[0]  # it was locked out at first ...
         assert took < 4.0, took  # ... for about one window, not for --max-call-seconds
         for future, _ in streams:
