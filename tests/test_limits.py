@@ -82,6 +82,17 @@ def honest_put(client: PromptCacheClient, seed: int, deadline: float) -> tuple[f
     raise AssertionError(f"the honest Put was refused until the deadline: {refusals[-3:]}")
 
 
+def test_reserved_bytes_allow_one_chunk_then_the_share():
+    from promptcache.sidecar.limits import ReservedBytes
+
+    held = ReservedBytes()
+    assert held.hold("a", 10, limit=5)  # one chunk is always allowed, whatever its size
+    assert not held.hold("a", 1, limit=5)
+    assert held.hold("b", 3, limit=5) and held.hold("b", 2, limit=5) and not held.hold("b", 1, limit=5)
+    held.release("a", 10)
+    assert held.held("a") == 0 and held.hold("a", 4, limit=5) and held.held("a") == 4
+
+
 def test_trickling_puts_are_cut_off_and_an_honest_writer_gets_in(sidecar_factory):
     """Four Puts from four connections that together reserve the whole budget and then send a byte every 0.2 s
     (the issue's attack, 16 MiB chunks of a 64 MiB budget, scaled to 1 MiB of 4 MiB): the minimum rate cancels
