@@ -13,6 +13,7 @@ import os
 import socket
 import struct
 import sys
+import time
 
 from promptcache.v1 import kvcache_pb2 as pb
 
@@ -91,15 +92,24 @@ def send_chunk(sock: socket.socket, begin: pb.ChunkBegin, data) -> None:
         sock.sendall(body[sent - len(head):])
 
 
-def recv_into(sock: socket.socket, buffer) -> None:
-    """Fill `buffer` (any writable buffer) from the socket; FramingError if the peer closes first."""
+def recv_into(sock: socket.socket, buffer, deadline: float | None = None) -> None:
+    """Fill `buffer` (any writable buffer) from the socket; FramingError if the peer closes first. With a
+    `deadline` (time.monotonic()), socket.timeout once it has passed, however the bytes trickle in."""
     view = memoryview(buffer).cast("B")
     got, total = 0, view.nbytes
+    timeout = sock.gettimeout()
     while got < total:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"{got} of {total} bytes arrived in time")
+            sock.settimeout(left if timeout is None else min(left, timeout))
         n = sock.recv_into(view[got:])
         if n == 0:
             raise FramingError(f"connection closed after {got} of {total} bytes")
         got += n
+    if deadline is not None:
+        sock.settimeout(timeout)
 
 
 def send_with_fd(sock: socket.socket, frame: pb.BulkFrame, fd: int) -> None:
@@ -115,9 +125,12 @@ def send_with_fds(sock: socket.socket, data, fds: list[int]) -> None:
         sock.sendall(memoryview(data)[sent:])
 
 
-def recv(sock: socket.socket, limit: int = MAX_FRAME_BYTES, fds: list[int] | None = None) -> pb.BulkFrame:
+def recv(sock: socket.socket, limit: int = MAX_FRAME_BYTES, fds: list[int] | None = None,
+         admit=None) -> pb.BulkFrame:
     """The next frame. Closed if the peer closed cleanly before it; FramingError for anything malformed.
-    With `fds` (unix sockets), descriptors that arrive with the frame are appended to it: the caller owns them."""
+    With `fds` (unix sockets), descriptors that arrive with the frame are appended to it: the caller owns them.
+    `admit(length)` is called once the length is known, before any memory is taken for the body; it may raise,
+    or return a deadline (time.monotonic()) for the body to have arrived by."""
     head = bytearray(_LENGTH.size)
     if fds is None:
         n = sock.recv_into(head)
@@ -129,11 +142,12 @@ def recv(sock: socket.socket, limit: int = MAX_FRAME_BYTES, fds: list[int] | Non
     if n < len(head):
         recv_into(sock, memoryview(head)[n:])
     (length,) = _LENGTH.unpack(head)
+    deadline = admit(length) if admit is not None else None
     if length > limit:
         raise FramingError(f"frame of {length} bytes is over the limit of {limit}")
     body = bytearray(length)
-    recv_into(sock, body)
-    return _parse(bytes(body))
+    recv_into(sock, body, deadline)
+    return _parse(body)
 
 
 def _collect_fds(ancdata, into) -> None:

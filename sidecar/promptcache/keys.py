@@ -107,6 +107,9 @@ def chunk_keys(fp: bytes, tokens: Sequence[int] | np.ndarray, chunk_tokens: int 
 
 def iter_chunk_keys(fp: bytes, tokens, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                     limit: int | None = None) -> Iterator[bytes]:
+    """Keys one after another, each hashed when asked for: a consumer that stops early (Get and Lookup stop at
+    the first miss) does not hash the rest of a long request. The tokens are converted in one go (measured: a
+    slice of a protobuf repeated field costs far more than converting all of it)."""
     if len(fp) != 32:
         raise ValueError("fingerprint must be 32 bytes")
     if chunk_tokens <= 0:

@@ -3,7 +3,11 @@
 Same service code as the gRPC Get (KVCacheService.verified_chunks: model and token checks, tenancy, leases,
 checksums before serving, metrics), same authentication (the bearer token of the hello frame goes through the
 gRPC Authenticator), without gRPC's fixed per-call cost. Chunk bytes are sent straight from the stored tensor's
-memory while its lease is held. One thread per connection, at most --bulk-max-connections of them.
+memory while its lease is held. One thread per connection, at most --bulk-max-connections of them, at most
+--bulk-max-connections-per-peer from one peer (a process, by its unix-socket credentials; an IP address over TCP).
+A connection must complete its hello within --bulk-hello-seconds; while the channel is full, a new connection
+replaces the oldest one still waiting for its hello, so connections that never authenticate cannot lock out
+one that does.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import os
 import select
 import socket
 import stat
+import struct
 import threading
 import time
 
@@ -22,12 +27,36 @@ import numpy as np
 
 from promptcache import bulkwire
 from promptcache.sidecar.auth import AUTHORIZATION, attach_identity
-from promptcache.sidecar.limits import CallRejected
+from promptcache.sidecar.limits import LARGE_REQUEST_TOKENS, CallRejected
 from promptcache.v1 import kvcache_pb2 as pb
 
 log = logging.getLogger("promptcache.sidecar.bulk")
 RPC = "BulkGet"
 MAX_FDS_PER_WRITE = 250  # the kernel passes at most 253 descriptors per message (SCM_MAX_FD)
+MAX_HELLO_BYTES = 64 << 10  # a hello carries a version, a flag and a bearer token
+LARGE_FRAME_BYTES = LARGE_REQUEST_TOKENS  # a frame that may carry more tokens (>= 1 byte each) is a large request
+
+
+class _Connection:
+    """An accepted connection, as the accept loop and the hello reaper see it."""
+
+    __slots__ = ("sock", "peer", "accepted", "greeted", "expired", "replaced", "counted")
+
+    def __init__(self, sock: socket.socket, peer: str):
+        self.sock = sock
+        self.peer = peer            # what --bulk-max-connections-per-peer counts by
+        self.accepted = time.monotonic()
+        self.greeted = False        # its hello was accepted
+        self.expired = False        # closed by the reaper: no hello within --bulk-hello-seconds
+        self.replaced = False       # closed to make room for a new connection while still waiting for its hello
+        self.counted = True         # still counted in the server's totals
+
+    def cut(self) -> None:
+        """Wake the connection's thread (blocked reading) without closing the socket under it: recv sees the end."""
+        try:
+            self.sock.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
 
 
 class _Context:
@@ -61,18 +90,25 @@ def _status(code: grpc.StatusCode, message: str = "", chunks: int = 0) -> pb.Bul
 
 class BulkServer:
     def __init__(self, address: str, service, authenticator, metrics, max_connections: int = 64,
-                 idle_seconds: float = 30.0, max_call_seconds: float = 0.0, lend: bool = False):
+                 idle_seconds: float = 30.0, max_call_seconds: float = 0.0, lend: bool = False,
+                 max_connections_per_peer: int = 16, hello_seconds: float = 5.0):
         self.family, self.sockaddr = bulkwire.parse_address(address)
         self.service = service
         self.authenticator = authenticator
         self.metrics = metrics
         self.max_connections = max_connections
+        self.max_connections_per_peer = max_connections_per_peer
+        self.hello_seconds = hello_seconds
+        max_tokens = service.settings.max_request_tokens
+        self.max_frame_bytes = min(bulkwire.MAX_FRAME_BYTES, 5 * max_tokens + (64 << 10))  # <= 5 bytes a token
         self.idle_seconds = idle_seconds or None
         self.max_call_seconds = max_call_seconds
         self.lend = lend and self.family == socket.AF_UNIX  # descriptors only cross unix sockets
         self._listener: socket.socket | None = None
-        self._connections: set[socket.socket] = set()
+        self._connections: dict[socket.socket, _Connection] = {}
+        self._per_peer: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._stopped = threading.Event()
         self._stopping = False
         self._threads: list[threading.Thread] = []
 
@@ -97,12 +133,14 @@ class BulkServer:
             sock.close()
             raise OSError(f"cannot listen on --bulk-address {self.sockaddr}: {exc.strerror or exc}") from None
         self._listener = sock
-        t = threading.Thread(target=self._accept, name="bulk-accept", daemon=True)
-        t.start()
-        self._threads.append(t)
+        for target, name in ((self._accept, "bulk-accept"), (self._reap, "bulk-hello-reaper")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
         return self
 
     def stop(self) -> None:
+        self._stopped.set()
         with self._lock:
             self._stopping = True
             connections = list(self._connections)
@@ -128,50 +166,103 @@ class BulkServer:
     def _accept(self) -> None:
         while True:
             try:
-                conn, peer = self._listener.accept()
+                conn, addr = self._listener.accept()
             except OSError:
                 return  # listener closed by stop()
+            peer = self._peer_of(conn, addr)
+            record = _Connection(conn, peer)
+            refusal = None
             with self._lock:
                 if self._stopping:
                     conn.close()
                     return
-                full = len(self._connections) >= self.max_connections
-                if not full:
-                    self._connections.add(conn)
-            if full:
-                self._refuse_full(conn)
+                if self._per_peer.get(peer, 0) >= self.max_connections_per_peer:
+                    refusal = (f"this peer ({peer}) has its maximum of {self.max_connections_per_peer} bulk "
+                               "connections (--bulk-max-connections-per-peer); reuse them or retry later")
+                elif len(self._connections) >= self.max_connections and not self._replace_waiting():
+                    refusal = (f"the bulk channel has its maximum of {self.max_connections} connections "
+                               "(--bulk-max-connections); retry later or use gRPC Get")
+                else:
+                    self._connections[conn] = record
+                    self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+            if refusal:
+                self._refuse(conn, refusal)
                 continue
-            name = f"unix:{self.sockaddr}" if self.family == socket.AF_UNIX else f"ip:{peer[0]}:{peer[1]}"
-            t = threading.Thread(target=self._serve, args=(conn, name), name="bulk-conn", daemon=True)
+            name = f"unix:{self.sockaddr}" if self.family == socket.AF_UNIX else f"ip:{addr[0]}:{addr[1]}"
+            t = threading.Thread(target=self._serve, args=(record, name), name="bulk-conn", daemon=True)
             t.start()
             with self._lock:
                 self._threads = [x for x in self._threads if x.is_alive()] + [t]
 
-    def _refuse_full(self, conn: socket.socket) -> None:
+    def _peer_of(self, conn: socket.socket, addr) -> str:
+        """Who --bulk-max-connections-per-peer counts by: the connecting process (SO_PEERCRED) on a unix socket,
+        the IP address over TCP."""
+        if self.family != socket.AF_UNIX:
+            return f"ip:{addr[0]}"
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
+        return f"pid:{pid} (uid {uid})"
+
+    def _replace_waiting(self) -> bool:
+        """Under the lock, the channel full: close the oldest connection still waiting for its hello to make
+        room (False if every connection has completed its hello). A client that authenticates sends its hello
+        at once; connections that never do cannot hold the channel against it."""
+        waiting = [r for r in self._connections.values() if not r.greeted and not r.expired and not r.replaced]
+        if not waiting:
+            return False
+        oldest = min(waiting, key=lambda r: r.accepted)
+        oldest.replaced = True
+        self._uncount(oldest)
+        oldest.cut()
+        return True
+
+    def _uncount(self, record: _Connection) -> None:
+        """Under the lock: stop counting `record` (its thread may still be finishing)."""
+        if record.counted:
+            record.counted = False
+            self._connections.pop(record.sock, None)
+            self._per_peer[record.peer] -= 1
+            if self._per_peer[record.peer] <= 0:
+                del self._per_peer[record.peer]
+
+    def _reap(self) -> None:
+        """Close connections that have not completed their hello within --bulk-hello-seconds."""
+        tick = min(0.25, self.hello_seconds / 4)
+        while not self._stopped.wait(tick):
+            now = time.monotonic()
+            with self._lock:
+                late = [r for r in self._connections.values()
+                        if not r.greeted and not r.expired and now - r.accepted > self.hello_seconds]
+                for r in late:
+                    r.expired = True
+            for r in late:
+                r.cut()
+
+    def _refuse(self, conn: socket.socket, message: str) -> None:
         self.metrics.requests.labels(RPC, "RESOURCE_EXHAUSTED").inc()
         try:
             conn.settimeout(1.0)
-            bulkwire.send(conn, _status(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"the bulk channel has its maximum of {self.max_connections} connections "
-                                        "(--bulk-max-connections); retry later or use gRPC Get"))
+            bulkwire.send(conn, _status(grpc.StatusCode.RESOURCE_EXHAUSTED, message))
         except OSError:
             pass
         finally:
             conn.close()
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
+    def _serve(self, record: _Connection, peer: str) -> None:
+        conn = record.sock
         shared: _SharedBuffer | None = None
         fds: list[int] | None = [] if self.family == socket.AF_UNIX else None  # received with frames
+        large = [False]  # this connection holds one of --max-large-requests for the frame being served
         try:
             conn.settimeout(self.idle_seconds)
             if self.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             readable = select.poll()
             readable.register(conn, select.POLLIN)
-            context = self._hello(conn, peer, readable)
+            context = self._hello(record, peer, readable)
             while True:
                 try:
-                    frame = self._next_frame(conn, readable, fds)
+                    frame = self._next_frame(conn, readable, fds, lambda length: self._admit(length, large))
                 except bulkwire.Closed:
                     return
                 kind = frame.WhichOneof("frame")
@@ -184,17 +275,25 @@ class BulkServer:
                                    f"a file descriptor came with a {kind} frame; only buffer frames carry one")
                 if kind != "get":
                     raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"expected a get or buffer frame, got {kind}")
-                self._get(conn, context, frame.get, shared)
-        except bulkwire.Closed:
-            pass  # the client left, or stop() shut the socket down
+                try:
+                    self._get(conn, context, frame.get, shared)
+                finally:
+                    self._release_large(large)
+        except (bulkwire.Closed, bulkwire.FramingError, OSError) as exc:
+            if record.expired or record.replaced:
+                why = (f"no hello within {self.hello_seconds:g} s of connecting (--bulk-hello-seconds)"
+                       if record.expired else "the bulk channel is full and this connection had not sent its "
+                       "hello; it was closed to make room (--bulk-max-connections)")
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if record.expired else grpc.StatusCode.RESOURCE_EXHAUSTED
+                self.metrics.requests.labels(RPC, code.name).inc()
+                self._try_send(conn, _status(code, why))
+            elif isinstance(exc, bulkwire.FramingError):
+                self.metrics.requests.labels(RPC, "INVALID_ARGUMENT").inc()
+                self._try_send(conn, _status(grpc.StatusCode.INVALID_ARGUMENT, f"malformed bulk frame: {exc}"))
+            # else: the client left, stalled past --stream-idle-seconds, or stop() shut the socket down
         except _Refused as exc:
             self.metrics.requests.labels(RPC, exc.code.name).inc()
             self._try_send(conn, _status(exc.code, exc.message))
-        except bulkwire.FramingError as exc:
-            self.metrics.requests.labels(RPC, "INVALID_ARGUMENT").inc()
-            self._try_send(conn, _status(grpc.StatusCode.INVALID_ARGUMENT, f"malformed bulk frame: {exc}"))
-        except OSError:
-            pass  # peer gone, stalled past --stream-idle-seconds, or the server is stopping
         except Exception:  # noqa: BLE001 - one broken connection must never take the server down
             log.exception("unexpected error on a bulk connection")
         finally:
@@ -202,20 +301,44 @@ class BulkServer:
                 _close_all(fds)
             if shared is not None:
                 shared.close()
+            self._release_large(large)
             with self._lock:
-                self._connections.discard(conn)
+                self._uncount(record)
             conn.close()
 
-    @staticmethod
-    def _next_frame(conn: socket.socket, readable: select.poll, fds: list[int] | None = None) -> pb.BulkFrame:
-        """The next frame. Waiting for it has no time limit (an idle connection is fine; stop() wakes it
-        by shutting the socket down); once its first byte is here, a stall longer than the socket's
-        timeout (--stream-idle-seconds) ends the connection."""
+    def _next_frame(self, conn: socket.socket, readable: select.poll, fds: list[int] | None = None,
+                    admit=None, limit: int = bulkwire.MAX_FRAME_BYTES) -> pb.BulkFrame:
+        """The next frame. Waiting for it has no time limit once the hello is done (an idle connection is fine;
+        stop() wakes it by shutting the socket down); once its first byte is here, a stall longer than the
+        socket's timeout (--stream-idle-seconds) ends the connection."""
         readable.poll()
-        return bulkwire.recv(conn, fds=fds)
+        return bulkwire.recv(conn, limit=limit, fds=fds, admit=admit)
 
-    def _hello(self, conn: socket.socket, peer: str, readable: select.poll) -> _Context:
-        frame = self._next_frame(conn, readable)
+    def _admit(self, length: int, large: list) -> float | None:
+        """Before a frame's body is read: refuse one too long for --max-request-tokens, and take one of
+        --max-large-requests for one that may carry more than LARGE_REQUEST_TOKENS tokens. Either refusal
+        ends the connection (the body is never read). A large frame's body must then arrive within
+        --stream-idle-seconds in all (the deadline returned), so a client that trickles it cannot keep the slot."""
+        if length > self.max_frame_bytes:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"a bulk frame of {length} bytes is over the limit of {self.max_frame_bytes} bytes "
+                           f"that --max-request-tokens ({self.service.settings.max_request_tokens}) sets")
+        if length > LARGE_FRAME_BYTES:
+            if not self.service.large_requests.acquire():
+                raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               self.service.large_requests.refusal(f"a bulk frame of {length} bytes").message)
+            large[0] = True
+            return time.monotonic() + (self.idle_seconds or 30.0)
+        return None
+
+    def _release_large(self, large: list) -> None:
+        if large[0]:
+            large[0] = False
+            self.service.large_requests.release()
+
+    def _hello(self, record: _Connection, peer: str, readable: select.poll) -> _Context:
+        conn = record.sock
+        frame = self._next_frame(conn, readable, limit=MAX_HELLO_BYTES)
         if frame.WhichOneof("frame") != "hello":
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
                            f"a bulk connection must start with a hello frame, got {frame.WhichOneof('frame')}")
@@ -231,6 +354,10 @@ class BulkServer:
                            "this sidecar requires authentication: a valid bearer token in the hello frame "
                            "(authorization: Bearer ...)")
         attach_identity(context, identity)
+        with self._lock:
+            if record.expired or record.replaced:
+                raise bulkwire.Closed("closed while its hello was read")
+            record.greeted = True
         context.lend = self.lend and hello.sealed_memfds
         frame = _status(grpc.StatusCode.OK)
         frame.status.sealed_memfds = context.lend
@@ -278,7 +405,8 @@ class BulkServer:
             target = None
             if request.HasField("shared_buffer"):
                 target = _shared_target(request.shared_buffer, shared)
-            for begin, view in self.service.verified_chunks(request, context, target, lend=context.lend):
+            for begin, view in self.service.verified_chunks(request, context, target, lend=context.lend,
+                                                            large_slot=False):
                 if self.max_call_seconds and time.perf_counter() - start > self.max_call_seconds:
                     raise RpcFailure(grpc.StatusCode.CANCELLED, f"this get ran longer than --max-call-seconds "
                                      f"({self.max_call_seconds:g} s); the client is reading too slowly")

@@ -39,6 +39,8 @@ class Settings:
     shm_idle_seconds: float = 300.0
     bulk_address: str = ""
     bulk_max_connections: int = 64
+    bulk_max_connections_per_peer: int = 16
+    bulk_hello_seconds: float = 5.0
     bulk_zero_copy: str = "auto"
     workers: int = 32
     frame_bytes: int = 1 << 20
@@ -58,6 +60,11 @@ class Settings:
     max_calls_per_client: int = 0
     stream_idle_seconds: float = 30.0
     max_call_seconds: float = 600.0
+    min_put_bytes_per_second: int = 1 << 20
+    put_rate_window_seconds: float = 10.0
+    max_put_reserved_fraction: float = 0.5
+    max_request_tokens: int = 1 << 20
+    max_large_requests: int = 4
 
     @property
     def bulk_addresses(self) -> list[str]:
@@ -91,6 +98,18 @@ class Settings:
             raise ValueError("--shm-idle-seconds must be positive")
         if self.bulk_max_connections < 1:
             raise ValueError("--bulk-max-connections must be at least 1")
+        if self.bulk_max_connections_per_peer < 1:
+            raise ValueError("--bulk-max-connections-per-peer must be at least 1")
+        if self.bulk_hello_seconds <= 0:
+            raise ValueError("--bulk-hello-seconds must be positive")
+        if self.put_rate_window_seconds <= 0:
+            raise ValueError("--put-rate-window-seconds must be positive")
+        if not 0 < self.max_put_reserved_fraction <= 1:
+            raise ValueError(f"--max-put-reserved-fraction must be in (0, 1], got {self.max_put_reserved_fraction}")
+        if not 1 <= self.max_request_tokens <= 1 << 22:
+            raise ValueError(f"--max-request-tokens must be in 1..{1 << 22}, got {self.max_request_tokens}")
+        if self.max_large_requests < 1:
+            raise ValueError("--max-large-requests must be at least 1")
         if self.bulk_zero_copy not in ("auto", "on", "off"):
             raise ValueError(f"--bulk-zero-copy must be auto, on or off, got {self.bulk_zero_copy!r}")
         if self.workers < 1:
@@ -153,6 +172,11 @@ HELP = {
                     "that streams chunk bytes without gRPC's per-call cost, or several, comma-separated (a unix "
                     "socket for zero copy and TCP for other pods); empty disables it",
     "bulk_max_connections": "open bulk-channel connections at most (one thread each); more are refused",
+    "bulk_max_connections_per_peer": "bulk-channel connections one peer may hold (a process, by its unix-socket "
+                                     "credentials; an IP address over TCP); more are refused",
+    "bulk_hello_seconds": "a bulk connection that has not completed its hello (and authentication) this long "
+                          "after connecting is closed; while the channel is full, a new connection replaces the "
+                          "oldest one still waiting for its hello",
     "bulk_zero_copy": "on a unix-socket bulk channel, lend stored chunks to clients as sealed read-only memfds "
                       "instead of copying them (docs/bulk-channel.md); a client can then keep an evicted "
                       "chunk's memory alive. auto: on with a CPU tier and shared tenancy, off with isolated "
@@ -181,10 +205,20 @@ HELP = {
     "stream_idle_seconds": "cancel a stream that made no progress this long: a Put whose client sent nothing, "
                            "a Get whose client read nothing (0: never)",
     "max_call_seconds": "cancel any call running longer than this (0: never)",
+    "min_put_bytes_per_second": "a Put holding a memory reservation must send at least this many bytes per "
+                                "second, averaged over --put-rate-window-seconds, or it is cancelled and its "
+                                "reservation released (0: no minimum)",
+    "put_rate_window_seconds": "window over which --min-put-bytes-per-second is measured",
+    "max_put_reserved_fraction": "fraction of --memory-bytes that the Puts of one client (tenant, or peer "
+                                 "address without auth) may hold reserved at once (at least one chunk); more "
+                                 "gets RESOURCE_EXHAUSTED",
+    "max_request_tokens": "tokens one request may carry (Lookup, Get, Put, Delete, bulk get); more get "
+                          "INVALID_ARGUMENT",
+    "max_large_requests": "requests with more than 64Ki tokens processed at once; more get RESOURCE_EXHAUSTED",
 }
 
 _BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "disk_min_free_bytes", "frame_bytes",
-                "tenant_quota_bytes", "shm_max_bytes"}
+                "tenant_quota_bytes", "shm_max_bytes", "min_put_bytes_per_second"}
 
 
 def env_name(field_name: str) -> str:

@@ -6,7 +6,13 @@
   --stream-idle-seconds: a Put whose client sent nothing, a Get whose client stopped reading. A cancelled Put
   releases its reservation (nothing partial is stored); a cancelled Get releases its lease. The client sees
   DEADLINE_EXCEEDED with a message naming the limit.
-* `Guard`: the server interceptor that applies authentication (promptcache.sidecar.auth) and both limits to
+* The watchdog also cancels a Put that holds a memory reservation but sends less than
+  --min-put-bytes-per-second, averaged over --put-rate-window-seconds: each byte is progress, so the idle limit
+  alone lets a client that trickles one byte every few seconds keep its reservation for --max-call-seconds.
+* `ReservedBytes`: what the Puts of one client hold reserved at once (--max-put-reserved-fraction).
+* `LargeRequests`: how many requests of more than LARGE_REQUEST_TOKENS tokens are processed at once
+  (--max-large-requests).
+* `Guard`: the server interceptor that applies authentication (promptcache.sidecar.auth) and the limits to
   every method except the health service.
 """
 from __future__ import annotations
@@ -22,6 +28,8 @@ import grpc
 from promptcache.sidecar.auth import HEALTH_PREFIX, Authenticator, Identity, attach_identity
 
 log = logging.getLogger("promptcache.sidecar.limits")
+LARGE_REQUEST_TOKENS = 1 << 16  # a request with more tokens than this needs one of --max-large-requests
+_WATCH_ATTR = "_promptcache_watch"
 
 
 class CallRejected(Exception):
@@ -61,8 +69,61 @@ class CallLimiter:
             return self._active.get(client, 0)
 
 
+class ReservedBytes:
+    """Bytes reserved by each client's Puts in flight. A client may always hold one chunk; beyond that, no more
+    than `limit` bytes together, so that one client's slow or stalled Puts cannot hold the whole budget."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = defaultdict(int)
+
+    def hold(self, client: str, nbytes: int, limit: int) -> bool:
+        with self._lock:
+            held = self._held.get(client, 0)
+            if held and held + nbytes > limit:
+                return False
+            self._held[client] = held + nbytes
+            return True
+
+    def release(self, client: str, nbytes: int) -> None:
+        with self._lock:
+            self._held[client] -= nbytes
+            if self._held[client] <= 0:
+                del self._held[client]
+
+    def held(self, client: str) -> int:
+        with self._lock:
+            return self._held.get(client, 0)
+
+
+class LargeRequests:
+    """At most `limit` large requests (more than LARGE_REQUEST_TOKENS tokens) at once; the next is refused."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self.active = 0
+
+    def acquire(self) -> bool:
+        with self._lock:
+            if self.active >= self.limit:
+                return False
+            self.active += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.active -= 1
+
+    def refusal(self, what: str) -> CallRejected:
+        return CallRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{what}: {self.limit} requests of more than {LARGE_REQUEST_TOKENS} tokens are already "
+                            "being served (--max-large-requests); retry later")
+
+
 class _Watch:
-    __slots__ = ("context", "rpc", "started", "last", "idle", "max_seconds", "expired", "reason")
+    __slots__ = ("context", "rpc", "started", "last", "idle", "max_seconds", "expired", "reason",
+                 "holding", "received", "window_start", "window_received")
 
     def __init__(self, context, rpc: str, max_seconds: float, idle: float):
         self.context = context
@@ -72,9 +133,31 @@ class _Watch:
         self.idle = idle          # 0: no idle limit (unary calls, Get)
         self.expired = False
         self.reason = ""
+        self.holding = 0            # bytes of memory reservation the call holds (a Put receiving a chunk)
+        self.received = 0           # bytes received while holding one
+        self.window_start = 0.0
+        self.window_received = 0
 
     def touch(self) -> None:
         self.last = time.monotonic()
+
+    def hold(self, nbytes: int) -> None:
+        """The call now holds a reservation of `nbytes` (0: none): the minimum rate applies while it does."""
+        if nbytes and not self.holding:
+            self.window_start, self.window_received = time.monotonic(), self.received
+        self.holding = nbytes
+
+    def progress(self, nbytes: int) -> None:
+        self.received += nbytes
+
+
+def attach_watch(context, w: _Watch) -> None:
+    setattr(context, _WATCH_ATTR, w)
+
+
+def watch_of(context) -> _Watch | None:
+    """The watchdog's record of this call (None when no Guard watches it)."""
+    return getattr(context, _WATCH_ATTR, None)
 
 
 def _cancel(context, code: grpc.StatusCode, details: str) -> None:
@@ -92,15 +175,19 @@ def _cancel(context, code: grpc.StatusCode, details: str) -> None:
 
 
 class Watchdog:
-    def __init__(self, max_call_seconds: float, stream_idle_seconds: float, on_expire=None):
-        """on_expire(rpc, limit) is called for every call cancelled, limit being "idle" or "duration"."""
+    def __init__(self, max_call_seconds: float, stream_idle_seconds: float, on_expire=None,
+                 min_put_bytes_per_second: int = 0, put_rate_window_seconds: float = 10.0):
+        """on_expire(rpc, limit) is called for every call cancelled, limit being "idle", "duration" or "rate"."""
         self.max_call_seconds = max_call_seconds
         self.stream_idle_seconds = stream_idle_seconds
+        self.min_rate = min_put_bytes_per_second
+        self.rate_window = put_rate_window_seconds
         self.on_expire = on_expire or (lambda rpc, reason: None)
         self._lock = threading.Lock()
         self._watches: set[_Watch] = set()
         self._stop = threading.Event()
-        limits = [s for s in (max_call_seconds, stream_idle_seconds) if s > 0]
+        limits = [s for s in (max_call_seconds, stream_idle_seconds,
+                              put_rate_window_seconds if min_put_bytes_per_second else 0) if s > 0]
         self.tick = min([0.25] + [s / 4 for s in limits])
         self._thread = threading.Thread(target=self._run, name="call-watchdog", daemon=True)
         self._thread.start()
@@ -127,7 +214,7 @@ class Watchdog:
                     elif w.idle > 0 and now - w.last > w.idle:
                         w.reason = (f"{w.rpc} stream made no progress for {w.idle:g} s (--stream-idle-seconds: "
                                     "the client sent or read nothing); cancelled, nothing partial was stored")
-                    else:
+                    elif not self._too_slow(w, now):
                         continue
                     due.append(w)
                 for w in due:
@@ -135,8 +222,24 @@ class Watchdog:
             for w in due:
                 w.expired = True
                 log.warning("cancelled a call", extra={"rpc": w.rpc, "reason": w.reason})
-                self.on_expire(w.rpc, "duration" if "--max-call-seconds" in w.reason else "idle")
+                self.on_expire(w.rpc, "duration" if "--max-call-seconds" in w.reason
+                               else "rate" if "--min-put-bytes-per-second" in w.reason else "idle")
                 _cancel(w.context, grpc.StatusCode.DEADLINE_EXCEEDED, w.reason)
+
+    def _too_slow(self, w: _Watch, now: float) -> bool:
+        """Under the lock: whether `w` held a reservation for a whole window while receiving less than the
+        minimum rate over it (then w.reason says so); a window that passes starts the next one."""
+        if not self.min_rate or not w.holding or now - w.window_start < self.rate_window:
+            return False
+        got = w.received - w.window_received
+        elapsed = now - w.window_start
+        if got >= self.min_rate * elapsed:
+            w.window_start, w.window_received = now, w.received
+            return False
+        w.reason = (f"{w.rpc} received {got} bytes in {elapsed:.1f} s while holding a reservation of {w.holding} "
+                    f"bytes, less than --min-put-bytes-per-second ({self.min_rate}); cancelled, the reservation "
+                    "released, nothing partial was stored")
+        return True
 
     def stop(self) -> None:
         self._stop.set()
@@ -169,6 +272,11 @@ class _WatchedRequests:
         return item
 
 
+def client_key(identity: Identity, peer: str) -> str:
+    """Who a call counts against: the authenticated tenant, or the peer address (a connection) without auth."""
+    return f"tenant:{identity.tenant}" if not identity.anonymous else f"peer:{peer}"
+
+
 def _method_name(full: str) -> str:
     return full.rsplit("/", 1)[-1]
 
@@ -194,7 +302,7 @@ class Guard(grpc.ServerInterceptor):
                          "this sidecar requires authentication: a valid bearer token (authorization: Bearer ...) "
                          "or a client certificate signed by its client CA")
         attach_identity(context, identity)
-        client = f"tenant:{identity.tenant}" if not identity.anonymous else f"peer:{context.peer()}"
+        client = client_key(identity, context.peer())
         if not self.limiter.acquire(client):
             self._refuse(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"too many calls in flight from this client (at most {self.limiter.max_per_client}, "
@@ -283,6 +391,8 @@ class Guard(grpc.ServerInterceptor):
             def stream_unary(raw_iterator, context):
                 client = admit(context)
                 w = guard.watchdog.watch(context, rpc, idle=True) if guarded else None
+                if w is not None:
+                    attach_watch(context, w)  # Put reports the reservation it holds and the bytes it receives
                 requests = parsed_stream(raw_iterator if w is None else _WatchedRequests(raw_iterator, w))
                 try:
                     return inner(requests, context)

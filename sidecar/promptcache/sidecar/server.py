@@ -6,9 +6,11 @@ is checksummed before its first byte leaves).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import ipaddress
+import itertools
 import logging
 import os
 import signal
@@ -33,7 +35,8 @@ from promptcache.sidecar.auth import Authenticator, TokenStore, identity_of, ser
 from promptcache.sidecar.bulk import BulkServer
 from promptcache.sidecar.config import Settings, settings_from_args
 from promptcache.sidecar.disk import DiskTierError
-from promptcache.sidecar.limits import CallLimiter, CallRejected, Guard, Watchdog
+from promptcache.sidecar.limits import (LARGE_REQUEST_TOKENS, CallLimiter, CallRejected, Guard, LargeRequests,
+                                        ReservedBytes, Watchdog, client_key, watch_of)
 from promptcache.sidecar.memfd import ChunkMemory
 from promptcache.sidecar.metrics import Metrics
 from promptcache.sidecar.policies import make_policy
@@ -47,7 +50,6 @@ from promptcache.wire import NAME_TO_DTYPE, model_from_proto
 
 log = logging.getLogger("promptcache.sidecar")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
-MAX_TOKENS = 1 << 22  # 4M tokens per request; far beyond any context window
 
 
 class RpcFailure(Exception):
@@ -116,6 +118,7 @@ class _Incoming:
     host: torch.Tensor | None
     offset: int = 0
     charged: int = 0  # bytes charged to the owner's quota (tenancy)
+    held: int = 0  # bytes counted against the client's --max-put-reserved-fraction
 
 
 class KVCacheService(pb_grpc.KVCacheServicer):
@@ -137,6 +140,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                                       settings.shm_idle_seconds) if settings.shm_dir else None)
         self.hit_tokens = 0
         self.missed_tokens = 0
+        self.reserved_by_client = ReservedBytes()
+        self.large_requests = LargeRequests(settings.max_large_requests)
 
     # --- validation helpers -----------------------------------------------------------------------------
     def _model(self, msg: pb.Model, present: bool, context):
@@ -172,13 +177,36 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def _tokens(self, tokens) -> None:
         if len(tokens) == 0:
             raise invalid("tokens is empty")
-        if len(tokens) > MAX_TOKENS:
-            raise invalid(f"tokens has {len(tokens)} ids, more than the limit of {MAX_TOKENS}")
+        if len(tokens) > self.settings.max_request_tokens:
+            raise invalid(f"tokens has {len(tokens)} ids, more than the limit of {self.settings.max_request_tokens} "
+                          "(--max-request-tokens)")
 
-    def _keys(self, fp: bytes, tokens, start: int = 0, limit: int = 0) -> list[bytes]:
+    def _take_large(self, tokens, rpc: str) -> bool:
+        """Take one of --max-large-requests for a request of more than LARGE_REQUEST_TOKENS tokens (True: taken,
+        give it back with _give_large); refused with RESOURCE_EXHAUSTED when none is free."""
+        if len(tokens) <= LARGE_REQUEST_TOKENS:
+            return False
+        if not self.large_requests.acquire():
+            raise self.large_requests.refusal(rpc)
+        return True
+
+    def _give_large(self, taken: bool) -> None:
+        if taken:
+            self.large_requests.release()
+
+    @contextlib.contextmanager
+    def _large(self, tokens, rpc: str):
+        taken = self._take_large(tokens, rpc)
+        try:
+            yield
+        finally:
+            self._give_large(taken)
+
+    def _keys(self, fp: bytes, tokens, start: int = 0, limit: int = 0):
+        """The keys of chunks start.. (at most `limit`; 0: all), each hashed when the consumer asks for it."""
         n = len(tokens) // self.chunk_tokens
         stop = n if limit == 0 else min(n, start + limit)
-        return keyspec.chunk_keys(fp, tokens, self.chunk_tokens, limit=stop)[start:]
+        return itertools.islice(keyspec.iter_chunk_keys(fp, tokens, self.chunk_tokens, limit=stop), start, None)
 
     def _buffers(self) -> SharedBuffers:
         if self.buffers is None:
@@ -205,6 +233,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def Lookup(self, request, context):
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
+        with self._large(request.tokens, "Lookup"):
+            return self._lookup(request, fp, owner)
+
+    def _lookup(self, request, fp: bytes, owner: str) -> pb.LookupResponse:
         chunks = []
         for i, key in enumerate(self._keys(fp, request.tokens)):
             entry = self.tier.peek(key, fp)
@@ -260,7 +292,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             shared.close()
 
     def verified_chunks(self, request, context, shared: np.ndarray | SharedFile | None = None,
-                        lend: bool = False):
+                        lend: bool = False, large_slot: bool = True):
         """Yield (ChunkBegin, bytes) for each chunk of the longest cached run from request.start_chunk on,
         each verified against its checksum just before it is yielded. The bytes are the stored tensor's own
         memory, and its lease is held until the consumer asks for the next chunk: send them before that.
@@ -269,9 +301,11 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         file is written after the stored bytes are verified. With `lend`, a chunk kept in a sealed memfd is
         yielded as (ChunkBegin with sealed_memfd set, (its SealedChunk, the encoded bulk frame)) instead,
         verified in place and neither copied nor counted against `shared`: the caller passes the descriptor
-        on. Counts the lookup when the consumer stops."""
+        on. Counts the lookup when the consumer stops. A request of many tokens holds one of --max-large-requests
+        meanwhile, unless the caller took it already (`large_slot` False: the bulk channel, before reading it)."""
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
+        large = large_slot and self._take_large(request.tokens, "Get")
         served = position = from_disk = 0
         try:
             for i, key in enumerate(self._keys(fp, request.tokens, request.start_chunk, request.max_chunks),
@@ -323,6 +357,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     view = None
                     self.tier.release_lease(entry)
         finally:
+            self._give_large(large)
             self._count_lookup("get", served * self.chunk_tokens,
                                max(0, len(request.tokens) - request.start_chunk * self.chunk_tokens), owner,
                                from_disk * self.chunk_tokens)
@@ -339,7 +374,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         if n_chunks == 0:
             raise invalid(f"tokens has {len(header.tokens)} ids, fewer than one chunk of {self.chunk_tokens}; "
                           "only whole chunks are stored")
-        keys = self._keys(fp, header.tokens)
+        with self._large(header.tokens, "Put"):  # the work that grows with the tokens: every key, up front
+            keys = list(self._keys(fp, header.tokens))
+        watch = watch_of(context)  # told what this Put holds reserved and receives (--min-put-bytes-per-second)
+        client = client_key(identity_of(context), context.peer())
         expected_shape = list(chunk_shape(spec, self.chunk_tokens))
         try:
             expected_nbytes = chunk_nbytes(spec, self.chunk_tokens)
@@ -373,6 +411,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         skipped += 1
                         current = None if shared is not None else current
                         continue
+                    self._hold(current, client)
                     try:
                         current.charged = self.tenancy.reserve(owner, begin.nbytes, fp)
                     except TenancyError as exc:
@@ -385,12 +424,15 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         current.charged = 0
                         rejected += 1
                         self.metrics.admission_rejections.labels("device").inc()
+                        self._unhold(current, client, watch)
                         current = None if shared is not None else current
                         continue
                     except (ChunkTooLarge, NoRoom) as exc:
                         self.tenancy.release(owner, current.charged)
                         current.charged = 0
                         raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"chunk {begin.index}: {exc}") from None
+                    if watch is not None:
+                        watch.hold(current.reservation.accounted)
                     # Received into host memory first, checksummed, then moved to the device in one copy.
                     current.host = self.tier.host_buffer(current.reservation)
                     current.buffer = current.host.numpy()
@@ -406,6 +448,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         self.metrics.received_bytes.inc(begin.nbytes)
                         stored_bytes += self._store(current, fp, owner)
                         stored += 1
+                        self._unhold(current, client, watch)
                         current = None
                 elif kind == "data":
                     if shared is not None:
@@ -419,11 +462,14 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     if current.buffer is not None:
                         current.buffer[current.offset:current.offset + n] = np.frombuffer(msg.data, dtype=np.uint8)
                     current.offset += n
+                    if watch is not None:
+                        watch.progress(n)
                     self.metrics.received_bytes.inc(n)
                     if current.offset == current.begin.nbytes:
                         if current.reservation is not None:
                             stored_bytes += self._store(current, fp, owner)
                             stored += 1
+                        self._unhold(current, client, watch)
                         current = None
                 elif kind == "header":
                     raise invalid("a Put stream carries exactly one header frame")
@@ -436,6 +482,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 self.tier.release(current.reservation)
             if current is not None and current.charged:
                 self.tenancy.release(owner, current.charged)
+            if current is not None:
+                self._unhold(current, client, watch)
             if shared is not None:
                 shared.close()
         self.metrics.stored_chunks.inc(stored)
@@ -468,6 +516,25 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         if begin.sealed_memfd:
             raise invalid(f"chunk {i}: sealed_memfd is set only by the sidecar, on chunks it lends on the bulk "
                           "channel; a Put sends the bytes")
+
+    def _hold(self, current: _Incoming, client: str) -> None:
+        """Count the chunk against its client's share of the budget (--max-put-reserved-fraction)."""
+        limit = int(self.settings.max_put_reserved_fraction * self.tier.budget)
+        nbytes = current.begin.nbytes
+        if not self.reserved_by_client.hold(client, nbytes, limit):
+            raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"chunk {current.begin.index}: this client's Puts in flight already hold "
+                             f"{self.reserved_by_client.held(client)} bytes reserved, and {nbytes} more would pass "
+                             f"its limit of {limit} bytes (--max-put-reserved-fraction "
+                             f"{self.settings.max_put_reserved_fraction:g} of the budget); retry later")
+        current.held = nbytes
+
+    def _unhold(self, current: _Incoming, client: str, watch) -> None:
+        if current.held:
+            self.reserved_by_client.release(client, current.held)
+            current.held = 0
+        if watch is not None:
+            watch.hold(0)
 
     @staticmethod
     def _cut_short(current: _Incoming) -> RpcFailure:
@@ -516,7 +583,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def Delete(self, request, context):
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
-        keys = self._keys(fp, request.tokens, request.start_chunk)
+        with self._large(request.tokens, "Delete"):
+            keys = list(self._keys(fp, request.tokens, request.start_chunk))
         deleted = self.tier.delete(keys, fp)
         if self.spill is not None:
             deleted += self.spill.delete(keys, fp)
@@ -657,10 +725,12 @@ class Sidecar:
 
         self.metrics.registry.register(TenantCollector(self.tenancy))
         cancelled = Counter("promptcache_calls_cancelled", "calls cancelled by the watchdog, by method and limit "
-                            "(idle: --stream-idle-seconds, duration: --max-call-seconds)", ["rpc", "limit"],
-                            registry=self.metrics.registry)
+                            "(idle: --stream-idle-seconds, duration: --max-call-seconds, rate: "
+                            "--min-put-bytes-per-second)", ["rpc", "limit"], registry=self.metrics.registry)
         self.watchdog = Watchdog(settings.max_call_seconds, settings.stream_idle_seconds,
-                                 on_expire=lambda rpc, limit: cancelled.labels(rpc, limit).inc())
+                                 on_expire=lambda rpc, limit: cancelled.labels(rpc, limit).inc(),
+                                 min_put_bytes_per_second=settings.min_put_bytes_per_second,
+                                 put_rate_window_seconds=settings.put_rate_window_seconds)
         self.guard = Guard(self.authenticator, CallLimiter(settings.max_calls_per_client), self.watchdog,
                            self.metrics)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers,
@@ -678,7 +748,9 @@ class Sidecar:
             raise OSError(f"cannot listen on --grpc-address {settings.grpc_address}")
         self.bulk = [BulkServer(address, self.service, self.authenticator, self.metrics,
                                 settings.bulk_max_connections, settings.stream_idle_seconds,
-                                settings.max_call_seconds, lend=self.tier.host_memory is not None)
+                                settings.max_call_seconds, lend=self.tier.host_memory is not None,
+                                max_connections_per_peer=settings.bulk_max_connections_per_peer,
+                                hello_seconds=settings.bulk_hello_seconds)
                      for address in settings.bulk_addresses]
         self._stop = threading.Event()
         self._stop_lock = threading.Lock()

@@ -1,0 +1,427 @@
+"""Resource limits against hostile or careless clients (issue 17, items 4, 5 and 8), each with the attack as it
+was found, scaled down: real gRPC clients and raw sockets on loopback against a real sidecar.
+
+* Slow Puts: streams that announce a chunk and trickle a byte now and then hold their reservations; the minimum
+  rate cancels them, and one tenant may hold only part of the budget reserved.
+* The bulk channel: connections that never send a hello cannot lock out a client with a token.
+* Memory per request: requests of millions of tokens are refused before their bytes are read, and concurrent
+  large ones are bounded, so the sidecar's RSS stays bounded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import psutil
+import pytest
+
+from promptcache import bulkwire
+from promptcache.client import PromptCacheClient, errors
+from promptcache.client.client import encode_chunk
+from promptcache.keys import ModelSpec
+from promptcache.layout import chunk_nbytes
+from promptcache.v1 import kvcache_pb2 as pb
+from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+from promptcache.wire import model_to_proto
+from support import CHUNK, SMALL, SidecarProcess, make_kv
+from test_auth import write_secret_dir
+
+MIB = 1 << 20
+WIDE = ModelSpec("test/wide", "rev-1", "float32", num_layers=8, num_kv_heads=8, head_dim=128)  # 1 MiB chunks
+WIDE_NBYTES = chunk_nbytes(WIDE, CHUNK)
+WIDE_SHAPE = [WIDE.num_layers, 2, WIDE.num_kv_heads, CHUNK, WIDE.head_dim]
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # each channel its own connection (own peer)
+assert WIDE_NBYTES == MIB
+
+
+def eventually(check, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return check()
+
+
+def trickling_put(address: str, seed: int, stop: threading.Event, metadata=None, every: float = 0.2):
+    """A Put on its own connection that announces a 1 MiB chunk and then sends one byte every `every` seconds:
+    each byte is progress, so the idle limit never fires. Returns (future, channel)."""
+    channel = grpc.insecure_channel(address, options=OWN_CONNECTION)
+    tokens = [seed * 1000 + i for i in range(CHUNK)]
+
+    def frames():
+        yield pb.PutRequest(header=pb.PutHeader(model=model_to_proto(WIDE), tokens=tokens))
+        yield pb.PutRequest(chunk=pb.ChunkBegin(index=0, nbytes=WIDE_NBYTES, shape=WIDE_SHAPE,
+                                                dtype=pb.DTYPE_FLOAT32))
+        for _ in range(WIDE_NBYTES - 1):
+            if stop.wait(every):
+                return
+            yield pb.PutRequest(data=b"\x00")
+
+    return pb_grpc.KVCacheStub(channel).Put.future(frames(), timeout=60, metadata=metadata), channel
+
+
+def honest_put(client: PromptCacheClient, seed: int, deadline: float) -> tuple[float, list[str]]:
+    """Put one 1 MiB chunk, retrying RESOURCE_EXHAUSTED until `deadline`: (seconds until stored, refusals)."""
+    tokens = [900_000 + seed * 1000 + i for i in range(CHUNK)]
+    blob = encode_chunk(WIDE, make_kv(WIDE, CHUNK, seed=seed), 0, CHUNK)
+    t0 = time.monotonic()
+    refusals = []
+    while time.monotonic() < deadline:
+        try:
+            assert client.put_blobs(WIDE, tokens, {0: blob}).stored_chunks == 1
+            return time.monotonic() - t0, refusals
+        except errors.PromptCacheError as exc:
+            refusals.append(str(exc))
+            time.sleep(0.1)
+    raise AssertionError(f"the honest Put was refused until the deadline: {refusals[-3:]}")
+
+
+def test_reserved_bytes_allow_one_chunk_then_the_share():
+    from promptcache.sidecar.limits import ReservedBytes
+
+    held = ReservedBytes()
+    assert held.hold("a", 10, limit=5)  # one chunk is always allowed, whatever its size
+    assert not held.hold("a", 1, limit=5)
+    assert held.hold("b", 3, limit=5) and held.hold("b", 2, limit=5) and not held.hold("b", 1, limit=5)
+    held.release("a", 10)
+    assert held.held("a") == 0 and held.hold("a", 4, limit=5) and held.held("a") == 4
+
+
+def test_trickling_puts_are_cut_off_and_an_honest_writer_gets_in(sidecar_factory):
+    """Four Puts from four connections that together reserve the whole budget and then send a byte every 0.2 s
+    (the issue's attack, 16 MiB chunks of a 64 MiB budget, scaled to 1 MiB of 4 MiB): the minimum rate cancels
+    them within about one window, their reservations are released, and an honest writer's Put succeeds."""
+    sidecar = sidecar_factory(memory_bytes=4 * MIB, max_chunk_bytes=2 * MIB, stream_idle_seconds=30,
+                              min_put_bytes_per_second=64 << 10, put_rate_window_seconds=1.0)
+    stop = threading.Event()
+    streams = [trickling_put(sidecar.address, seed, stop) for seed in range(4)]
+    try:
+        # The attack holds the whole budget.
+        assert eventually(lambda: sidecar.tier.usage()["reserved"] == 4 * MIB), sidecar.tier.usage()
+        with PromptCacheClient(sidecar.address, retries=0, timeout=10) as honest:
+            took, refusals = honest_put(honest, seed=7, deadline=time.monotonic() + 8)
+        print(f"honest Put stored after {took:.2f} s, {len(refusals)} refusals")
+        assert refusals and "no room" in refusals[0]  # it was locked out at first ...
+        assert took < 4.0, took  # ... for about one window, not for --max-call-seconds
+        for future, _ in streams:
+            with pytest.raises(grpc.RpcError) as info:
+                future.result(timeout=5)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "--min-put-bytes-per-second" in info.value.details()
+            assert "reservation released" in info.value.details()
+    finally:
+        stop.set()
+        for _, channel in streams:
+            channel.close()
+    usage = sidecar.tier.usage()
+    assert usage["reserved"] == 0 and usage["entries"] == 1 and usage["used"] == MIB, usage
+    from support import metric
+
+    assert metric(sidecar, 'promptcache_calls_cancelled_total{limit="rate",rpc="Put"}') == 4
+
+
+def test_a_put_sending_at_the_minimum_rate_is_not_cut(sidecar_factory):
+    """The other side of the minimum: a Put that keeps sending above it completes, however long it takes."""
+    sidecar = sidecar_factory(memory_bytes=4 * MIB, max_chunk_bytes=2 * MIB,
+                              min_put_bytes_per_second=256 << 10, put_rate_window_seconds=0.5)
+    blob = encode_chunk(WIDE, make_kv(WIDE, CHUNK, seed=1), 0, CHUNK).numpy().tobytes()
+    tokens = list(range(CHUNK))
+
+    def frames():  # 1 MiB at about 512 KiB/s: two seconds, four windows
+        yield pb.PutRequest(header=pb.PutHeader(model=model_to_proto(WIDE), tokens=tokens))
+        yield pb.PutRequest(chunk=pb.ChunkBegin(index=0, nbytes=WIDE_NBYTES, shape=WIDE_SHAPE,
+                                                dtype=pb.DTYPE_FLOAT32))
+        step = 64 << 10
+        for off in range(0, WIDE_NBYTES, step):
+            time.sleep(step / (512 << 10))
+            yield pb.PutRequest(data=blob[off:off + step])
+
+    with grpc.insecure_channel(sidecar.address) as ch:
+        assert pb_grpc.KVCacheStub(ch).Put(frames(), timeout=30).stored_chunks == 1
+
+
+def test_one_tenant_may_hold_only_part_of_the_budget_reserved(sidecar_factory, tmp_path):
+    """With authentication the limit follows the tenant, whatever connections it opens: mallory's four trickling
+    Puts (on four connections) may hold half the budget reserved (--max-put-reserved-fraction 0.5), the other
+    two are refused at once, and alice's Put is stored at once, never locked out (no minimum rate here, so only
+    the reservation cap is at work)."""
+    d = tmp_path / "tokens"
+    write_secret_dir(d, {"mallory": "m-token", "alice": "a-token"})
+    sidecar = sidecar_factory(token_file=str(d), memory_bytes=4 * MIB, max_chunk_bytes=2 * MIB,
+                              min_put_bytes_per_second=0, max_put_reserved_fraction=0.5)
+    stop = threading.Event()
+    md = [("authorization", "Bearer m-token")]
+    streams = []
+    try:
+        streams = [trickling_put(sidecar.address, seed, stop, md) for seed in range(4)]
+        assert eventually(lambda: sum(f.done() for f, _ in streams) == 2), [f.done() for f, _ in streams]
+        refused = [f for f, _ in streams if f.done()]
+        for f in refused:
+            assert f.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-put-reserved-fraction" in f.exception().details()
+        assert sidecar.tier.usage()["reserved"] == 2 * MIB
+        with PromptCacheClient(sidecar.address, token="a-token", retries=0, timeout=10) as alice:
+            took, refusals = honest_put(alice, seed=7, deadline=time.monotonic() + 5)
+        assert not refusals and took < 2.0, (took, refusals)
+    finally:
+        stop.set()
+        for _, channel in streams:
+            channel.close()
+
+
+# --- the bulk channel: connections that never authenticate --------------------------------------------------
+
+HOLDER = r"""
+import json, socket, struct, sys, time
+path, n, hold = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+socks = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    socks.append(s)
+print("connected", flush=True)
+time.sleep(hold)
+outcome = {}
+for s in socks:
+    s.setblocking(False)
+    try:
+        head = s.recv(4)
+    except BlockingIOError:
+        outcome["open"] = outcome.get("open", 0) + 1
+        continue
+    if not head:
+        outcome["closed"] = outcome.get("closed", 0) + 1
+        continue
+    s.setblocking(True)
+    body = b""
+    while len(body) < struct.unpack("<I", head)[0]:
+        body += s.recv(65536)
+    sys.path.insert(0, ".")
+    from promptcache.v1 import kvcache_pb2 as pb
+    status = pb.BulkFrame.FromString(body).status
+    key = "%d %s" % (status.code, status.message.split("(")[-1].split(")")[0])
+    outcome[key] = outcome.get(key, 0) + 1
+print(json.dumps(outcome), flush=True)
+"""
+
+
+def hold_connections(path: str, n: int, hold: float) -> subprocess.Popen:
+    """Another process (another peer) that opens `n` bulk connections, never sends a hello, and after `hold`
+    seconds prints what became of them."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, path, str(n), str(hold)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "connected"
+    return proc
+
+
+def outcome_of(proc: subprocess.Popen) -> dict[str, int]:
+    out, _ = proc.communicate(timeout=30)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def raw_bulk(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(path)
+    return s
+
+
+def bulk_get(s: socket.socket, request: pb.GetRequest) -> tuple[int, pb.BulkStatus]:
+    bulkwire.send(s, pb.BulkFrame(get=request))
+    chunks = 0
+    while True:
+        frame = bulkwire.recv(s)
+        if frame.WhichOneof("frame") == "status":
+            return chunks, frame.status
+        bulkwire.recv_into(s, bytearray(frame.chunk.nbytes))
+        chunks += 1
+
+
+def test_idle_bulk_connections_cannot_lock_out_a_client_with_a_token(sidecar_factory, tmp_path):
+    """The issue's attack: 64 unix-socket connections that never send a hello take every slot. Now alice, with
+    her token, still connects and is served (the oldest connection still waiting for its hello makes room), and
+    the idle ones are closed after --bulk-hello-seconds."""
+    d = tmp_path / "tokens"
+    write_secret_dir(d, {"alice": "a-token"})
+    path = f"{tmp_path}/bulk.sock"
+    sidecar = sidecar_factory(token_file=str(d), bulk_address=f"unix:{path}", bulk_max_connections=64,
+                              bulk_max_connections_per_peer=64, bulk_hello_seconds=3)
+    tokens = list(range(3 * CHUNK))
+    with PromptCacheClient(sidecar.address, token="a-token") as c:
+        c.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+    attacker = hold_connections(path, 64, hold=5.0)
+    try:
+        assert eventually(lambda: len(sidecar.bulk[0]._connections) == 64)  # every slot taken
+        alice = raw_bulk(path)
+        bulkwire.send(alice, pb.BulkFrame(hello=pb.BulkHello(version=1, authorization="Bearer a-token")))
+        assert bulkwire.recv(alice).status.code == 0, "alice was refused while the attacker held the slots"
+        chunks, status = bulk_get(alice, pb.GetRequest(model=model_to_proto(SMALL), tokens=tokens))
+        assert (chunks, status.code) == (3, 0)
+        outcome = outcome_of(attacker)
+    finally:
+        attacker.kill()
+    # One made room for alice; every other one was closed once its hello was late. None is left open.
+    assert outcome == {"8 --bulk-max-connections": 1, "4 --bulk-hello-seconds": 63}, outcome
+    assert eventually(lambda: len(sidecar.bulk[0]._connections) == 1)  # alice's
+    chunks, status = bulk_get(alice, pb.GetRequest(model=model_to_proto(SMALL), tokens=tokens))
+    assert (chunks, status.code) == (3, 0)  # a connection past its hello stays however long it idles
+    alice.close()
+
+
+def test_one_peer_holds_at_most_its_share_of_bulk_connections(sidecar_factory, tmp_path):
+    path = f"{tmp_path}/bulk.sock"
+    sidecar = sidecar_factory(bulk_address=f"unix:{path}", bulk_max_connections=64,
+                              bulk_max_connections_per_peer=16, bulk_hello_seconds=30)
+    attacker = hold_connections(path, 64, hold=0.5)
+    try:
+        outcome = outcome_of(attacker)
+        assert outcome == {"open": 16, "8 --bulk-max-connections-per-peer": 48}, outcome
+        # Another process is another peer: it connects and is served while the first one holds its 16.
+        s = raw_bulk(path)
+        bulkwire.send(s, pb.BulkFrame(hello=pb.BulkHello(version=1)))
+        assert bulkwire.recv(s).status.code == 0
+        s.close()
+    finally:
+        attacker.kill()
+
+
+# --- memory per request -------------------------------------------------------------------------------------
+
+def test_grpc_requests_over_the_token_limit_are_refused_naming_it(sidecar_factory):
+    sidecar = sidecar_factory(max_request_tokens=1000)
+    with grpc.insecure_channel(sidecar.address) as ch:
+        stub = pb_grpc.KVCacheStub(ch)
+        assert stub.Lookup(pb.LookupRequest(model=model_to_proto(SMALL), tokens=range(1000))).cached_tokens == 0
+        for call in (lambda t: stub.Lookup(pb.LookupRequest(model=model_to_proto(SMALL), tokens=t)),
+                     lambda t: list(stub.Get(pb.GetRequest(model=model_to_proto(SMALL), tokens=t))),
+                     lambda t: stub.Delete(pb.DeleteRequest(model=model_to_proto(SMALL), tokens=t)),
+                     lambda t: stub.Put(iter([pb.PutRequest(header=pb.PutHeader(model=model_to_proto(SMALL),
+                                                                                tokens=t))]))):
+            with pytest.raises(grpc.RpcError) as info:
+                call(range(1001))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "1001 ids, more than the limit of 1000 (--max-request-tokens)" in info.value.details()
+
+
+def test_a_large_bulk_frame_trickled_in_cannot_keep_its_slot(sidecar_factory, tmp_path):
+    """With one large-request slot: a connection that announces a large get frame and trickles its body holds
+    the slot only until --stream-idle-seconds has passed in all; meanwhile a large gRPC request is refused at
+    once, naming --max-large-requests; afterwards it is served."""
+    path = f"{tmp_path}/bulk.sock"
+    sidecar = sidecar_factory(bulk_address=f"unix:{path}", max_large_requests=1, stream_idle_seconds=1.5)
+    s = raw_bulk(path)
+    bulkwire.send(s, pb.BulkFrame(hello=pb.BulkHello(version=1)))
+    assert bulkwire.recv(s).status.code == 0
+    frame = _encoded_get(100_000, seed=1)
+    s.sendall(frame[:1000])
+    big = pb.LookupRequest(model=model_to_proto(SMALL), tokens=range(100_000))
+    with grpc.insecure_channel(sidecar.address) as ch:
+        stub = pb_grpc.KVCacheStub(ch)
+        assert eventually(lambda: sidecar.service.large_requests.active == 1)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Lookup(big)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-large-requests" in info.value.details()
+        t0 = time.monotonic()
+        try:
+            for i in range(1000, 1040):  # a byte every 0.1 s: never idle for a whole second
+                s.sendall(frame[i:i + 1])
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert time.monotonic() - t0 < 3.5
+        assert eventually(lambda: sidecar.service.large_requests.active == 0)
+        assert stub.Lookup(big).cached_tokens == 0
+    s.close()
+
+
+def _encoded_get(n_tokens: int, seed: int) -> bytes:
+    """A bulk get frame of `n_tokens` token ids below 150,000 (3 bytes each, packed), as a vocabulary's are."""
+    ids = np.random.default_rng(seed).integers(0, 150_000, n_tokens, dtype=np.uint32)
+    return bulkwire.encode_get(pb.GetRequest(model=model_to_proto(SMALL), tokens=ids.tolist()))
+
+
+def _send_get(path: str, frame: bytes) -> tuple[int, str]:
+    """Send one pre-encoded get on a new connection; the answer's status (code, message). The sidecar may refuse
+    before it has read the whole frame and close: what it said before closing is still read."""
+    s = raw_bulk(path)
+    s.settimeout(60)
+    try:
+        bulkwire.send(s, pb.BulkFrame(hello=pb.BulkHello(version=1)))
+        assert bulkwire.recv(s).status.code == 0
+        try:
+            s.sendall(frame)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        while True:
+            answer = bulkwire.recv(s)
+            if answer.WhichOneof("frame") == "status":
+                return answer.status.code, answer.status.message
+            bulkwire.recv_into(s, bytearray(answer.chunk.nbytes))
+    finally:
+        s.close()
+
+
+@pytest.mark.slow
+def test_huge_requests_do_not_take_memory_beyond_a_bound(tmp_path):
+    """The issue's attack: 16 concurrent bulk gets of 4M tokens each (then legal) took a 64 MiB-budget sidecar
+    from 0.76 to 1.7 GB RSS and ran for minutes. Against `promptcache serve`: such a get is refused before its
+    body is read (over --max-request-tokens), 16 gets at the limit are served or refused at once (at most
+    --max-large-requests at a time), and the sidecar's RSS grows by less than 96 MiB through both rounds (it grew by 603 MiB before)."""
+    path = f"{tmp_path}/bulk.sock"
+    proc = SidecarProcess("--memory-bytes", "64Mi", "--chunk-tokens", "256", "--bulk-address", f"unix:{path}",
+                          "--device", "cpu", "--log-level", "warning").wait_ready()
+    try:
+        sidecar = psutil.Process(proc.proc.pid)
+        _send_get(path, _encoded_get(1024, seed=0))  # warm: the first get imports and allocates what it needs
+        before = sidecar.memory_info().rss
+        peak = [before]
+        sampling = threading.Event()
+
+        def sample():
+            while not sampling.wait(0.02):
+                peak[0] = max(peak[0], sidecar.memory_info().rss)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            rounds = {}
+            for n_tokens in (1 << 22, 1 << 20):  # the attack; then requests exactly at the default limit
+                frame = _encoded_get(n_tokens, seed=n_tokens)
+                answers = [None] * 16
+                t0 = time.monotonic()
+
+                def one(i):
+                    answers[i] = _send_get(path, frame)
+
+                threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(60)
+                rounds[n_tokens] = answers, time.monotonic() - t0
+                del frame
+        finally:
+            sampling.set()
+            sampler.join()
+        grown = (peak[0] - before) / MIB
+        print(f"RSS {before / MIB:.0f} MiB, peak {peak[0] / MIB:.0f} MiB (+{grown:.0f}); rounds took "
+              f"{rounds[1 << 22][1]:.2f} s and {rounds[1 << 20][1]:.2f} s")
+        assert grown < 96, f"RSS grew by {grown:.0f} MiB (from {before / MIB:.0f} MiB)"
+        answers, took = rounds[1 << 22]
+        assert {code for code, _ in answers} == {grpc.StatusCode.INVALID_ARGUMENT.value[0]}, answers[:2]
+        assert all("--max-request-tokens" in message for _, message in answers)
+        assert took < 10, took
+        answers, took = rounds[1 << 20]
+        # Served (nothing cached: an answer of no chunks, found at the first key) or refused at once.
+        assert {code for code, _ in answers} <= {0, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}, answers
+        assert all("--max-large-requests" in m for c, m in answers if c), answers
+        assert took < 10, took
+    finally:
+        proc.stop()
