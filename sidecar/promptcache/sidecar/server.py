@@ -47,6 +47,9 @@ from promptcache.wire import NAME_TO_DTYPE, model_from_proto
 log = logging.getLogger("promptcache.sidecar")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
 MAX_TOKENS = 1 << 22  # 4M tokens per request; far beyond any context window
+# The longest a shrinking Resize waits for Puts and Gets in flight to let go of their bytes (less when the
+# caller's deadline is nearer). A stalled stream is cancelled after --stream-idle-seconds (30 s) anyway.
+RESIZE_WAIT_SECONDS = 30.0
 
 
 class RpcFailure(Exception):
@@ -540,13 +543,26 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                                 what="memory_bytes")
         except ValueError as exc:
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
-        previous, evicted = self.tier.resize(request.memory_bytes)
+        # Wait for Puts and Gets in flight within the caller's deadline (leaving time for the answer), at most
+        # RESIZE_WAIT_SECONDS.
+        wait = max(0.0, min(RESIZE_WAIT_SECONDS, context.time_remaining() - 0.25))
+        r = self.tier.resize(request.memory_bytes, wait_seconds=wait)
+        if not r.done:
+            log.warning("shrink not applied: bytes held by calls in flight", extra={
+                "previous_bytes": r.previous, "memory_bytes": r.requested, "evicted_chunks": r.evicted,
+                "committed_bytes": r.committed, "reserved_bytes": r.reserved, "draining_bytes": r.draining})
+            raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"memory_bytes {r.requested}: {r.committed} bytes still committed after waiting "
+                             f"{r.waited:.1f} s ({r.reserved} reserved by Puts in flight, {r.draining} held by "
+                             f"Gets of evicted chunks); the budget stays {r.previous} bytes ({r.evicted} chunks "
+                             "were evicted meanwhile). Retry the Resize")
         self.metrics.resizes.inc()
-        u = self.tier.usage()
-        log.info("resized memory tier", extra={"previous_bytes": previous, "memory_bytes": request.memory_bytes,
-                                               "evicted_chunks": evicted, "bytes_used": u["used"]})
-        return pb.ResizeResponse(previous_bytes=previous, memory_bytes=request.memory_bytes,
-                                 evicted_chunks=evicted, bytes_used=u["used"])
+        log.info("resized memory tier", extra={"previous_bytes": r.previous, "memory_bytes": r.requested,
+                                               "evicted_chunks": r.evicted, "bytes_used": r.used,
+                                               "committed_bytes": r.committed, "waited_seconds": round(r.waited, 3)})
+        return pb.ResizeResponse(previous_bytes=r.previous, memory_bytes=r.requested, evicted_chunks=r.evicted,
+                                 bytes_used=r.used, committed_bytes=r.committed,
+                                 waited_milliseconds=round(r.waited * 1000))
 
 
 def resolve_device(name: str) -> torch.device:
