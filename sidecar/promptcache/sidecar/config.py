@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from dataclasses import dataclass, fields
@@ -76,6 +77,10 @@ class Settings:
         return [a.strip() for a in self.bulk_address.split(",")] if self.bulk_address else []
 
     def validate(self) -> "Settings":
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("float", float) and not math.isfinite(value):
+                raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
         if self.memory_bytes <= 0:
             raise ValueError("--memory-bytes must be positive")
         if self.max_chunk_bytes <= 0:
@@ -96,6 +101,9 @@ class Settings:
                     raise ValueError(f"--bulk-address: {exc}") from None
             if len(set(self.bulk_addresses)) != len(self.bulk_addresses):
                 raise ValueError(f"--bulk-address names an address twice: {self.bulk_address}")
+        if self.shm_dir and not os.path.isdir(self.shm_dir):
+            raise ValueError(f"--shm-dir {self.shm_dir} is not an existing folder (create it, on a shared-memory "
+                             "filesystem such as /dev/shm, or leave --shm-dir empty)")
         if self.bulk_max_connections < 1:
             raise ValueError("--bulk-max-connections must be at least 1")
         if self.bulk_zero_copy not in ("auto", "on", "off"):
@@ -147,7 +155,7 @@ HELP = {
     "data_dir": "folder for the disk tier (RocksDB)",
     "disk_bytes": "byte budget of the disk tier; 0 disables it",
     "disk_min_free_bytes": "spilling stops while the data folder's filesystem has less free space than this",
-    "shm_dir": "folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which node-local "
+    "shm_dir": "existing folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which node-local "
                "clients pass chunk bytes instead of streaming them; empty disables the fast path",
     "bulk_address": "bulk channel for Get (docs/bulk-channel.md): HOST:PORT or unix:/PATH of a plain socket "
                     "that streams chunk bytes without gRPC's per-call cost, or several, comma-separated (a unix "
