@@ -656,7 +656,8 @@ class Sidecar:
                    if settings.grpc_address.startswith("unix:") else
                    "the port is in use, or the host is not an address of this machine")
             raise OSError(f"cannot listen on --grpc-address {settings.grpc_address}: {why}")
-        # Opened once the gRPC port is ours: a second sidecar started by mistake stops before touching the data.
+        # Opened once the gRPC port is ours: a second sidecar started with the same --grpc-address by mistake
+        # stops before it touches the data.
         if settings.disk_bytes > 0:
             from promptcache.sidecar.disk import DiskTier  # rocksdict loads only when the disk tier is on
             from promptcache.sidecar.spill import Spill
