@@ -30,7 +30,8 @@ def test_defaults_are_the_embedded_ones():
 VALID_SAMPLES = {"memory_bytes": "8192", "max_chunk_bytes": "8192", "disk_bytes": "8192", "frame_bytes": "8192",
                  "log_level": "debug", "device": "cpu", "eviction_policy": "lru", "chunk_tokens": "64",
                  "bulk_address": "unix:/run/promptcache/bulk.sock", "quantization": "k8v4", "tenancy": "shared",
-                 "bulk_zero_copy": "off", "max_put_reserved_fraction": "0.25"}
+                 "bulk_zero_copy": "off", "max_put_reserved_fraction": "0.25",
+                 "shm_dir": "/tmp"}
 
 
 def test_every_setting_is_a_flag_and_an_environment_variable():
@@ -59,6 +60,14 @@ def test_flag_beats_environment_and_quantities_parse():
     ([], {"PROMPTCACHE_MEMORY_BYTES": "-5"}, "PROMPTCACHE_MEMORY_BYTES='-5'"),
     (["--chunk-tokens", "100"], {}, "--chunk-tokens must be a positive power of two, got 100"),
     (["--ttl-seconds", "0"], {}, "--ttl-seconds must be positive"),
+    (["--ttl-seconds", "-5"], {}, "--ttl-seconds must be positive"),
+    (["--ttl-seconds", "nan"], {}, "--ttl-seconds must be a finite number, got nan"),
+    (["--ttl-seconds", "inf"], {}, "--ttl-seconds must be a finite number, got inf"),
+    ([], {"PROMPTCACHE_TTL_SECONDS": "-inf"}, "--ttl-seconds must be a finite number, got -inf"),
+    (["--stream-idle-seconds", "nan"], {}, "--stream-idle-seconds must be a finite number"),
+    (["--token-reload-seconds", "inf"], {}, "--token-reload-seconds must be a finite number"),
+    (["--shm-dir", "/nonexistent/promptcache-shm"], {}, "--shm-dir /nonexistent/promptcache-shm is not an existing folder"),
+    (["--shm-dir", "/etc/passwd"], {}, "--shm-dir /etc/passwd is not an existing folder"),
     (["--eviction-policy", "random"], {}, "--eviction-policy must be one of"),
     (["--device", "tpu"], {}, "--device must be auto, cpu, cuda or cuda:N"),
     ([], {"PROMPTCACHE_ALLOW_INSECURE_REMOTE": "maybe"}, "PROMPTCACHE_ALLOW_INSECURE_REMOTE='maybe'"),

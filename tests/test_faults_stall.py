@@ -162,10 +162,11 @@ def test_get_whose_reader_stalls_is_cancelled_and_releases_its_lease(sidecar_fac
                                                  timeout=60)
             next(stream)  # the first frame arrives; then the reader stops
             time.sleep(0.5)  # until the server blocks on flow control, mid-chunk, holding its lease
-            # While the reader stalls, evict everything: the leased chunk stays accounted as draining.
-            c.resize(4096)
-            assert sidecar.tier.usage()["draining"] > 0
-            time.sleep(2.5)
+            # While the reader stalls, shrink below its leased chunk: Resize evicts everything, then waits until
+            # the watchdog cancels the reader and its lease is let go.
+            shrunk = c.resize(4096)
+            assert shrunk.waited_milliseconds >= 500 and shrunk.committed_bytes <= 4096
+            assert sidecar.tier.usage()["draining"] == 0
             with pytest.raises(grpc.RpcError) as info:
                 for _ in stream:
                     pass

@@ -184,8 +184,11 @@ class PromptCacheClient:
     def stats(self) -> pb.StatsResponse:
         return self._call(lambda t: self._stub.Stats(pb.StatsRequest(), timeout=t))
 
-    def resize(self, memory_bytes: int) -> pb.ResizeResponse:
-        return self._call(lambda t: self._stub.Resize(pb.ResizeRequest(memory_bytes=memory_bytes), timeout=t))
+    def resize(self, memory_bytes: int, timeout: float | None = None) -> pb.ResizeResponse:
+        """A shrink waits (within `timeout`) for Puts and Gets in flight to let go of their bytes, and raises
+        DeadlineExceeded, leaving the budget as it was, when they do not in time."""
+        return self._call(lambda t: self._stub.Resize(pb.ResizeRequest(memory_bytes=memory_bytes), timeout=t),
+                          timeout)
 
     # --- shared memory ----------------------------------------------------------------------------------
     def _open_shared_buffer(self, length: int) -> pb.OpenSharedBufferResponse:

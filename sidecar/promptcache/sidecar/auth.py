@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -222,8 +223,26 @@ class CertificateFiles:
                 data[flag] = Path(path).read_bytes()
             except OSError as exc:
                 raise ValueError(f"cannot read {flag} {path}: {exc.strerror}") from None
+        self._check_pem()
         return grpc.ssl_server_certificate_configuration(
             [(data["--tls-key-file"], data["--tls-cert-file"])], root_certificates=data.get("--tls-client-ca-file"))
+
+    def _check_pem(self) -> None:
+        """Refuse files gRPC could not use, naming the file: gRPC itself would only fail to bind the port."""
+        cert, key = self.files["--tls-cert-file"], self.files["--tls-key-file"]
+        for flag in ("--tls-cert-file", "--tls-client-ca-file"):
+            if flag in self.files:
+                try:
+                    ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=self.files[flag])
+                except (ssl.SSLError, OSError, ValueError) as exc:
+                    raise ValueError(f"{flag} {self.files[flag]} holds no PEM certificate") from None
+        try:
+            # A callable password: an encrypted key fails here instead of prompting on the terminal.
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            if "KEY_VALUES_MISMATCH" in str(exc):
+                raise ValueError(f"--tls-key-file {key} is not the private key of --tls-cert-file {cert}") from None
+            raise ValueError(f"--tls-key-file {key} holds no unencrypted PEM private key") from None
 
     def fetch(self):
         now = time.monotonic()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from dataclasses import dataclass, fields
@@ -72,6 +73,10 @@ class Settings:
         return [a.strip() for a in self.bulk_address.split(",")] if self.bulk_address else []
 
     def validate(self) -> "Settings":
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("float", float) and not math.isfinite(value):
+                raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
         if self.memory_bytes <= 0:
             raise ValueError("--memory-bytes must be positive")
         if self.max_chunk_bytes <= 0:
@@ -96,6 +101,9 @@ class Settings:
             raise ValueError("--shm-max-buffers and --shm-max-bytes must be positive")
         if self.shm_idle_seconds <= 0:
             raise ValueError("--shm-idle-seconds must be positive")
+        if self.shm_dir and not os.path.isdir(self.shm_dir):
+            raise ValueError(f"--shm-dir {self.shm_dir} is not an existing folder (create it, on a shared-memory "
+                             "filesystem such as /dev/shm, or leave --shm-dir empty)")
         if self.bulk_max_connections < 1:
             raise ValueError("--bulk-max-connections must be at least 1")
         if self.bulk_max_connections_per_peer < 1:
@@ -159,8 +167,8 @@ HELP = {
     "data_dir": "folder for the disk tier (RocksDB)",
     "disk_bytes": "byte budget of the disk tier; 0 disables it",
     "disk_min_free_bytes": "spilling stops while the data folder's filesystem has less free space than this",
-    "shm_dir": "folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which node-local "
-               "clients pass chunk bytes instead of streaming them; empty disables the fast path. The sidecar "
+    "shm_dir": "existing folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which "
+               "node-local clients pass chunk bytes instead of streaming them; empty disables the fast path. The sidecar "
                "creates the buffer files there itself, each for one caller (docs/security.md)",
     "shm_max_buffers": "shared-memory buffers one tenant may hold open at once (without authentication: all "
                        "clients together); more get RESOURCE_EXHAUSTED and the client streams instead",

@@ -50,6 +50,9 @@ from promptcache.wire import NAME_TO_DTYPE, model_from_proto
 
 log = logging.getLogger("promptcache.sidecar")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
+# The longest a shrinking Resize waits for Puts and Gets in flight to let go of their bytes (less when the
+# caller's deadline is nearer). A stalled stream is cancelled after --stream-idle-seconds (30 s) anyway.
+RESIZE_WAIT_SECONDS = 30.0
 
 
 class RpcFailure(Exception):
@@ -640,13 +643,26 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                                 what="memory_bytes")
         except ValueError as exc:
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
-        previous, evicted = self.tier.resize(request.memory_bytes)
+        # Wait for Puts and Gets in flight within the caller's deadline (leaving time for the answer), at most
+        # RESIZE_WAIT_SECONDS.
+        wait = max(0.0, min(RESIZE_WAIT_SECONDS, context.time_remaining() - 0.25))
+        r = self.tier.resize(request.memory_bytes, wait_seconds=wait)
+        if not r.done:
+            log.warning("shrink not applied: bytes held by calls in flight", extra={
+                "previous_bytes": r.previous, "memory_bytes": r.requested, "evicted_chunks": r.evicted,
+                "committed_bytes": r.committed, "reserved_bytes": r.reserved, "draining_bytes": r.draining})
+            raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"memory_bytes {r.requested}: {r.committed} bytes still committed after waiting "
+                             f"{r.waited:.1f} s ({r.reserved} reserved by Puts in flight, {r.draining} held by "
+                             f"Gets of evicted chunks); the budget stays {r.previous} bytes ({r.evicted} chunks "
+                             "were evicted meanwhile). Retry the Resize")
         self.metrics.resizes.inc()
-        u = self.tier.usage()
-        log.info("resized memory tier", extra={"previous_bytes": previous, "memory_bytes": request.memory_bytes,
-                                               "evicted_chunks": evicted, "bytes_used": u["used"]})
-        return pb.ResizeResponse(previous_bytes=previous, memory_bytes=request.memory_bytes,
-                                 evicted_chunks=evicted, bytes_used=u["used"])
+        log.info("resized memory tier", extra={"previous_bytes": r.previous, "memory_bytes": r.requested,
+                                               "evicted_chunks": r.evicted, "bytes_used": r.used,
+                                               "committed_bytes": r.committed, "waited_seconds": round(r.waited, 3)})
+        return pb.ResizeResponse(previous_bytes=r.previous, memory_bytes=r.requested, evicted_chunks=r.evicted,
+                                 bytes_used=r.used, committed_bytes=r.committed,
+                                 waited_milliseconds=round(r.waited * 1000))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -709,16 +725,6 @@ class Sidecar:
         self.service = KVCacheService(settings, self.tier, self.metrics, self.tenancy)
         self.service.memory_limit = self.memory_limit
         self.spill = None
-        if settings.disk_bytes > 0:
-            from promptcache.sidecar.disk import DiskTier  # rocksdict loads only when the disk tier is on
-            from promptcache.sidecar.spill import Spill
-
-            disk = DiskTier(os.path.join(settings.data_dir, "rocksdb"), settings.disk_bytes,
-                            ttl_seconds=settings.ttl_seconds, min_free_bytes=settings.disk_min_free_bytes)
-            self.spill = self.service.spill = Spill(self.tier, disk, self.metrics)
-            self.metrics.watch({"disk": self.spill})
-            log.info("disk tier open", extra={"path": disk.path, "disk_bytes": settings.disk_bytes,
-                                              **disk.open_report})
         from prometheus_client import Counter
 
         from promptcache.sidecar.tenancy import TenantCollector
@@ -742,10 +748,28 @@ class Sidecar:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
-        self.port = (self.server.add_secure_port(settings.grpc_address, credentials) if tls
-                     else self.server.add_insecure_port(settings.grpc_address))
+        try:
+            self.port = (self.server.add_secure_port(settings.grpc_address, credentials) if tls
+                         else self.server.add_insecure_port(settings.grpc_address))
+        except RuntimeError:  # grpcio's "Failed to bind": the TLS files were checked above, so it is the address
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on --grpc-address {settings.grpc_address}")
+            why = ("the socket is in use, or its folder is missing or not writable"
+                   if settings.grpc_address.startswith("unix:") else
+                   "the port is in use, or the host is not an address of this machine")
+            raise OSError(f"cannot listen on --grpc-address {settings.grpc_address}: {why}")
+        # Opened once the gRPC port is ours: a second sidecar started with the same --grpc-address by mistake
+        # stops before it touches the data.
+        if settings.disk_bytes > 0:
+            from promptcache.sidecar.disk import DiskTier  # rocksdict loads only when the disk tier is on
+            from promptcache.sidecar.spill import Spill
+
+            disk = DiskTier(os.path.join(settings.data_dir, "rocksdb"), settings.disk_bytes,
+                            ttl_seconds=settings.ttl_seconds, min_free_bytes=settings.disk_min_free_bytes)
+            self.spill = self.service.spill = Spill(self.tier, disk, self.metrics)
+            self.metrics.watch({"disk": self.spill})
+            log.info("disk tier open", extra={"path": disk.path, "disk_bytes": settings.disk_bytes,
+                                              **disk.open_report})
         self.bulk = [BulkServer(address, self.service, self.authenticator, self.metrics,
                                 settings.bulk_max_connections, settings.stream_idle_seconds,
                                 settings.max_call_seconds, lend=self.tier.host_memory is not None,
@@ -754,6 +778,7 @@ class Sidecar:
                      for address in settings.bulk_addresses]
         self._stop = threading.Event()
         self._stop_lock = threading.Lock()
+        self.stop_error: str | None = None
         self._http = None
         self.metrics_port = None
 
@@ -820,20 +845,28 @@ class Sidecar:
         return a if a.startswith("unix:") else f"{a.rsplit(':', 1)[0]}:{self.port}"
 
     def start(self) -> "Sidecar":
+        """Start serving; OSError naming the flag when a listener cannot be opened (everything opened is closed)."""
         self.server.start()
         started = []
         try:
             for b in self.bulk:
                 started.append(b.start())
+            if self.settings.metrics_port is not None:
+                try:
+                    self._http, _ = start_http_server(self.settings.metrics_port, addr=self.settings.metrics_host,
+                                                      registry=self.metrics.registry)
+                except OSError as exc:
+                    raise OSError(f"cannot listen on --metrics-host {self.settings.metrics_host} --metrics-port "
+                                  f"{self.settings.metrics_port}: {exc.strerror or exc}") from None
+                self.metrics_port = self._http.server_port
         except OSError:
             for b in started:
                 b.stop()
             self.server.stop(0)
+            self.watchdog.stop()
+            if self.spill is not None:
+                self.spill.disk.close()
             raise
-        if self.settings.metrics_port is not None:
-            self._http, _ = start_http_server(self.settings.metrics_port, addr=self.settings.metrics_host,
-                                              registry=self.metrics.registry)
-            self.metrics_port = self._http.server_port
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         threading.Thread(target=self._sweep, name="ttl-sweeper", daemon=True).start()
@@ -847,7 +880,8 @@ class Sidecar:
                 self.service.buffers.reap()
 
     def stop(self, grace: float = 2.0) -> None:
-        """Idempotent; a second caller waits until the first has finished (the disk flush included)."""
+        """Idempotent; a second caller waits until the first has finished (the disk flush included). When the
+        disk tier could not be flushed and closed, `stop_error` says why (what it held may be lost)."""
         with self._stop_lock:
             if not self._stop.is_set():
                 self._stop.set()
@@ -866,10 +900,20 @@ class Sidecar:
             self._http.server_close()
         if self.spill is not None:
             # A graceful stop (upgrade, rescheduling) keeps the cache: memory goes to disk for the next start.
+            disk = self.spill.disk
             demoted = self.spill.demote_all()
-            self.spill.disk.flush()
-            self.spill.disk.close()
-            log.info("disk tier closed", extra={"demoted_on_shutdown": demoted})
+            flushed = disk.flush()
+            try:
+                disk.close()
+            except Exception as exc:  # noqa: BLE001 - RocksDB reports I/O errors as plain Exception
+                self.stop_error = f"cannot close the disk tier {disk.path} (--data-dir): {exc}"
+            else:
+                if not flushed:
+                    self.stop_error = f"the disk tier {disk.path} (--data-dir) did not finish its writes in time"
+            if self.stop_error:
+                log.error("%s; what it held may be lost", self.stop_error)
+            else:
+                log.info("disk tier closed", extra={"demoted_on_shutdown": demoted})
 
     def wait(self) -> None:
         self.server.wait_for_termination()
@@ -892,12 +936,20 @@ def serve_from_args(args) -> int:
         "device": str(sidecar.device), "memory_bytes": settings.memory_bytes,
         "chunk_tokens": settings.chunk_tokens, "eviction_policy": settings.eviction_policy})
 
+    def stop() -> None:
+        try:
+            sidecar.stop()
+        except Exception as exc:  # noqa: BLE001 - a bug: say so, and exit non-zero
+            log.exception("shutdown failed")
+            sidecar.stop_error = sidecar.stop_error or f"shutdown failed: {exc}"
+            sidecar.server.stop(0)  # so that wait() below returns
+
     def shutdown(signum, frame):
         log.info("shutting down", extra={"signal": signal.Signals(signum).name})
-        threading.Thread(target=sidecar.stop, daemon=True).start()
+        threading.Thread(target=stop, daemon=True).start()
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
     sidecar.wait()
     sidecar.stop()  # returns once the shutdown started by the signal has finished
-    return 0
+    return 1 if sidecar.stop_error else 0

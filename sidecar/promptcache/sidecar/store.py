@@ -3,8 +3,11 @@
 Accounting is the point: `used + reserved + draining` is every byte the tier has allocated or promised
 (stored entries, Puts in flight, evicted entries still being streamed to a reader), and it never exceeds
 the budget. A Put reserves its bytes before allocating; a reader holds a lease so eviction cannot free
-(or double-count) what it is still sending. On the CPU, chunk memory may come from promptcache.sidecar.memfd
-(a sealed memfd per chunk, which the bulk channel lends to clients instead of copying).
+(or double-count) what it is still sending. A shrink (`resize`) cannot free what Puts and Gets in flight
+hold, so it admits new reservations under the new size at once, evicts, and waits for those calls to let go
+before the budget changes: the budget reported is always one the committed bytes are under. On the CPU, chunk
+memory may come from promptcache.sidecar.memfd (a sealed memfd per chunk, which the bulk channel lends to
+clients instead of copying).
 """
 from __future__ import annotations
 
@@ -39,6 +42,22 @@ class NoRoom(StoreError):
 
 class AdmissionRejected(StoreError):
     pass
+
+
+@dataclass(frozen=True)
+class ResizeOutcome:
+    """What a resize did. `done`: the new budget is in force (committed bytes are under it); otherwise the wait
+    ran out with `reserved` + `draining` bytes still held by Puts and Gets in flight, and the budget stayed
+    `previous`."""
+    previous: int
+    requested: int
+    done: bool
+    evicted: int
+    used: int
+    committed: int
+    reserved: int
+    draining: int
+    waited: float  # seconds spent waiting for Puts and Gets in flight
 
 
 @dataclass(eq=False)
@@ -116,6 +135,9 @@ class MemoryTier:
         self._reserved = 0
         self._draining = 0
         self._lock = threading.Lock()
+        self._shrinking_to: int | None = None  # while a shrink waits: the size new reservations must fit under
+        self._drained = threading.Condition(self._lock)  # notified, during a shrink, as held bytes are let go
+        self._resize_lock = threading.Lock()  # one resize at a time: each starts from where the last ended
         self._round = CUDA_BLOCK if device.type == "cuda" else 1
         # Memfd-backed chunks only where the chunk stays in host memory: a CUDA tier copies to the device.
         self.host_memory = host_memory if device.type == "cpu" else None
@@ -141,6 +163,15 @@ class MemoryTier:
     def _committed(self) -> int:
         return self._used + self._reserved + self._draining
 
+    def _limit(self) -> int:
+        """What committed bytes must stay under for a new reservation: the budget, or a pending shrink's size."""
+        return self._budget if self._shrinking_to is None else self._shrinking_to
+
+    def _let_go(self) -> None:
+        """Under the lock, after reserved or draining bytes went down (or reserved became used)."""
+        if self._shrinking_to is not None:
+            self._drained.notify_all()
+
     # --- eviction ---------------------------------------------------------------------------------------
     def _remove(self, entry: Entry, reason: str) -> None:
         """Drop `entry` from the index; its bytes stay accounted while a reader still holds a lease."""
@@ -164,7 +195,7 @@ class MemoryTier:
 
     def _make_room(self, need: int) -> int:
         evicted = 0
-        while self._committed() + need > self._budget:
+        while self._committed() + need > self._limit():
             victim = self.policy.victim()
             if victim is None:
                 return evicted
@@ -176,17 +207,18 @@ class MemoryTier:
     def reserve(self, nbytes: int, key: bytes, parent: bytes) -> Reservation:
         accounted = self._accounted(nbytes)
         with self._lock:
-            if accounted > self._budget:
-                raise ChunkTooLarge(f"chunk of {nbytes} bytes exceeds the memory budget of {self._budget} bytes")
-            if self._committed() + accounted > self._budget:
+            limit = self._limit()
+            if accounted > limit:
+                raise ChunkTooLarge(f"chunk of {nbytes} bytes exceeds the memory budget of {limit} bytes")
+            if self._committed() + accounted > limit:
                 self._expire(self.clock())
-            if self._committed() + accounted > self._budget:
+            if self._committed() + accounted > limit:
                 if not self.policy.admit(key, nbytes, parent):
                     raise AdmissionRejected("admission policy kept the cached entries")
                 self._make_room(accounted)
-            if self._committed() + accounted > self._budget:
+            if self._committed() + accounted > limit:
                 raise NoRoom(f"no room for {nbytes} bytes: {self._reserved} bytes reserved by Puts and "
-                             f"{self._draining} bytes held by Gets in flight, budget {self._budget}")
+                             f"{self._draining} bytes held by Gets in flight, budget {limit}")
             self._reserved += accounted
             return Reservation(nbytes, accounted)
 
@@ -195,6 +227,7 @@ class MemoryTier:
             if not reservation.done:
                 reservation.done = True
                 self._reserved -= reservation.accounted
+                self._let_go()
 
     def host_buffer(self, reservation: Reservation) -> torch.Tensor:
         """Host memory to receive the reserved chunk into (a CPU tier stores this very tensor)."""
@@ -219,6 +252,7 @@ class MemoryTier:
                 raise RuntimeError("reservation already released")
             reservation.done = True
             self._reserved -= reservation.accounted
+            self._let_go()  # reserved became used (or was dropped): a shrink can now evict it
             existing = self._entries.get(key)
             if existing is not None and existing.expires > now:
                 return False
@@ -267,6 +301,7 @@ class MemoryTier:
             entry.leases -= 1
             if entry.evicted and entry.leases == 0:
                 self._draining -= entry.accounted
+                self._let_go()
 
     def drop_corrupt(self, entry: Entry) -> None:
         with self._lock:
@@ -288,14 +323,57 @@ class MemoryTier:
                 self._remove(e, "purge")
             return len(victims), sum(e.nbytes for e in victims)
 
-    def resize(self, budget_bytes: int) -> tuple[int, int]:
-        """Set a new budget; evict by policy until under it. Returns (previous budget, evicted count)."""
+    def _evict_to(self, size: int) -> int:
+        """Evict by policy until what is stored and reserved fits in `size`; bytes of evicted entries that
+        readers still lease (draining) are left to their leases."""
+        evicted = 0
+        while self._used + self._reserved > size:
+            victim = self.policy.victim()
+            if victim is None:
+                break
+            self._remove(self._entries[victim], "capacity")
+            evicted += 1
+        return evicted
+
+    def resize(self, budget_bytes: int, wait_seconds: float = 0.0) -> ResizeOutcome:
+        """Set a new budget. A grow applies at once. A shrink admits new reservations only under the new size
+        from now on, evicts by policy until stored + reserved bytes fit, and waits up to `wait_seconds` for the
+        Puts in flight to finish (reserved) and for readers of evicted entries to let go (draining), evicting
+        what those Puts store. Only when committed bytes are under the new size does it become the budget;
+        if the wait runs out, the budget stays as it was (ResizeOutcome.done False, what is still held is
+        reported) and the entries evicted meanwhile stay evicted."""
         if budget_bytes <= 0:
             raise ValueError("budget must be positive")
-        with self._lock:
-            previous, self._budget = self._budget, budget_bytes
-            if hasattr(self.policy, "resize"):  # size-proportioned policies re-split their segments
-                self.policy.resize(budget_bytes)
+        with self._resize_lock, self._lock:
+            previous = self._budget
+            started = time.monotonic()
             evicted = self._expire(self.clock())
-            evicted += self._make_room(0)
-            return previous, evicted
+            if budget_bytes >= previous:
+                self._budget = budget_bytes
+                if hasattr(self.policy, "resize"):  # size-proportioned policies re-split their segments
+                    self.policy.resize(budget_bytes)
+                return self._outcome(previous, budget_bytes, True, evicted, 0.0)
+            if hasattr(self.policy, "resize"):
+                self.policy.resize(budget_bytes)
+            self._shrinking_to = budget_bytes
+            done = False
+            try:
+                deadline = started + wait_seconds
+                while True:
+                    evicted += self._evict_to(budget_bytes)
+                    if self._committed() <= budget_bytes:
+                        self._budget, done = budget_bytes, True
+                        break
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._drained.wait(remaining)
+            finally:
+                self._shrinking_to = None
+                if not done and hasattr(self.policy, "resize"):
+                    self.policy.resize(previous)
+            return self._outcome(previous, budget_bytes, done, evicted, time.monotonic() - started)
+
+    def _outcome(self, previous: int, requested: int, done: bool, evicted: int, waited: float) -> ResizeOutcome:
+        return ResizeOutcome(previous, requested, done, evicted, self._used, self._committed(), self._reserved,
+                             self._draining, waited)
