@@ -50,8 +50,8 @@ class CA:
     def pem(self) -> bytes:
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
-    def issue(self, cn: str, server: bool) -> tuple[bytes, bytes]:
-        """(certificate PEM, key PEM)."""
+    def issue(self, cn: str, server: bool, dns_names: tuple[str, ...] = ()) -> tuple[bytes, bytes]:
+        """(certificate PEM, key PEM); a server certificate is for localhost, 127.0.0.1 and `dns_names`."""
         key = _key()
         b = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)
              .public_key(key.public_key()).serial_number(x509.random_serial_number())
@@ -60,6 +60,7 @@ class CA:
              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True))
         if server:
             b = (b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                              *(x509.DNSName(n) for n in dns_names),
                                                               x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                                  critical=False)
                  .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False))

@@ -17,6 +17,7 @@ a Kubernetes Event on the PromptCache (reason = the decision's reason). See docs
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import os
 import time
@@ -41,6 +42,9 @@ class Config:
     resize_timeout_s: float = 10.0
     policy: tuning.Policy = field(default_factory=tuning.Policy)
     address_map: dict[str, str] = field(default_factory=dict)   # test hook, see metrics_source.endpoints
+    # The operator's identity towards secured sidecars (Resize is an admin call): a folder with the files token,
+    # ca.crt, tls.crt and tls.key, each optional (the chart mounts sidecarCredentials.secretName there).
+    credentials_dir: str | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Config":
@@ -58,6 +62,7 @@ class Config:
                    resize_timeout_s=f("RESIZE_TIMEOUT_SECONDS", d.resize_timeout_s),
                    address_map=dict(kv.split("=", 1) for kv in env.get("PROMPTCACHE_AUTOSCALE_ADDRESS_MAP", "")
                                     .split(",") if "=" in kv),
+                   credentials_dir=env.get("PROMPTCACHE_OPERATOR_SIDECAR_CREDENTIALS_DIR") or None,
                    policy=replace(p, grow_cooldown_s=f("GROW_COOLDOWN_SECONDS", p.grow_cooldown_s),
                                   shrink_cooldown_s=f("SHRINK_COOLDOWN_SECONDS", p.shrink_cooldown_s),
                                   grow_factor=f("GROW_FACTOR", p.grow_factor),
@@ -223,19 +228,48 @@ class ResizeError(Exception):
     pass
 
 
-def grpc_resize(target: str, budget_bytes: int, timeout: float) -> dict[str, int]:
-    """promptcache.v1.KVCache/Resize(memory_bytes) -> {previous_bytes, memory_bytes, evicted_chunks, bytes_used}."""
+def _credential(directory: str | None, name: str) -> bytes | None:
+    """One file of the credentials folder, read on every call (a rotated Secret applies at once), or None."""
+    if not directory:
+        return None
+    try:
+        with open(os.path.join(directory, name), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ResizeError(f"reading {name} of the sidecar credentials ({directory}): {exc.strerror}") from None
+
+
+def grpc_resize(target: str, budget_bytes: int, timeout: float, *, tls: bool = False,
+                server_name: str | None = None, credentials_dir: str | None = None) -> dict[str, int]:
+    """promptcache.v1.KVCache/Resize(memory_bytes) -> {previous_bytes, memory_bytes, evicted_chunks, bytes_used}.
+
+    With `tls`, the sidecar's certificate is verified against ca.crt of `credentials_dir` (the system roots without
+    it) for `server_name` (the cache's Service name: pods are dialled by IP), and tls.crt/tls.key are presented
+    for mTLS; a token file becomes the bearer token. The operator's tenant must be in the sidecars'
+    --admin-tenants (the operator sets it on every cache that authenticates)."""
     try:
         import grpc  # the operator's only gRPC use; imported here so the rest runs without it
     except ImportError:
         raise ResizeError("grpcio is not installed in the operator image: cannot call Resize") from None
 
     request = b"\x08" + _varint(budget_bytes)   # field 1 (memory_bytes), varint
-    with grpc.insecure_channel(target) as ch:
+    token = _credential(credentials_dir, "token")
+    metadata = [("authorization", "Bearer " + token.decode().strip())] if token else None
+    if tls:
+        creds = grpc.ssl_channel_credentials(root_certificates=_credential(credentials_dir, "ca.crt"),
+                                             private_key=_credential(credentials_dir, "tls.key"),
+                                             certificate_chain=_credential(credentials_dir, "tls.crt"))
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        channel = grpc.secure_channel(target, creds, options=options)
+    else:
+        channel = grpc.insecure_channel(target)
+    with channel as ch:
         call = ch.unary_unary("/promptcache.v1.KVCache/Resize", request_serializer=None,
                               response_deserializer=None)
         try:
-            raw = call(request, timeout=timeout)
+            raw = call(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
             raise ResizeError(f"{target}: {exc.code().name}: {exc.details()}") from None
     f = _decode_fields(raw)
@@ -257,7 +291,7 @@ Resizer = Callable[[str, int, float], dict[str, int]]
 
 
 def tick(kube: Kube, body: dict[str, Any], source: Any, config: Config | None = None,
-         defaults: OperatorDefaults | None = None, resizer: Resizer = grpc_resize,
+         defaults: OperatorDefaults | None = None, resizer: Resizer | None = None,
          now: Callable[[], float] = time.time) -> Outcome:
     """One autoscaling step for one PromptCache (body: the object as read from the API server)."""
     config = config or Config.from_env()
@@ -271,6 +305,10 @@ def tick(kube: Kube, body: dict[str, Any], source: Any, config: Config | None = 
         return out
     if not spec.autoscaling.enabled:
         return out
+    if resizer is None:  # TLS and credentials as this cache's sidecars expect them
+        resizer = functools.partial(grpc_resize, tls=spec.security.tls is not None,
+                                    server_name=f"{owner.name}.{owner.namespace}.svc",
+                                    credentials_dir=config.credentials_dir)
     status = body.get("status") or {}
     state = dict(status.get("autoscaling") or {})
     lo, hi = bounds(spec, config.overhead_bytes)

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from . import alerts
-from .model import GROUP, KIND, VERSION, PromptCacheSpec, quantity_bytes, to_dict
+from .model import GROUP, KIND, VERSION, PromptCacheSpec, isolated_identity, quantity_bytes, to_dict
 
 GRPC_PORT = 50051
 BULK_PORT = 50052  # the bulk channel (docs/bulk-channel.md); plaintext, so only without TLS
@@ -59,6 +59,9 @@ class OperatorDefaults:
     image_pull_policy: str = "IfNotPresent"
     monitoring_labels: tuple[tuple[str, str], ...] = tuple(alerts.DEFAULT_MONITORING_LABELS.items())
     runbook_base_url: str = alerts.RUNBOOK_BASE
+    # The tenant the operator authenticates as towards secured sidecars (its token's file name in a cache's
+    # tokens Secret, or its client certificate's common name); made an admin tenant of every such cache.
+    operator_tenant: str = "promptcache-operator"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "OperatorDefaults":
@@ -70,6 +73,7 @@ class OperatorDefaults:
             image_pull_policy=env.get("PROMPTCACHE_SIDECAR_IMAGE_PULL_POLICY", d.image_pull_policy),
             monitoring_labels=tuple(sorted(alerts.monitoring_labels_from_env(env).items())),
             runbook_base_url=env.get("PROMPTCACHE_OPERATOR_RUNBOOK_BASE_URL", d.runbook_base_url),
+            operator_tenant=env.get("PROMPTCACHE_OPERATOR_TENANT", d.operator_tenant),
         )
 
 
@@ -131,7 +135,7 @@ def format_bytes(n: int) -> str:
     return str(n)
 
 
-def sidecar_env(spec: PromptCacheSpec) -> dict[str, str]:
+def sidecar_env(spec: PromptCacheSpec, defaults: OperatorDefaults = OperatorDefaults()) -> dict[str, str]:
     """PROMPTCACHE_* settings of `promptcache serve` (see sidecar/promptcache/sidecar/config.py)."""
     on_gpu = spec.gpu.count > 0
     budget = spec.memory.device if (on_gpu and spec.memory.device) else spec.memory.host
@@ -154,6 +158,9 @@ def sidecar_env(spec: PromptCacheSpec) -> dict[str, str]:
     if spec.cachePolicy.maxChunkBytes:
         env["PROMPTCACHE_MAX_CHUNK_BYTES"] = _bytes(spec.cachePolicy.maxChunkBytes)
     env.update(security_env(spec))
+    if isolated_identity(spec.security) and spec.autoscaling.enabled:
+        # Resize is an admin call once callers authenticate: the autoscaler's identity must be allowed it.
+        env["PROMPTCACHE_ADMIN_TENANTS"] = defaults.operator_tenant
     if spec.security.tls is not None:
         del env["PROMPTCACHE_ALLOW_INSECURE_REMOTE"]  # TLS: never fall back to plaintext
     elif _bulk_channel(spec):
@@ -207,11 +214,12 @@ def _probes(spec: PromptCacheSpec) -> dict[str, dict[str, Any]]:
     }
 
 
-def config_map(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
+def config_map(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults = OperatorDefaults()
+               ) -> dict[str, Any]:
     summary = {"model": to_dict(spec.model), "memory": to_dict(spec.memory), "gpu": to_dict(spec.gpu),
                "cachePolicy": to_dict(spec.cachePolicy), "tenancy": to_dict(spec.tenancy),
                "autoscaling": to_dict(spec.autoscaling)}
-    data = {**sidecar_env(spec), "promptcache.yaml": yaml.safe_dump(summary, sort_keys=True)}
+    data = {**sidecar_env(spec, defaults), "promptcache.yaml": yaml.safe_dump(summary, sort_keys=True)}
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(owner, f"{owner.name}-config"),
             "data": data}
 
@@ -436,7 +444,7 @@ def prometheus_rule(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefau
 def desired_children(spec: PromptCacheSpec, owner: Owner, caps: Capabilities,
                      defaults: OperatorDefaults = OperatorDefaults()) -> list[dict[str, Any]]:
     """Every child this PromptCache should have, given which optional CRDs exist. Deterministic."""
-    cm = config_map(spec, owner)
+    cm = config_map(spec, owner, defaults)
     children = [cm, daemon_set(spec, owner, defaults, config_hash(cm)), node_local_service(spec, owner),
                 metrics_service(owner), resource_quota(spec, owner)]
     if caps.vpa:
