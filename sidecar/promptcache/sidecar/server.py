@@ -614,7 +614,8 @@ class Sidecar:
             from promptcache.sidecar.spill import Spill
 
             disk = DiskTier(os.path.join(settings.data_dir, "rocksdb"), settings.disk_bytes,
-                            ttl_seconds=settings.ttl_seconds, min_free_bytes=settings.disk_min_free_bytes)
+                            ttl_seconds=settings.ttl_seconds, min_free_bytes=settings.disk_min_free_bytes,
+                            lock_wait_seconds=settings.disk_lock_wait_seconds)
             self.spill = self.service.spill = Spill(self.tier, disk, self.metrics)
             self.metrics.watch({"disk": self.spill})
             log.info("disk tier open", extra={"path": disk.path, "disk_bytes": settings.disk_bytes,
