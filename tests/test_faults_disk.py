@@ -90,7 +90,7 @@ def test_disk_full_stops_spilling_and_memory_keeps_serving(small_fs):
     assert "disk full" in out.lower() or "no space" in out.lower(), out[-2000:]
 
 
-# 1 MiB chunks of 16 tokens: a 64 MiB volume fills after a few dozen spilled chunks.
+# 512 KiB chunks of 16 tokens: a 64 MiB volume fills after about a hundred spilled chunks.
 BIG = ModelSpec("test/one-mib-chunks", "rev-1", "float32", num_layers=8, num_kv_heads=8, head_dim=64)
 BIG_CHUNK = 16
 BIG_BYTES = chunk_nbytes(BIG, BIG_CHUNK)
