@@ -150,29 +150,41 @@ def test_space_freed_by_purge_goes_back_to_the_volume_and_spilling_resumes(sidec
 
 def test_spilling_resumes_after_rocksdb_itself_hit_enospc(sidecar_factory, fs_64m):
     """Another file fills the volume, so RocksDB's own writes fail (it then refuses every write until the
-    database is reopened); once that file is gone the tier recovers by itself."""
-    sidecar = sidecar_factory(memory_bytes=4 * BIG_BYTES, chunk_tokens=BIG_CHUNK, disk_bytes=1 << 30,
-                              disk_min_free_bytes=0, data_dir=str(fs_64m / "data"), eviction_policy="lru")
+    database is reopened); once that file is gone the tier recovers by itself, and keeps what it held."""
+    settings = dict(memory_bytes=4 * BIG_BYTES, chunk_tokens=BIG_CHUNK, disk_bytes=1 << 30, disk_min_free_bytes=0,
+                    data_dir=str(fs_64m / "data"), eviction_policy="lru")
+    sidecar = sidecar_factory(**settings)
     ballast = fs_64m / "ballast"
+    kept = [[7_000_000 + i * 1000 + t for t in range(BIG_CHUNK)] for i in range(8)]
     with PromptCacheClient(sidecar.address, timeout=20) as c:
-        kept = [[7_000_000 + i * 1000 + t for t in range(BIG_CHUNK)] for i in range(8)]
-        for i, tokens in enumerate(kept):  # 4 on disk, 4 in memory
+        for i, tokens in enumerate(kept):  # 4 on disk (still in RocksDB's WAL and memtable), 4 in memory
             c.put(BIG, tokens, make_kv(BIG, BIG_CHUNK, seed=7000 + i))
         assert sidecar.spill.disk.flush(10)
-        with open(ballast, "wb") as f:  # fill the volume to the last byte
-            try:
-                while True:
-                    f.write(b"\0" * (1 << 20))
-                    f.flush()
-            except OSError:
-                pass
+        assert [c.lookup(BIG, t).chunks[0].tier for t in kept[:4]] == ["disk"] * 4
+        with open(ballast, "wb", buffering=0) as f:  # fill the volume to the last byte
+            for size in (1 << 20, 4096, 1):
+                try:
+                    while True:
+                        f.write(b"\0" * size)
+                except OSError:
+                    pass
         _spill_until_full(sidecar, c, 100)
+        # A delete while full makes the tier flush and compact, and RocksDB's own blob write fails: from then on
+        # RocksDB refuses every write until the database is reopened.
+        assert c.delete(BIG, kept[3]) == 1
+        _wait(lambda: sidecar.spill.disk.stats().get("write_errors", 0) >= 1,
+              "RocksDB never failed a write on the full volume")
         os.unlink(ballast)
         _wait(lambda: sidecar_metric(sidecar, 'promptcache_disk_full{tier="disk"}') == 0,
               "the volume has room again but promptcache_disk_full stayed 1")
+        assert sidecar.spill.disk.stats()["reopens"] >= 1
         _spills_again(sidecar, c, 600)
-        # What was on disk before the failure survived the reopen and is served bit-exact.
-        for i, tokens in enumerate(kept[:4]):
+    sidecar.stop(0)
+    # After a restart: what was on disk before the failure is served bit-exact, and the delete held.
+    again = sidecar_factory(**settings)
+    with PromptCacheClient(again.address, timeout=20) as c:
+        for i, tokens in enumerate(kept[:3]):
             cached, kv = c.get(BIG, tokens)
             expected = make_kv(BIG, BIG_CHUNK, seed=7000 + i)
             assert cached == BIG_CHUNK and all(bool((a == b).all()) for (a, _), (b, _) in zip(kv, expected))
+        assert c.lookup(BIG, kept[3]).cached_tokens == 0

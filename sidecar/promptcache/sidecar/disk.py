@@ -58,6 +58,7 @@ DEFAULT_CODEC = "none"  # chosen by measurement, see docs/disk-tier.md
 
 OWNER_FILE = "promptcache.owner"  # who opened the database last: named when a second process finds it locked
 RECOVERY_INTERVAL = 2.0  # seconds between attempts to reopen RocksDB after a write error
+RESUME_MARGIN = 4 << 20  # spilling resumes at min_free_bytes plus this much free: no flapping at the very edge
 
 
 class DiskTierError(RuntimeError):
@@ -516,7 +517,9 @@ class DiskTier:
             if not self.disk_full:
                 log.error("disk tier %s: disk full (%s); spilling stops, the memory tier keeps serving",
                           self.path, why)
-            self._broken = self._broken or broken
+            if broken:
+                self._broken = True
+                self.counters["write_errors"] += 1
             self.disk_full = True
             self._disk_full_since = self.clock()
             self.counters["disk_full_events"] += 1
@@ -627,7 +630,7 @@ class DiskTier:
             self._last_space_check = now
             free = self._free_bytes()
             with self._lock:
-                if self.disk_full and free >= self.min_free_bytes:
+                if self.disk_full and free >= self.min_free_bytes + RESUME_MARGIN:
                     self.disk_full = False
                     log.warning("disk tier %s: free space is back (%d bytes); spilling resumes", self.path, free)
 
