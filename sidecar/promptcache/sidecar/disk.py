@@ -99,7 +99,7 @@ def lock_holders(lock_path: str) -> list[int]:
             continue
         try:
             pid, dev = int(parts[4]), parts[5].split(":")
-            if (int(dev[0], 16), int(dev[1], 16), int(dev[2])) == want:
+            if (int(dev[0], 16), int(dev[1], 16), int(dev[2])) == want and pid > 0:  # 0: another pid namespace
                 pids.append(pid)
         except (IndexError, ValueError):
             continue
@@ -681,8 +681,10 @@ class DiskTier:
             self._db.flush()
             self._db.compact_range(None, None)
         except Exception as exc:  # noqa: BLE001 - still no space, or the files went away: try again later
-            log.error("disk tier %s: reopening RocksDB after an error failed: %s; retrying every %g s", self.path,
-                      exc, RECOVERY_INTERVAL)
+            self.counters["reopen_failures"] += 1
+            if self.counters["reopen_failures"] % 60 == 1:  # the first failure, then every two minutes or so
+                log.error("disk tier %s: reopening RocksDB after an error failed: %s; retrying every %g s",
+                          self.path, exc, RECOVERY_INTERVAL)
             return
         self._broken = False
         self._deleted_since_reclaim = 0
