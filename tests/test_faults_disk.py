@@ -41,6 +41,7 @@ def small_fs(tmp_path):
 
 @pytest.fixture
 def fs_64m(tmp_path):
+    """Request it before sidecar_factory: fixtures are torn down in reverse, so the sidecar stops first."""
     mount = tmp_path / "fs-64m"
     mount_tmpfs(mount, "64m")
     try:
@@ -133,7 +134,7 @@ def _spills_again(sidecar, client, seed0: int) -> None:
     assert cached == BIG_CHUNK and all(bool((a == b).all()) for (a, _), (b, _) in zip(kv, expected))
 
 
-def test_space_freed_by_purge_goes_back_to_the_volume_and_spilling_resumes(sidecar_factory, fs_64m):
+def test_space_freed_by_purge_goes_back_to_the_volume_and_spilling_resumes(fs_64m, sidecar_factory):
     sidecar = sidecar_factory(memory_bytes=4 * BIG_BYTES, chunk_tokens=BIG_CHUNK, disk_bytes=1 << 30,
                               disk_min_free_bytes=16 << 20, data_dir=str(fs_64m), eviction_policy="lru")
     with PromptCacheClient(sidecar.address, timeout=20) as c:
@@ -148,7 +149,7 @@ def test_space_freed_by_purge_goes_back_to_the_volume_and_spilling_resumes(sidec
         _spills_again(sidecar, c, 500)
 
 
-def test_spilling_resumes_after_rocksdb_itself_hit_enospc(sidecar_factory, fs_64m):
+def test_spilling_resumes_after_rocksdb_itself_hit_enospc(fs_64m, sidecar_factory):
     """Another file fills the volume, so RocksDB's own writes fail (it then refuses every write until the
     database is reopened); once that file is gone the tier recovers by itself, and keeps what it held."""
     settings = dict(memory_bytes=4 * BIG_BYTES, chunk_tokens=BIG_CHUNK, disk_bytes=1 << 30, disk_min_free_bytes=0,

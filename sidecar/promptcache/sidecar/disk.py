@@ -710,10 +710,7 @@ class DiskTier:
             self._closed = True
             self._cv.notify_all()
         self._writer.join()
-        try:
-            self._db.close()
-        except Exception as exc:  # noqa: BLE001 - a handle broken by a write error; the WAL still recovers it
-            log.error("disk tier %s: closing RocksDB reported: %s", self.path, exc)
+        self._db.close()
 
     def __enter__(self) -> "DiskTier":
         return self
