@@ -659,8 +659,10 @@ class DiskTier:
             self._db.close()
         except Exception:  # noqa: BLE001 - closing a broken handle reports its error again; it closes anyway
             pass
+        opts = self._options()
+        opts.create_if_missing(False)  # a folder removed under us stays an error, not a new empty database
         try:
-            self._db = rd.Rdict(self.path, self._options())
+            self._db = rd.Rdict(self.path, opts)
             with self._lock:
                 known = set(self.index) | set(self.pending)
             stale = []
