@@ -285,3 +285,35 @@ def test_kill9_loop_never_serves_bad_chunks(tmp_path):
         finally:
             d.close()
     assert served > 0
+
+
+def test_held_lock_is_waited_for_then_refused_never_repaired(tmp_path):
+    path = str(tmp_path / "db")
+    with DiskTier(path, 1 << 24) as first:
+        first.put(b"k" * 32, b"v" * 10_000)
+        first.flush()
+        t0 = time.monotonic()
+        with pytest.raises(DiskTierError, match="in use by another process") as err:
+            DiskTier(path, 1 << 24, lock_wait_seconds=0.5)
+        assert time.monotonic() - t0 >= 0.5
+        assert path in str(err.value) and f"pid {os.getpid()}" in str(err.value)
+        assert os.listdir(tmp_path) == ["db"]  # nothing moved aside
+        assert first.get(b"k" * 32) == b"v" * 10_000
+    with DiskTier(path, 1 << 24, lock_wait_seconds=0) as again:  # released on close: opens at once
+        assert again.get(b"k" * 32) == b"v" * 10_000 and not again.open_report["repaired"]
+
+
+def test_no_space_at_open_is_an_error_not_corruption(tmp_path):
+    assert disk_mod.is_no_space_error("IO error: No space left on device: While appending to file: x/000052.blob")
+    assert disk_mod.is_lock_error("IO error: While lock file: /d/LOCK: Resource temporarily unavailable")
+    assert disk_mod.is_lock_error("IO error: lock hold by current process, acquire time 1 acquiring thread 2: "
+                                  "/d/LOCK: No locks available")
+    assert not disk_mod.is_lock_error("Corruption: CURRENT file does not end with newline")
+
+
+def test_reclaim_due():
+    budget = 1000
+    assert not disk_mod.reclaim_due(0, True, budget)
+    assert disk_mod.reclaim_due(1, True, budget)
+    assert not disk_mod.reclaim_due(249, False, budget)
+    assert disk_mod.reclaim_due(250, False, budget)

@@ -151,3 +151,85 @@ def test_kill_9_during_puts_never_serves_a_bad_chunk(tmp_path):
         finally:
             proc.stop()
     assert served_from_disk > 0  # the loop really exercised restarts with data on disk
+
+
+def _data_dir_listing(data) -> list[str]:
+    return sorted(os.listdir(data))
+
+
+@pytest.mark.slow
+def test_second_sidecar_on_the_same_data_dir_waits_then_exits_and_destroys_nothing(tmp_path):
+    """A held RocksDB lock is not corruption: the second sidecar waits --disk-lock-wait-seconds, exits 2 naming
+    the path and the holder, and the first one's disk tier is untouched (also after it restarts)."""
+    data = tmp_path / "data"
+    args = ("--memory-bytes", str(2 * CHUNK_BYTES), "--disk-bytes", "64Mi", "--data-dir", str(data),
+            "--chunk-tokens", str(CHUNK), "--log-format", "text")
+    tokens = list(range(6 * CHUNK))
+    kv = make_kv(SMALL, len(tokens), seed=21)
+    first = SidecarProcess(*args).wait_ready()
+    try:
+        with PromptCacheClient(first.address, timeout=10) as c:
+            assert c.put(SMALL, tokens, kv).stored_chunks == 6
+            assert sorted(ch.tier for ch in c.lookup(SMALL, tokens).chunks) == ["device"] * 2 + ["disk"] * 4
+        t0 = time.monotonic()
+        second = subprocess.run([sys.executable, "-m", "promptcache.cli", "serve", "--metrics-port", "0",
+                                 "--grpc-address", "127.0.0.1:0", "--disk-lock-wait-seconds", "2", *args],
+                                capture_output=True, text=True, timeout=120)
+        waited = time.monotonic() - t0
+        out = second.stdout + second.stderr
+        assert second.returncode == 2, out[-3000:]
+        assert waited >= 2.0
+        assert str(data / "rocksdb") in out and "in use by another process" in out
+        assert f"pid {first.proc.pid}" in out, out[-3000:]  # the holder, from the lock table and the owner file
+        assert "Traceback" not in out
+        assert _data_dir_listing(data) == ["rocksdb"], "the second sidecar moved or added files"
+        with PromptCacheClient(first.address, timeout=10) as c:  # the first one still serves from disk
+            cached, got = c.get(SMALL, tokens)
+            assert cached == 6 * CHUNK
+            assert all(torch.equal(bits(gk), bits(k)) for (k, _), (gk, _) in zip(kv, got))
+    finally:
+        first.stop()
+    third = SidecarProcess(*args).wait_ready()  # and after a restart nothing was lost
+    try:
+        with PromptCacheClient(third.address, timeout=10) as c:
+            assert [ch.tier for ch in c.lookup(SMALL, tokens).chunks] == ["disk"] * 6
+            cached, got = c.get(SMALL, tokens)
+        assert cached == 6 * CHUNK
+        assert all(torch.equal(bits(gv), bits(v)) for (_, v), (_, gv) in zip(kv, got))
+    finally:
+        third.stop()
+    assert not [n for n in _data_dir_listing(data) if "corrupt" in n]
+
+
+@pytest.mark.slow
+def test_rolling_update_new_sidecar_waits_for_the_old_one_and_keeps_its_cache(tmp_path):
+    data = tmp_path / "data"
+    args = ("--memory-bytes", str(8 * CHUNK_BYTES), "--disk-bytes", "64Mi", "--data-dir", str(data),
+            "--chunk-tokens", str(CHUNK), "--log-format", "text")
+    tokens = list(range(3 * CHUNK))
+    kv = make_kv(SMALL, len(tokens), seed=22)
+    old = SidecarProcess(*args).wait_ready()
+    new = None
+    try:
+        with PromptCacheClient(old.address, timeout=10) as c:
+            assert c.put(SMALL, tokens, kv).stored_chunks == 3  # in memory only, until the old one stops
+        new = SidecarProcess(*args, "--disk-lock-wait-seconds", "60")
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(new.proc.stdout), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while not any("disk tier" in line for line in lines):  # the new one has reached the locked database
+            assert new.proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.1)
+        old.stop()  # SIGTERM: memory is demoted to disk, then the database is closed and its lock released
+        assert old.proc.returncode == 0
+        new.wait_ready(60)
+        with PromptCacheClient(new.address, timeout=10) as c:
+            assert [ch.tier for ch in c.lookup(SMALL, tokens).chunks] == ["disk"] * 3
+            cached, got = c.get(SMALL, tokens)
+        assert cached == 3 * CHUNK
+        assert all(torch.equal(bits(gk), bits(k)) for (k, _), (gk, _) in zip(kv, got))
+    finally:
+        old.stop()
+        if new is not None:
+            new.stop()

@@ -216,3 +216,47 @@ def test_tenant_metrics(multi):
     text = generate_latest(sidecar.metrics.registry).decode()
     assert f'promptcache_tenant_stored_bytes{{owner="alice"}} {float(2 * NBYTES)}' in text
     assert f'promptcache_tenant_entries{{owner="group:public"}} 2.0' in text
+
+
+def test_chunks_promoted_from_disk_count_against_the_quota(sidecar_factory, tokens, tmp_path):
+    """A tenant cannot hold more memory than its quota by letting its chunks spill and reading them back."""
+    quota = 2 * NBYTES
+    sidecar = sidecar_factory(token_file=tokens, tenant_quotas=f"alice={quota}", memory_bytes=6 * NBYTES,
+                              disk_bytes=64 << 20, data_dir=str(tmp_path / "data"), eviction_policy="lru",
+                              admin_tenants="ops")
+    with PromptCacheClient(sidecar.address, token="alice-token") as alice, \
+            PromptCacheClient(sidecar.address, token="bob-token") as bob:
+        first, second = prefix(30, 2), prefix(31, 2)
+        kv_first = make_kv(SMALL, len(first), seed=30)
+        assert alice.put(SMALL, first, kv_first).stored_chunks == 2
+        alice_fps = {e.fingerprint for e in sidecar.tier._entries.values()}
+
+        def alice_in_memory() -> int:
+            """Bytes the memory tier holds under alice's namespace, counted from the store itself."""
+            return sum(e.accounted for e in list(sidecar.tier._entries.values()) if e.fingerprint in alice_fps)
+
+        for seed in range(3):  # bob fills memory: alice's chunks are demoted to disk by capacity
+            t = prefix(40 + seed, 2)
+            bob.put(SMALL, t, make_kv(SMALL, len(t), seed=40 + seed))
+        assert sidecar.spill.disk.flush(10)
+        assert [ch.tier for ch in alice.lookup(SMALL, first).chunks] == ["disk", "disk"]
+        assert alice.put(SMALL, second, make_kv(SMALL, len(second), seed=31)).stored_chunks == 2
+        assert alice_in_memory() == quota
+        # Reading the spilled prefix back: served exactly, but not promoted past the quota.
+        cached, got = alice.get(SMALL, first)
+        assert cached == 2 * CHUNK
+        assert all(torch.equal(g[0], k[0]) and torch.equal(g[1], k[1]) for g, k in zip(got, kv_first))
+        assert alice_in_memory() <= quota
+        assert sidecar.tenancy.usage("alice")["used"] == alice_in_memory()
+        assert alice.stats().tiers[0].bytes_used <= quota
+        assert [ch.tier for ch in alice.lookup(SMALL, first).chunks] == ["disk", "disk"]  # still on disk
+        # With room in the quota a promotion happens, and it is charged.
+        assert alice.delete(SMALL, second) == 2
+        assert alice.get(SMALL, first)[0] == 2 * CHUNK
+        assert [ch.tier for ch in alice.lookup(SMALL, first).chunks] == ["device", "device"]
+        assert sidecar.tenancy.usage("alice")["used"] == alice_in_memory() == quota
+        # ... and counts as hers: her next Put evicts her own chunks to stay within the quota.
+        assert alice.put(SMALL, second, make_kv(SMALL, len(second), seed=31)).stored_chunks == 2
+        assert sidecar.tenancy.usage("alice")["used"] == alice_in_memory() == quota
+        total = sum(u["used"] for u in sidecar.tenancy.owners().values())
+        assert total == sidecar.tier.usage()["used"]

@@ -34,6 +34,7 @@ class Settings:
     data_dir: str = "./promptcache-data"
     disk_bytes: int = 0
     disk_min_free_bytes: int = 256 << 20
+    disk_lock_wait_seconds: float = 30.0
     shm_dir: str = ""
     shm_max_buffers: int = 256
     shm_max_bytes: int = 16 << 30
@@ -85,6 +86,8 @@ class Settings:
             raise ValueError(f"--chunk-tokens must be a positive power of two, got {self.chunk_tokens}")
         if self.ttl_seconds <= 0:
             raise ValueError("--ttl-seconds must be positive")
+        if self.disk_lock_wait_seconds < 0:
+            raise ValueError("--disk-lock-wait-seconds must not be negative")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.bulk_address:
@@ -167,6 +170,8 @@ HELP = {
     "data_dir": "folder for the disk tier (RocksDB)",
     "disk_bytes": "byte budget of the disk tier; 0 disables it",
     "disk_min_free_bytes": "spilling stops while the data folder's filesystem has less free space than this",
+    "disk_lock_wait_seconds": "at start, how long to wait for another process (the pod being replaced) to "
+                              "release the disk tier's RocksDB lock before exiting with an error",
     "shm_dir": "existing folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which "
                "node-local clients pass chunk bytes instead of streaming them; empty disables the fast path. The sidecar "
                "creates the buffer files there itself, each for one caller (docs/security.md)",

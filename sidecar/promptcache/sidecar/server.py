@@ -316,7 +316,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 entry = self.tier.acquire(key, fp)
                 tier_name = "device"
                 if entry is None and self.spill is not None:
-                    entry, tier_name = self.spill.promote(key, fp), "disk"
+                    entry, tier_name = self.spill.promote(key, fp, owner), "disk"
                 if entry is None:
                     break
                 view = None
@@ -765,8 +765,9 @@ class Sidecar:
             from promptcache.sidecar.spill import Spill
 
             disk = DiskTier(os.path.join(settings.data_dir, "rocksdb"), settings.disk_bytes,
-                            ttl_seconds=settings.ttl_seconds, min_free_bytes=settings.disk_min_free_bytes)
-            self.spill = self.service.spill = Spill(self.tier, disk, self.metrics)
+                            ttl_seconds=settings.ttl_seconds, min_free_bytes=settings.disk_min_free_bytes,
+                            lock_wait_seconds=settings.disk_lock_wait_seconds)
+            self.spill = self.service.spill = Spill(self.tier, disk, self.metrics, self.tenancy)
             self.metrics.watch({"disk": self.spill})
             log.info("disk tier open", extra={"path": disk.path, "disk_bytes": settings.disk_bytes,
                                               **disk.open_report})

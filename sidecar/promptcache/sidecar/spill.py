@@ -4,6 +4,12 @@ back into memory (and removed from disk, so a chunk is held in one tier at a tim
 The disk record's meta carries what the memory tier needs to serve the chunk again: the fingerprint (first, so
 `DiskTier.purge(fingerprint)` works), the chunk index, the parent key, the logical shape and dtype, and the
 chunk's own xxh3 checksum (verified again after the disk tier's own check, before the chunk is served).
+
+Quotas: a promoted chunk is charged to its owner like a Put. The owner need not be stored on disk: the
+fingerprint is derived from the owner's namespace (docs/keys.md, tenancy.py), so the caller that names the
+chunk's fingerprint is acting for its owner. A promotion never evicts to make room: when the owner's quota has
+no room, the chunk is served from the disk copy for this call only and stays on disk (evicting the owner's other
+chunks would drop them from both tiers, and reading a long prefix would then destroy its own head).
 """
 from __future__ import annotations
 
@@ -37,10 +43,11 @@ def decode_meta(meta: bytes) -> tuple[bytes, bytes, int, int, int, tuple[int, ..
 
 
 class Spill:
-    def __init__(self, memory: MemoryTier, disk: DiskTier, metrics=None):
+    def __init__(self, memory: MemoryTier, disk: DiskTier, metrics=None, tenancy=None):
         self.memory = memory
         self.disk = disk
         self.metrics = metrics
+        self.tenancy = tenancy  # promptcache.sidecar.tenancy.Tenancy: promotions are charged to the owner's quota
 
     # --- memory -> disk ---------------------------------------------------------------------------------
     def demote(self, entry: Entry) -> bool:
@@ -71,8 +78,9 @@ class Spill:
         entry = self.disk.index.get(key) or (self.disk.pending.get(key) or (None,))[0]
         return entry.length if entry is not None else None
 
-    def promote(self, key: bytes, fingerprint: bytes) -> Entry | None:
-        """A leased entry for `key` read back from disk (release it with memory.release_lease), or None."""
+    def promote(self, key: bytes, fingerprint: bytes, owner: str = "") -> Entry | None:
+        """A leased entry for `key` read back from disk (release it with memory.release_lease), or None.
+        `owner` (the caller's namespace owner, who owns every chunk under `fingerprint`) is charged for it."""
         meta = self.disk.meta(key)
         decoded = decode_meta(meta) if meta is not None else None
         if decoded is None or decoded[0] != fingerprint:
@@ -90,18 +98,31 @@ class Spill:
                 self.metrics.checksum_failures.labels("disk").inc()
             log.error("disk chunk failed its checksum after read and was dropped", extra={"key": key.hex()})
             return None
+        charged = self.tenancy.charge_if_room(owner, raw.size) if self.tenancy is not None else 0
+        if charged is None:  # the owner's quota is full: serve this copy, keep the chunk on disk
+            now = self.memory.clock()
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            return Entry(key, fp, parent, index, data, value, shape, dtype, now, now, 0, leases=1, evicted=True)
         try:
             reservation = self.memory.reserve(raw.size, key, parent)
         except StoreError:
             # No room in memory right now: serve it from this copy, held only for the call and not cached.
+            if self.tenancy is not None:
+                self.tenancy.release(owner, charged)
             now = self.memory.clock()
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             return Entry(key, fp, parent, index, data, value, shape, dtype, now, now, 0, leases=1, evicted=True)
         data = self.memory.host_buffer(reservation)
         data.numpy()[:] = raw
         device_data = data if self.memory.device.type == "cpu" else data.to(self.memory.device)
-        self.memory.commit(reservation, key=key, fingerprint=fp, parent=parent, index=index, data=device_data,
-                           checksum_value=value, shape=shape, dtype=dtype, ttl=max(remaining, 0.001))
+        stored = self.memory.commit(reservation, key=key, fingerprint=fp, parent=parent, index=index,
+                                    data=device_data, checksum_value=value, shape=shape, dtype=dtype,
+                                    ttl=max(remaining, 0.001))
+        if self.tenancy is not None:
+            if stored:
+                self.tenancy.committed(owner, key, charged)
+            else:
+                self.tenancy.release(owner, charged)
         self.disk.delete(key)
         if self.metrics is not None:
             self.metrics.promotions.inc()

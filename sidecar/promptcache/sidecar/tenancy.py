@@ -11,7 +11,8 @@ their members are configuration (--sharing-groups "public=*;team-a=alice,bob").
 Quotas: every stored chunk is charged to its owner (the tenant, or the sharing group) in this layer, from the
 store's own entries (its eviction callback tells when bytes leave). A Put that would take its owner over quota
 first evicts the owner's least recently used chunks (never another tenant's); if the owner's bytes are all held
-by Puts in flight, the chunk is refused with RESOURCE_EXHAUSTED.
+by Puts in flight, the chunk is refused with RESOURCE_EXHAUSTED. A chunk promoted from the disk tier is charged
+too (charge_if_room): when its owner has no room it is served from disk and not promoted (spill.py).
 
 With authentication off every caller is the anonymous tenant and the client's salt is used as sent (the
 behaviour of docs/keys.md).
@@ -203,6 +204,18 @@ class Tenancy:
             for entry in victims:
                 self.tier.delete([entry.key], entry.fingerprint, reason="quota")
         raise TenancyError("quota", f"could not make room within the quota of {owner}")
+
+    def charge_if_room(self, owner: str, nbytes: int) -> int | None:
+        """Charge a chunk promoted from disk to `owner` if it fits in the quota as it is (nothing is evicted);
+        None when it does not. Give the bytes returned to committed() or release()."""
+        need = self._accounted(nbytes)
+        limit = self.quota(owner)
+        with self._lock:
+            u = self._usage_of(owner)
+            if limit and u.used + u.reserved + need > limit:
+                return None
+            u.reserved += need
+            return need
 
     def release(self, owner: str, charged: int) -> None:
         if charged:
