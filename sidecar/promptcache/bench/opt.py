@@ -34,8 +34,9 @@ def next_uses(reqs: list[tuple[list, list[int]]]) -> list[list[float]]:
     return nxt
 
 
-def simulate_opt(reqs: list[tuple[list, list[int]]], capacity: int) -> tuple[int, int]:
-    """Return (hit tokens, total tokens) of Belady's OPT with bypass under prefix semantics."""
+def simulate_opt(reqs: list[tuple[list, list[int]]], capacity: int, measure_from: int = 0) -> tuple[int, int]:
+    """Return (hit tokens, total tokens) of Belady's OPT with bypass under prefix semantics, counting the requests
+    from index `measure_from` on (the earlier ones only warm the cache)."""
     nxt = next_uses(reqs)
     present: dict = {}  # key -> size
     nu: dict = {}  # key -> next use
@@ -47,8 +48,9 @@ def simulate_opt(reqs: list[tuple[list, list[int]]], capacity: int) -> tuple[int
         n = 0
         while n < len(ids) and ids[n] in present:
             n += 1
-        hit += sum(sizes[:n])
-        total += sum(sizes)
+        if i >= measure_from:
+            hit += sum(sizes[:n])
+            total += sum(sizes)
         row = nxt[i]
         for j, k in enumerate(ids):
             if k in present:
@@ -91,14 +93,15 @@ def simulate_opt(reqs: list[tuple[list, list[int]]], capacity: int) -> tuple[int
     return hit, total
 
 
-def simulate_infinite(reqs: list[tuple[list, list[int]]]) -> tuple[int, int]:
+def simulate_infinite(reqs: list[tuple[list, list[int]]], measure_from: int = 0) -> tuple[int, int]:
     seen: set = set()
     hit = total = 0
-    for ids, sizes in reqs:
+    for i, (ids, sizes) in enumerate(reqs):
         n = 0
         while n < len(ids) and ids[n] in seen:
             n += 1
-        hit += sum(sizes[:n])
-        total += sum(sizes)
+        if i >= measure_from:
+            hit += sum(sizes[:n])
+            total += sum(sizes)
         seen.update(ids)
     return hit, total
