@@ -92,6 +92,22 @@ def test_opt_bounds_every_policy(spec, cap):
         assert r["hit"] <= opt_hit, name
 
 
+@settings(max_examples=40, deadline=None)
+@given(spec=workload, cap=st.integers(1, 25))
+def test_dead_first_lies_between_what_it_knows_and_opt(spec, cap):
+    reqs = _uniform(spec)
+    opt_hit, total = opt.simulate_opt(reqs, cap)
+    hit, total_df = opt.simulate_dead_first(reqs, cap)
+    assert total_df == total and hit <= opt_hit
+
+
+def test_dead_first_example():
+    # capacity 2: a b c a. To store c, lru-prefix evicts a (least recent); dead-first evicts b (never used again).
+    reqs = [([1], [1]), ([2], [1]), ([3], [1]), ([1], [1])]
+    assert opt.simulate_dead_first(reqs, 2) == (1, 4)
+    assert replay.simulate_policy(reqs, make_policy("lru-prefix"), 2)["hit"] == 0
+
+
 def test_opt_example():
     # capacity 1 block; a b a: keep a (next use at 2), never store b (next use never)
     reqs = [([1], [1]), ([2], [1]), ([1], [1])]

@@ -105,3 +105,34 @@ def simulate_infinite(reqs: list[tuple[list, list[int]]], measure_from: int = 0)
             total += sum(sizes)
         seen.update(ids)
     return hit, total
+
+
+def simulate_dead_first(reqs: list[tuple[list, list[int]]], capacity: int, measure_from: int = 0) -> tuple[int, int]:
+    """A half-oracle: lru-prefix, except that cached blocks no later request uses are evicted first.
+
+    It knows *whether* a block will be used again, not *when*: the gap between it and OPT is what knowing the time
+    of the next use is worth, the gap between it and lru-prefix what a perfect predictor of reuse would be worth."""
+    from promptcache.bench.replay import simulate_policy
+    from promptcache.sidecar.policies import PrefixLRU
+
+    remaining: dict = {}
+    for ids, _ in reqs:
+        for k in ids:
+            remaining[k] = remaining.get(k, 0) + 1
+
+    class DeadFirst(PrefixLRU):
+        name = "dead-first"
+
+        def requested(self, key):
+            remaining[key] -= 1
+
+        def inserted(self, key, size, parent):
+            self._add(key, size, parent, 0, (remaining[key] > 0, self._clock + 1))
+
+        def accessed(self, key):
+            if key in self.size:
+                self.prio[key] = (remaining[key] > 0, self._clock + 1)
+                self._push(key)
+
+    r = simulate_policy(reqs, DeadFirst(capacity), capacity, measure_from=measure_from)
+    return r["hit"], r["total"]

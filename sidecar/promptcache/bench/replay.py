@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic traces (default 0)")
     parser.add_argument("--scale", type=float, default=1.0, help="size multiplier of synthetic traces")
     parser.add_argument("--no-opt", action="store_true", help="skip Belady's OPT")
+    parser.add_argument("--dead-first", action="store_true",
+                        help="add the half-oracle 'dead-first' (lru-prefix that evicts blocks never used again first)")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
                         help="worker processes (default: CPUs, at most 4); results do not depend on it")
     parser.add_argument("--save-trace", metavar="DIR", help="also write the synthetic traces as JSONL into DIR")
@@ -151,6 +153,8 @@ def _one(job):
     t0 = time.perf_counter()
     if policy_name == "opt":
         hit, total = opt.simulate_opt(reqs, cap, measure_from=start)
+    elif policy_name == "dead-first":
+        hit, total = opt.simulate_dead_first(reqs, cap, measure_from=start)
     elif policy_name == "infinite":
         hit, total = opt.simulate_infinite(reqs, measure_from=start)
     else:
@@ -216,7 +220,7 @@ def run(args) -> int:
             counted = f", the last {len(reqs) - start} counted" if start else ""
             print(f"# trace {label}: {st['requests']} requests{counted}, {st['block_refs']} block refs, "
                   f"{st['unique_blocks']} unique blocks, working set {ws} tokens", file=sys.stderr)
-    cols = policies + ([] if args.no_opt else ["opt"])
+    cols = policies + (["dead-first"] if args.dead_first else []) + ([] if args.no_opt else ["opt"])
     jobs = [(t, p, f) for t in _TRACES for f in fractions for p in cols]
     jobs += [(t, "infinite", 1.0) for t in _TRACES]
     if args.jobs > 1:
