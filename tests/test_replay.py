@@ -108,6 +108,16 @@ def test_dead_first_example():
     assert replay.simulate_policy(reqs, make_policy("lru-prefix"), 2)["hit"] == 0
 
 
+def test_opt_evicts_the_deepest_of_equal_next_uses():
+    """Found by the dead-first property test: with ties in next use broken by recency, OPT evicted chain root 2009
+    (touched alone by request 2) before its children 2019 and 2021, which stayed cached but unreachable; it then
+    scored 5 tokens where the half-oracle scored 6. Deepest first keeps the chain whole."""
+    spec = [(0, 1, 0), (2, 3, 1), (2, 1, 0), (1, 3, 0), (0, 1, 0), (1, 3, 0), (2, 3, 1)]
+    reqs = _uniform(spec)
+    assert opt.simulate_opt(reqs, 6) == (7, 15)
+    assert opt.simulate_dead_first(reqs, 6) == (6, 15)
+
+
 def test_opt_example():
     # capacity 1 block; a b a: keep a (next use at 2), never store b (next use never)
     reqs = [([1], [1]), ([2], [1]), ([1], [1])]

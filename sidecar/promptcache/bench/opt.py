@@ -9,8 +9,9 @@ OPT here is Belady's farthest-next-use with bypass: when a block must be stored 
 blocks whose next use (the index of the next request that contains them) lies strictly farther in the future than
 the incoming block's are evicted, farthest first, until it fits; if that is not possible, the block - and with it
 the rest of the request's chain, whose next uses are never earlier - is not stored. Because every request that
-uses a block also uses all of its ancestors, an ancestor's next use is never later than a descendant's, so this
-never evicts a parent before its child and every block hit it counts is also a prefix hit. For uniform block sizes
+uses a block also uses all of its ancestors, an ancestor's next use is never later than a descendant's; of equal
+next uses the deepest block goes first, so this never evicts a parent before its child (which would strand the
+child, unreachable, in the cache) and every block hit it counts is also a prefix hit. For uniform block sizes
 this is the optimal (maximum block hits) offline policy; with the partial last blocks of a trace it is the
 standard farthest-next-use heuristic (exact size-aware OPT is NP-hard), and counts tokens, not blocks.
 """
@@ -40,7 +41,7 @@ def simulate_opt(reqs: list[tuple[list, list[int]]], capacity: int, measure_from
     nxt = next_uses(reqs)
     present: dict = {}  # key -> size
     nu: dict = {}  # key -> next use
-    heap: list = []  # (-next use, key-stamp, key)
+    heap: list = []  # (-next use, -depth, -stamp, key): of equal next uses the deepest block goes first
     used = 0
     hit = total = 0
     stamp = 0
@@ -56,7 +57,7 @@ def simulate_opt(reqs: list[tuple[list, list[int]]], capacity: int, measure_from
             if k in present:
                 stamp += 1
                 nu[k] = (row[j], stamp)
-                heapq.heappush(heap, (-row[j], -stamp, k))
+                heapq.heappush(heap, (-row[j], -j, -stamp, k))
         for j in range(n, len(ids)):
             k = ids[j]
             if j and ids[j - 1] not in present:
@@ -70,14 +71,14 @@ def simulate_opt(reqs: list[tuple[list, list[int]]], capacity: int, measure_from
             ok = True
             while used + s > capacity:
                 while heap:
-                    negnu, negst, v = heap[0]
+                    negnu, _, negst, v = heap[0]
                     if v in present and nu[v][1] == -negst:
                         break
                     heapq.heappop(heap)
                 if not heap or -heap[0][0] <= mine:
                     ok = False
                     break
-                v = heapq.heappop(heap)[2]
+                v = heapq.heappop(heap)[3]
                 used -= present.pop(v)
                 del nu[v]
             if not ok:
@@ -86,9 +87,9 @@ def simulate_opt(reqs: list[tuple[list, list[int]]], capacity: int, measure_from
             used += s
             stamp += 1
             nu[k] = (mine, stamp)
-            heapq.heappush(heap, (-mine, -stamp, k))
+            heapq.heappush(heap, (-mine, -j, -stamp, k))
         if len(heap) > 4 * len(present) + 1024:
-            heap = [e for e in heap if e[2] in present and nu[e[2]][1] == -e[1]]
+            heap = [e for e in heap if e[3] in present and nu[e[3]][1] == -e[2]]
             heapq.heapify(heap)
     return hit, total
 
