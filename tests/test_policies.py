@@ -252,3 +252,76 @@ def test_replay_invariants_of_the_experimental_adaptations(adapt, spec, cap):
     pol = CheckingPolicy(WTinyLFU(cap, adapt=adapt), True)
     r = simulate_policy(_requests(spec), pol, cap)
     assert 0 <= r["hit"] <= r["total"]
+
+
+def _sizes_of_state(obj, seen=None) -> list[tuple[str, int]]:
+    """(attribute path, length) of every container a policy holds, nested ones included."""
+    out = []
+    for name, value in vars(obj).items():
+        if isinstance(value, (dict, set, list, bytearray)):
+            out.append((name, len(value)))
+            if isinstance(value, list):
+                out.extend((f"{name}[{i}]", len(v)) for i, v in enumerate(value)
+                           if isinstance(v, (dict, set, list, bytearray)))
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            out.extend((f"{name}.{n}", size) for n, size in _sizes_of_state(value))
+    return out
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_state_stays_bounded_by_the_cached_entries(name):
+    """Bounded memory: 20,000 distinct chains through a 200-block cache leave no container in the policy larger
+    than a small multiple of what is cached (the sketch has a fixed width; heaps are compacted)."""
+    rng = random.Random(7)
+    reqs = []
+    for i in range(4000):
+        fam = i if rng.random() < 0.7 else rng.randrange(50)  # mostly one-off chains, some reused
+        length = rng.randint(1, 8)
+        reqs.append(([fam * 100 + j for j in range(length)], [1] * length))
+    cap = 200
+    policy = make_policy(name, capacity=cap)
+    r = simulate_policy(reqs, policy, cap)
+    assert r["evictions"] > 10_000
+    limit = 10 * cap + 1024
+    sizes = _sizes_of_state(policy)
+    assert sizes and all(n <= limit for _, n in sizes), [(k, n) for k, n in sizes if n > limit]
+
+
+class EvictionCounter(CheckingPolicy):
+    """Checks that each victim was asked for while the block inserted next did not fit yet."""
+
+    def __init__(self, inner, prefix_aware, capacity):
+        super().__init__(inner, prefix_aware)
+        self.capacity = capacity
+        self.sizes: dict = {}
+        self.used = 0
+        self.calls = []  # cache occupancy at each victim() call since the last insertion
+
+    def requested(self, key):
+        self.calls.clear()  # a new request: the previous one gave up on its block (its parent was evicted)
+        super().requested(key)
+
+    def inserted(self, key, size, parent):
+        assert all(used + size > self.capacity for used in self.calls), (self.calls, size, self.capacity)
+        self.calls.clear()
+        super().inserted(key, size, parent)
+        self.sizes[key] = size
+        self.used += size
+
+    def removed(self, key):
+        super().removed(key)
+        self.used -= self.sizes.pop(key)
+
+    def victim(self):
+        self.calls.append(self.used)
+        return super().victim()
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@settings(max_examples=40, deadline=None)
+@given(spec=chains, cap=st.integers(3, 40))
+def test_never_evicts_beyond_need(name, spec, cap):
+    """Victims are asked for only while the incoming block does not fit: no entry is evicted for nothing."""
+    pol = EvictionCounter(make_policy(name, capacity=cap), name != "lru", cap)
+    r = simulate_policy(_requests(spec), pol, cap)
+    assert r["evictions"] <= sum(len(ids) for ids, _ in _requests(spec))

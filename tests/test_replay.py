@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from promptcache.bench import opt, replay, traces
-from promptcache.sidecar.policies import POLICIES, make_policy
+from promptcache.sidecar.policies import DEFAULT_POLICY, POLICIES, make_policy
 
 
 @pytest.mark.parametrize("name", list(traces.GENERATORS))
@@ -91,6 +92,32 @@ def test_opt_bounds_every_policy(spec, cap):
         assert r["hit"] <= opt_hit, name
 
 
+@settings(max_examples=40, deadline=None)
+@given(spec=workload, cap=st.integers(1, 25))
+def test_dead_first_lies_between_what_it_knows_and_opt(spec, cap):
+    reqs = _uniform(spec)
+    opt_hit, total = opt.simulate_opt(reqs, cap)
+    hit, total_df = opt.simulate_dead_first(reqs, cap)
+    assert total_df == total and hit <= opt_hit
+
+
+def test_dead_first_example():
+    # capacity 2: a b c a. To store c, lru-prefix evicts a (least recent); dead-first evicts b (never used again).
+    reqs = [([1], [1]), ([2], [1]), ([3], [1]), ([1], [1])]
+    assert opt.simulate_dead_first(reqs, 2) == (1, 4)
+    assert replay.simulate_policy(reqs, make_policy("lru-prefix"), 2)["hit"] == 0
+
+
+def test_opt_evicts_the_deepest_of_equal_next_uses():
+    """Found by the dead-first property test: with ties in next use broken by recency, OPT evicted chain root 2009
+    (touched alone by request 2) before its children 2019 and 2021, which stayed cached but unreachable; it then
+    scored 5 tokens where the half-oracle scored 6. Deepest first keeps the chain whole."""
+    spec = [(0, 1, 0), (2, 3, 1), (2, 1, 0), (1, 3, 0), (0, 1, 0), (1, 3, 0), (2, 3, 1)]
+    reqs = _uniform(spec)
+    assert opt.simulate_opt(reqs, 6) == (7, 15)
+    assert opt.simulate_dead_first(reqs, 6) == (6, 15)
+
+
 def test_opt_example():
     # capacity 1 block; a b a: keep a (next use at 2), never store b (next use never)
     reqs = [([1], [1]), ([2], [1]), ([1], [1])]
@@ -108,7 +135,7 @@ def test_cli_replay_on_a_trace_file(tmp_path, capsys):
                "--policy", "wtinylfu", "--markdown"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "| trace | capacity | lru | wtinylfu | opt | infinite | wtinylfu/opt |" in out
+    assert "| trace | capacity | lru | wtinylfu | opt | infinite | wtinylfu/opt | wtinylfu/lru |" in out
     assert "| 5% |" in out
 
 
@@ -122,3 +149,93 @@ def test_cli_replay_synthetic_and_errors(capsys):
     assert main(["bench", "replay", "--synthetic", "chat", "--scale", "0.02", "--policy", "nope"]) == 2
     assert main(["bench", "replay", "--synthetic", "chat", "--scale", "0.02", "--capacity-fraction", "0"]) == 2
     assert main(["bench", "replay", "--trace", "/nonexistent.jsonl"]) == 2
+
+
+def test_split_halves_by_time():
+    reqs = [traces.Request(t, 512, 1, [t]) for t in (50, 10, 40, 30, 20)]  # file order is not time order
+    first, second = replay.split_halves(reqs)
+    assert [r.timestamp for r in first] == [10, 20]
+    assert [r.timestamp for r in second] == [30, 40, 50]  # the middle request goes to the held-out half
+    (name_a, a, start_a), (name_b, b, start_b) = replay.replay_sets("/x/t.jsonl", reqs, "half")
+    assert (name_a, a, start_a) == ("t.jsonl [first half]", first, 0)
+    assert (name_b, b, start_b) == ("t.jsonl [second half]", second, 0)
+    [(name, warm, start)] = replay.replay_sets("/x/t.jsonl", reqs, "half-warm")
+    assert name == "t.jsonl [second half, warm]" and warm == first + second and start == 2
+    assert replay.replay_sets("t", reqs, "none") == [("t", reqs, 0)]
+    with pytest.raises(ValueError, match="unknown split"):
+        replay.replay_sets("t", reqs, "thirds")
+
+
+def test_measure_from_counts_only_the_later_requests():
+    # a b a, capacity 2 blocks: the first two requests only warm the cache; the third hits a.
+    reqs = [([1], [3]), ([2], [5]), ([1], [3])]
+    r = replay.simulate_policy(reqs, make_policy("lru"), 8, measure_from=2)
+    assert (r["hit"], r["total"]) == (3, 3)
+    assert replay.simulate_policy(reqs, make_policy("lru"), 8)["total"] == 11
+    assert opt.simulate_opt(reqs, 8, measure_from=2) == (3, 3)
+    assert opt.simulate_infinite(reqs, measure_from=2) == (3, 3)
+    assert opt.simulate_infinite(reqs, measure_from=3) == (0, 0)
+
+
+def test_cli_replay_split(tmp_path, capsys):
+    from promptcache.cli import main
+
+    path = tmp_path / "t.jsonl"
+    traces.write_trace(str(path), traces.generate("chat", seed=0, scale=0.03))
+    for split, labels in (("half", ["t.jsonl [first half]", "t.jsonl [second half]"]),
+                          ("half-warm", ["t.jsonl [second half, warm]"])):
+        assert main(["bench", "replay", "--trace", str(path), "--split", split, "--capacity-fraction", "0.1",
+                     "--policy", "lru", "--jobs", "1", "--markdown"]) == 0
+        out = capsys.readouterr().out
+        assert [line.split(" | ")[0][2:] for line in out.splitlines()[2:]] == labels
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The provided production-like trace (shared/ beside the clone; README there), held out by time. Issue #13.
+
+SHARED_TRACE = (pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
+                / "mooncake-fast25-synthetic.jsonl")
+needs_trace = pytest.mark.skipif(not SHARED_TRACE.exists(),
+                                 reason=f"the Mooncake FAST'25 trace is not at {SHARED_TRACE} (CI puts shared/ "
+                                        "beside the clone)")
+
+
+def _held_out(fraction: float, policies) -> dict:
+    _, second = replay.split_halves(traces.read_trace(str(SHARED_TRACE)))
+    reqs, ws = replay.prepare(second)
+    cap = int(ws * fraction)
+    out = {}
+    for name in policies:
+        r = replay.simulate_policy(reqs, make_policy(name, capacity=cap), cap)
+        out[name] = r["hit"] / r["total"]
+    return out
+
+
+@needs_trace
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", [0.05, 0.10])
+def test_default_is_not_below_lru_on_the_held_out_half(fraction):
+    hr = _held_out(fraction, ["lru", DEFAULT_POLICY])
+    assert hr[DEFAULT_POLICY] >= hr["lru"], hr
+
+
+@needs_trace
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue #13's target (default >= 1.25x LRU on the held-out half) is not met "
+                                       "by any online policy tried: docs/eviction.md, 'Held out'")
+@pytest.mark.parametrize("fraction", [0.05, 0.10])
+def test_default_reaches_issue_13_target_on_the_held_out_half(fraction):
+    hr = _held_out(fraction, ["lru", DEFAULT_POLICY])
+    assert hr[DEFAULT_POLICY] >= 1.25 * hr["lru"], hr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(traces.GENERATORS))
+def test_default_is_never_below_lru_on_the_generators(name):
+    """The regression guard of issue #13: `--synthetic all`, seed 0, no cell more than 0.005 below LRU."""
+    reqs, ws = replay.prepare(traces.generate(name, seed=0))
+    for fraction in replay.DEFAULT_FRACTIONS:
+        cap = int(ws * fraction)
+        lru = replay.simulate_policy(reqs, make_policy("lru", capacity=cap), cap)
+        default = replay.simulate_policy(reqs, make_policy(DEFAULT_POLICY, capacity=cap), cap)
+        assert default["hit"] / default["total"] >= lru["hit"] / lru["total"] - 0.005, (name, fraction)

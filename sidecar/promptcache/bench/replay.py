@@ -6,6 +6,11 @@ its longest leading run of cached blocks (`accessed`); its missing blocks are th
 parent is not cached is not stored (unreachable), `admit` is asked when room must be made, and `victim` is asked
 until the block fits. Sizes are tokens, the capacity is a fraction of the trace's working set (the tokens of its
 unique blocks). OPT and the infinite cache: promptcache.bench.opt.
+
+Held-out evaluation (`--split`): a trace is ordered by timestamp and cut at its middle request. `half` replays each
+half on its own from an empty cache, its capacity a fraction of that half's working set (tune on the first, report
+the second); `half-warm` replays the whole trace and counts only the second half's requests, the capacity a fraction
+of the whole trace's working set (the first half only warms the cache, as it would in a sidecar that kept running).
 """
 from __future__ import annotations
 
@@ -31,10 +36,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic traces (default 0)")
     parser.add_argument("--scale", type=float, default=1.0, help="size multiplier of synthetic traces")
     parser.add_argument("--no-opt", action="store_true", help="skip Belady's OPT")
+    parser.add_argument("--dead-first", action="store_true",
+                        help="add the half-oracle 'dead-first' (lru-prefix that evicts blocks never used again first)")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
                         help="worker processes (default: CPUs, at most 4); results do not depend on it")
     parser.add_argument("--save-trace", metavar="DIR", help="also write the synthetic traces as JSONL into DIR")
+    parser.add_argument("--split", choices=SPLITS, default="none",
+                        help="held-out evaluation: 'half' replays the first and the second half (by time) of each "
+                             "trace separately; 'half-warm' counts the second half after the first warmed the cache "
+                             "(default: none)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+
+
+SPLITS = ("none", "half", "half-warm")
+
+
+def split_halves(reqs) -> tuple[list, list]:
+    """The first and second half of a trace by time (stable for equal timestamps; the middle request goes second)."""
+    ordered = sorted(reqs, key=lambda r: r.timestamp)
+    mid = len(ordered) // 2
+    return ordered[:mid], ordered[mid:]
+
+
+def replay_sets(name: str, reqs, split: str) -> list[tuple[str, list, int]]:
+    """(label, requests, measure_from) for each replay the split asks for."""
+    if split == "none":
+        return [(name, reqs, 0)]
+    name = os.path.basename(name)
+    first, second = split_halves(reqs)
+    if split == "half":
+        return [(f"{name} [first half]", first, 0), (f"{name} [second half]", second, 0)]
+    if split == "half-warm":
+        return [(f"{name} [second half, warm]", first + second, len(first))]
+    raise ValueError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
 
 
 def prepare(reqs) -> tuple[list[tuple[list, list[int]]], int]:
@@ -51,21 +85,23 @@ def prepare(reqs) -> tuple[list[tuple[list, list[int]]], int]:
     return out, sum(size_of.values())
 
 
-def simulate_policy(reqs, policy, capacity: int) -> dict:
-    """Replay through a policy; returns hit/total tokens and counters."""
+def simulate_policy(reqs, policy, capacity: int, measure_from: int = 0) -> dict:
+    """Replay through a policy; returns hit/total tokens and counters. Requests before index `measure_from` only
+    warm the cache: their tokens are not counted."""
     present: dict = {}
     used = 0
     hit = total = 0
     evictions = rejections = orphan_skips = 0
     req_hook, acc_hook, ins_hook, rem_hook = policy.requested, policy.accessed, policy.inserted, policy.removed
-    for ids, sizes in reqs:
+    for i, (ids, sizes) in enumerate(reqs):
         for k in ids:
             req_hook(k)
         n = 0
         while n < len(ids) and ids[n] in present:
             n += 1
-        hit += sum(sizes[:n])
-        total += sum(sizes)
+        if i >= measure_from:
+            hit += sum(sizes[:n])
+            total += sum(sizes)
         for k in ids[:n]:
             acc_hook(k)
         parent = ids[n - 1] if n else None
@@ -112,15 +148,17 @@ def _one(job):
     from promptcache.bench import opt
     from promptcache.sidecar.policies import make_policy
 
-    reqs, ws = _TRACES[trace_name]
+    reqs, ws, start = _TRACES[trace_name]
     cap = max(1, int(ws * fraction))
     t0 = time.perf_counter()
     if policy_name == "opt":
-        hit, total = opt.simulate_opt(reqs, cap)
+        hit, total = opt.simulate_opt(reqs, cap, measure_from=start)
+    elif policy_name == "dead-first":
+        hit, total = opt.simulate_dead_first(reqs, cap, measure_from=start)
     elif policy_name == "infinite":
-        hit, total = opt.simulate_infinite(reqs)
+        hit, total = opt.simulate_infinite(reqs, measure_from=start)
     else:
-        r = simulate_policy(reqs, make_policy(policy_name, capacity=cap), cap)
+        r = simulate_policy(reqs, make_policy(policy_name, capacity=cap), cap, measure_from=start)
         hit, total = r["hit"], r["total"]
     return trace_name, policy_name, fraction, hit / max(1, total), time.perf_counter() - t0
 
@@ -173,13 +211,16 @@ def run(args) -> int:
         if not 0 < f <= 1:
             print(f"promptcache bench replay: --capacity-fraction {f} is not in (0, 1]", file=sys.stderr)
             return 2
-    for name, reqs in raw.items():
-        _TRACES[name], ws = prepare(reqs)
-        _TRACES[name] = (_TRACES[name], ws)
-        st = traces.stats(reqs)
-        print(f"# trace {name}: {st['requests']} requests, {st['block_refs']} block refs, "
-              f"{st['unique_blocks']} unique blocks, working set {ws} tokens", file=sys.stderr)
-    cols = policies + ([] if args.no_opt else ["opt"])
+    _TRACES.clear()  # a second run in the same process (tests) must not replay the first one's traces
+    for name, whole in raw.items():
+        for label, reqs, start in replay_sets(name, whole, args.split):
+            prepared, ws = prepare(reqs)
+            _TRACES[label] = (prepared, ws, start)
+            st = traces.stats(reqs)
+            counted = f", the last {len(reqs) - start} counted" if start else ""
+            print(f"# trace {label}: {st['requests']} requests{counted}, {st['block_refs']} block refs, "
+                  f"{st['unique_blocks']} unique blocks, working set {ws} tokens", file=sys.stderr)
+    cols = policies + (["dead-first"] if args.dead_first else []) + ([] if args.no_opt else ["opt"])
     jobs = [(t, p, f) for t in _TRACES for f in fractions for p in cols]
     jobs += [(t, "infinite", 1.0) for t in _TRACES]
     if args.jobs > 1:
@@ -198,6 +239,8 @@ def print_table(table, trace_names, fractions, cols, markdown=False, default=Non
     head = ["trace", "capacity"] + cols + ["infinite"]
     if "opt" in cols and default in cols:
         head.append(f"{default}/opt")
+    if "lru" in cols and default in cols and default != "lru":
+        head.append(f"{default}/lru")
     rows = []
     for t in trace_names:
         for f in fractions:
@@ -206,6 +249,9 @@ def print_table(table, trace_names, fractions, cols, markdown=False, default=Non
             if "opt" in cols and default in cols:
                 o = table[(t, "opt", f)]
                 row.append(f"{table[(t, default, f)] / o:.2f}" if o else "-")
+            if "lru" in cols and default in cols and default != "lru":
+                lru = table[(t, "lru", f)]
+                row.append(f"{table[(t, default, f)] / lru:.2f}" if lru else "-")
             rows.append(row)
     if markdown:
         print("| " + " | ".join(head) + " |")
