@@ -30,7 +30,8 @@ def test_defaults_are_the_embedded_ones():
 VALID_SAMPLES = {"memory_bytes": "8192", "max_chunk_bytes": "8192", "disk_bytes": "8192", "frame_bytes": "8192",
                  "log_level": "debug", "device": "cpu", "eviction_policy": "lru", "chunk_tokens": "64",
                  "bulk_address": "unix:/run/promptcache/bulk.sock", "quantization": "k8v4", "tenancy": "shared",
-                 "bulk_zero_copy": "off"}
+                 "bulk_zero_copy": "off", "mrc_sample_rate": "0.5", "mrc_sizes": "1Mi,2Mi",
+                 "access_log_sample_rate": "0.5", "access_log_max_bytes": "8192"}
 
 
 def test_every_setting_is_a_flag_and_an_environment_variable():

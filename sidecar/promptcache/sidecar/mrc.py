@@ -1,0 +1,163 @@
+"""Online miss-ratio curve: the token hit ratio this cache would have at other sizes, from miniature simulations.
+
+Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations" (USENIX ATC'17): run the real
+eviction policy in K small simulated caches of capacity R x C_i over a hash-sampled fraction R of the traffic;
+the hit ratio of miniature i estimates the full cache's at size C_i. SHARDS' stack distances would assume LRU; a
+miniature runs whatever policy the sidecar runs (promptcache.sidecar.policies, through make_policy), so the curve
+follows the default.
+
+Prefix semantics are kept by sampling whole chains: a request is sampled iff its ROOT key (chunk 0's) is, so
+every chunk of a sampled request, and every request sharing that root, lands in the same miniatures. A request
+hits its leading run of cached chunks; its missing chunks are stored, in order, when a Put carries them, exactly as
+the trace replayer (promptcache.bench.replay.simulate_policy) does: a chunk whose parent is not cached is not
+stored, `admit` is asked when room must be made, `victim` until it fits.
+
+The estimate's spread grows with the share of traffic under the largest roots: with only a few roots (one shared
+system prompt in front of everything) a low rate samples a handful of them; raise --mrc-sample-rate there.
+
+Pure and I/O-free; promptcache.sidecar.observer feeds it off the request path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from promptcache.sidecar.policies import Key, key_hash64, make_policy
+
+_U64 = 1 << 64
+
+
+def sampled(root: Key, rate: float) -> bool:
+    """Is the chain under `root` in the sample? Chunk keys are SHA-256 outputs, so their bytes are already
+    uniform: no hashing on the request path. Other keys (ints in the replayer) are mixed first."""
+    if rate >= 1.0:
+        return True
+    if isinstance(root, (bytes, bytearray)) and len(root) >= 16:
+        h = int.from_bytes(root[8:16], "little")
+    else:
+        h = key_hash64(root)
+    return h < rate * _U64
+
+
+class Miniature:
+    """One simulated cache: the real policy over `capacity` bytes of sampled chunks."""
+
+    __slots__ = ("capacity", "policy", "present", "used", "hit_tokens")
+
+    def __init__(self, policy_name: str, capacity: int) -> None:
+        self.capacity = max(1, int(capacity))
+        self.policy = make_policy(policy_name, capacity=self.capacity)
+        self.present: dict[Key, int] = {}
+        self.used = 0
+        self.hit_tokens = 0
+
+    def lookup(self, keys: list[Key], chunk_tokens: int) -> int:
+        """A read of a whole prompt: returns the chunks of its leading cached run (and counts their tokens)."""
+        policy, present = self.policy, self.present
+        for k in keys:
+            policy.requested(k)
+        n = 0
+        while n < len(keys) and keys[n] in present:
+            n += 1
+        for k in keys[:n]:
+            policy.accessed(k)
+        self.hit_tokens += n * chunk_tokens
+        return n
+
+    def store(self, keys: list[Key], chunk_bytes: int) -> None:
+        """A Put of the prompt's first len(keys) chunks: store the ones missing here, in order."""
+        policy, present = self.policy, self.present
+        n = 0
+        while n < len(keys) and keys[n] in present:
+            n += 1
+        parent = keys[n - 1] if n else None
+        for k in keys[n:]:
+            if parent is not None and parent not in present:
+                return  # unreachable: no lookup could get past its missing parent
+            if k in present:
+                policy.accessed(k)
+                parent = k
+                continue
+            if self.used + chunk_bytes > self.capacity:
+                if chunk_bytes > self.capacity or not policy.admit(k, chunk_bytes, parent):
+                    return
+                while self.used + chunk_bytes > self.capacity:
+                    v = policy.victim()
+                    if v is None:
+                        break
+                    self.used -= present.pop(v)
+                    policy.removed(v)
+                if self.used + chunk_bytes > self.capacity or (parent is not None and parent not in present):
+                    return
+            present[k] = chunk_bytes
+            self.used += chunk_bytes
+            policy.inserted(k, chunk_bytes, parent)
+            parent = k
+
+
+@dataclass(frozen=True)
+class Point:
+    capacity_bytes: int     # the full-size cache this miniature stands for
+    hit_tokens: int         # sampled tokens it would have served
+    lookup_tokens: int      # sampled tokens looked up
+
+    @property
+    def hit_ratio(self) -> float | None:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else None
+
+
+class MissRatioCurve:
+    """K miniatures of one policy at full-size capacities `sizes` (bytes), over a sample of rate `rate`."""
+
+    def __init__(self, sizes: list[int], rate: float, policy_name: str) -> None:
+        if not 0 < rate <= 1:
+            raise ValueError(f"sample rate {rate} is not in (0, 1]")
+        if not sizes or min(sizes) <= 0:
+            raise ValueError("miss-ratio curve sizes must be positive")
+        self.rate = rate
+        self.sizes = sorted(set(int(s) for s in sizes))
+        self.minis = [Miniature(policy_name, s * rate) for s in self.sizes]
+        self.lookup_tokens = 0
+        self.lookups = 0
+
+    def sampled(self, root: Key) -> bool:
+        return sampled(root, self.rate)
+
+    def lookup(self, keys: list[Key], chunk_tokens: int, prompt_tokens: int) -> None:
+        """A Lookup or Get of a whole prompt of `prompt_tokens` tokens whose whole chunks have `keys`."""
+        self.lookups += 1
+        self.lookup_tokens += prompt_tokens
+        if keys:
+            for m in self.minis:
+                m.lookup(keys, chunk_tokens)
+
+    def store(self, keys: list[Key], chunk_bytes: int) -> None:
+        if keys:
+            for m in self.minis:
+                m.store(keys, chunk_bytes)
+
+    def points(self) -> list[Point]:
+        return [Point(s, m.hit_tokens, self.lookup_tokens) for s, m in zip(self.sizes, self.minis)]
+
+    def entries(self) -> int:
+        """Chunks held by all miniatures together (their state is proportional to it)."""
+        return sum(len(m.present) for m in self.minis)
+
+
+def default_sizes(budget: int) -> list[int]:
+    """The budget times 2^(k/2), k = -4..6: a quarter to eight times it in steps of sqrt(2)."""
+    return [int(budget * 2 ** (k / 2)) for k in range(-4, 7)]
+
+
+def parse_sizes(text: str, budget: int) -> list[int]:
+    """--mrc-sizes: empty for default_sizes(budget), else comma-separated byte sizes (Kubernetes quantities)."""
+    from promptcache.sidecar.config import parse_bytes
+
+    if not text.strip():
+        return default_sizes(budget)
+    out = []
+    for part in text.split(","):
+        n = parse_bytes(part.strip())
+        if n <= 0:
+            raise ValueError(f"size {part.strip()!r} is not positive")
+        out.append(n)
+    return out
