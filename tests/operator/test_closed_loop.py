@@ -139,7 +139,8 @@ def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path):
                 assert c.stored_bytes <= c.budget_bytes, c
             d = out.decision
             rows.append((time.monotonic() - t0, out.memory_bytes, c.budget_bytes if c else None,
-                         out.signal.hit_ratio if out.signal else None, d.action if d else "-", d.reason if d else "-"))
+                         out.signal.hit_ratio if out.signal else None, d.action if d else "-", d.reason if d else "-",
+                         d.message if d and d.action == tuning.GROW else ""))
             if d and d.action != tuning.HOLD:
                 steps.append((d.action, out.steps))
             time.sleep(config.interval_s)
@@ -205,7 +206,8 @@ def _table(rows: list[tuple]) -> str:
     # memory: recorded after the tick; budget: the sidecar's, as scraped at the start of the tick (before its Resize);
     # hit ratio: over the last window (3 s).
     lines = [f"{'t/s':>6} {'memory':>9} {'budget':>9} {'hit ratio':>9}  decision"]
-    for t, mem, budget, ratio, action, reason in rows:
+    for t, mem, budget, ratio, action, reason, message in rows:
         lines.append(f"{t:6.1f} {mem / Mi:7.1f}Mi {(budget or 0) / Mi:7.1f}Mi "
-                     f"{'' if ratio is None else f'{ratio:.3f}':>9}  {action} {reason}")
+                     f"{'' if ratio is None else f'{ratio:.3f}':>9}  {action} {reason}"
+                     + (f"  ({message.rsplit('(', 1)[-1]}" if message else ""))
     return "\n".join(lines)

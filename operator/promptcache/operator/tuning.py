@@ -155,9 +155,11 @@ def decide(signal: Signal, current: int, minimum: int, maximum: int, policy: Pol
         else:
             want, to = GROW, min(maximum, _align_up(current * p.grow_factor))
             reason = "HitRatioBelowTarget"
-            how = f"x{p.grow_factor:g}"
+            how = f"x{p.grow_factor:g}, no miss-ratio curve"
             aim = min(1.0, p.target_hit_ratio + p.curve_margin)
             jump = (curve_size(signal.curve, aim, current - overhead, p.curve_min_gain) if signal.curve else None)
+            if signal.curve and jump is None:
+                how = f"x{p.grow_factor:g}: the miss-ratio curve predicts {aim:.3f} already"
             if jump == FLAT:
                 want, reason = HOLD, "CurveFlat"
                 message = (f"hit ratio {ratio_text} below target {p.target_hit_ratio}, but the miss-ratio curve "

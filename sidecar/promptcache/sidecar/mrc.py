@@ -161,3 +161,67 @@ def parse_sizes(text: str, budget: int) -> list[int]:
             raise ValueError(f"size {part.strip()!r} is not positive")
         out.append(n)
     return out
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """Accuracy, memory and cost of the curve on a trace: `python -m promptcache.sidecar.mrc --trace FILE`."""
+    import argparse
+    import time
+    import tracemalloc
+
+    from promptcache.bench import traces
+    from promptcache.bench.replay import simulate_policy
+    from promptcache.sidecar.policies import DEFAULT_POLICY
+
+    ap = argparse.ArgumentParser(prog="python -m promptcache.sidecar.mrc", description=_main.__doc__)
+    ap.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    ap.add_argument("--requests", type=int, default=0, help="use the first N requests (0: all)")
+    ap.add_argument("--rate", type=float, action="append", help="sample rate (repeatable; default 1/64 1/16 1/4)")
+    ap.add_argument("--budget-fraction", type=float, default=0.10,
+                    help="the cache budget as a fraction of the working set; the sizes are default_sizes(budget)")
+    ap.add_argument("--policy", default=DEFAULT_POLICY)
+    args = ap.parse_args(argv)
+    reqs = traces.read_trace(args.trace)
+    reqs = reqs[:args.requests] if args.requests else reqs
+    chunk = 1 << 20   # every chunk 1 MiB (the sidecar's chunks of one model are all alike)
+    ws = len({k for r in reqs for k in r.hash_ids}) * chunk
+    sizes = default_sizes(int(ws * args.budget_fraction))
+    prepared = [(r.hash_ids, [chunk] * len(r.hash_ids)) for r in reqs]
+    exact = []
+    for s in sizes:
+        r = simulate_policy(prepared, make_policy(args.policy, capacity=s), s)
+        exact.append(r["hit"] / max(1, r["total"]))
+    print(f"# {len(reqs)} requests, working set {ws // chunk} chunks, policy {args.policy}, sizes "
+          f"{', '.join(f'{s / ws:.3f}' for s in sizes)} of the working set")
+    print("exact  " + " ".join(f"{x:.3f}" for x in exact))
+    def feed(curve: MissRatioCurve) -> int:
+        n = 0
+        for r in reqs:
+            if r.hash_ids and curve.sampled(r.hash_ids[0]):
+                n += 1
+                curve.lookup(r.hash_ids, 1, len(r.hash_ids))
+                curve.store(r.hash_ids, chunk)
+        return n
+
+    for rate in args.rate or [1 / 64, 1 / 16, 1 / 4]:
+        curve = MissRatioCurve(sizes, rate, args.policy)
+        t0 = time.perf_counter()
+        sampled_requests = feed(curve)
+        spent = time.perf_counter() - t0
+        tracemalloc.start()   # again, traced, for the state's size
+        before = tracemalloc.get_traced_memory()[0]
+        traced = MissRatioCurve(sizes, rate, args.policy)
+        feed(traced)
+        state = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        est = [p.hit_ratio or 0.0 for p in curve.points()]
+        mae = sum(abs(a - b) for a, b in zip(est, exact)) / len(exact)
+        print(f"rate {rate:.4f}: {sampled_requests} requests sampled, MAE {mae:.4f}, state {state / 2**20:.2f} MiB "
+              f"({curve.entries()} entries), {spent / max(1, sampled_requests) * 1e3:.2f} ms per sampled request, "
+              f"{spent / len(reqs) * 1e6:.0f} us per request")
+        print("online " + " ".join(f"{x:.3f}" for x in est))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
