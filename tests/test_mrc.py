@@ -67,11 +67,35 @@ def test_unsampled_miniatures_are_the_exact_replay(policy):
     sizes = [int(working_set(reqs, cb) * f) for f in FRACTIONS]
     curve = MissRatioCurve(sizes, 1.0, policy)
     for r in reqs:
-        curve.lookup(r.hash_ids, CHUNK_TOKENS, CHUNK_TOKENS * len(r.hash_ids))
+        curve.lookup(r.hash_ids, CHUNK_TOKENS, CHUNK_TOKENS * len(r.hash_ids), cb)
         curve.store(r.hash_ids, cb)
     got = [p.hit_ratio for p in curve.points()]
     assert got == pytest.approx(exact_curve(reqs, cb, sizes, policy), abs=1e-12)
     assert len(set(round(x, 3) for x in got)) > 2   # a curve, not a constant
+
+
+def test_small_sizes_sample_more_chains_until_their_miniature_holds_min_chunks():
+    """A miniature of a few requests' chunks is all granularity: at 1/64 a 2 % cache of this trace would hold fewer
+    chunks than one request has, and a prefix-blind LRU there never hits. The floor raises its rate."""
+    reqs = traces.generate("scan", seed=0, scale=0.5)
+    cb = 512
+    ws = working_set(reqs, cb)
+    sizes = [int(ws * f) for f in FRACTIONS]
+    floor = MissRatioCurve(sizes, 1 / 64, "lru", min_chunks=32)
+    bare = MissRatioCurve(sizes, 1 / 64, "lru")
+    for curve in (floor, bare):
+        for r in reqs:
+            if sampled(r.hash_ids[0], curve.max_rate(cb)):
+                curve.lookup(r.hash_ids, CHUNK_TOKENS, CHUNK_TOKENS * len(r.hash_ids), cb)
+                curve.store(r.hash_ids, cb)
+    rates = [p.rate for p in floor.points()]
+    assert rates == pytest.approx([min(1, max(1 / 64, 32 * cb / s)) for s in sizes])
+    assert rates[0] > 1 / 64 and rates[-1] == 1 / 64   # raised for small sizes only
+    assert all(m.capacity >= 32 * cb - 1 for m in floor.minis)
+    assert floor.max_rate(cb) == rates[0] and all(p.rate == 1 / 64 for p in bare.points())
+    exact = exact_curve(reqs, cb, sizes, "lru")
+    err = lambda c: sum(abs(p.hit_ratio - e) for p, e in zip(c.points(), exact)) / len(exact)  # noqa: E731
+    assert err(floor) < err(bare), (err(floor), err(bare))
 
 
 def test_roots_are_sampled_at_the_rate():

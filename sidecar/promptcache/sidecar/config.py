@@ -71,6 +71,7 @@ class Settings:
     max_call_seconds: float = 600.0
     mrc_sample_rate: float = 1 / 64
     mrc_sizes: str = ""
+    mrc_min_chunks: int = 256
     access_log_path: str = ""
     access_log_sample_rate: float = 1.0
     access_log_max_bytes: int = 64 << 20
@@ -137,6 +138,8 @@ class Settings:
             parse_sizes(self.mrc_sizes, self.memory_bytes)
         except ValueError as exc:
             raise ValueError(f"--mrc-sizes {self.mrc_sizes!r}: {exc}") from None
+        if self.mrc_min_chunks < 0:
+            raise ValueError("--mrc-min-chunks must not be negative")
         if not 0 < self.access_log_sample_rate <= 1:
             raise ValueError(f"--access-log-sample-rate must be within (0, 1], got {self.access_log_sample_rate}")
         if self.access_log_max_bytes < 4096:
@@ -203,9 +206,11 @@ HELP = {
                            "a Get whose client read nothing (0: never)",
     "max_call_seconds": "cancel any call running longer than this (0: never)",
     "mrc_sample_rate": "fraction of chain roots (prompts by their first chunk) simulated to estimate the hit ratio at "
-                       "other sizes (promptcache_mrc_*; docs/eviction.md); 0 turns the miss-ratio curve off",
+                       "other sizes (promptcache_mrc_*; docs/sizing.md); 0 turns the miss-ratio curve off",
     "mrc_sizes": "cache sizes the miss-ratio curve estimates, comma-separated; empty: --memory-bytes times 1/4 to 8 "
                  "in steps of sqrt(2)",
+    "mrc_min_chunks": "the miss-ratio curve samples more chains for a small size, until its miniature cache holds "
+                      "this many chunks (fewer are all granularity); 0: --mrc-sample-rate for every size",
     "access_log_path": "write a sampled access log here (JSONL trace for promptcache bench replay --trace; chunk "
                        "keys hashed again with a per-start secret, no tokens); empty: no log",
     "access_log_sample_rate": "fraction of chain roots whose requests the access log records",

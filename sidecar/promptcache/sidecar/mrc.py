@@ -26,31 +26,35 @@ from promptcache.sidecar.policies import Key, key_hash64, make_policy
 _U64 = 1 << 64
 
 
-def sampled(root: Key, rate: float) -> bool:
-    """Is the chain under `root` in the sample? Chunk keys are SHA-256 outputs, so their bytes are already
-    uniform: no hashing on the request path. Other keys (ints in the replayer) are mixed first."""
-    if rate >= 1.0:
-        return True
+def root_hash(root: Key) -> int:
+    """64 uniform bits of a chain root. Chunk keys are SHA-256 outputs, so their bytes are already uniform: no hashing
+    on the request path. Other keys (ints in the replayer) are mixed first."""
     if isinstance(root, (bytes, bytearray)) and len(root) >= 16:
-        h = int.from_bytes(root[8:16], "little")
-    else:
-        h = key_hash64(root)
-    return h < rate * _U64
+        return int.from_bytes(root[8:16], "little")
+    return key_hash64(root)
+
+
+def sampled(root: Key, rate: float) -> bool:
+    """Is the chain under `root` in a sample of rate `rate`? Samples of lower rates are subsets of higher ones."""
+    return rate >= 1.0 or root_hash(root) < rate * _U64
 
 
 class Miniature:
-    """One simulated cache: the real policy over `capacity` bytes of sampled chunks."""
+    """One simulated cache: the real policy over `capacity` bytes of the chains sampled at `rate`."""
 
-    __slots__ = ("capacity", "policy", "present", "used", "hit_tokens")
+    __slots__ = ("size", "rate", "capacity", "policy", "present", "used", "hit_tokens", "lookup_tokens")
 
-    def __init__(self, policy_name: str, capacity: int) -> None:
-        self.capacity = max(1, int(capacity))
+    def __init__(self, policy_name: str, size: int, rate: float) -> None:
+        self.size = size
+        self.rate = rate
+        self.capacity = max(1, int(size * rate))
         self.policy = make_policy(policy_name, capacity=self.capacity)
         self.present: dict[Key, int] = {}
         self.used = 0
         self.hit_tokens = 0
+        self.lookup_tokens = 0
 
-    def lookup(self, keys: list[Key], chunk_tokens: int) -> int:
+    def lookup(self, keys: list[Key], chunk_tokens: int, prompt_tokens: int) -> int:
         """A read of a whole prompt: returns the chunks of its leading cached run (and counts their tokens)."""
         policy, present = self.policy, self.present
         for k in keys:
@@ -61,6 +65,7 @@ class Miniature:
         for k in keys[:n]:
             policy.accessed(k)
         self.hit_tokens += n * chunk_tokens
+        self.lookup_tokens += prompt_tokens
         return n
 
     def store(self, keys: list[Key], chunk_bytes: int) -> None:
@@ -99,6 +104,7 @@ class Point:
     capacity_bytes: int     # the full-size cache this miniature stands for
     hit_tokens: int         # sampled tokens it would have served
     lookup_tokens: int      # sampled tokens looked up
+    rate: float             # its sample rate
 
     @property
     def hit_ratio(self) -> float | None:
@@ -106,37 +112,57 @@ class Point:
 
 
 class MissRatioCurve:
-    """K miniatures of one policy at full-size capacities `sizes` (bytes), over a sample of rate `rate`."""
+    """K miniatures of one policy at full-size capacities `sizes` (bytes), each over a sample of rate `rate`, raised
+    for a small size until its miniature holds at least `min_chunks` chunks: a miniature of a few requests' chunks
+    is all granularity (a prefix-blind LRU of 17 chunks never hits requests of 30). The floor needs the chunk size,
+    so the miniatures are made at the first sampled request (one model's chunks; others are simulated at its
+    rates)."""
 
-    def __init__(self, sizes: list[int], rate: float, policy_name: str) -> None:
+    def __init__(self, sizes: list[int], rate: float, policy_name: str, min_chunks: int = 0) -> None:
         if not 0 < rate <= 1:
             raise ValueError(f"sample rate {rate} is not in (0, 1]")
         if not sizes or min(sizes) <= 0:
             raise ValueError("miss-ratio curve sizes must be positive")
         self.rate = rate
+        self.min_chunks = min_chunks
+        self.policy_name = policy_name
         self.sizes = sorted(set(int(s) for s in sizes))
-        self.minis = [Miniature(policy_name, s * rate) for s in self.sizes]
-        self.lookup_tokens = 0
-        self.lookups = 0
+        self.minis: list[Miniature] = []
+        self.chunk_bytes: int | None = None
 
-    def sampled(self, root: Key) -> bool:
-        return sampled(root, self.rate)
+    def rate_for(self, size: int, chunk_bytes: int) -> float:
+        return min(1.0, max(self.rate, self.min_chunks * chunk_bytes / size))
 
-    def lookup(self, keys: list[Key], chunk_tokens: int, prompt_tokens: int) -> None:
+    def max_rate(self, chunk_bytes: int) -> float:
+        """The highest rate of any miniature (the smallest size's): what the request path samples at."""
+        cb = self.chunk_bytes or chunk_bytes
+        return self.rate_for(self.sizes[0], cb)
+
+    def _minis(self, chunk_bytes: int) -> list[Miniature]:
+        if not self.minis:
+            self.chunk_bytes = chunk_bytes
+            self.minis = [Miniature(self.policy_name, s, self.rate_for(s, chunk_bytes)) for s in self.sizes]
+        return self.minis
+
+    def lookup(self, keys: list[Key], chunk_tokens: int, prompt_tokens: int, chunk_bytes: int) -> None:
         """A Lookup or Get of a whole prompt of `prompt_tokens` tokens whose whole chunks have `keys`."""
-        self.lookups += 1
-        self.lookup_tokens += prompt_tokens
         if keys:
-            for m in self.minis:
-                m.lookup(keys, chunk_tokens)
+            h = root_hash(keys[0])
+            for m in self._minis(chunk_bytes):
+                if m.rate >= 1.0 or h < m.rate * _U64:
+                    m.lookup(keys, chunk_tokens, prompt_tokens)
 
     def store(self, keys: list[Key], chunk_bytes: int) -> None:
         if keys:
-            for m in self.minis:
-                m.store(keys, chunk_bytes)
+            h = root_hash(keys[0])
+            for m in self._minis(chunk_bytes):
+                if m.rate >= 1.0 or h < m.rate * _U64:
+                    m.store(keys, chunk_bytes)
 
     def points(self) -> list[Point]:
-        return [Point(s, m.hit_tokens, self.lookup_tokens) for s, m in zip(self.sizes, self.minis)]
+        if not self.minis:
+            return [Point(s, 0, 0, self.rate) for s in self.sizes]
+        return [Point(m.size, m.hit_tokens, m.lookup_tokens, m.rate) for m in self.minis]
 
     def entries(self) -> int:
         """Chunks held by all miniatures together (their state is proportional to it)."""
@@ -180,6 +206,7 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-fraction", type=float, default=0.10,
                     help="the cache budget as a fraction of the working set; the sizes are default_sizes(budget)")
     ap.add_argument("--policy", default=DEFAULT_POLICY)
+    ap.add_argument("--min-chunks", type=int, default=256, help="as --mrc-min-chunks (default 256)")
     args = ap.parse_args(argv)
     reqs = traces.read_trace(args.trace)
     reqs = reqs[:args.requests] if args.requests else reqs
@@ -197,26 +224,27 @@ def _main(argv: list[str] | None = None) -> int:
     def feed(curve: MissRatioCurve) -> int:
         n = 0
         for r in reqs:
-            if r.hash_ids and curve.sampled(r.hash_ids[0]):
+            if r.hash_ids and sampled(r.hash_ids[0], curve.max_rate(chunk)):
                 n += 1
-                curve.lookup(r.hash_ids, 1, len(r.hash_ids))
+                curve.lookup(r.hash_ids, 1, len(r.hash_ids), chunk)
                 curve.store(r.hash_ids, chunk)
         return n
 
     for rate in args.rate or [1 / 64, 1 / 16, 1 / 4]:
-        curve = MissRatioCurve(sizes, rate, args.policy)
+        curve = MissRatioCurve(sizes, rate, args.policy, args.min_chunks)
         t0 = time.perf_counter()
         sampled_requests = feed(curve)
         spent = time.perf_counter() - t0
         tracemalloc.start()   # again, traced, for the state's size
         before = tracemalloc.get_traced_memory()[0]
-        traced = MissRatioCurve(sizes, rate, args.policy)
+        traced = MissRatioCurve(sizes, rate, args.policy, args.min_chunks)
         feed(traced)
         state = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
         est = [p.hit_ratio or 0.0 for p in curve.points()]
         mae = sum(abs(a - b) for a, b in zip(est, exact)) / len(exact)
-        print(f"rate {rate:.4f}: {sampled_requests} requests sampled, MAE {mae:.4f}, state {state / 2**20:.2f} MiB "
+        print(f"rate {rate:.4f} (smallest size {curve.max_rate(chunk):.4f}): {sampled_requests} requests sampled, "
+              f"MAE {mae:.4f}, state {state / 2**20:.2f} MiB "
               f"({curve.entries()} entries), {spent / max(1, sampled_requests) * 1e3:.2f} ms per sampled request, "
               f"{spent / len(reqs) * 1e6:.0f} us per request")
         print("online " + " ".join(f"{x:.3f}" for x in est))

@@ -55,14 +55,14 @@ class TrafficObserver:
         if not keys:
             return
         root = keys[0]
-        to_curve = self.curve is not None and sampled(root, self.curve.rate)
+        to_curve = self.curve is not None and sampled(root, self.curve.max_rate(self._chunk_bytes(spec)))
         to_log = self.access_log is not None and log_sampled(root, self.log_rate)
         if to_curve or to_log:
             self._offer((_LOOKUP, spec, keys, prompt_tokens, time.time(), to_curve, to_log))
 
     def stored(self, spec, keys: list[bytes]) -> None:
         """A Put that carried chunks up to len(keys) - 1 (`keys`: the prompt's first chunks, from chunk 0)."""
-        if keys and self.curve is not None and sampled(keys[0], self.curve.rate):
+        if keys and self.curve is not None and sampled(keys[0], self.curve.max_rate(self._chunk_bytes(spec))):
             self._offer((_STORE, spec, keys, 0, 0.0, True, False))
 
     # --- worker -----------------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ class TrafficObserver:
         return self
 
     def _chunk_bytes(self, spec) -> int:
-        n = self._nbytes.get(spec)
+        n = self._nbytes.get(spec)   # request threads and the worker: a dict's get and set are atomic
         if n is None:
             if len(self._nbytes) >= 1024:
                 self._nbytes.clear()
@@ -102,7 +102,7 @@ class TrafficObserver:
         kind, spec, keys, prompt_tokens, when, to_curve, to_log = event
         if kind == _LOOKUP:
             if to_curve:
-                self.curve.lookup(keys, self.chunk_tokens, prompt_tokens)
+                self.curve.lookup(keys, self.chunk_tokens, prompt_tokens, self._chunk_bytes(spec))
             if to_log:
                 self.access_log.record(keys, prompt_tokens, self.chunk_tokens, int(when * 1000))
         else:
@@ -152,11 +152,14 @@ class TrafficObserver:
                     if p.hit_ratio is not None:
                         ratio.add_metric([str(p.capacity_bytes)], p.hit_ratio)
                 lookups = CounterMetricFamily("promptcache_mrc_lookup_tokens", "sampled prompt tokens looked up "
-                                              "(the denominator of promptcache_mrc_hit_tokens_total)")
-                lookups.add_metric([], self.curve.lookup_tokens)
-                rate = GaugeMetricFamily("promptcache_mrc_sample_rate", "fraction of chain roots simulated "
-                                         "(--mrc-sample-rate)")
-                rate.add_metric([], self.curve.rate)
+                                              "(the denominator of promptcache_mrc_hit_tokens_total)",
+                                              labels=["capacity_bytes"])
+                rate = GaugeMetricFamily("promptcache_mrc_sample_rate", "fraction of chain roots simulated for "
+                                         "capacity_bytes (--mrc-sample-rate, raised by --mrc-min-chunks)",
+                                         labels=["capacity_bytes"])
+                for p in points:
+                    lookups.add_metric([str(p.capacity_bytes)], p.lookup_tokens)
+                    rate.add_metric([str(p.capacity_bytes)], p.rate)
                 entries = GaugeMetricFamily("promptcache_mrc_entries", "chunks held by all miniature caches "
                                             "together (the curve's state grows with it)")
                 entries.add_metric([], self.curve.entries())

@@ -672,7 +672,7 @@ class Sidecar:
         curve = access_log = None
         if settings.mrc_sample_rate > 0:
             curve = MissRatioCurve(parse_sizes(settings.mrc_sizes, settings.memory_bytes), settings.mrc_sample_rate,
-                                   settings.eviction_policy)
+                                   settings.eviction_policy, settings.mrc_min_chunks)
         if settings.access_log_path:
             access_log = AccessLog(settings.access_log_path, settings.access_log_max_bytes, settings.access_log_files)
         return TrafficObserver(settings.chunk_tokens, curve, access_log, settings.access_log_sample_rate)
