@@ -89,9 +89,10 @@ def test_small_sizes_sample_more_chains_until_their_miniature_holds_min_chunks()
                 curve.lookup(r.hash_ids, CHUNK_TOKENS, CHUNK_TOKENS * len(r.hash_ids), cb)
                 curve.store(r.hash_ids, cb)
     rates = [p.rate for p in floor.points()]
-    assert rates == pytest.approx([min(1, max(1 / 64, 32 * cb / s)) for s in sizes])
+    assert rates == pytest.approx([max(1 / 64, min(0.25, 32 * cb / s)) for s in sizes])
     assert rates[0] > 1 / 64 and rates[-1] == 1 / 64   # raised for small sizes only
-    assert all(m.capacity >= 32 * cb - 1 for m in floor.minis)
+    assert all(m.capacity >= 32 * cb - 1 or m.rate == 0.25 for m in floor.minis)
+    assert MissRatioCurve([1 << 20], 1 / 64, "lru", min_chunks=256).rate_for(1 << 20, 1 << 20) == 0.25   # capped
     assert floor.max_rate(cb) == rates[0] and all(p.rate == 1 / 64 for p in bare.points())
     exact = exact_curve(reqs, cb, sizes, "lru")
     err = lambda c: sum(abs(p.hit_ratio - e) for p, e in zip(c.points(), exact)) / len(exact)  # noqa: E731

@@ -106,6 +106,9 @@ def test_curve_size_is_the_smallest_size_predicted_to_reach_the_aim():
     noisy = ((8 * Mi, 0.3), (16 * Mi, 0.7), (32 * Mi, 0.65), (64 * Mi, 0.95))   # 32 MiB is noise: read as 0.7
     assert curve_size(noisy, 0.8, 8 * Mi, 0.01) == pytest.approx(32 * Mi + (0.1 / 0.25) * 32 * Mi)
     assert curve_size((), 0.8, 8 * Mi, 0.01) is None
+    assert curve_size(CURVE, 0.825, 8 * Mi, 0.01, measured=0.35, tolerance=0.1) == pytest.approx(28 * Mi)
+    assert curve_size(CURVE, 0.825, 8 * Mi, 0.01, measured=0.45, tolerance=0.1) is None
+    assert curve_size(CURVE, 0.825, 12 * Mi, 0.01, measured=0.45, tolerance=0.1) == pytest.approx(28 * Mi)
 
 
 def test_grow_jumps_to_the_size_the_curve_predicts():
@@ -129,6 +132,13 @@ def test_a_flat_curve_holds_and_a_disagreeing_one_steps():
     flat = ((8 * Mi, 0.3), (16 * Mi, 0.305), (64 * Mi, 0.31))
     d = decide(Signal(**{**busy(0.3).__dict__, "curve": flat}), 16 * Mi, 8 * Mi, 64 * Mi, SMALL, None, 0)
     assert (d.action, d.reason) == (HOLD, "CurveFlat")
+    # a curve of miniatures too small to hold a request (all zero) contradicts the measured 0.3: not trusted
+    zero = ((8 * Mi, 0.0), (16 * Mi, 0.0), (64 * Mi, 0.0))
+    d = decide(Signal(**{**busy(0.3).__dict__, "curve": zero}), 16 * Mi, 8 * Mi, 64 * Mi, SMALL, None, 0)
+    assert (d.action, d.memory_bytes) == (GROW, 24 * Mi) and "disagrees" in d.message
+    # nor one that cannot be read at the current size
+    d = decide(Signal(**{**busy(0.3).__dict__, "curve": CURVE[2:]}), 16 * Mi, 8 * Mi, 64 * Mi, SMALL, None, 0)
+    assert (d.action, d.memory_bytes) == (GROW, 24 * Mi)
     # the curve says 16 MiB already meets the target, the measurement says not: the plain step
     d = decide(Signal(**{**busy(0.5).__dict__, "curve": CURVE}), 32 * Mi, 8 * Mi, 64 * Mi, SMALL, None, 0)
     assert (d.action, d.memory_bytes) == (GROW, 48 * Mi)

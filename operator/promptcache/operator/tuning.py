@@ -18,8 +18,9 @@ property-tested (tests/operator/test_tuning.py). docs/autoscaling.md explains th
   straight to the smallest size whose predicted hit ratio reaches target + `curve_margin` (interpolated between the
   curve's sizes, within the bounds) instead of stepping by `grow_factor`; if no size reaches it, to the smallest
   size within `curve_min_gain` of the best predicted ratio, and not at all when that is no more than the current
-  size (`CurveFlat`: more memory would not help). Without a curve, or when the curve already predicts the target at
-  the current size (it disagrees with what is measured), the multiplicative step stands.
+  size (`CurveFlat`: more memory would not help). Without a curve, or when the curve disagrees with what is measured
+  (it predicts the target at or below the current size, or a ratio at the current size more than `curve_tolerance`
+  from the measured one, or cannot be read there), the multiplicative step stands.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class Policy:
     min_step_fraction: float = 0.05      # smaller changes are not worth a resize
     curve_margin: float = 0.025          # a curve-guided grow aims at target + this (half the hysteresis band)
     curve_min_gain: float = 0.01         # predicted gains below this are not worth memory
+    curve_tolerance: float = 0.1         # the curve is used only if it predicts the measured ratio within this
 
     def validate(self) -> "Policy":
         if not 0 <= self.target_hit_ratio <= 1:
@@ -68,7 +70,7 @@ class Policy:
             raise ValueError("grow_factor must be > 1 and shrink_factor within (0, 1)")
         if min(self.grow_cooldown_s, self.shrink_cooldown_s, self.hysteresis, self.min_eviction_rate,
                self.idle_tokens_per_s, self.headroom, self.min_step_fraction, self.curve_margin,
-               self.curve_min_gain) < 0:
+               self.curve_min_gain, self.curve_tolerance) < 0:
             raise ValueError("cooldowns, thresholds and fractions must not be negative")
         return self
 
@@ -92,12 +94,22 @@ def _align_down(n: float) -> int:
 FLAT = -1  # curve_size(): more memory would not help
 
 
-def curve_size(curve: tuple[tuple[int, float], ...], aim: float, current: int, min_gain: float) -> float | None:
+def _at(mono: list[tuple[int, float]], x: float) -> float | None:
+    """The curve at size x, interpolated linearly; None outside its sizes."""
+    for (s0, r0), (s1, r1) in zip(mono, mono[1:]):
+        if s0 <= x <= s1:
+            return r0 + (r1 - r0) * (x - s0) / (s1 - s0) if s1 > s0 else r1
+    return mono[0][1] if len(mono) == 1 and mono[0][0] == x else None
+
+
+def curve_size(curve: tuple[tuple[int, float], ...], aim: float, current: int, min_gain: float,
+               measured: float | None = None, tolerance: float = 1.0) -> float | None:
     """The smallest size (same units as the curve's) whose predicted hit ratio reaches `aim`, interpolated linearly
     between the curve's sizes; if none does, the smallest within `min_gain` of the best. None when the curve gives no
-    answer above `current` (it already predicts `aim` at or below it: it disagrees with the measurement), FLAT when
-    it predicts no gain above `current`. Ratios are made non-decreasing in size first (a larger cache of the same
-    policy does not hit less; a sampled estimate may say so by noise)."""
+    answer above `current` (it already predicts `aim` at or below it) or when it disagrees with the `measured` hit
+    ratio at `current` by more than `tolerance` (or cannot be read there); FLAT when it predicts no gain above
+    `current`. Ratios are made non-decreasing in size first (a larger cache of the same policy does not hit less; a
+    sampled estimate may say so by noise)."""
     pts = sorted((int(s), float(r)) for s, r in curve if s > 0)
     if not pts:
         return None
@@ -105,6 +117,10 @@ def curve_size(curve: tuple[tuple[int, float], ...], aim: float, current: int, m
     for s, r in pts:
         best = max(best, r)
         mono.append((s, best))
+    if measured is not None and tolerance < 1.0:
+        here = _at(mono, current)
+        if here is None or abs(here - measured) > tolerance:
+            return None
     for i, (s, r) in enumerate(mono):
         if r >= aim:
             if i == 0:
@@ -157,9 +173,11 @@ def decide(signal: Signal, current: int, minimum: int, maximum: int, policy: Pol
             reason = "HitRatioBelowTarget"
             how = f"x{p.grow_factor:g}, no miss-ratio curve"
             aim = min(1.0, p.target_hit_ratio + p.curve_margin)
-            jump = (curve_size(signal.curve, aim, current - overhead, p.curve_min_gain) if signal.curve else None)
+            jump = (curve_size(signal.curve, aim, current - overhead, p.curve_min_gain, ratio, p.curve_tolerance)
+                    if signal.curve else None)
             if signal.curve and jump is None:
-                how = f"x{p.grow_factor:g}: the miss-ratio curve predicts {aim:.3f} already"
+                how = (f"x{p.grow_factor:g}: the miss-ratio curve disagrees with the measured ratio at "
+                       f"{current - overhead} bytes of cache")
             if jump == FLAT:
                 want, reason = HOLD, "CurveFlat"
                 message = (f"hit ratio {ratio_text} below target {p.target_hit_ratio}, but the miss-ratio curve "

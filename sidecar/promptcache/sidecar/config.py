@@ -71,7 +71,7 @@ class Settings:
     max_call_seconds: float = 600.0
     mrc_sample_rate: float = 1 / 64
     mrc_sizes: str = ""
-    mrc_min_chunks: int = 256
+    mrc_min_chunks: int = 32
     access_log_path: str = ""
     access_log_sample_rate: float = 1.0
     access_log_max_bytes: int = 64 << 20
@@ -209,8 +209,8 @@ HELP = {
                        "other sizes (promptcache_mrc_*; docs/sizing.md); 0 turns the miss-ratio curve off",
     "mrc_sizes": "cache sizes the miss-ratio curve estimates, comma-separated; empty: --memory-bytes times 1/4 to 8 "
                  "in steps of sqrt(2)",
-    "mrc_min_chunks": "the miss-ratio curve samples more chains for a small size, until its miniature cache holds "
-                      "this many chunks (fewer are all granularity); 0: --mrc-sample-rate for every size",
+    "mrc_min_chunks": "the miss-ratio curve samples more chains (at most 1/4) for a small size, until its miniature "
+                      "cache holds this many chunks (fewer are all granularity); 0: --mrc-sample-rate for every size",
     "access_log_path": "write a sampled access log here (JSONL trace for promptcache bench replay --trace; chunk "
                        "keys hashed again with a per-start secret, no tokens); empty: no log",
     "access_log_sample_rate": "fraction of chain roots whose requests the access log records",

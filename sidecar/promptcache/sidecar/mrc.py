@@ -111,10 +111,14 @@ class Point:
         return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else None
 
 
+MAX_RAISED_RATE = 0.25
+
+
 class MissRatioCurve:
     """K miniatures of one policy at full-size capacities `sizes` (bytes), each over a sample of rate `rate`, raised
     for a small size until its miniature holds at least `min_chunks` chunks: a miniature of a few requests' chunks
-    is all granularity (a prefix-blind LRU of 17 chunks never hits requests of 30). The floor needs the chunk size,
+    is all granularity (a prefix-blind LRU of 17 chunks never hits requests of 30); raised at most to 1/4. The floor
+    needs the chunk size,
     so the miniatures are made at the first sampled request (one model's chunks; others are simulated at its
     rates)."""
 
@@ -131,7 +135,10 @@ class MissRatioCurve:
         self.chunk_bytes: int | None = None
 
     def rate_for(self, size: int, chunk_bytes: int) -> float:
-        return min(1.0, max(self.rate, self.min_chunks * chunk_bytes / size))
+        """`rate`, raised for a small size towards `min_chunks` chunks, but never above MAX_RAISED_RATE (the cost:
+        a cache of a few large chunks would otherwise simulate every request)."""
+        floor = min(MAX_RAISED_RATE, self.min_chunks * chunk_bytes / size)
+        return min(1.0, max(self.rate, floor))
 
     def max_rate(self, chunk_bytes: int) -> float:
         """The highest rate of any miniature (the smallest size's): what the request path samples at."""
@@ -206,7 +213,7 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-fraction", type=float, default=0.10,
                     help="the cache budget as a fraction of the working set; the sizes are default_sizes(budget)")
     ap.add_argument("--policy", default=DEFAULT_POLICY)
-    ap.add_argument("--min-chunks", type=int, default=256, help="as --mrc-min-chunks (default 256)")
+    ap.add_argument("--min-chunks", type=int, default=32, help="as --mrc-min-chunks (default 32)")
     args = ap.parse_args(argv)
     reqs = traces.read_trace(args.trace)
     reqs = reqs[:args.requests] if args.requests else reqs
