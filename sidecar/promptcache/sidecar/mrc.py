@@ -196,6 +196,32 @@ def parse_sizes(text: str, budget: int) -> list[int]:
     return out
 
 
+def request_path(policy: str, calls: int = 20000) -> None:
+    """What a request thread pays: TrafficObserver.lookup of a 30-chunk prompt of a 7B-class model at the default
+    rate (queueing the sampled few; the observer is not started), beside computing the 30 chunk keys."""
+    import hashlib
+    import time
+
+    from promptcache import keys as keyspec
+    from promptcache.sidecar.observer import TrafficObserver
+
+    spec = keyspec.ModelSpec("m", "r", "float16", num_layers=32, num_kv_heads=8, head_dim=128)
+    observer = TrafficObserver(256, MissRatioCurve(default_sizes(64 << 30), 1 / 64, policy, 32),
+                               queue_events=calls)
+    prompts = [[hashlib.sha256(f"{i}/{j}".encode()).digest() for j in range(30)] for i in range(calls)]
+    t0 = time.perf_counter()
+    for ks in prompts:
+        observer.lookup(spec, ks, 30 * 256)
+    per_call = (time.perf_counter() - t0) / calls
+    fp, tokens = keyspec.fingerprint(spec), list(range(30 * 256))
+    t0 = time.perf_counter()
+    for _ in range(100):
+        keyspec.chunk_keys(fp, tokens, 256)
+    keys_cost = (time.perf_counter() - t0) / 100
+    print(f"request path: {per_call * 1e6:.1f} us per Lookup of 30 chunks (64 GiB budget, 1/64; "
+          f"{observer._queue.qsize()} of {calls} queued), computing its chunk keys: {keys_cost * 1e6:.0f} us")
+
+
 def _main(argv: list[str] | None = None) -> int:
     """Accuracy, memory and cost of the curve on a trace: `python -m promptcache.sidecar.mrc --trace FILE`."""
     import argparse
@@ -255,6 +281,7 @@ def _main(argv: list[str] | None = None) -> int:
               f"({curve.entries()} entries), {spent / max(1, sampled_requests) * 1e3:.2f} ms per sampled request, "
               f"{spent / len(reqs) * 1e6:.0f} us per request")
         print("online " + " ".join(f"{x:.3f}" for x in est))
+    request_path(args.policy)
     return 0
 
 
