@@ -118,9 +118,11 @@ class TrafficObserver:
         return True
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Handle what is queued (the access log's last lines), then end the worker."""
+        """Handle what is queued if there is an access log (its last lines; the curve's events can go), then end
+        the worker."""
         if self._thread is not None:
-            self.wait_idle(timeout)
+            if self.access_log is not None:
+                self.wait_idle(timeout)
             try:
                 self._queue.put(None, timeout=1.0)
             except queue.Full:
