@@ -39,6 +39,35 @@ def test_parse_counts_disk_hits_as_memory_misses():
                          capacity_age_count=40, stored_bytes=1024, budget_bytes=2048, committed_bytes=1500)
 
 
+MRC = "\n".join([
+    'promptcache_mrc_hit_tokens_total{capacity_bytes="1048576"} 100.0',
+    'promptcache_mrc_hit_tokens_total{capacity_bytes="4194304"} 700.0',
+    'promptcache_mrc_lookup_tokens_total{capacity_bytes="1048576"} 1000.0',
+    'promptcache_mrc_lookup_tokens_total{capacity_bytes="4194304"} 1000.0',
+    'promptcache_mrc_hit_ratio{capacity_bytes="1048576"} 0.1',
+])
+
+
+def test_parse_and_rate_the_miss_ratio_curve():
+    c = metrics_source.parse(EXPOSITION + "\n" + MRC)
+    assert c.mrc_hit_tokens == ((1 * Mi, 100.0), (4 * Mi, 700.0))
+    assert c.mrc_lookup_tokens == ((1 * Mi, 1000.0), (4 * Mi, 1000.0))
+    assert c.hit_tokens == 300   # the curve's counters are not the cache's
+    later = metrics_source.parse(EXPOSITION + "\n" + MRC.replace("700.0", "1600.0").replace("1000.0", "2000.0"))
+    r = metrics_source._rates(c, later, 10.0)
+    assert r.mrc_hits_per_s == ((1 * Mi, 0.0), (4 * Mi, 90.0))
+    assert r.mrc_lookups_per_s == ((1 * Mi, 100.0), (4 * Mi, 100.0))
+    assert metrics_source.aggregate([r]).curve == ((1 * Mi, 0.0), (4 * Mi, 0.9))
+    assert metrics_source.aggregate([metrics_source._rates(c, c, 10.0)]).curve is None   # nothing sampled
+
+
+def test_curve_pools_the_nodes_at_the_sizes_they_share():
+    a = PodRates(90, 10, 2.0, 20.0, 2.0, 100, 200, ((1, 10.0), (2, 30.0), (3, 40.0)), ((1, 50.0), (2, 50.0), (3, 50.0)))
+    b = PodRates(10, 90, 0.0, 0.0, 0.0, 50, 200, ((2, 20.0), (3, 40.0)), ((2, 50.0), (3, 50.0)))
+    c = PodRates(10, 90, 0.0, 0.0, 0.0, 50, 200)   # runs no curve
+    assert metrics_source.aggregate([a, b, c]).curve == ((2, 0.5), (3, 0.8))
+
+
 def test_aggregate_over_nodes():
     a = PodRates(90, 10, 2.0, 20.0, 2.0, 100, 200)
     b = PodRates(10, 90, 0.0, 0.0, 0.0, 50, 200)
@@ -74,12 +103,21 @@ class _Prom(BaseHTTPRequestHandler):
         q = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)["query"][0]
         self.queries.append(q)
         # (the miss query also names the disk-tier hits: match it first)
+        if "promptcache_mrc_hit_tokens_total" in q:   # by pod and size
+            result = [{"metric": {"pod": "p1", "capacity_bytes": str(size)}, "value": [0, str(v)]}
+                      for size, v in ((8 * Mi, 20), (16 * Mi, 36))]
+        elif "promptcache_mrc_lookup_tokens_total" in q:
+            result = [{"metric": {"pod": "p1", "capacity_bytes": str(size)}, "value": [0, "40"]}
+                      for size in (8 * Mi, 16 * Mi)]
+        else:
+            result = None
         value = {"promptcache_missed_tokens_total": 10, "promptcache_hit_tokens_total": 30,
                  "promptcache_evictions_total": 2, "_sum": 20, "_count": 2, "promptcache_stored_bytes": 5 * Mi,
                  "promptcache_budget_bytes": 8 * Mi}
-        v = next(v for k, v in value.items() if k in q)
-        body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": [
-            {"metric": {"pod": "p1"}, "value": [0, str(v)]}]}}).encode()
+        if result is None:
+            v = next(v for k, v in value.items() if k in q)
+            result = [{"metric": {"pod": "p1"}, "value": [0, str(v)]}]
+        body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
@@ -96,6 +134,7 @@ def test_prometheus_source():
         src = metrics_source.PrometheusSource(f"http://127.0.0.1:{srv.server_port}", window_s=120)
         s, latest = src.signal("ml/llama", [])
         assert s.hit_ratio == 0.75 and s.capacity_evictions_per_s == 2 and s.eviction_age_s == 10
+        assert s.curve == ((8 * Mi, 0.5), (16 * Mi, 0.9))
         assert latest["p1"].budget_bytes == 8 * Mi
         assert all('namespace="ml",service="llama-metrics"' in q and "[120s]" in q
                    for q in _Prom.queries if "rate(" in q)

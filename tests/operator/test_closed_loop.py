@@ -11,6 +11,10 @@ test hook (autoscale.Config.address_map) maps to 127.0.0.1 before dialling. Ever
 operator's code path: endpoint discovery through the API server, scraping, tuning.decide, Resize over gRPC, status,
 Events and the DaemonSet's limits (no VPA CRD here: the DaemonSet fallback). Cooldowns and windows are seconds
 instead of minutes (autoscale.Config).
+
+The sidecar runs the miss-ratio curve (--mrc-sample-rate 1: 48 prefixes are too few chain roots to sample from), so
+a grow jumps to the size the curve predicts reaches the target: fewer resizes than the x1.5 steps without it (three
+grows, 8 -> 12 -> 18 -> 27 MiB).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ SPEC = ModelSpec("test/closed-loop", "rev-1", "float16", num_layers=4, num_kv_he
 PREFIXES, CHUNKS_PER_PREFIX = 48, 4            # working set 48 x 4 x 128 KiB = 24 MiB
 MIN, MAX, TARGET = 8 * Mi, 64 * Mi, 0.8
 HOLD_TICKS = 8   # > 2 grow cooldowns
+MRC_RATE = "1"
 PC_API = "promptcache.io/v1alpha1"
 STAND_IN = "192.0.2.10"   # in the EndpointSlices; mapped to 127.0.0.1 (see the module docstring)
 
@@ -90,7 +95,7 @@ def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path):
     op_kube = Kube(configuration_from_environment(str(operator_kubeconfig)), crd_cache_seconds=0.5)
     sidecar = SidecarProcess("--memory-bytes", str(MIN), "--chunk-tokens", str(CHUNK_TOKENS), "--device", "cpu",
                              "--data-dir", str(tmp_path / "data"), "--log-level", "warning",
-                             "--ttl-seconds", "3600").wait_ready()
+                             "--ttl-seconds", "3600", "--mrc-sample-rate", MRC_RATE).wait_ready()
     pid = sidecar.proc.pid
     workload = Workload(sidecar.address)
     try:
@@ -134,7 +139,8 @@ def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path):
                 assert c.stored_bytes <= c.budget_bytes, c
             d = out.decision
             rows.append((time.monotonic() - t0, out.memory_bytes, c.budget_bytes if c else None,
-                         out.signal.hit_ratio if out.signal else None, d.action if d else "-", d.reason if d else "-"))
+                         out.signal.hit_ratio if out.signal else None, d.action if d else "-", d.reason if d else "-",
+                         d.message if d and d.action == tuning.GROW else ""))
             if d and d.action != tuning.HOLD:
                 steps.append((d.action, out.steps))
             time.sleep(config.interval_s)
@@ -159,6 +165,7 @@ def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path):
         assert all(r[4] != tuning.SHRINK for r in rows), _table(rows)
         grows = [r for r in rows if r[4] == tuning.GROW]
         assert grows and all(r[3] < TARGET for r in grows), _table(rows)   # grew only below the target
+        assert len(grows) < 3, "the curve should beat three x1.5 steps\n" + _table(rows)
         assert ds_memory_limit(kube, namespace, name) == peak   # no VPA here: the DaemonSet carries the limit
 
         # Phase 2: the load stops. Shrinks back to the minimum, Resize first.
@@ -199,7 +206,8 @@ def _table(rows: list[tuple]) -> str:
     # memory: recorded after the tick; budget: the sidecar's, as scraped at the start of the tick (before its Resize);
     # hit ratio: over the last window (3 s).
     lines = [f"{'t/s':>6} {'memory':>9} {'budget':>9} {'hit ratio':>9}  decision"]
-    for t, mem, budget, ratio, action, reason in rows:
+    for t, mem, budget, ratio, action, reason, message in rows:
         lines.append(f"{t:6.1f} {mem / Mi:7.1f}Mi {(budget or 0) / Mi:7.1f}Mi "
-                     f"{'' if ratio is None else f'{ratio:.3f}':>9}  {action} {reason}")
+                     f"{'' if ratio is None else f'{ratio:.3f}':>9}  {action} {reason}"
+                     + (f"  ({message.rsplit('(', 1)[-1]}" if message else ""))
     return "\n".join(lines)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from promptcache.operator.tuning import ALIGN, GROW, HOLD, SHRINK, Policy, Signal, decide
+from promptcache.operator.tuning import ALIGN, FLAT, GROW, HOLD, SHRINK, Policy, Signal, curve_size, decide
 
 Mi = 1 << 20
 Gi = 1 << 30
@@ -90,12 +90,89 @@ def test_invalid_inputs():
         Policy(grow_factor=0.9).validate()
 
 
+# --- the miss-ratio curve ----------------------------------------------------------------------------------------
+CURVE = ((8 * Mi, 0.3), (16 * Mi, 0.6), (32 * Mi, 0.9), (64 * Mi, 1.0))
+SMALL = Policy(target_hit_ratio=0.8, curve_margin=0.025)
+
+
+def test_curve_size_is_the_smallest_size_predicted_to_reach_the_aim():
+    assert curve_size(CURVE, 0.825, 8 * Mi, 0.01) == pytest.approx(28 * Mi)   # interpolated
+    assert curve_size(CURVE, 0.6, 8 * Mi, 0.01) == 16 * Mi
+    assert curve_size(CURVE, 0.825, 30 * Mi, 0.01) is None        # predicts the aim below the current size
+    assert curve_size(CURVE, 0.2, 4 * Mi, 0.01) == 8 * Mi
+    plateau = ((8 * Mi, 0.3), (16 * Mi, 0.5), (32 * Mi, 0.515), (64 * Mi, 0.52))
+    assert curve_size(plateau, 0.8, 8 * Mi, 0.01) == 32 * Mi      # as much as helps
+    assert curve_size(plateau, 0.8, 32 * Mi, 0.01) == FLAT
+    noisy = ((8 * Mi, 0.3), (16 * Mi, 0.7), (32 * Mi, 0.65), (64 * Mi, 0.95))   # 32 MiB is noise: read as 0.7
+    assert curve_size(noisy, 0.8, 8 * Mi, 0.01) == pytest.approx(32 * Mi + (0.1 / 0.25) * 32 * Mi)
+    assert curve_size((), 0.8, 8 * Mi, 0.01) is None
+    assert curve_size(CURVE, 0.825, 8 * Mi, 0.01, measured=0.35, tolerance=0.1) == pytest.approx(28 * Mi)
+    assert curve_size(CURVE, 0.825, 8 * Mi, 0.01, measured=0.45, tolerance=0.1) is None
+    assert curve_size(CURVE, 0.825, 12 * Mi, 0.01, measured=0.45, tolerance=0.1) == pytest.approx(28 * Mi)
+
+
+def test_grow_jumps_to_the_size_the_curve_predicts():
+    sig = busy(0.33)
+    stepped = decide(sig, 8 * Mi, 8 * Mi, 64 * Mi, SMALL, None, 0)
+    assert (stepped.action, stepped.memory_bytes) == (GROW, 12 * Mi)
+    jumped = decide(Signal(**{**sig.__dict__, "curve": CURVE}), 8 * Mi, 8 * Mi, 64 * Mi, SMALL, None, 0)
+    assert (jumped.action, jumped.memory_bytes, jumped.reason) == (GROW, 28 * Mi, "HitRatioBelowTarget")
+    assert "miss-ratio curve" in jumped.message
+    # memory = cache budget + overhead: the curve's sizes are budgets
+    d = decide(Signal(**{**sig.__dict__, "curve": CURVE}), 40 * Mi, 8 * Mi, 128 * Mi, SMALL, None, 0, overhead=32 * Mi)
+    assert d.memory_bytes == 60 * Mi
+    # within the bounds
+    d = decide(Signal(**{**sig.__dict__, "curve": CURVE}), 8 * Mi, 8 * Mi, 20 * Mi, SMALL, None, 0)
+    assert d.memory_bytes == 20 * Mi
+    # the cooldown still applies
+    assert decide(Signal(**{**sig.__dict__, "curve": CURVE}), 8 * Mi, 8 * Mi, 64 * Mi, SMALL, 0, 1).reason == "Cooldown"
+
+
+def test_a_flat_curve_holds_and_a_disagreeing_one_steps():
+    flat = ((8 * Mi, 0.3), (16 * Mi, 0.305), (64 * Mi, 0.31))
+    d = decide(Signal(**{**busy(0.3).__dict__, "curve": flat}), 16 * Mi, 8 * Mi, 64 * Mi, SMALL, None, 0)
+    assert (d.action, d.reason) == (HOLD, "CurveFlat")
+    # a curve of miniatures too small to hold a request (all zero) contradicts the measured 0.3: not trusted
+    zero = ((8 * Mi, 0.0), (16 * Mi, 0.0), (64 * Mi, 0.0))
+    d = decide(Signal(**{**busy(0.3).__dict__, "curve": zero}), 16 * Mi, 8 * Mi, 64 * Mi, SMALL, None, 0)
+    assert (d.action, d.memory_bytes) == (GROW, 24 * Mi) and "disagrees" in d.message
+    # nor one that cannot be read at the current size
+    d = decide(Signal(**{**busy(0.3).__dict__, "curve": CURVE[2:]}), 16 * Mi, 8 * Mi, 64 * Mi, SMALL, None, 0)
+    assert (d.action, d.memory_bytes) == (GROW, 24 * Mi)
+    # the curve says 16 MiB already meets the target, the measurement says not: the plain step
+    d = decide(Signal(**{**busy(0.5).__dict__, "curve": CURVE}), 32 * Mi, 8 * Mi, 64 * Mi, SMALL, None, 0)
+    assert (d.action, d.memory_bytes) == (GROW, 48 * Mi)
+
+
+def test_the_curve_reaches_the_target_in_fewer_steps():
+    """A cache whose hit ratio is its size over a 24 MiB working set (uniform reuse; the closed-loop test's
+    workload), from 8 MiB to a 0.8 target: three x1.5 steps without the curve, one jump with it."""
+    def ratio(mem):
+        return min(1.0, mem / (24 * Mi))
+
+    def run(with_curve: bool) -> list[int]:
+        mem, sizes = 8 * Mi, [8 * Mi]
+        for t in range(10):
+            curve = tuple((s * Mi, ratio(s * Mi)) for s in (2, 4, 8, 11, 16, 22, 32, 45, 64)) if with_curve else None
+            sig = Signal(hit_ratio=ratio(mem), lookup_tokens_per_s=100, capacity_evictions_per_s=5,
+                         eviction_age_s=10, stored_bytes=mem, curve=curve)
+            d = decide(sig, mem, 8 * Mi, 64 * Mi, SMALL, None, t)
+            if d.memory_bytes != mem:
+                mem = d.memory_bytes
+                sizes.append(mem)
+        return sizes
+
+    assert run(False) == [8 * Mi, 12 * Mi, 18 * Mi, 27 * Mi]
+    assert run(True) == [8 * Mi, 20 * Mi] and ratio(20 * Mi) >= 0.8
+
+
 # --- properties -------------------------------------------------------------------------------------------------
 ratios = st.one_of(st.none(), st.floats(0, 1))
+curves = st.lists(st.tuples(st.integers(1, 96 * Gi), st.floats(0, 1)), max_size=12).map(tuple)
 signals = st.builds(Signal, hit_ratio=ratios, lookup_tokens_per_s=st.floats(0, 1e6),
                     capacity_evictions_per_s=st.floats(0, 1e4),
                     eviction_age_s=st.one_of(st.none(), st.floats(0, 1e5)),
-                    stored_bytes=st.floats(0, 64 * Gi))
+                    stored_bytes=st.floats(0, 64 * Gi), curve=st.one_of(st.none(), curves))
 policies = st.builds(Policy, target_hit_ratio=st.floats(0, 1), grow_factor=st.floats(1.01, 4),
                      shrink_factor=st.floats(0.1, 0.99), grow_cooldown_s=st.floats(0, 600),
                      shrink_cooldown_s=st.floats(0, 600), hysteresis=st.floats(0, 0.3))

@@ -339,7 +339,8 @@ def tick(kube: Kube, body: dict[str, Any], source: Any, config: Config | None = 
         return out
     policy = tuning.policy_for(spec.autoscaling.targetHitRatio, config.policy)
     t = now()
-    d = tuning.decide(signal, current, lo, hi, policy, _parse_time(state.get("lastChangeTime")), t)
+    d = tuning.decide(signal, current, lo, hi, policy, _parse_time(state.get("lastChangeTime")), t,
+                      overhead=config.overhead_bytes)
     out.decision = d
     record = {"action": d.action, "reason": d.reason, "message": d.message, "time": _stamp(t),
               "fromBytes": current, "toBytes": d.memory_bytes,

@@ -9,7 +9,9 @@ Sidecars are found through the EndpointSlices of the cache's Services (the metri
   same rates over the same window, per pod.
 
 Both return a `tuning.Signal` aggregated over the nodes (one memory target per PromptCache): the hit ratio over all
-lookups, and the worst node's traffic, eviction rate and stored bytes.
+lookups, and the worst node's traffic, eviction rate and stored bytes; and, where the sidecars run the miss-ratio
+curve (promptcache_mrc_hit_tokens_total and promptcache_mrc_lookup_tokens_total, by capacity_bytes), the predicted
+hit ratio per cache size over the same window, pooled over the nodes at the sizes they all report.
 """
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ class Counters:
     stored_bytes: float = 0.0
     budget_bytes: float = 0.0
     committed_bytes: float = 0.0
+    mrc_hit_tokens: tuple[tuple[int, float], ...] = ()      # (capacity bytes, sampled hit tokens), by size
+    mrc_lookup_tokens: tuple[tuple[int, float], ...] = ()   # (capacity bytes, sampled looked-up tokens)
 
 
 @dataclass(frozen=True)
@@ -67,11 +71,15 @@ class PodRates:
     age_count_per_s: float
     stored_bytes: float
     budget_bytes: float
+    mrc_hits_per_s: tuple[tuple[int, float], ...] = ()
+    mrc_lookups_per_s: tuple[tuple[int, float], ...] = ()
 
 
 def parse(text: str) -> Counters:
     v = dict(hit_tokens=0.0, missed_tokens=0.0, capacity_evictions=0.0, capacity_age_sum=0.0,
              capacity_age_count=0.0, stored_bytes=0.0, budget_bytes=0.0, committed_bytes=0.0)
+    mrc: dict[str, dict[int, float]] = {"promptcache_mrc_hit_tokens_total": {},
+                                        "promptcache_mrc_lookup_tokens_total": {}}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -86,6 +94,12 @@ def parse(text: str) -> Counters:
         if not math.isfinite(x):
             continue
         labels = dict(_LABEL.findall(raw_labels or ""))
+        if name in mrc:
+            if labels.get("capacity_bytes", "").isdigit():
+                by_size = mrc[name]
+                size = int(labels["capacity_bytes"])
+                by_size[size] = by_size.get(size, 0.0) + x
+            continue
         if name == "promptcache_hit_tokens_total":
             # A hit in the disk tier is a miss of the memory tier, which is what the autoscaler sizes.
             v["missed_tokens" if labels.get("tier") == "disk" else "hit_tokens"] += x
@@ -106,7 +120,22 @@ def parse(text: str) -> Counters:
             v["budget_bytes"] += x
         elif name == "promptcache_committed_bytes":
             v["committed_bytes"] += x
-    return Counters(**v)
+    return Counters(**v, mrc_hit_tokens=tuple(sorted(mrc["promptcache_mrc_hit_tokens_total"].items())),
+                    mrc_lookup_tokens=tuple(sorted(mrc["promptcache_mrc_lookup_tokens_total"].items())))
+
+
+def _curve(rates: list[PodRates]) -> tuple[tuple[int, float], ...] | None:
+    """Predicted hit ratio per size, pooled over the pods that run the curve, at the sizes all of them report."""
+    with_curve = [r for r in rates if r.mrc_hits_per_s and r.mrc_lookups_per_s]
+    if not with_curve:
+        return None
+    sizes = set.intersection(*(set(dict(r.mrc_hits_per_s)) & set(dict(r.mrc_lookups_per_s)) for r in with_curve))
+    out = []
+    for s in sorted(sizes):
+        lookups = sum(dict(r.mrc_lookups_per_s)[s] for r in with_curve)
+        if lookups > 0:
+            out.append((s, min(1.0, sum(dict(r.mrc_hits_per_s)[s] for r in with_curve) / lookups)))
+    return tuple(out) or None
 
 
 def aggregate(rates: list[PodRates]) -> Signal | None:
@@ -122,6 +151,7 @@ def aggregate(rates: list[PodRates]) -> Signal | None:
         capacity_evictions_per_s=max(r.capacity_evictions_per_s for r in rates),
         eviction_age_s=sum(r.age_sum_per_s for r in rates) / count if count > 0 else None,
         stored_bytes=max(r.stored_bytes for r in rates),
+        curve=_curve(rates),
     )
 
 
@@ -231,6 +261,9 @@ def _rates(c0: Counters, c: Counters, dt: float) -> PodRates:
         age_count_per_s=_delta(c0.capacity_age_count, c.capacity_age_count) / dt,
         stored_bytes=c.stored_bytes,
         budget_bytes=c.budget_bytes,
+        mrc_hits_per_s=tuple((s, _delta(dict(c0.mrc_hit_tokens).get(s, 0.0), h) / dt) for s, h in c.mrc_hit_tokens),
+        mrc_lookups_per_s=tuple((s, _delta(dict(c0.mrc_lookup_tokens).get(s, 0.0), n) / dt)
+                                for s, n in c.mrc_lookup_tokens),
     )
 
 
@@ -256,6 +289,16 @@ class PrometheusSource:
                 out[s["metric"].get("pod", "")] = v
         return out
 
+    def query_series(self, promql: str) -> list[tuple[dict[str, str], float]]:
+        q = urllib.parse.urlencode({"query": promql})
+        with urllib.request.urlopen(f"{self.url.rstrip('/')}/api/v1/query?{q}",  # noqa: S310 - configured URL
+                                    timeout=self.timeout_s) as r:
+            body = json.loads(r.read())
+        if body.get("status") != "success":
+            raise ValueError(f"Prometheus query failed: {body.get('error')}")
+        return [(s["metric"], float(s["value"][1])) for s in body["data"]["result"]
+                if math.isfinite(float(s["value"][1]))]
+
     def signal(self, cache: str, eps: list[Endpoint]) -> tuple[Signal | None, dict[str, Counters]]:
         namespace, name = cache.split("/", 1)
         sel = f'namespace="{namespace}",service="{name}-metrics",tier!="disk"'
@@ -274,12 +317,22 @@ class PrometheusSource:
                               f'{{{sel_no_tier},reason="capacity"}}[{w}]))')
             stored = self.query(f"sum by (pod) (promptcache_stored_bytes{{{sel}}})")
             budget = self.query(f"sum by (pod) (promptcache_budget_bytes{{{sel}}})")
+            mrc: dict[str, dict[str, dict[int, float]]] = {}
+            for metric in ("promptcache_mrc_hit_tokens_total", "promptcache_mrc_lookup_tokens_total"):
+                for labels, x in self.query_series(f"sum by (pod, capacity_bytes) "
+                                                   f"(rate({metric}{{{sel_no_tier}}}[{w}]))"):
+                    if labels.get("capacity_bytes", "").isdigit():
+                        mrc.setdefault(metric, {}).setdefault(labels.get("pod", ""), {})[
+                            int(labels["capacity_bytes"])] = x
         except (OSError, ValueError, KeyError) as exc:
             log.warning("Prometheus %s: %s", self.url, exc)
             return None, {}
         pods = set(hit) | set(miss)
         rates = [PodRates(hit.get(p, 0.0), miss.get(p, 0.0), ev.get(p, 0.0), asum.get(p, 0.0), acnt.get(p, 0.0),
-                          stored.get(p, 0.0), budget.get(p, 0.0)) for p in sorted(pods)]
+                          stored.get(p, 0.0), budget.get(p, 0.0),
+                          tuple(sorted(mrc.get("promptcache_mrc_hit_tokens_total", {}).get(p, {}).items())),
+                          tuple(sorted(mrc.get("promptcache_mrc_lookup_tokens_total", {}).get(p, {}).items())))
+                 for p in sorted(pods)]
         latest = {p: Counters(stored_bytes=stored.get(p, 0.0), budget_bytes=budget.get(p, 0.0)) for p in budget}
         return aggregate(rates), latest
 

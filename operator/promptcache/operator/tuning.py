@@ -14,6 +14,13 @@ property-tested (tests/operator/test_tuning.py). docs/autoscaling.md explains th
 * A cooldown after each change (longer before shrinking than before growing) lets the effect of a change reach the
   measurement window before the next decision; steps smaller than `min_step_fraction` are not worth a resize.
 * The result is always within [minimum, maximum] (a current value outside them is brought back first).
+* With a miss-ratio curve (the sidecars' miniature simulations: predicted hit ratio per cache size), a grow jumps
+  straight to the smallest size whose predicted hit ratio reaches target + `curve_margin` (interpolated between the
+  curve's sizes, within the bounds) instead of stepping by `grow_factor`; if no size reaches it, to the smallest
+  size within `curve_min_gain` of the best predicted ratio, and not at all when that is no more than the current
+  size (`CurveFlat`: more memory would not help). Without a curve, or when the curve disagrees with what is measured
+  (it predicts the target at or below the current size, or a ratio at the current size more than `curve_tolerance`
+  from the measured one, or cannot be read there), the multiplicative step stands.
 """
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ class Signal:
     capacity_evictions_per_s: float     # entries evicted to make room, per second (worst node)
     eviction_age_s: float | None = None  # mean age of the entries evicted for room; None when none were
     stored_bytes: float = 0.0           # bytes the cache holds (fullest node)
+    # miss-ratio curve: (cache budget bytes, predicted hit ratio) by size, over the same window; None without one
+    curve: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,9 @@ class Policy:
     underuse_fraction: float = 0.5       # holds less than this share of its budget: memory sits idle
     headroom: float = 0.25               # when shrinking an under-used cache, keep stored x (1 + this)
     min_step_fraction: float = 0.05      # smaller changes are not worth a resize
+    curve_margin: float = 0.025          # a curve-guided grow aims at target + this (half the hysteresis band)
+    curve_min_gain: float = 0.01         # predicted gains below this are not worth memory
+    curve_tolerance: float = 0.1         # the curve is used only if it predicts the measured ratio within this
 
     def validate(self) -> "Policy":
         if not 0 <= self.target_hit_ratio <= 1:
@@ -57,7 +69,8 @@ class Policy:
         if self.grow_factor <= 1 or not 0 < self.shrink_factor < 1:
             raise ValueError("grow_factor must be > 1 and shrink_factor within (0, 1)")
         if min(self.grow_cooldown_s, self.shrink_cooldown_s, self.hysteresis, self.min_eviction_rate,
-               self.idle_tokens_per_s, self.headroom, self.min_step_fraction) < 0:
+               self.idle_tokens_per_s, self.headroom, self.min_step_fraction, self.curve_margin,
+               self.curve_min_gain, self.curve_tolerance) < 0:
             raise ValueError("cooldowns, thresholds and fractions must not be negative")
         return self
 
@@ -78,9 +91,51 @@ def _align_down(n: float) -> int:
     return int(math.floor(n / ALIGN) * ALIGN)
 
 
+FLAT = -1  # curve_size(): more memory would not help
+
+
+def _at(mono: list[tuple[int, float]], x: float) -> float | None:
+    """The curve at size x, interpolated linearly; None outside its sizes."""
+    for (s0, r0), (s1, r1) in zip(mono, mono[1:]):
+        if s0 <= x <= s1:
+            return r0 + (r1 - r0) * (x - s0) / (s1 - s0) if s1 > s0 else r1
+    return mono[0][1] if len(mono) == 1 and mono[0][0] == x else None
+
+
+def curve_size(curve: tuple[tuple[int, float], ...], aim: float, current: int, min_gain: float,
+               measured: float | None = None, tolerance: float = 1.0) -> float | None:
+    """The smallest size (same units as the curve's) whose predicted hit ratio reaches `aim`, interpolated linearly
+    between the curve's sizes; if none does, the smallest within `min_gain` of the best. None when the curve gives no
+    answer above `current` (it already predicts `aim` at or below it) or when it disagrees with the `measured` hit
+    ratio at `current` by more than `tolerance` (or cannot be read there); FLAT when it predicts no gain above
+    `current`. Ratios are made non-decreasing in size first (a larger cache of the same policy does not hit less; a
+    sampled estimate may say so by noise)."""
+    pts = sorted((int(s), float(r)) for s, r in curve if s > 0)
+    if not pts:
+        return None
+    mono, best = [], 0.0
+    for s, r in pts:
+        best = max(best, r)
+        mono.append((s, best))
+    if measured is not None and tolerance < 1.0:
+        here = _at(mono, current)
+        if here is None or abs(here - measured) > tolerance:
+            return None
+    for i, (s, r) in enumerate(mono):
+        if r >= aim:
+            if i == 0:
+                return None if s <= current else float(s)
+            s0, r0 = mono[i - 1]
+            at = s0 + (aim - r0) / (r - r0) * (s - s0) if r > r0 else float(s)
+            return at if at > current else None
+    enough = next(s for s, r in mono if r >= best - min_gain)
+    return float(enough) if enough > current else FLAT
+
+
 def decide(signal: Signal, current: int, minimum: int, maximum: int, policy: Policy,
-           last_change: float | None, now: float) -> Decision:
-    """The next memory target for a cache using `current` bytes, bounded by [minimum, maximum]."""
+           last_change: float | None, now: float, overhead: int = 0) -> Decision:
+    """The next memory target for a cache using `current` bytes, bounded by [minimum, maximum]. `overhead`: memory
+    beyond the cache budget (the curve's sizes are budgets)."""
     if minimum > maximum:
         raise ValueError(f"minimum {minimum} is above maximum {maximum}")
     if current < minimum or current > maximum:
@@ -116,8 +171,24 @@ def decide(signal: Signal, current: int, minimum: int, maximum: int, policy: Pol
         else:
             want, to = GROW, min(maximum, _align_up(current * p.grow_factor))
             reason = "HitRatioBelowTarget"
-            message = (f"hit ratio {ratio_text} < target {p.target_hit_ratio} with "
-                       f"{signal.capacity_evictions_per_s:.3g} capacity evictions/s: grow {current} -> {to}")
+            how = f"x{p.grow_factor:g}, no miss-ratio curve"
+            aim = min(1.0, p.target_hit_ratio + p.curve_margin)
+            jump = (curve_size(signal.curve, aim, current - overhead, p.curve_min_gain, ratio, p.curve_tolerance)
+                    if signal.curve else None)
+            if signal.curve and jump is None:
+                how = (f"x{p.grow_factor:g}: the miss-ratio curve disagrees with the measured ratio at "
+                       f"{current - overhead} bytes of cache")
+            if jump == FLAT:
+                want, reason = HOLD, "CurveFlat"
+                message = (f"hit ratio {ratio_text} below target {p.target_hit_ratio}, but the miss-ratio curve "
+                           f"predicts no gain above {current - overhead} bytes of cache: more memory would not help")
+            elif jump is not None:
+                to = min(maximum, _align_up(round(jump) + overhead))
+                how = f"miss-ratio curve: {aim:.3f} at {int(jump)} bytes of cache"
+            if want == GROW:
+                message = (f"hit ratio {ratio_text} < target {p.target_hit_ratio} with "
+                           f"{signal.capacity_evictions_per_s:.3g} capacity evictions/s: grow {current} -> {to} "
+                           f"({how})")
     elif idle:
         reason, message = "AtMinimum", f"no load ({signal.lookup_tokens_per_s:.3g} tokens/s looked up), at the minimum"
         if current > minimum:

@@ -3,6 +3,8 @@
 One request per line: {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [...]}.
 `hash_ids` are chained 512-token block ids: block i's id identifies the whole prefix up to the end of block i,
 so two requests share block i's id iff their first 512*(i+1) tokens are equal (the last block may be partial).
+An optional "block_tokens" says how many tokens a block holds when it is not 512: the sidecar's access log
+(promptcache.sidecar.accesslog) writes its chunk size there.
 
 Generators (all deterministic for a seed; `scale` multiplies the number of requests):
   chat   multi-tenant chat: Zipf-popular tenants with long shared system prompts, multi-turn conversations
@@ -31,10 +33,14 @@ class Request:
     input_length: int
     output_length: int
     hash_ids: list[int]
+    block_tokens: int = BLOCK_TOKENS
 
     def to_json(self) -> str:
-        return json.dumps({"timestamp": self.timestamp, "input_length": self.input_length,
-                           "output_length": self.output_length, "hash_ids": self.hash_ids})
+        d = {"timestamp": self.timestamp, "input_length": self.input_length, "output_length": self.output_length,
+             "hash_ids": self.hash_ids}
+        if self.block_tokens != BLOCK_TOKENS:
+            d["block_tokens"] = self.block_tokens
+        return json.dumps(d)
 
 
 def read_trace(path: str) -> list[Request]:
@@ -49,7 +55,9 @@ def read_trace(path: str) -> list[Request]:
                 d = json.loads(line)
                 ids = [int(h) for h in d["hash_ids"]]
                 req = Request(int(d.get("timestamp", 0)), int(d["input_length"]), int(d.get("output_length", 0)),
-                              ids)
+                              ids, int(d.get("block_tokens", BLOCK_TOKENS)))
+                if req.block_tokens <= 0:
+                    raise ValueError(f"block_tokens {req.block_tokens} is not positive")
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({exc})") from None
             out.append(req)
@@ -67,10 +75,11 @@ def block_sizes(req: Request) -> list[int]:
     n = len(req.hash_ids)
     if n == 0:
         return []
-    last = req.input_length - BLOCK_TOKENS * (n - 1)
-    if not 0 < last <= BLOCK_TOKENS:  # trace does not say; assume full blocks
-        last = BLOCK_TOKENS
-    return [BLOCK_TOKENS] * (n - 1) + [last]
+    bt = req.block_tokens
+    last = req.input_length - bt * (n - 1)
+    if not 0 < last <= bt:  # trace does not say; assume full blocks
+        last = bt
+    return [bt] * (n - 1) + [last]
 
 
 class _Blocks:

@@ -67,6 +67,13 @@ class Settings:
     max_put_reserved_fraction: float = 0.5
     max_request_tokens: int = 1 << 20
     max_large_requests: int = 4
+    mrc_sample_rate: float = 1 / 64
+    mrc_sizes: str = ""
+    mrc_min_chunks: int = 32
+    access_log_path: str = ""
+    access_log_sample_rate: float = 1.0
+    access_log_max_bytes: int = 64 << 20
+    access_log_files: int = 4
 
     @property
     def bulk_addresses(self) -> list[str]:
@@ -145,6 +152,23 @@ class Settings:
             raise ValueError(f"--quantization must be any, none, k8v8 or k8v4, got {self.quantization!r}")
         if self.tenancy not in ("auto", "isolated", "shared"):
             raise ValueError(f"--tenancy must be auto, isolated or shared, got {self.tenancy!r}")
+        if not 0 <= self.mrc_sample_rate <= 1:
+            raise ValueError(f"--mrc-sample-rate must be within 0..1 (0: no miss-ratio curve), "
+                             f"got {self.mrc_sample_rate}")
+        from promptcache.sidecar.mrc import parse_sizes
+
+        try:
+            parse_sizes(self.mrc_sizes, self.memory_bytes)
+        except ValueError as exc:
+            raise ValueError(f"--mrc-sizes {self.mrc_sizes!r}: {exc}") from None
+        if self.mrc_min_chunks < 0:
+            raise ValueError("--mrc-min-chunks must not be negative")
+        if not 0 < self.access_log_sample_rate <= 1:
+            raise ValueError(f"--access-log-sample-rate must be within (0, 1], got {self.access_log_sample_rate}")
+        if self.access_log_max_bytes < 4096:
+            raise ValueError("--access-log-max-bytes must be at least 4096")
+        if self.access_log_files < 1:
+            raise ValueError("--access-log-files must be at least 1")
         from promptcache.sidecar.policies import POLICIES
 
         if self.eviction_policy not in POLICIES:
@@ -228,10 +252,21 @@ HELP = {
     "max_request_tokens": "tokens one request may carry (Lookup, Get, Put, Delete, bulk get); more get "
                           "INVALID_ARGUMENT",
     "max_large_requests": "requests with more than 64Ki tokens processed at once; more get RESOURCE_EXHAUSTED",
+    "mrc_sample_rate": "fraction of chain roots (prompts by their first chunk) simulated to estimate the hit ratio at "
+                       "other sizes (promptcache_mrc_*; docs/sizing.md); 0 turns the miss-ratio curve off",
+    "mrc_sizes": "cache sizes the miss-ratio curve estimates, comma-separated; empty: --memory-bytes times 1/4 to 8 "
+                 "in steps of sqrt(2)",
+    "mrc_min_chunks": "the miss-ratio curve samples more chains (at most 1/4) for a small size, until its miniature "
+                      "cache holds this many chunks (fewer are all granularity); 0: --mrc-sample-rate for every size",
+    "access_log_path": "write a sampled access log here (JSONL trace for promptcache bench replay --trace; chunk "
+                       "keys hashed again with a per-start secret, no tokens); empty: no log",
+    "access_log_sample_rate": "fraction of chain roots whose requests the access log records",
+    "access_log_max_bytes": "the access log file is rotated before it grows past this",
+    "access_log_files": "access log files kept, the current one included (disk use <= max bytes x files)",
 }
 
 _BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "disk_min_free_bytes", "frame_bytes",
-                "tenant_quota_bytes", "shm_max_bytes", "min_put_bytes_per_second"}
+                "tenant_quota_bytes", "shm_max_bytes", "min_put_bytes_per_second", "access_log_max_bytes"}
 
 
 def env_name(field_name: str) -> str:

@@ -39,6 +39,7 @@ from promptcache.sidecar.limits import (LARGE_REQUEST_TOKENS, CallLimiter, CallR
                                         ReservedBytes, Watchdog, client_key, watch_of)
 from promptcache.sidecar.memfd import ChunkMemory
 from promptcache.sidecar.metrics import Metrics
+from promptcache.sidecar.observer import TrafficObserver
 from promptcache.sidecar.policies import make_policy
 from promptcache.sidecar.shmbuffers import BufferLimit, SharedBuffers, UnknownBuffer
 from promptcache.sidecar.store import (AdmissionRejected, ChunkTooLarge, MemoryTier, NoRoom, Reservation,
@@ -125,8 +126,10 @@ class _Incoming:
 
 
 class KVCacheService(pb_grpc.KVCacheServicer):
-    def __init__(self, settings: Settings, tier: MemoryTier, metrics: Metrics, tenancy: Tenancy | None = None):
+    def __init__(self, settings: Settings, tier: MemoryTier, metrics: Metrics, tenancy: Tenancy | None = None,
+                 observer: TrafficObserver | None = None):
         self.settings = settings
+        self.observer = observer or TrafficObserver(settings.chunk_tokens)  # a disabled one ignores everything
         self.tier = tier
         self.tenancy = tenancy or Tenancy(enabled=False)
         if self.tenancy.tier is None:
@@ -241,7 +244,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     def _lookup(self, request, fp: bytes, owner: str) -> pb.LookupResponse:
         chunks = []
-        for i, key in enumerate(self._keys(fp, request.tokens)):
+        keys = self._keys(fp, request.tokens)
+        self.observer.lookup(spec, keys, len(request.tokens))
+        for i, key in enumerate(keys):
             entry = self.tier.peek(key, fp)
             if entry is not None:
                 chunks.append(pb.ChunkInfo(index=i, key=key, tier=pb.TIER_DEVICE, nbytes=entry.nbytes))
@@ -310,9 +315,11 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self._tokens(request.tokens)
         large = large_slot and self._take_large(request.tokens, "Get")
         served = position = from_disk = 0
+        keys = self._keys(fp, request.tokens, request.start_chunk, request.max_chunks)
+        if request.start_chunk == 0 and request.max_chunks == 0:  # a whole prompt (not the rest of one)
+            self.observer.lookup(spec, keys, len(request.tokens))
         try:
-            for i, key in enumerate(self._keys(fp, request.tokens, request.start_chunk, request.max_chunks),
-                                    start=request.start_chunk):
+            for i, key in enumerate(keys, start=request.start_chunk):
                 entry = self.tier.acquire(key, fp)
                 tier_name = "device"
                 if entry is None and self.spill is not None:
@@ -481,6 +488,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             if current is not None:
                 raise self._cut_short(current)
         finally:
+            if seen:  # what the client filled, whether or not this cache kept it: the curve simulates the rest
+                self.observer.stored(spec, keys[:max(seen) + 1])
             if current is not None and current.reservation is not None:
                 self.tier.release(current.reservation)
             if current is not None and current.charged:
@@ -722,7 +731,9 @@ class Sidecar:
                                settings.ttl_seconds, on_evict=self._evicted, host_memory=self._chunk_memory())
         self.tenancy.bind(self.tier)
         self.metrics.watch({"device": self.tier})
-        self.service = KVCacheService(settings, self.tier, self.metrics, self.tenancy)
+        self.observer = self._observer(settings)
+        self.metrics.registry.register(self.observer)
+        self.service = KVCacheService(settings, self.tier, self.metrics, self.tenancy, self.observer)
         self.service.memory_limit = self.memory_limit
         self.spill = None
         from prometheus_client import Counter
@@ -782,6 +793,19 @@ class Sidecar:
         self.stop_error: str | None = None
         self._http = None
         self.metrics_port = None
+
+    @staticmethod
+    def _observer(settings: Settings) -> TrafficObserver:
+        from promptcache.sidecar.accesslog import AccessLog
+        from promptcache.sidecar.mrc import MissRatioCurve, parse_sizes
+
+        curve = access_log = None
+        if settings.mrc_sample_rate > 0:
+            curve = MissRatioCurve(parse_sizes(settings.mrc_sizes, settings.memory_bytes), settings.mrc_sample_rate,
+                                   settings.eviction_policy, settings.mrc_min_chunks)
+        if settings.access_log_path:
+            access_log = AccessLog(settings.access_log_path, settings.access_log_max_bytes, settings.access_log_files)
+        return TrafficObserver(settings.chunk_tokens, curve, access_log, settings.access_log_sample_rate)
 
     def _chunk_memory(self) -> ChunkMemory | None:
         """Memfd-backed chunk memory when the bulk channel may lend chunks (--bulk-zero-copy), else None."""
@@ -871,6 +895,7 @@ class Sidecar:
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         threading.Thread(target=self._sweep, name="ttl-sweeper", daemon=True).start()
+        self.observer.start()
         return self
 
     def _sweep(self) -> None:
@@ -896,6 +921,7 @@ class Sidecar:
         self.server.stop(grace).wait()
         if self.service.buffers is not None:
             self.service.buffers.close_all()
+        self.observer.stop()  # after the last call: the access log gets every line queued
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

@@ -1,0 +1,134 @@
+"""The opt-in access log (--access-log-path): a real sidecar's traffic written as a trace that
+`promptcache bench replay --trace` replays, with no token or chunk key in it, in bounded disk space."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from promptcache import keys as keyspec
+from promptcache.bench import traces
+from promptcache.bench.replay import prepare, simulate_policy
+from promptcache.client import PromptCacheClient
+from promptcache.keys import ModelSpec
+from promptcache.sidecar.accesslog import AccessLog, log_sampled
+from promptcache.sidecar.policies import make_policy
+
+CHUNK_TOKENS = 16
+SPEC = ModelSpec("test/accesslog", "rev-1", "float16", num_layers=1, num_kv_heads=1, head_dim=8)
+
+
+def tokens_of(req) -> list[int]:
+    return [h * CHUNK_TOKENS + j for h in req.hash_ids for j in range(CHUNK_TOKENS)]
+
+
+def drive(sidecar, reqs) -> None:
+    """One read per request (Lookup or Get, alternately), and a Put of the first chunk now and then."""
+    blob = bytes(512)
+    with PromptCacheClient(sidecar.address, timeout=10) as c:
+        for n, r in enumerate(reqs):
+            if n % 2:
+                c.get_blobs(SPEC, tokens_of(r))
+            else:
+                c.lookup(SPEC, tokens_of(r))
+            if n % 5 == 0:
+                c.put_blobs(SPEC, tokens_of(r), {0: blob})
+
+
+def log_settings(path, **kw):
+    return dict(chunk_tokens=CHUNK_TOKENS, access_log_path=str(path), mrc_sample_rate=0, **kw)
+
+
+def test_the_log_replays_like_the_traffic_it_recorded(sidecar_factory, tmp_path):
+    reqs = traces.generate("chat", seed=3, scale=0.05)
+    path = tmp_path / "access.jsonl"
+    sidecar = sidecar_factory(**log_settings(path))
+    drive(sidecar, reqs)
+    sidecar.stop(0)   # flushes what is queued
+    logged = traces.read_trace(str(path))
+    assert len(logged) == len(reqs)
+    ids: dict[int, int] = {}
+    back: dict[int, int] = {}
+    for r, g in zip(reqs, logged):
+        assert g.input_length == len(r.hash_ids) * CHUNK_TOKENS and g.block_tokens == CHUNK_TOKENS
+        assert len(g.hash_ids) == len(r.hash_ids)
+        for a, b in zip(r.hash_ids, g.hash_ids):   # the same prefix structure under other names
+            assert ids.setdefault(a, b) == b and back.setdefault(b, a) == a
+    assert logged[0].timestamp <= logged[-1].timestamp and logged[0].timestamp > 1.7e12   # ms since the epoch
+    # The replayer sees the same hits in the log as in the original traffic (16-token chunks: block_tokens).
+    original = [traces.Request(r.timestamp, len(r.hash_ids) * CHUNK_TOKENS, 0, r.hash_ids, CHUNK_TOKENS)
+                for r in reqs]
+    for f in (0.05, 0.25):
+        a, ws_a = prepare(original)
+        b, ws_b = prepare(logged)
+        assert ws_a == ws_b
+        ra = simulate_policy(a, make_policy("lru", capacity=int(ws_a * f)), int(ws_a * f))
+        rb = simulate_policy(b, make_policy("lru", capacity=int(ws_b * f)), int(ws_b * f))
+        assert (ra["hit"], ra["total"]) == (rb["hit"], rb["total"]) and ra["hit"] > 0
+    out = subprocess.run([sys.executable, "-m", "promptcache.cli", "bench", "replay", "--trace", str(path),
+                          "--policy", "lru", "--no-opt", "--jobs", "1", "--capacity-fraction", "0.25"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if "25%" in line)
+    assert f"{ra['hit'] / ra['total']:.3f}" in row, (row, ra)
+
+
+def test_no_token_and_no_chunk_key_is_in_the_file(sidecar_factory, tmp_path):
+    reqs = traces.generate("rag", seed=1, scale=0.03)
+    path = tmp_path / "access.jsonl"
+    sidecar = sidecar_factory(**log_settings(path))
+    drive(sidecar, reqs)
+    sidecar.stop(0)
+    data = path.read_bytes()
+    assert data.count(b"\n") == len(reqs)
+    fp = keyspec.fingerprint(SPEC)
+    needles = set()
+    for r in reqs:
+        toks = tokens_of(r)
+        for k in keyspec.chunk_keys(fp, toks, CHUNK_TOKENS):
+            needles |= {k, k.hex().encode(), k.hex().upper().encode(), k[:8].hex().encode(),
+                        str(int.from_bytes(k[:8], "big")).encode(), str(int.from_bytes(k[:8], "little")).encode(),
+                        str(int.from_bytes(k[:8], "big") >> 1).encode()}
+        for i in range(0, len(toks), CHUNK_TOKENS):   # token runs as JSON would write them
+            needles.add(",".join(map(str, toks[i:i + 4])).encode())
+            needles.add(", ".join(map(str, toks[i:i + 4])).encode())
+    found = [n for n in needles if n in data]
+    assert not found, found[:3]
+    # ...and a second start hashes the same keys to other ids (the secret is per start).
+    a, b = AccessLog(str(tmp_path / "a"), 1 << 20, 1), AccessLog(str(tmp_path / "b"), 1 << 20, 1)
+    key = keyspec.chunk_keys(fp, tokens_of(reqs[0]), CHUNK_TOKENS)[0]
+    assert a.hash_id(key) != b.hash_id(key) and a.hash_id(key) == a.hash_id(key) >= 0
+    a.close(), b.close()
+
+
+def test_disk_use_stays_bounded_across_rotation(sidecar_factory, tmp_path):
+    reqs = traces.generate("agent", seed=2, scale=0.06)
+    path = tmp_path / "logs" / "access.jsonl"
+    sidecar = sidecar_factory(**log_settings(path, access_log_max_bytes=4096, access_log_files=3))
+    drive(sidecar, reqs)
+    rotations = sidecar.observer.access_log.rotations
+    sidecar.stop(0)
+    files = sorted(os.listdir(path.parent))
+    assert files == ["access.jsonl", "access.jsonl.1", "access.jsonl.2"], files
+    sizes = [os.path.getsize(path.parent / f) for f in files]
+    assert max(sizes) <= 4096 and sum(sizes) <= 3 * 4096, sizes
+    written = sum(len(r.hash_ids) for r in reqs) * 20   # at least this many bytes went through the log
+    assert written > 4 * 4096 and rotations >= 4
+    # The newest records survive, in order, across the files: oldest file first ends with the last request.
+    kept = []
+    for f in reversed(files):
+        kept += traces.read_trace(str(path.parent / f))
+    assert [r.input_length for r in kept] == [len(r.hash_ids) * CHUNK_TOKENS for r in reqs[-len(kept):]]
+
+
+def test_sampling_logs_whole_chains(sidecar_factory, tmp_path):
+    reqs = traces.generate("scan", seed=4, scale=0.05)
+    path = tmp_path / "access.jsonl"
+    sidecar = sidecar_factory(**log_settings(path, access_log_sample_rate=0.5))
+    drive(sidecar, reqs)
+    sidecar.stop(0)
+    fp = keyspec.fingerprint(SPEC)
+    chosen = [r for r in reqs if log_sampled(keyspec.chunk_keys(fp, tokens_of(r), CHUNK_TOKENS, limit=1)[0], 0.5)]
+    logged = traces.read_trace(str(path))
+    assert 0 < len(chosen) < len(reqs)
+    assert [r.input_length for r in logged] == [len(r.hash_ids) * CHUNK_TOKENS for r in chosen]
