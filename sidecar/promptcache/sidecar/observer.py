@@ -6,6 +6,8 @@ loses a sample, the request loses nothing.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import logging
 import queue
 import threading
@@ -50,15 +52,18 @@ class TrafficObserver:
         except queue.Full:
             self.dropped += 1
 
-    def lookup(self, spec, keys: list[bytes], prompt_tokens: int) -> None:
-        """A Lookup or Get of a whole prompt (from chunk 0): `keys` are its whole chunks' keys."""
-        if not keys:
+    def lookup(self, spec, keys: Iterable[bytes], prompt_tokens: int) -> None:
+        """A Lookup or Get of a whole prompt (from chunk 0): `keys` are its whole chunks' keys, possibly hashed
+        lazily: only the root is taken unless the prompt is sampled (the request path stops hashing at its first
+        miss, and an unsampled prompt must not cost a hash of every chunk)."""
+        it = iter(keys)
+        root = next(it, None)
+        if root is None:
             return
-        root = keys[0]
         to_curve = self.curve is not None and sampled(root, self.curve.max_rate(self._chunk_bytes(spec)))
         to_log = self.access_log is not None and log_sampled(root, self.log_rate)
         if to_curve or to_log:
-            self._offer((_LOOKUP, spec, keys, prompt_tokens, time.time(), to_curve, to_log))
+            self._offer((_LOOKUP, spec, [root, *it], prompt_tokens, time.time(), to_curve, to_log))
 
     def stored(self, spec, keys: list[bytes]) -> None:
         """A Put that carried chunks up to len(keys) - 1 (`keys`: the prompt's first chunks, from chunk 0)."""

@@ -240,13 +240,13 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
         with self._large(request.tokens, "Lookup"):
-            return self._lookup(request, fp, owner)
+            return self._lookup(request, spec, fp, owner)
 
-    def _lookup(self, request, fp: bytes, owner: str) -> pb.LookupResponse:
+    def _lookup(self, request, spec, fp: bytes, owner: str) -> pb.LookupResponse:
         chunks = []
-        keys = self._keys(fp, request.tokens)
-        self.observer.lookup(spec, keys, len(request.tokens))
-        for i, key in enumerate(keys):
+        if self.observer.enabled:  # hashes the whole prompt only when it is sampled
+            self.observer.lookup(spec, self._keys(fp, request.tokens), len(request.tokens))
+        for i, key in enumerate(self._keys(fp, request.tokens)):
             entry = self.tier.peek(key, fp)
             if entry is not None:
                 chunks.append(pb.ChunkInfo(index=i, key=key, tier=pb.TIER_DEVICE, nbytes=entry.nbytes))
@@ -316,8 +316,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         large = large_slot and self._take_large(request.tokens, "Get")
         served = position = from_disk = 0
         keys = self._keys(fp, request.tokens, request.start_chunk, request.max_chunks)
-        if request.start_chunk == 0 and request.max_chunks == 0:  # a whole prompt (not the rest of one)
-            self.observer.lookup(spec, keys, len(request.tokens))
+        if request.start_chunk == 0 and request.max_chunks == 0 and self.observer.enabled:  # a whole prompt
+            self.observer.lookup(spec, self._keys(fp, request.tokens), len(request.tokens))
         try:
             for i, key in enumerate(keys, start=request.start_chunk):
                 entry = self.tier.acquire(key, fp)
