@@ -29,12 +29,13 @@ def wait_until(check: Callable[[], object], what: str, timeout: float = 30.0) ->
 
 
 def wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 30.0,
-                 describe: Callable[[], str] = lambda: "") -> None:
-    """Return once the sidecar at `address` answers its gRPC health check; raise if it exits or times out."""
+                 describe: Callable[[], str] = lambda: "", **client_kwargs) -> None:
+    """Return once the sidecar at `address` answers its gRPC health check; raise if it exits or times out.
+    client_kwargs reach PromptCacheClient (tls_ca= for a sidecar serving TLS)."""
     from promptcache.client import PromptCacheClient
 
     deadline = time.monotonic() + timeout
-    with PromptCacheClient(address, timeout=1) as client:
+    with PromptCacheClient(address, timeout=1, **client_kwargs) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"sidecar exited with {proc.returncode}{describe()}")

@@ -50,9 +50,10 @@ STAND_IN = "192.0.2.10"   # in the EndpointSlices; mapped to 127.0.0.1 (see the 
 class Workload(threading.Thread):
     """Uniformly random prompts over a fixed set of prefixes: Lookup, then Put of the chunks that missed."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, **client_kwargs):
         super().__init__(daemon=True)
         self.address = address
+        self.client_kwargs = client_kwargs
         self.stop = threading.Event()
         self.requests = 0
         self.errors: list[str] = []
@@ -60,7 +61,7 @@ class Workload(threading.Thread):
     def run(self) -> None:
         blob = bytes(random.Random(1).randbytes(chunk_nbytes(SPEC, CHUNK_TOKENS)))
         rng = random.Random(2)
-        with PromptCacheClient(self.address, timeout=5) as c:
+        with PromptCacheClient(self.address, timeout=5, **self.client_kwargs) as c:
             while not self.stop.is_set():
                 p = rng.randrange(PREFIXES)
                 tokens = [p * 1000 + j for j in range(CHUNK_TOKENS * CHUNKS_PER_PREFIX)]
@@ -91,25 +92,54 @@ def ds_memory_limit(kube, namespace: str, name: str) -> int:
     return quantity_bytes(ct["resources"]["limits"]["memory"])
 
 
-def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path):
+def secure_sidecar(tmp_path, service: str) -> tuple[list[str], dict, str]:
+    """(sidecar flags, client kwargs of the workload, the operator's credentials folder) for a sidecar serving
+    TLS (a certificate for the cache's Service name) with bearer tokens, the operator an admin tenant."""
+    from test_auth import write_secret_dir
+    from test_auth_pki import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    cert, key = pki.ca.issue("promptcache-sidecar", server=True, dns_names=(service,))
+    (tmp_path / "server.pem").write_bytes(cert)
+    (tmp_path / "server.key").write_bytes(key)
+    operator = OperatorDefaults().operator_tenant
+    write_secret_dir(tmp_path / "tokens", {"workload": "workload-token", operator: "operator-token"})
+    creds = tmp_path / "operator-credentials"   # what the chart mounts from sidecarCredentials.secretName
+    creds.mkdir()
+    (creds / "token").write_text("operator-token\n")
+    (creds / "ca.crt").write_bytes(pki.ca.pem)
+    flags = ["--tls-cert-file", str(tmp_path / "server.pem"), "--tls-key-file", str(tmp_path / "server.key"),
+             "--token-file", str(tmp_path / "tokens"), "--admin-tenants", operator]
+    return flags, {"tls_ca": pki.ca_file, "token": "workload-token"}, str(creds)
+
+
+@pytest.mark.parametrize("secured", [False, True], ids=["plaintext", "tls-and-tokens"])
+def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path, secured):
     op_kube = Kube(configuration_from_environment(str(operator_kubeconfig)), crd_cache_seconds=0.5)
+    name = "loop"
+    flags, client_kwargs, creds = secure_sidecar(tmp_path, f"{name}.{namespace}.svc") if secured else ([], {}, None)
     sidecar = SidecarProcess("--memory-bytes", str(MIN), "--chunk-tokens", str(CHUNK_TOKENS), "--device", "cpu",
                              "--data-dir", str(tmp_path / "data"), "--log-level", "warning",
-                             "--ttl-seconds", "3600", "--mrc-sample-rate", MRC_RATE).wait_ready()
+                             "--ttl-seconds", "3600", "--mrc-sample-rate", MRC_RATE, *flags
+                             ).wait_ready(**{k: v for k, v in client_kwargs.items() if k == "tls_ca"})
     pid = sidecar.proc.pid
-    workload = Workload(sidecar.address)
+    workload = Workload(sidecar.address, **client_kwargs)
     try:
-        name = "loop"
         doc = {"apiVersion": PC_API, "kind": "PromptCache", "metadata": {"name": name, "namespace": namespace},
                "spec": {"model": {"name": SPEC.model_id, "revision": "rev-1"}, "memory": {"host": "8Mi"},
                         "cachePolicy": {"chunkTokens": CHUNK_TOKENS},
                         "autoscaling": {"enabled": True, "targetHitRatio": TARGET, "minMemory": "8Mi",
                                         "maxMemory": "64Mi"}}}
+        if secured:
+            doc["spec"]["security"] = {"tls": {"secretName": f"{name}-tls"}, "tokens": {"secretName": f"{name}-tokens"}}
         kube.request("PATCH", object_path(PC_API, "PromptCache", namespace, name), body=doc,
                      content_type="application/apply-patch+yaml", query=[("fieldManager", "kubectl")])
         get = lambda: kube.get(PC_API, "PromptCache", namespace, name)  # noqa: E731
         defaults = OperatorDefaults()
         reconcile(op_kube, get(), defaults)
+        if secured:  # the flag the hand-started sidecar got is what the operator configures its sidecars with
+            cm = kube.get("v1", "ConfigMap", namespace, f"{name}-config")
+            assert cm["data"]["PROMPTCACHE_ADMIN_TENANTS"] == defaults.operator_tenant
         for svc, port_name, port in ((f"{name}-metrics", "metrics", sidecar.metrics_port),
                                      (name, "grpc", sidecar.port)):
             kube.request("POST", f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
@@ -120,7 +150,7 @@ def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path):
 
         config = autoscale.Config(
             interval_s=1, window_s=3, overhead_bytes=0,   # memory == budget here (no container around the sidecar)
-            address_map={STAND_IN: "127.0.0.1"},
+            address_map={STAND_IN: "127.0.0.1"}, credentials_dir=creds,
             policy=tuning.Policy(grow_cooldown_s=4, shrink_cooldown_s=3, shrink_factor=0.8))
         source = metrics_source.ScrapeSource(window_s=config.window_s)
         rows: list[tuple] = []
