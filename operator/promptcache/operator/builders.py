@@ -148,6 +148,7 @@ def sidecar_env(spec: PromptCacheSpec, defaults: OperatorDefaults = OperatorDefa
         "PROMPTCACHE_MEMORY_BYTES": _bytes(budget),
         "PROMPTCACHE_CHUNK_TOKENS": str(spec.cachePolicy.chunkTokens),
         "PROMPTCACHE_TTL_SECONDS": str(spec.cachePolicy.ttlSeconds),
+        "PROMPTCACHE_MAX_LIFETIME_SECONDS": str(spec.cachePolicy.maxLifetimeSeconds),
         "PROMPTCACHE_EVICTION_POLICY": spec.cachePolicy.evictionPolicy,
         "PROMPTCACHE_QUANTIZATION": spec.cachePolicy.quantization,
         "PROMPTCACHE_TENANCY": spec.tenancy.mode.lower(),

@@ -109,7 +109,8 @@ class Gpu:
 @dataclass(frozen=True)
 class CachePolicy:
     chunkTokens: int = 256
-    ttlSeconds: int = 14400
+    ttlSeconds: int = 14400          # sliding: extended by every hit
+    maxLifetimeSeconds: int = 86400  # absolute cap after the first store
     evictionPolicy: Literal["lru", "lru-prefix", "lfu", "wtinylfu"] = "wtinylfu"  # the sidecar's, by trace replay
     quantization: Literal["none", "k8v8", "k8v4"] = "none"
     maxChunkBytes: str | None = None
@@ -236,6 +237,8 @@ class PromptCacheSpec:
             raise SpecError("spec.cachePolicy.chunkTokens must be a power of two between 16 and 65536")
         if self.cachePolicy.ttlSeconds < 1:
             raise SpecError("spec.cachePolicy.ttlSeconds must be at least 1")
+        if self.cachePolicy.maxLifetimeSeconds < 1:
+            raise SpecError("spec.cachePolicy.maxLifetimeSeconds must be at least 1")
         if self.cachePolicy.quantization not in QUANTIZATION_MODES:
             raise SpecError(f"spec.cachePolicy.quantization must be one of {', '.join(QUANTIZATION_MODES)}")
         if self.cachePolicy.evictionPolicy not in EVICTION_POLICIES:

@@ -27,6 +27,7 @@ class Settings:
     max_chunk_bytes: int = 256 << 20
     chunk_tokens: int = 256
     ttl_seconds: float = 4 * 3600.0
+    max_lifetime_seconds: float = 24 * 3600.0
     eviction_policy: str = "wtinylfu"  # chosen by trace replay: docs/eviction.md
     quantization: str = "any"
     tenancy: str = "auto"
@@ -93,6 +94,8 @@ class Settings:
             raise ValueError(f"--chunk-tokens must be a positive power of two, got {self.chunk_tokens}")
         if self.ttl_seconds <= 0:
             raise ValueError("--ttl-seconds must be positive")
+        if not self.max_lifetime_seconds > 0:
+            raise ValueError(f"--max-lifetime-seconds must be positive, got {self.max_lifetime_seconds}")
         if self.disk_lock_wait_seconds < 0:
             raise ValueError("--disk-lock-wait-seconds must not be negative")
         if not 0 <= self.metrics_port <= 65535:
@@ -184,7 +187,10 @@ HELP = {
     "memory_bytes": "byte budget of the device tier (GPU memory, or host memory without a GPU); never exceeded",
     "max_chunk_bytes": "largest chunk accepted by Put; larger ones get RESOURCE_EXHAUSTED",
     "chunk_tokens": "tokens per chunk (a power of two); chunk keys are chained over these",
-    "ttl_seconds": "lifetime of an entry after it is stored",
+    "ttl_seconds": "an entry lives this long after its last hit (a Get or bulk get that serves it, or its "
+                   "promotion from disk): sliding, every hit extends it",
+    "max_lifetime_seconds": "absolute cap: an entry never lives longer than this after it was first stored, "
+                            "however often it is hit (on disk and across restarts too)",
     "eviction_policy": "which entry goes first when the budget is full",
     "quantization": "the only KV quantization mode accepted (none, k8v8, k8v4; clients quantize, the mode is "
                     "part of every key); other models get FAILED_PRECONDITION. any: accept every mode",

@@ -360,13 +360,15 @@ class DiskTier:
 
     # ------------------------------------------------------------------------------------------------ serving
     def put(self, key: bytes, payload, meta: bytes = b"", parent: bytes | None = None,
-            ttl_seconds: float | None = None) -> bool:
+            ttl_seconds: float | None = None, created: float | None = None) -> bool:
         """Queue a chunk for writing. Returns False (and counts why) when it is not taken: too large, disk full,
-        write queue full, or closed. Never blocks on I/O."""
+        write queue full, or closed. Never blocks on I/O. `created`: when the chunk was first stored anywhere
+        (this tier's clock, wall time), kept in the record so its maximum lifetime survives restarts."""
         payload = bytes(payload)
         now = self.clock()
         e = DiskEntry(len(payload) + len(meta) + RECORD_OVERHEAD, len(payload), payload_checksum(key, payload),
-                      now, now + (self.ttl if ttl_seconds is None else ttl_seconds), bytes(meta), parent)
+                      now if created is None else min(created, now),
+                      now + (self.ttl if ttl_seconds is None else ttl_seconds), bytes(meta), parent)
         with self._lock:
             if self._closed:
                 self.counters["put_rejected_closed"] += 1

@@ -728,7 +728,8 @@ class Sidecar:
         self.metrics = Metrics()
         policy = make_policy(settings.eviction_policy, capacity=settings.memory_bytes)
         self.tier = MemoryTier(settings.memory_bytes, self.device, policy,
-                               settings.ttl_seconds, on_evict=self._evicted, host_memory=self._chunk_memory())
+                               settings.ttl_seconds, on_evict=self._evicted, host_memory=self._chunk_memory(),
+                               max_lifetime_seconds=settings.max_lifetime_seconds)
         self.tenancy.bind(self.tier)
         self.metrics.watch({"device": self.tier})
         self.observer = self._observer(settings)

@@ -52,12 +52,15 @@ class Spill:
     # --- memory -> disk ---------------------------------------------------------------------------------
     def demote(self, entry: Entry) -> bool:
         """Called for a capacity eviction (under the memory tier's lock: the disk tier only queues the write)."""
-        remaining = entry.expires - self.memory.clock()
+        now = self.memory.clock()
+        remaining = entry.expires - now
         if remaining <= 0:
             return False
         host = entry.data if entry.data.device.type == "cpu" else entry.data.cpu()
+        # The disk keeps what is left of its sliding TTL and when it was born (in wall time, across restarts).
+        born = self.disk.clock() - (now - self.memory.birth(entry))
         taken = self.disk.put(entry.key, host.numpy(), meta=encode_meta(entry), parent=entry.parent,
-                              ttl_seconds=remaining)
+                              ttl_seconds=remaining, created=born)
         if self.metrics is not None:
             (self.metrics.demotions if taken else self.metrics.demotion_failures).inc()
         return taken
@@ -91,6 +94,10 @@ class Spill:
         if payload is None or disk_entry is None:
             return None
         remaining = disk_entry.expires - self.disk.clock()
+        born = self.memory.clock() - (self.disk.clock() - disk_entry.created)  # its age, in the memory clock
+        if born + self.memory.max_lifetime <= self.memory.clock():  # past its maximum lifetime (a lowered one)
+            self.disk.delete(key)
+            return None
         raw = np.frombuffer(payload, dtype=np.uint8)
         if checksum(raw) != value:
             self.disk.delete(key)
@@ -117,7 +124,7 @@ class Spill:
         device_data = data if self.memory.device.type == "cpu" else data.to(self.memory.device)
         stored = self.memory.commit(reservation, key=key, fingerprint=fp, parent=parent, index=index,
                                     data=device_data, checksum_value=value, shape=shape, dtype=dtype,
-                                    ttl=max(remaining, 0.001))
+                                    ttl=max(remaining, 0.001), born=born)
         if self.tenancy is not None:
             if stored:
                 self.tenancy.committed(owner, key, charged)

@@ -11,6 +11,7 @@ clients instead of copying).
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -70,13 +71,14 @@ class Entry:
     checksum: int       # xxh3_64 of the bytes as received
     shape: tuple[int, ...]
     dtype: int          # promptcache.v1.DType value of the logical tensor
-    created: float
-    expires: float
+    created: float      # stored in this tier (memory clock)
+    expires: float      # sliding: every hit moves it to now + TTL, never past born + the maximum lifetime
     accounted: int
     leases: int = 0
     evicted: bool = False
     last_access: float = field(default=0.0)
     memfd: SealedChunk | None = None  # set when `data` is a sealed memfd's mapping: the chunk can be lent
+    born: float | None = None  # first stored in any tier (memory clock; a promoted chunk keeps its age); None: created
     _array: np.ndarray | None = field(default=None, repr=False)
     _lent_frame: tuple[pb.ChunkBegin, bytes] | None = field(default=None, repr=False)
 
@@ -121,12 +123,13 @@ def checksum(buf) -> int:
 class MemoryTier:
     def __init__(self, budget_bytes: int, device: torch.device, policy: EvictionPolicy, ttl_seconds: float,
                  clock: Callable[[], float] = time.monotonic, on_evict: EvictionListener | None = None,
-                 host_memory: ChunkMemory | None = None):
+                 host_memory: ChunkMemory | None = None, max_lifetime_seconds: float = math.inf):
         if budget_bytes <= 0:
             raise ValueError("budget must be positive")
         self.device = device
         self.policy = policy
-        self.ttl = ttl_seconds
+        self.ttl = ttl_seconds  # sliding: an entry lives this long after its last hit (Get, promotion)...
+        self.max_lifetime = max_lifetime_seconds  # ...and never longer than this after it was first stored
         self.clock = clock
         self.on_evict = on_evict or (lambda entry, reason, age: None)
         self._budget = budget_bytes
@@ -239,9 +242,10 @@ class MemoryTier:
 
     def commit(self, reservation: Reservation, *, key: bytes, fingerprint: bytes, parent: bytes, index: int,
                data: torch.Tensor, checksum_value: int, shape: tuple[int, ...], dtype: int,
-               ttl: float | None = None) -> bool:
+               ttl: float | None = None, born: float | None = None) -> bool:
         """Insert a fully received, verified chunk (living `ttl` seconds, default the tier's TTL; a chunk
-        promoted from disk keeps what it had left). False if an equal key won the race (bytes released).
+        promoted from disk keeps what it had left and its birth time `born`, so its maximum lifetime counts from
+        its first store). False if an equal key won the race (bytes released).
         A chunk stored in its reservation's memfd is sealed here: from now on its bytes cannot change."""
         memfd = reservation.memfd if data is reservation.host and reservation.memfd is not None else None
         if memfd is not None and not memfd.sealed and not memfd.seal():
@@ -258,9 +262,10 @@ class MemoryTier:
                 return False
             if existing is not None:
                 self._remove(existing, "ttl")
+            born = now if born is None else born
             entry = Entry(key, fingerprint, parent, index, data, checksum_value, shape, dtype, now,
-                          now + (self.ttl if ttl is None else ttl), reservation.accounted, last_access=now,
-                          memfd=memfd)
+                          min(now + (self.ttl if ttl is None else ttl), born + self.max_lifetime),
+                          reservation.accounted, last_access=now, memfd=memfd, born=born)
             self._entries[key] = entry
             self._used += entry.accounted
             self.policy.inserted(key, entry.nbytes, parent)
@@ -293,8 +298,13 @@ class MemoryTier:
                 return None
             entry.leases += 1
             entry.last_access = now
+            entry.expires = min(now + self.ttl, self.birth(entry) + self.max_lifetime)  # a hit extends its life
             self.policy.accessed(key)
             return entry
+
+    @staticmethod
+    def birth(entry: Entry) -> float:
+        return entry.created if entry.born is None else entry.born
 
     def release_lease(self, entry: Entry) -> None:
         with self._lock:

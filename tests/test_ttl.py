@@ -1,0 +1,135 @@
+"""Sliding TTL with an absolute cap: every hit extends an entry's life by --ttl-seconds, never past
+--max-lifetime-seconds after it was first stored, in memory, on disk and across a restart. Lookups look without
+extending (a hit is a chunk served)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from promptcache.client import PromptCacheClient
+from promptcache.layout import chunk_nbytes
+from promptcache.sidecar.policies import make_policy
+from promptcache.sidecar.store import MemoryTier
+from support import CHUNK, SMALL, make_kv
+
+CHUNK_BYTES = chunk_nbytes(SMALL, CHUNK)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def stored_tier(clock: Clock, ttl: float, lifetime: float) -> MemoryTier:
+    tier = MemoryTier(1 << 20, torch.device("cpu"), make_policy("lru", capacity=1 << 20), ttl_seconds=ttl,
+                      clock=clock, max_lifetime_seconds=lifetime)
+    r = tier.reserve(64, b"k", b"\0" * 32)
+    data = tier.host_buffer(r)
+    tier.commit(r, key=b"k", fingerprint=b"f", parent=b"\0" * 32, index=0, data=data, checksum_value=0,
+                shape=(64,), dtype=0)
+    return tier
+
+
+def hit(tier: MemoryTier) -> bool:
+    entry = tier.acquire(b"k", b"f")
+    if entry is None:
+        return False
+    tier.release_lease(entry)
+    return True
+
+
+def test_each_hit_extends_the_life_up_to_the_cap():
+    clock = Clock()
+    tier = stored_tier(clock, ttl=10, lifetime=25)
+    for _ in range(2):                      # hits at +8 and +16: each gives 10 s more
+        clock.t += 8
+        assert hit(tier)
+    clock.t += 8                            # +24: last hit 8 s ago, within the TTL and the cap
+    assert hit(tier)
+    clock.t += 1.5                          # +25.5: hit 1.5 s ago, but past the 25 s cap
+    assert not hit(tier) and tier.usage()["entries"] == 0
+
+
+def test_without_hits_an_entry_lives_its_ttl_and_lookups_do_not_extend_it():
+    clock = Clock()
+    tier = stored_tier(clock, ttl=10, lifetime=100)
+    for _ in range(3):
+        clock.t += 3
+        assert tier.peek(b"k", b"f") is not None   # a Lookup looks, it does not use
+    clock.t += 1.5                                 # +10.5
+    assert tier.peek(b"k", b"f") is None
+
+
+def test_a_cap_below_the_ttl_wins():
+    clock = Clock()
+    tier = stored_tier(clock, ttl=10, lifetime=4)
+    clock.t += 4.5
+    assert not hit(tier)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_the_cap_must_be_positive(value):
+    from promptcache.sidecar import config
+
+    with pytest.raises(ValueError, match="max-lifetime-seconds"):
+        config.settings_from_args(config_args(["--max-lifetime-seconds", value]), environ={})
+
+
+def config_args(argv):
+    import argparse
+
+    from promptcache.sidecar import config
+
+    p = argparse.ArgumentParser()
+    config.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_sliding_ttl_through_a_real_sidecar(sidecar_factory):
+    """Hot prompt: served past its TTL because it keeps being read, gone at the cap. Cold prompt: gone after one
+    TTL. Times are coarse (seconds) so a loaded machine does not decide the result."""
+    sidecar = sidecar_factory(ttl_seconds=2.0, max_lifetime_seconds=5.0)
+    hot, cold = list(range(2 * CHUNK)), list(range(10_000, 10_000 + 2 * CHUNK))
+    with PromptCacheClient(sidecar.address, timeout=10) as c:
+        t0 = time.monotonic()
+        c.put(SMALL, hot, make_kv(SMALL, len(hot)))
+        c.put(SMALL, cold, make_kv(SMALL, len(cold), seed=1))
+        for at in (1.0, 2.0, 3.0):
+            time.sleep(max(0.0, t0 + at - time.monotonic()))
+            assert c.get(SMALL, hot)[0] == 2 * CHUNK, f"hot prompt missing at +{time.monotonic() - t0:.1f} s"
+        time.sleep(max(0.0, t0 + 3.5 - time.monotonic()))
+        assert c.lookup(SMALL, hot).cached_tokens == 2 * CHUNK   # 3.5 s after its store: beyond a fixed TTL
+        assert c.lookup(SMALL, cold).cached_tokens == 0          # no hits: one TTL
+        time.sleep(max(0.0, t0 + 4.5 - time.monotonic()))
+        assert c.get(SMALL, hot)[0] == 2 * CHUNK                 # a hit at 4.5 s extends only to the 5 s cap
+        time.sleep(max(0.0, t0 + 5.6 - time.monotonic()))
+        assert c.lookup(SMALL, hot).cached_tokens == 0
+
+
+def test_cap_counts_from_the_first_store_across_disk_and_a_restart(sidecar_factory, tmp_path):
+    """Stored, kept hot, demoted at a graceful stop, read back after a restart: still capped at its first store
+    (not at its demotion or promotion)."""
+    tiered = dict(memory_bytes=8 * CHUNK_BYTES, disk_bytes=64 << 20, data_dir=str(tmp_path / "data"),
+                  ttl_seconds=4.0, max_lifetime_seconds=8.0)
+    tokens = list(range(3 * CHUNK))
+    first = sidecar_factory(**tiered)
+    t0 = time.monotonic()
+    with PromptCacheClient(first.address, timeout=10) as c:
+        c.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+        time.sleep(3.0)
+        assert c.get(SMALL, tokens)[0] == 3 * CHUNK
+    first.stop()   # graceful: memory demoted to disk, with its remaining TTL and its birth
+    second = sidecar_factory(**tiered)
+    with PromptCacheClient(second.address, timeout=10) as c:
+        assert [ch.tier for ch in c.lookup(SMALL, tokens).chunks] == ["disk"] * 3
+        for at in (5.0, 7.0):   # promoted, then hit: each extends by 4 s, up to t0 + 8
+            time.sleep(max(0.0, t0 + at - time.monotonic()))
+            assert c.get(SMALL, tokens)[0] == 3 * CHUNK, f"missing at +{time.monotonic() - t0:.1f} s"
+        time.sleep(max(0.0, t0 + 8.6 - time.monotonic()))
+        # Counted from the demotion (t0 + 3) the cap would be t0 + 11 and the last hit (t0 + 7) would hold it.
+        assert c.lookup(SMALL, tokens).cached_tokens == 0
