@@ -40,6 +40,10 @@ class Closed(FramingError):
     """The peer closed the connection between frames."""
 
 
+class Cut(FramingError):
+    """The peer closed the connection in the middle of a frame or of the bytes after one."""
+
+
 def parse_address(address: str) -> tuple[int, object]:
     """'unix:/path' or 'unix:///path' -> (AF_UNIX, path); 'HOST:PORT' -> (AF_INET or AF_INET6, (host, port)).
     Raises ValueError naming what is wrong."""
@@ -91,14 +95,35 @@ def send_chunk(sock: socket.socket, begin: pb.ChunkBegin, data) -> None:
         sock.sendall(body[sent - len(head):])
 
 
+_IOV_MAX = 1024  # buffers one sendmsg takes at most (Linux's UIO_MAXIOV)
+
+
+def send_buffers(sock: socket.socket, buffers) -> None:
+    """Send buffers one after another with as few sendmsg calls as the socket allows (scatter-gather: none of
+    them is copied or joined here)."""
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i:i + _IOV_MAX])
+        while sent:
+            n = views[i].nbytes
+            if sent < n:
+                views[i] = views[i][sent:]
+                break
+            sent -= n
+            i += 1
+
+
 def recv_into(sock: socket.socket, buffer) -> None:
-    """Fill `buffer` (any writable buffer) from the socket; FramingError if the peer closes first."""
+    """Fill `buffer` (any writable buffer) from the socket; FramingError if the peer closes first. A blocking
+    socket (no timeout) waits for all of it in one call (MSG_WAITALL)."""
     view = memoryview(buffer).cast("B")
     got, total = 0, view.nbytes
+    flags = socket.MSG_WAITALL if sock.gettimeout() is None else 0
     while got < total:
-        n = sock.recv_into(view[got:])
+        n = sock.recv_into(view[got:], 0, flags)
         if n == 0:
-            raise FramingError(f"connection closed after {got} of {total} bytes")
+            raise Cut(f"connection closed after {got} of {total} bytes")
         got += n
 
 
@@ -150,7 +175,7 @@ def _parse(body: bytes) -> pb.BulkFrame:
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError
         raise FramingError(f"frame of {len(body)} bytes is not a valid BulkFrame ({type(exc).__name__})") from None
     if frame.WhichOneof("frame") is None:
-        raise FramingError("frame carries none of hello, get, chunk, status")
+        raise FramingError("frame carries none of hello, get, chunk, status, buffer, put")
     return frame
 
 

@@ -24,9 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transports", default="tcp,unix,shm,bulk-tcp,bulk-unix,bulk-shm,bulk-lent",
                    help="tcp, unix (gRPC, bytes streamed over the socket), shm (gRPC on the unix socket for "
                         "metadata, bytes through shared memory), bulk-tcp, bulk-unix (Get over the bulk channel, "
-                        "docs/bulk-channel.md; Put over gRPC), bulk-shm (bulk channel on the unix socket, bytes "
-                        "copied into a memfd shared with the sidecar), bulk-lent (bulk channel on the unix "
-                        "socket, chunks lent as the sidecar's own sealed memfds: zero copy, the default)")
+                        "docs/bulk-channel.md, bytes on the socket both ways), bulk-shm (bulk channel on the unix "
+                        "socket, Get's bytes copied into a memfd shared with the sidecar, Put's copied out of it), "
+                        "bulk-lent (bulk channel on the unix socket, Get's chunks lent as the sidecar's own sealed "
+                        "memfds: zero copy, the default; Put as bulk-shm)")
     p.add_argument("--block-seconds", type=float, default=0.02,
                    help="in each round, each contender runs a block of calls lasting about this long (at most 20 "
                         "calls; the same count for all, sized by the slowest); 0: one call each per round")
@@ -141,14 +142,7 @@ def run(args) -> int:
                     res = client.put_blobs(spec, tokens, blobs)
                     assert res.stored_chunks == size, res
 
-                put_s = _median_seconds(put_once, args.repeats)
                 tokens = list(range(size * chunk_tokens))
-                client.put_blobs(spec, tokens, blobs)
-
-                def get_once(copy=True):
-                    got = client.get_blobs(spec, tokens, copy=copy)
-                    assert len(got) == size
-
                 keys = [f"bench:{size}:{i}" for i in range(size)]
 
                 def redis_put():
@@ -157,11 +151,19 @@ def run(args) -> int:
                         pipe.set(k, v)
                     pipe.execute()
 
+                # Each Put stores a new prefix (the sidecar evicts the oldest when full); each SET overwrites.
+                puts = _interleaved_medians({"put": put_once, "redis": redis_put}, args.repeats, args.block_seconds)
+                put_s, rput_s = puts["put"], puts["redis"]
+                client.put_blobs(spec, tokens, blobs)
+
+                def get_once(copy=True):
+                    got = client.get_blobs(spec, tokens, copy=copy)
+                    assert len(got) == size
+
                 def redis_get():
                     got = rc.mget(keys)
                     assert len(got) == size and all(len(g) == chunk_bytes for g in got)
 
-                rput_s = _median_seconds(redis_put, args.repeats)
                 gets = {"get": get_once, "redis": redis_get}
                 if t == "shm" or t.startswith("bulk"):
                     # Views of the reused receive buffer: what get() decodes from (shm and bulk paths have them).

@@ -149,9 +149,9 @@ HELP = {
     "disk_min_free_bytes": "spilling stops while the data folder's filesystem has less free space than this",
     "shm_dir": "folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which node-local "
                "clients pass chunk bytes instead of streaming them; empty disables the fast path",
-    "bulk_address": "bulk channel for Get (docs/bulk-channel.md): HOST:PORT or unix:/PATH of a plain socket "
-                    "that streams chunk bytes without gRPC's per-call cost, or several, comma-separated (a unix "
-                    "socket for zero copy and TCP for other pods); empty disables it",
+    "bulk_address": "bulk channel for Get and Put (docs/bulk-channel.md): HOST:PORT or unix:/PATH of a plain "
+                    "socket that streams chunk bytes without gRPC's per-call cost, or several, comma-separated (a "
+                    "unix socket for zero copy and TCP for other pods); empty disables it",
     "bulk_max_connections": "open bulk-channel connections at most (one thread each); more are refused",
     "bulk_zero_copy": "on a unix-socket bulk channel, lend stored chunks to clients as sealed read-only memfds "
                       "instead of copying them (docs/bulk-channel.md); a client can then keep an evicted "
