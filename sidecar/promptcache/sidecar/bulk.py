@@ -10,7 +10,6 @@ Put copies into the reserved chunk. One thread per connection, at most --bulk-ma
 from __future__ import annotations
 
 import fcntl
-import functools
 import logging
 import mmap
 import os
@@ -79,6 +78,9 @@ class BulkServer:
         self.idle_seconds = idle_seconds or None
         self.max_call_seconds = max_call_seconds
         self.lend = lend and self.family == socket.AF_UNIX  # descriptors only cross unix sockets
+        from promptcache.sidecar.server import RpcFailure  # server.py imports this module: not at the top
+
+        self._refusals = (RpcFailure, CallRejected)  # what the service raises for a status
         self._listener: socket.socket | None = None
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -332,8 +334,6 @@ class BulkServer:
         A chunk is stored when all its bytes have arrived and verified; a cut connection stores nothing of the
         chunk it was in. After a failure the rest of the Put is read and dropped, so the connection stays in
         step (a client still sending then reads the status)."""
-        from promptcache.sidecar.server import RpcFailure
-
         start = time.perf_counter()
         if self.authenticator.enabled and self.authenticator.authenticate(context) is None:
             self.metrics.requests.labels(PUT_RPC, "UNAUTHENTICATED").inc()
@@ -345,11 +345,14 @@ class BulkServer:
         code, message, result = grpc.StatusCode.OK, "", None
         # Blocking reads for the Put's bytes (a socket with a timeout polls before every read, and a blocking
         # one waits for whole pieces: MSG_WAITALL), with the kernel's own timeouts keeping the idle limit.
-        _kernel_timeouts(conn, self.idle_seconds)
+        _connection.kernel_timeouts(conn, self.idle_seconds)
         conn.settimeout(None)
         try:
-            result = _unobserved_put(self.service)(iter(frames), context)
-        except (RpcFailure, CallRejected) as exc:
+            frames.check()
+            # KVCacheService.Put without its gRPC wrapper, which would count the call as rpc="Put" and answer
+            # through context.abort: the bulk channel counts its own calls and answers with a status frame.
+            result = type(self.service).Put.__wrapped__(self.service, iter(frames), context)
+        except self._refusals as exc:
             code, message = exc.code, exc.message
         except bulkwire.Cut:
             self.metrics.requests.labels(PUT_RPC, "CANCELLED").inc()  # the client went away mid-put
@@ -384,18 +387,30 @@ class BulkServer:
             pass
 
 
-def _kernel_timeouts(conn: socket.socket, seconds: float | None) -> None:
-    """SO_RCVTIMEO and SO_SNDTIMEO: what a blocking socket's reads and writes wait at most (None: forever)."""
-    whole = int(seconds or 0)
-    value = struct.pack("ll", whole, int(((seconds or 0) - whole) * 1e6))
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+class _ConnectionState(threading.local):
+    """Per connection (each has its own thread): what its Puts reuse."""
+
+    buffer = bytearray()  # Put bytes are received here: reused, so its pages are already faulted in
+    timeouts_set = False
+
+    def receive_buffer(self, n: int) -> bytearray:
+        if len(self.buffer) < n:
+            self.buffer = bytearray(n)
+        return self.buffer
+
+    def kernel_timeouts(self, conn: socket.socket, seconds: float | None) -> None:
+        """SO_RCVTIMEO and SO_SNDTIMEO, once per connection: what its reads and writes wait at most while it
+        is blocking (None: forever)."""
+        if self.timeouts_set:
+            return
+        whole = int(seconds or 0)
+        value = struct.pack("ll", whole, int(((seconds or 0) - whole) * 1e6))
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        self.timeouts_set = True
 
 
-def _unobserved_put(service):
-    """KVCacheService.Put without its gRPC wrapper (which counts the call as rpc="Put" and answers through
-    context.abort): the bulk channel counts its own calls and answers with a status frame."""
-    return functools.partial(type(service).Put.__wrapped__, service)
+_connection = _ConnectionState()
 
 
 class _Data:
@@ -429,7 +444,7 @@ class _PutFrames:
         self.remaining = put.chunks  # chunk frames not read yet
         self.unread = 0  # bytes after the last chunk frame not read yet
 
-    def __iter__(self):
+    def check(self) -> None:
         from promptcache.sidecar.server import invalid
 
         if self.put.header.shared_buffer:
@@ -437,6 +452,8 @@ class _PutFrames:
                           "use the memfd attached by a buffer frame")
         if self.put.shared_buffer and self.shared is None:
             raise invalid("put.shared_buffer is set but no buffer frame attached a memfd on this connection")
+
+    def __iter__(self):
         yield pb.PutRequest(header=self.put.header)
         while self.remaining:
             if self.deadline and time.perf_counter() > self.deadline:
@@ -466,8 +483,7 @@ class _PutFrames:
         return frame.chunk
 
     def _receive(self, n: int) -> memoryview:
-        buffer = _receive_buffer(n)
-        view = memoryview(buffer)[:n]
+        view = memoryview(_connection.receive_buffer(n))[:n]
         bulkwire.recv_into(self.conn, view)
         self.unread -= n
         return view
@@ -484,18 +500,6 @@ class _PutFrames:
             if self.deadline and time.perf_counter() > self.deadline:
                 raise bulkwire.Closed("a failed put ran past --max-call-seconds while its rest was read")
             self._chunk_frame()
-
-
-_receive_buffers = threading.local()
-
-
-def _receive_buffer(n: int) -> bytearray:
-    """This thread's (so this connection's) receive buffer for Put bytes, at least n bytes: reused, so its pages
-    are already faulted in."""
-    buffer = getattr(_receive_buffers, "buffer", None)
-    if buffer is None or len(buffer) < n:
-        buffer = _receive_buffers.buffer = bytearray(n)
-    return buffer
 
 
 class _SharedBuffer:
