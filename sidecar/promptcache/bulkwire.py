@@ -44,6 +44,30 @@ class Cut(FramingError):
     """The peer closed the connection in the middle of a frame or of the bytes after one."""
 
 
+SOCKET_BUFFER_BYTES = 4 << 20  # kernel buffer asked for on each side of a bulk connection
+
+
+def _sysctl(name: str) -> int:
+    try:
+        with open(f"/proc/sys/net/core/{name}") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
+def large_buffers(sock: socket.socket) -> None:
+    """Kernel buffers of several MiB on a bulk socket (before connect or listen, so TCP's window scale fits):
+    a whole chunk then fits, and a call blocks and wakes up fewer times (each wake-up waits for a CPU on a busy
+    node). Only where the system allows that much (net.core.wmem_max, rmem_max): a smaller explicit size would
+    turn off TCP's own buffer tuning and be worse than leaving it."""
+    for option, limit in ((socket.SO_SNDBUF, "wmem_max"), (socket.SO_RCVBUF, "rmem_max")):
+        if _sysctl(limit) >= SOCKET_BUFFER_BYTES:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+            except OSError:
+                pass
+
+
 def parse_address(address: str) -> tuple[int, object]:
     """'unix:/path' or 'unix:///path' -> (AF_UNIX, path); 'HOST:PORT' -> (AF_INET or AF_INET6, (host, port)).
     Raises ValueError naming what is wrong."""

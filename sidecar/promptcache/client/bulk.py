@@ -47,6 +47,7 @@ class _Connection:
         self.timeout = timeout  # what the socket has now: setting it costs a system call
         if family != socket.AF_UNIX:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        bulkwire.large_buffers(self.sock)
         self.sock.connect(sockaddr)
         want_lent = shared_memory and zero_copy
         self.reader = bulkwire.FrameReader(self.sock, descriptors=want_lent)

@@ -102,6 +102,7 @@ class BulkServer:
                     os.unlink(self.sockaddr)
             else:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            bulkwire.large_buffers(sock)  # connections accepted from it inherit them
             sock.bind(self.sockaddr)
             sock.listen(128)
         except OSError as exc:
