@@ -16,12 +16,20 @@ def test_throughput_bench_prints_every_transport_against_redis(tmp_path, capsys)
     out = tmp_path / "throughput.md"
     assert main(["bench", "throughput", "--sizes-mb", "1", "--repeats", "1", "--transports",
                  "tcp,shm,bulk-tcp,bulk-shm,bulk-lent", "--output", str(out)]) == 0
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| 1 MiB")]
+    throughput, profile = out.read_text().split("CPU ms per call")
+    rows = [line for line in throughput.splitlines() if line.startswith("| 1 MiB")]
     assert [r.split("|")[2].strip() for r in rows] == ["tcp", "shm", "shm, views", "bulk-tcp", "bulk-tcp, views",
                                                        "bulk-shm", "bulk-shm, views", "bulk-lent", "bulk-lent, views"]
     for r in rows:
         ratio = r.split("|")[9].strip()
         assert ratio.endswith("x") and float(ratio[:-1]) > 0
+    # Where each call's CPU goes: the client (this process) and the server that answered it, both at work.
+    cpu = {r.split("|")[2].strip(): [float(x) for x in r.split("|")[3:6]]
+           for r in profile.splitlines() if r.startswith("| 1 MiB")}
+    for call in ("bulk-tcp Put", "bulk-tcp Redis SET", "bulk-tcp Get, owned", "bulk-tcp Redis GET",
+                 "bulk-lent Get, views"):
+        client, server, total = cpu[call]
+        assert client > 0 and server > 0 and total == pytest.approx(client + server, abs=0.011)
 
 
 def test_latency_bench_reports_grpc_floor_and_bulk_share(capsys):

@@ -60,9 +60,9 @@ def _get(s: socket.socket, request: pb.GetRequest) -> tuple[list[bytes], pb.Bulk
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("transport", ["unix-lent", "unix-memfd", "unix", "tcp"])
-def test_bulk_get_is_bit_identical(sidecar_factory, tmp_path, dtype, transport):
-    """unix-lent: chunks lent as sealed memfds (zero copy); unix-memfd: copied into the client's memfd (the
-    sidecar's zero copy off); unix, tcp: bytes on the socket."""
+def test_bulk_put_and_get_are_bit_identical(sidecar_factory, tmp_path, dtype, transport):
+    """unix-lent: chunks lent as sealed memfds (zero copy), put through the client's memfd; unix-memfd: put
+    and got through the client's memfd (the sidecar's zero copy off); unix, tcp: bytes on the socket."""
     address = f"unix:{tmp_path}/bulk.sock" if transport.startswith("unix") else f"127.0.0.1:{free_port()}"
     sidecar = sidecar_factory(bulk_address=address,
                               bulk_zero_copy="on" if transport == "unix-lent" else "off" if address[0] == "u"
@@ -77,10 +77,12 @@ def test_bulk_get_is_bit_identical(sidecar_factory, tmp_path, dtype, transport):
     for (k, v), (gk, gv) in zip(kv, got):
         assert gk.dtype == k.dtype and torch.equal(gk, k) and torch.equal(gv, v)
     # It really went over the bulk channel, not the gRPC fallback.
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkPut"}') == 1
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Put"}') == 0
     assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkGet"}') == 1
     assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Get"}') == 0
     assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkBuffer"}') == (
-        1 if transport == "unix-memfd" else 0)
+        1 if transport in ("unix-lent", "unix-memfd") else 0)
     assert metric(sidecar, "promptcache_bulk_lent_chunks_total") == (3 if transport == "unix-lent" else 0)
 
 
@@ -406,3 +408,277 @@ def test_bulk_get_slower_than_max_call_seconds_is_cancelled(sidecar_factory, tmp
     assert status.code == grpc.StatusCode.CANCELLED.value[0] and "--max-call-seconds" in status.message
     assert 0 < len(chunks) < 8
     s.close()
+
+
+# --- Put over the bulk channel ------------------------------------------------------------------------------
+SHAPE = [SMALL.num_layers, 2, SMALL.num_kv_heads, CHUNK, SMALL.head_dim]
+NBYTES = 2 * SMALL.num_layers * SMALL.num_kv_heads * CHUNK * SMALL.head_dim * 4  # float32
+
+
+def _begin(index: int, data: bytes, **overrides) -> pb.ChunkBegin:
+    import xxhash
+
+    fields = dict(index=index, nbytes=len(data), shape=SHAPE, dtype=pb.DTYPE_FLOAT32,
+                  xxh3_64=xxhash.xxh3_64_intdigest(data))
+    fields.update(overrides)
+    return pb.ChunkBegin(**fields)
+
+
+def _send_put(s: socket.socket, chunks: list[tuple[pb.ChunkBegin, bytes]], tokens=TOKENS,
+              model: pb.Model | None = None) -> None:
+    header = pb.PutHeader(model=model or model_to_proto(SMALL), tokens=tokens)
+    bulkwire.send(s, pb.BulkFrame(put=pb.BulkPut(header=header, chunks=len(chunks))))
+    for begin, data in chunks:
+        bulkwire.send(s, pb.BulkFrame(chunk=begin))
+        s.sendall(data)
+
+
+def _bulk_put(s: socket.socket, chunks, **kwargs) -> pb.BulkStatus:
+    _send_put(s, chunks, **kwargs)
+    return bulkwire.recv(s).status
+
+
+def _grpc_put(sidecar, chunks, tokens=TOKENS, model: pb.Model | None = None) -> grpc.RpcError | pb.PutResponse:
+    from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+    def frames():
+        yield pb.PutRequest(header=pb.PutHeader(model=model or model_to_proto(SMALL), tokens=tokens))
+        for begin, data in chunks:
+            yield pb.PutRequest(chunk=begin)
+            yield pb.PutRequest(data=data)
+
+    with grpc.insecure_channel(sidecar.address) as channel:
+        try:
+            return pb_grpc.KVCacheStub(channel).Put(frames(), timeout=10)
+        except grpc.RpcError as exc:
+            return exc
+
+
+def _blob(seed: int, nbytes: int = NBYTES) -> bytes:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+                         ).numpy().tobytes()
+
+
+def test_bulk_put_hello_says_puts_are_taken(bulk_sidecar):
+    s = _raw(bulk_sidecar)
+    assert _hello(s).puts
+    s.close()
+
+
+def test_bulk_put_answers_like_grpc_put_and_stores_bit_identical_bytes(bulk_sidecar):
+    s = _raw(bulk_sidecar)
+    assert _hello(s).code == 0
+    blobs = [_blob(i) for i in range(3)]
+    status = _bulk_put(s, [(_begin(i, b), b) for i, b in enumerate(blobs)])
+    assert status.code == 0 and status.put == pb.PutResponse(stored_chunks=3, stored_bytes=3 * NBYTES)
+    # Again: already cached, skipped, as gRPC Put answers.
+    status = _bulk_put(s, [(_begin(i, b), b) for i, b in enumerate(blobs)])
+    assert status.code == 0 and status.put == pb.PutResponse(skipped_chunks=3)
+    chunks, status = _get(s, pb.GetRequest(model=model_to_proto(SMALL), tokens=TOKENS))
+    assert status.code == 0 and chunks == blobs
+    s.close()
+    assert metric(bulk_sidecar, 'promptcache_requests_total{code="OK",rpc="BulkPut"}') == 2
+    assert metric(bulk_sidecar, 'promptcache_request_duration_seconds_count{rpc="BulkPut"}') == 2
+
+
+def _cases():
+    good = _blob(0)
+    return [
+        ("oversize", [(_begin(0, _blob(1, 2 * NBYTES)), _blob(1, 2 * NBYTES))], grpc.StatusCode.RESOURCE_EXHAUSTED,
+         "--max-chunk-bytes"),
+        ("wrong nbytes", [(_begin(0, good[:-8]), good[:-8])], grpc.StatusCode.INVALID_ARGUMENT, "need exactly"),
+        ("wrong shape", [(_begin(0, good, shape=[2, 2, 2, CHUNK, 4]), good)], grpc.StatusCode.INVALID_ARGUMENT,
+         "does not match the model's layout"),
+        ("wrong dtype", [(_begin(0, good, dtype=pb.DTYPE_FLOAT16), good)], grpc.StatusCode.INVALID_ARGUMENT,
+         "dtype"),
+        ("index past the tokens", [(_begin(5, good), good)], grpc.StatusCode.INVALID_ARGUMENT, "chunk index 5"),
+        ("sent twice", [(_begin(0, good), good), (_begin(0, good), good)], grpc.StatusCode.INVALID_ARGUMENT,
+         "sent twice"),
+        ("bad checksum", [(_begin(0, good, xxh3_64=12345), good)], grpc.StatusCode.DATA_LOSS, "checksum"),
+    ]
+
+
+@pytest.mark.parametrize("name, chunks, code, words", _cases(), ids=[c[0] for c in _cases()])
+def test_bulk_put_refuses_what_grpc_put_refuses_with_the_same_status(sidecar_factory, tmp_path, name, chunks, code,
+                                                                      words):
+    sidecar = sidecar_factory(bulk_address=f"unix:{tmp_path}/bulk.sock", max_chunk_bytes=NBYTES)
+    grpc_error = _grpc_put(sidecar, chunks)
+    assert isinstance(grpc_error, grpc.RpcError) and grpc_error.code() == code and words in grpc_error.details()
+    stored = sidecar.tier.usage()["used"]  # what gRPC Put stored before the bad frame (chunk 0 of "sent twice")
+    s = _raw(sidecar)
+    assert _hello(s).code == 0
+    status = _bulk_put(s, chunks)
+    assert status.code == code.value[0] and status.message == grpc_error.details()
+    assert metric(sidecar, f'promptcache_requests_total{{code="{code.name}",rpc="BulkPut"}}') == 1
+    assert sidecar.tier.usage()["used"] == stored
+    # The rest of the failed put was read: the connection is in step and the next put is stored.
+    good = [(_begin(i, b), b) for i, b in enumerate(_blob(10 + i) for i in range(3))]
+    assert _bulk_put(s, good, tokens=[t + 50_000 for t in TOKENS]).put.stored_chunks == 3
+    s.close()
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_bulk_put_cut_short_stores_nothing_of_the_cut_chunk(sidecar_factory, tmp_path, transport):
+    address = f"unix:{tmp_path}/bulk.sock" if transport == "unix" else f"127.0.0.1:{free_port()}"
+    sidecar = sidecar_factory(bulk_address=address)
+    s = _raw(sidecar)
+    assert _hello(s).code == 0
+    first, second = _blob(1), _blob(2)
+    header = pb.PutHeader(model=model_to_proto(SMALL), tokens=TOKENS)
+    bulkwire.send(s, pb.BulkFrame(put=pb.BulkPut(header=header, chunks=2)))
+    bulkwire.send(s, pb.BulkFrame(chunk=_begin(0, first)))
+    s.sendall(first)
+    bulkwire.send(s, pb.BulkFrame(chunk=_begin(1, second)))
+    s.sendall(second[:len(second) // 2])
+    s.close()  # cut in the middle of chunk 1
+    deadline = time.monotonic() + 5
+    while metric(sidecar, 'promptcache_requests_total{code="CANCELLED",rpc="BulkPut"}') == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with PromptCacheClient(sidecar.address) as c:
+        assert [bytes(b.numpy()) for b in c.get_blobs(SMALL, TOKENS)] == [first]  # chunk 0 whole, chunk 1 not
+    usage = sidecar.tier.usage()
+    assert usage["entries"] == 1 and usage["used"] == NBYTES  # the cut chunk's reservation was released
+
+
+def test_bulk_put_stalled_mid_chunk_is_dropped_and_stores_nothing_of_it(sidecar_factory, tmp_path):
+    sidecar = sidecar_factory(bulk_address=f"unix:{tmp_path}/bulk.sock", stream_idle_seconds=0.3)
+    s = _raw(sidecar)
+    assert _hello(s).code == 0
+    data = _blob(1)
+    header = pb.PutHeader(model=model_to_proto(SMALL), tokens=TOKENS)
+    bulkwire.send(s, pb.BulkFrame(put=pb.BulkPut(header=header, chunks=1)))
+    bulkwire.send(s, pb.BulkFrame(chunk=_begin(0, data)))
+    s.sendall(data[:100])
+    time.sleep(1.0)
+    assert s.recv(1) == b""  # dropped after --stream-idle-seconds
+    assert sidecar.tier.usage()["used"] == 0 and sidecar.tier.usage()["entries"] == 0
+    s.close()
+
+
+def test_bulk_put_frames_are_bounded(bulk_sidecar):
+    s = _raw(bulk_sidecar)
+    assert _hello(s).code == 0
+    header = pb.PutHeader(model=model_to_proto(SMALL), tokens=TOKENS)
+    bulkwire.send(s, pb.BulkFrame(put=pb.BulkPut(header=header, chunks=1)))
+    s.sendall(struct.pack("<I", 1 << 20))  # a "chunk frame" of 1 MiB
+    status = bulkwire.recv(s).status
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "over the limit" in status.message
+    assert s.recv(1) == b""
+    s.close()
+    # A get frame where a chunk frame belongs is a framing error too.
+    s = _raw(bulk_sidecar)
+    assert _hello(s).code == 0
+    bulkwire.send(s, pb.BulkFrame(put=pb.BulkPut(header=header, chunks=1)))
+    bulkwire.send(s, pb.BulkFrame(get=pb.GetRequest()))
+    status = bulkwire.recv(s).status
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "is a get" in status.message
+    s.close()
+    assert bulk_sidecar.tier.usage()["used"] == 0
+
+
+def test_bulk_put_shared_buffer_offsets_are_checked(bulk_sidecar):
+    import os
+
+    s = _raw(bulk_sidecar)
+    assert _hello(s).code == 0
+    header = pb.PutHeader(model=model_to_proto(SMALL), tokens=TOKENS)
+    data = _blob(3)
+    # No buffer attached yet.
+    bulkwire.send(s, pb.BulkFrame(put=pb.BulkPut(header=header, chunks=1, shared_buffer=True)))
+    bulkwire.send(s, pb.BulkFrame(chunk=_begin(0, data)))
+    status = bulkwire.recv(s).status
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "no buffer frame" in status.message
+    fd = _memfd(2 * NBYTES)
+    os.pwrite(fd, data, NBYTES)
+    bulkwire.send_with_fd(s, pb.BulkFrame(buffer=pb.BulkBuffer(length=2 * NBYTES)), fd)
+    assert bulkwire.recv(s).status.code == 0
+    bulkwire.send(s, pb.BulkFrame(put=pb.BulkPut(header=header, chunks=1, shared_buffer=True)))
+    bulkwire.send(s, pb.BulkFrame(chunk=_begin(0, data, buffer_offset=NBYTES + 8)))
+    status = bulkwire.recv(s).status
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "runs past" in status.message
+    bulkwire.send(s, pb.BulkFrame(put=pb.BulkPut(header=header, chunks=1, shared_buffer=True)))
+    bulkwire.send(s, pb.BulkFrame(chunk=_begin(0, data, buffer_offset=NBYTES)))
+    assert bulkwire.recv(s).status.put.stored_chunks == 1
+    # The sidecar stored its own copy: the client writing its buffer afterwards changes nothing stored.
+    os.pwrite(fd, b"\0" * NBYTES, NBYTES)
+    assert _get(s, pb.GetRequest(model=model_to_proto(SMALL), tokens=TOKENS))[0] == [data]
+    os.close(fd)
+    s.close()
+
+
+def test_bulk_put_keeps_tenants_apart_and_checks_the_token(sidecar_factory, token_dir, tmp_path):  # noqa: F811
+    sidecar = sidecar_factory(token_file=str(token_dir), bulk_address=f"127.0.0.1:{free_port()}")
+    kv = make_kv(SMALL, len(TOKENS))
+    with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address, token="alice-token-1") as alice, \
+            PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address, token="bob-token-1") as bob:
+        assert alice.put(SMALL, TOKENS, kv).stored_chunks == 3
+        assert bob.get_blobs(SMALL, TOKENS) == []
+        assert bob.put(SMALL, TOKENS, kv).stored_chunks == 3  # bob's own copy, under bob's salt
+        assert len(alice.get_blobs(SMALL, TOKENS)) == 3
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkPut"}') == 2
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Put"}') == 0
+    s = _raw(sidecar)
+    assert _hello(s, "Bearer not-a-token").code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    s.close()
+
+
+def test_client_puts_over_grpc_when_the_bulk_channel_takes_no_puts(sidecar, tmp_path):
+    """An older sidecar's bulk channel (Get only) does not say `puts` in its hello answer: gRPC Put then."""
+    import threading
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "old.sock"))
+    listener.listen(4)
+
+    def old_sidecar():
+        conn, _ = listener.accept()
+        with conn:
+            bulkwire.recv(conn)
+            bulkwire.send(conn, pb.BulkFrame(status=pb.BulkStatus(code=0)))
+            conn.recv(1)  # nothing else is sent to it
+
+    t = threading.Thread(target=old_sidecar, daemon=True)
+    t.start()
+    with PromptCacheClient(sidecar.address, bulk_address=f"unix:{tmp_path}/old.sock",
+                           bulk_shared_memory=False) as c:
+        assert c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS))).stored_chunks == 3
+    t.join(5)
+    listener.close()
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Put"}') == 1
+
+
+def test_client_puts_over_grpc_when_the_sidecar_has_no_bulk_channel(sidecar, tmp_path):
+    with PromptCacheClient(sidecar.address, bulk_address=f"127.0.0.1:{free_port()}") as c:
+        assert c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS))).stored_chunks == 3
+        assert len(c.get_blobs(SMALL, TOKENS)) == 3
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="Put"}') == 1
+
+
+def test_bulk_put_errors_raise_what_grpc_put_raises(sidecar_factory, tmp_path):
+    """A status of the put itself is the answer (no silent retry over gRPC)."""
+    sidecar = sidecar_factory(bulk_address=f"unix:{tmp_path}/bulk.sock", max_chunk_bytes=NBYTES // 2)
+    with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address, retries=0) as c:
+        with pytest.raises(errors.ResourceExhausted, match="--max-chunk-bytes"):
+            c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
+    assert metric(sidecar, 'promptcache_requests_total{code="RESOURCE_EXHAUSTED",rpc="BulkPut"}') == 1
+    assert metric(sidecar, 'promptcache_requests_total{code="RESOURCE_EXHAUSTED",rpc="Put"}') == 0
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_owned_blobs_are_not_overwritten_by_later_gets(sidecar_factory, tmp_path, transport):
+    address = f"unix:{tmp_path}/bulk.sock" if transport == "unix" else f"127.0.0.1:{free_port()}"
+    sidecar = sidecar_factory(bulk_address=address)
+    other = [t + 100_000 for t in TOKENS]
+    with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address, bulk_shared_memory=False) as c:
+        c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS), seed=1))
+        c.put(SMALL, other, make_kv(SMALL, len(TOKENS), seed=2))
+        first = c.get_blobs(SMALL, TOKENS)
+        kept = [bytes(b.numpy()) for b in first]
+        view = first[1][10:20]
+        del first
+        for _ in range(3):
+            second = c.get_blobs(SMALL, other)  # may reuse memory of `first`, but not the chunk `view` holds
+        assert bytes(view.numpy()) == kept[1][10:20]
+        assert [bytes(b.numpy()) for b in c.get_blobs(SMALL, TOKENS)] == kept
+        assert all(bytes(b.numpy()) != k for b, k in zip(second, kept))

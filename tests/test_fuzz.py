@@ -37,6 +37,7 @@ def test_fuzz_cli_with_auth(tmp_path):
     # The run exercised authentication, authorization, parsing and the data path.
     for code in ("OK", "INVALID_ARGUMENT", "UNAUTHENTICATED", "PERMISSION_DENIED"):
         assert report["codes"].get(code, 0) > 0, report["codes"]
+    assert report["bulk_puts"] > 0
     print(f"fuzzed {report['requests']} requests: {report['codes']}")
 
 
@@ -45,6 +46,7 @@ def test_fuzz_without_auth():
     report = fuzz.fuzz(100_000, seed=5, workers=2, auth=False, max_seconds=FUZZ_SECONDS / 3, progress=False)
     _assert_clean(report)
     assert report["codes"].get("OK", 0) > 0 and report["codes"].get("INVALID_ARGUMENT", 0) > 0
+    assert report["bulk_puts"] > 0
 
 
 METHODS = sorted(fuzz.METHODS)

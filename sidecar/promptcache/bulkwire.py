@@ -41,6 +41,34 @@ class Closed(FramingError):
     """The peer closed the connection between frames."""
 
 
+class Cut(FramingError):
+    """The peer closed the connection in the middle of a frame or of the bytes after one."""
+
+
+SOCKET_BUFFER_BYTES = 4 << 20  # kernel buffer asked for on each side of a bulk connection
+
+
+def _sysctl(name: str) -> int:
+    try:
+        with open(f"/proc/sys/net/core/{name}") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
+def large_buffers(sock: socket.socket) -> None:
+    """Kernel buffers of several MiB on a bulk socket (before connect or listen, so TCP's window scale fits):
+    a whole chunk then fits, and a call blocks and wakes up fewer times (each wake-up waits for a CPU on a busy
+    node). Only where the system allows that much (net.core.wmem_max, rmem_max): a smaller explicit size would
+    turn off TCP's own buffer tuning and be worse than leaving it."""
+    for option, limit in ((socket.SO_SNDBUF, "wmem_max"), (socket.SO_RCVBUF, "rmem_max")):
+        if _sysctl(limit) >= SOCKET_BUFFER_BYTES:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+            except OSError:
+                pass
+
+
 def parse_address(address: str) -> tuple[int, object]:
     """'unix:/path' or 'unix:///path' -> (AF_UNIX, path); 'HOST:PORT' -> (AF_INET or AF_INET6, (host, port)).
     Raises ValueError naming what is wrong."""
@@ -92,21 +120,42 @@ def send_chunk(sock: socket.socket, begin: pb.ChunkBegin, data) -> None:
         sock.sendall(body[sent - len(head):])
 
 
+_IOV_MAX = 1024  # buffers one sendmsg takes at most (Linux's UIO_MAXIOV)
+
+
+def send_buffers(sock: socket.socket, buffers) -> None:
+    """Send buffers one after another with as few sendmsg calls as the socket allows (scatter-gather: none of
+    them is copied or joined here)."""
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i:i + _IOV_MAX])
+        while sent:
+            n = views[i].nbytes
+            if sent < n:
+                views[i] = views[i][sent:]
+                break
+            sent -= n
+            i += 1
+
+
 def recv_into(sock: socket.socket, buffer, deadline: float | None = None) -> None:
     """Fill `buffer` (any writable buffer) from the socket; FramingError if the peer closes first. With a
-    `deadline` (time.monotonic()), socket.timeout once it has passed, however the bytes trickle in."""
+    `deadline` (time.monotonic()), socket.timeout once it has passed, however the bytes trickle in. A blocking
+    socket (no timeout, no deadline) waits for all of it in one call (MSG_WAITALL)."""
     view = memoryview(buffer).cast("B")
     got, total = 0, view.nbytes
     timeout = sock.gettimeout()
+    flags = socket.MSG_WAITALL if timeout is None and deadline is None else 0
     while got < total:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise socket.timeout(f"{got} of {total} bytes arrived in time")
             sock.settimeout(left if timeout is None else min(left, timeout))
-        n = sock.recv_into(view[got:])
+        n = sock.recv_into(view[got:], 0, flags)
         if n == 0:
-            raise FramingError(f"connection closed after {got} of {total} bytes")
+            raise Cut(f"connection closed after {got} of {total} bytes")
         got += n
     if deadline is not None:
         sock.settimeout(timeout)
@@ -164,7 +213,7 @@ def _parse(body: bytes) -> pb.BulkFrame:
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError
         raise FramingError(f"frame of {len(body)} bytes is not a valid BulkFrame ({type(exc).__name__})") from None
     if frame.WhichOneof("frame") is None:
-        raise FramingError("frame carries none of hello, get, chunk, status")
+        raise FramingError("frame carries none of hello, get, chunk, status, buffer, put")
     return frame
 
 

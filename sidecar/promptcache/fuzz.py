@@ -11,8 +11,9 @@ through generic channel calls, so that any bytes at all reach the server:
   bytes, sent to every method, including unknown ones;
 * credentials: with auth on (the default), valid tokens of two tenants, wrong, empty and malformed ones;
 * the bulk channel (docs/bulk-channel.md, on a unix socket): byte streams of hello (half of them asking for lent
-  chunks), get and buffer frames, valid and mutated, with wrong lengths, versions, tokens and attached
-  descriptors, on fresh connections.
+  chunks), get, put (with the Put streams above as chunk frames and raw bytes, chunk counts that lie, shared
+  buffers that are not attached) and buffer frames, valid and mutated, with wrong lengths, versions, tokens and
+  attached descriptors, on fresh connections.
 
 Every answer is classified by status code (on the bulk channel, its status frames'). A crash is the sidecar process dying (it is restarted and the run
 goes on); a hang is a call that reaches its deadline; a bad status is UNKNOWN or INTERNAL (an unhandled error
@@ -127,6 +128,7 @@ class Generator:
         self.nbytes = chunk_nbytes(self.spec, CHUNK)
         self.shape = list(chunk_shape(self.spec, CHUNK))
         self.prefixes = [[p * 1000 + i for i in range(4 * CHUNK)] for p in range(8)]  # a small hot set
+        self.bulk_puts = 0  # puts sent on the bulk channel
 
     # --- field mutators ---------------------------------------------------------------------------------
     def _string(self, valid: str) -> str:
@@ -293,6 +295,9 @@ class Generator:
         if rng.random() < 0.05:
             frames.pop()
         for _ in range(rng.randint(0, 3)):
+            if rng.random() < 0.3:
+                frames.append(self.bulk_put())
+                continue
             method, payload = "Lookup", b""
             while method != "Get":
                 method, payload = self.structured()
@@ -302,7 +307,7 @@ class Generator:
             frames.append(pb.BulkFrame(get=get))
         if rng.random() < 0.05:
             frames.insert(rng.randrange(len(frames) + 1), pb.BulkFrame(status=pb.BulkStatus(code=0)))
-        data = b"".join(bulkwire.encode(f) for f in frames)
+        data = b"".join(f if isinstance(f, bytes) else bulkwire.encode(f) for f in frames)
         if rng.random() < 0.4:
             data = self.mutate(data)
         fd = None
@@ -319,9 +324,34 @@ class Generator:
                     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
             buffer_frame = bulkwire.encode(pb.BulkFrame(buffer=pb.BulkBuffer(
                 length=rng.choice([0, 4096, self.nbytes, self.nbytes * 4, 2**63]))))
-            cut = len(bulkwire.encode(frames[0])) if frames and rng.random() < 0.8 else 0
+            first = frames[0] if frames else b""
+            cut = len(first if isinstance(first, bytes) else bulkwire.encode(first)) if rng.random() < 0.8 else 0
             data = data[:cut] + buffer_frame + data[cut:]
         return data, fd
+
+    def bulk_put(self) -> bytes:
+        """One put on the bulk channel: the frames of a generated Put stream as a put frame, chunk frames and
+        the raw bytes of their data frames."""
+        from promptcache import bulkwire
+
+        pb, rng = self.pb, self.rng
+        self.bulk_puts += 1
+        stream = self.put_frames()
+        header = next((f.header for f in stream if f.WhichOneof("frame") == "header"), pb.PutHeader())
+        if rng.random() < 0.9:
+            header.shared_buffer = ""
+        chunks = sum(f.WhichOneof("frame") == "chunk" for f in stream)
+        if rng.random() < 0.1:
+            chunks = rng.choice([0, chunks + 1, 2**32 - 1])
+        out = [bulkwire.encode(pb.BulkFrame(put=pb.BulkPut(header=header, chunks=chunks,
+                                                             shared_buffer=rng.random() < 0.1)))]
+        for f in stream:
+            kind = f.WhichOneof("frame")
+            if kind == "chunk":
+                out.append(bulkwire.encode(pb.BulkFrame(chunk=f.chunk)))
+            elif kind == "data":
+                out.append(f.data)
+        return b"".join(out)
 
     def raw(self):
         method, payload = self.structured()
@@ -472,7 +502,7 @@ def fuzz(requests: int, seed: int = 0, workers: int = 4, auth: bool = True, time
     address = target or sidecar.address
     lock = threading.Lock()
     stats = {"requests": 0, "crashes": 0, "hangs": 0, "bad_statuses": 0, "round_trip_failures": 0,
-             "codes": collections.Counter(), "examples": []}
+             "bulk_puts": 0, "codes": collections.Counter(), "examples": []}
     counter = iter(range(requests))
     stop = threading.Event()
     started = time.monotonic()
@@ -517,8 +547,11 @@ def fuzz(requests: int, seed: int = 0, workers: int = 4, auth: bool = True, time
                 md = ([("authorization", f"Bearer {token}")] if token else _metadata(rng, auth and target is None))
                 if sidecar is not None and rng.random() < 0.2:
                     method = "bulk"
+                    puts = gen.bulk_puts
                     payload, fd = gen.bulk(dict(md or []).get("authorization", ""))
                     code, details = _bulk_call(sidecar.bulk, payload, fd, timeout)
+                    with lock:
+                        stats["bulk_puts"] += gen.bulk_puts - puts
                 else:
                     method, payload = gen.raw() if rng.random() < 0.4 else gen.structured()
                     code, details = _call(channel, method, payload, md, timeout)

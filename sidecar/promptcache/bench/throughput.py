@@ -24,9 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transports", default="tcp,unix,shm,bulk-tcp,bulk-unix,bulk-shm,bulk-lent",
                    help="tcp, unix (gRPC, bytes streamed over the socket), shm (gRPC on the unix socket for "
                         "metadata, bytes through shared memory), bulk-tcp, bulk-unix (Get over the bulk channel, "
-                        "docs/bulk-channel.md; Put over gRPC), bulk-shm (bulk channel on the unix socket, bytes "
-                        "copied into a memfd shared with the sidecar), bulk-lent (bulk channel on the unix "
-                        "socket, chunks lent as the sidecar's own sealed memfds: zero copy, the default)")
+                        "docs/bulk-channel.md, bytes on the socket both ways), bulk-shm (bulk channel on the unix "
+                        "socket, Get's bytes copied into a memfd shared with the sidecar, Put's copied out of it), "
+                        "bulk-lent (bulk channel on the unix socket, Get's chunks lent as the sidecar's own sealed "
+                        "memfds: zero copy, the default; Put as bulk-shm)")
     p.add_argument("--block-seconds", type=float, default=0.02,
                    help="in each round, each contender runs a block of calls lasting about this long (at most 20 "
                         "calls; the same count for all, sized by the slowest); 0: one call each per round")
@@ -43,7 +44,44 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _interleaved_medians(fns: dict, repeats: int, block_seconds: float = 0.0) -> dict:
+def _cpu_seconds(pid: int) -> float:
+    """CPU time of every thread of a process so far, in ns resolution (/proc/PID/task/*/schedstat)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
+class CpuMeter:
+    """CPU seconds per call of each contender, in each process that works on it (this one, the sidecar,
+    redis-server): what a call costs whatever else runs on the machine, where wall-clock figures on a shared
+    machine are mostly other processes' load."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = {"client": os.getpid(), **pids}
+        self.spent: dict[str, dict[str, float]] = {}
+        self.calls: dict[str, int] = {}
+
+    def snapshot(self) -> dict[str, float]:
+        return {who: _cpu_seconds(pid) for who, pid in self.pids.items()}
+
+    def add(self, name: str, before: dict[str, float], calls: int) -> None:
+        after = self.snapshot()
+        spent = self.spent.setdefault(name, dict.fromkeys(self.pids, 0.0))
+        for who in self.pids:
+            spent[who] += after[who] - before[who]
+        self.calls[name] = self.calls.get(name, 0) + calls
+
+    def per_call_ms(self, name: str) -> dict[str, float]:
+        return {who: s / self.calls[name] * 1e3 for who, s in self.spent[name].items()}
+
+
+def _interleaved_medians(fns: dict, repeats: int, block_seconds: float = 0.0, cpu: CpuMeter | None = None,
+                         prefix: str = "") -> dict:
     """Median seconds per call of each function, measured in rounds that run every one of them once, or for a
     block of calls lasting about `block_seconds` (the same count for each, sized by the slowest): on a shared
     machine, load that comes and goes then hits each side alike instead of whichever ran at the time. Blocks
@@ -59,10 +97,13 @@ def _interleaved_medians(fns: dict, repeats: int, block_seconds: float = 0.0) ->
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            before = cpu.snapshot() if cpu is not None else None
             for _ in range(block):
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
+            if cpu is not None:
+                cpu.add(prefix + name, before, block)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -124,7 +165,7 @@ def run(args) -> int:
             wait_until(lambda: clients[t].healthy(), f"sidecar ({t})")
             wait_until(lambda: rclients[t].ping(), f"redis ({t})")
 
-        rows = []
+        rows, profile = [], []
         for size in sizes:
             blobs = {i: torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8) for i in range(size)}
             payloads = [b.numpy().tobytes() for b in blobs.values()]
@@ -141,14 +182,7 @@ def run(args) -> int:
                     res = client.put_blobs(spec, tokens, blobs)
                     assert res.stored_chunks == size, res
 
-                put_s = _median_seconds(put_once, args.repeats)
                 tokens = list(range(size * chunk_tokens))
-                client.put_blobs(spec, tokens, blobs)
-
-                def get_once(copy=True):
-                    got = client.get_blobs(spec, tokens, copy=copy)
-                    assert len(got) == size
-
                 keys = [f"bench:{size}:{i}" for i in range(size)]
 
                 def redis_put():
@@ -157,17 +191,29 @@ def run(args) -> int:
                         pipe.set(k, v)
                     pipe.execute()
 
+                # Each Put stores a new prefix (the sidecar evicts the oldest when full); each SET overwrites.
+                cpu = CpuMeter({"sidecar": procs[0 if t in ("tcp", "bulk-tcp") else 1].pid, "redis": procs[2].pid})
+                puts = _interleaved_medians({"Put": put_once, "Redis SET": redis_put}, args.repeats,
+                                            args.block_seconds, cpu, f"{t} ")
+                put_s, rput_s = puts["Put"], puts["Redis SET"]
+                client.put_blobs(spec, tokens, blobs)
+
+                def get_once(copy=True):
+                    got = client.get_blobs(spec, tokens, copy=copy)
+                    assert len(got) == size
+
                 def redis_get():
                     got = rc.mget(keys)
                     assert len(got) == size and all(len(g) == chunk_bytes for g in got)
 
-                rput_s = _median_seconds(redis_put, args.repeats)
-                gets = {"get": get_once, "redis": redis_get}
+                gets = {"Get, owned": get_once, "Redis GET": redis_get}
                 if t == "shm" or t.startswith("bulk"):
                     # Views of the reused receive buffer: what get() decodes from (shm and bulk paths have them).
-                    gets["views"] = lambda: get_once(copy=False)
-                medians = _interleaved_medians(gets, args.repeats, args.block_seconds)
-                get_s, rget_s, view_s = medians["get"], medians["redis"], medians.get("views")
+                    gets["Get, views"] = lambda: get_once(copy=False)
+                medians = _interleaved_medians(gets, args.repeats, args.block_seconds, cpu, f"{t} ")
+                get_s, rget_s, view_s = medians["Get, owned"], medians["Redis GET"], medians.get("Get, views")
+                for name in cpu.calls:
+                    profile.append((size, name, cpu.per_call_ms(name)))
                 rc.flushall()
                 mb = size * chunk_bytes / 1e6
                 rows.append((size, t, mb / put_s, mb / get_s, mb / memcpy, mb / rput_s, mb / rget_s))
@@ -180,6 +226,11 @@ def run(args) -> int:
         for size, t, put, get, mc, rput, rget in rows:
             lines.append(f"| {size} MiB | {t} | {put:,.0f} | {get:,.0f} | {mc:,.0f} | {rput:,.0f} | {rget:,.0f} "
                          f"| {put / rput:.2f}x | {get / rget:.2f}x | {get / mc:.3f} |")
+        lines += ["", "CPU ms per call, each process (client: this benchmark; sidecar or redis-server: the server):",
+                  "", "| prefix | call | client | server | total |", "|---|---|---|---|---|"]
+        for size, name, ms in profile:
+            server = ms["redis"] if "Redis" in name else ms["sidecar"]
+            lines.append(f"| {size} MiB | {name} | {ms['client']:.2f} | {server:.2f} | {ms['client'] + server:.2f} |")
         table = "\n".join(lines)
         print(table)
         out = Path(args.output)

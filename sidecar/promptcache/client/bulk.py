@@ -1,4 +1,4 @@
-"""Client side of the bulk channel (docs/bulk-channel.md): Get over a plain socket, into a reused buffer.
+"""Client side of the bulk channel (docs/bulk-channel.md): Get and Put over a plain socket.
 
 One connection per thread. On a unix socket a sidecar with zero copy on lends each chunk as its own sealed
 memfd, which is mapped here read-only and kept for the next Get (LentChunks): no byte is copied. Otherwise, on
@@ -7,7 +7,11 @@ which writes the chunk bytes straight into it; over TCP the bytes come on the so
 Receiving into memory that was touched before saves page faults: copying a 64 MiB answer out into fresh memory
 adds about 14 ms to a 20-35 ms Get (docs/bulk-channel.md). So blobs come back as views (of the thread's
 buffer, valid until its next get, or of lent chunks); callers decode or copy them at once
-(PromptCacheClient.get_blobs copies unless asked not to, get decodes straight from them).
+(PromptCacheClient.get_blobs copies unless asked not to, get decodes straight from them). Asked for owned
+blobs over a socket, get receives each chunk straight into a tensor of its own instead: no copy afterwards.
+
+Put sends the chunk bytes from the caller's tensors in one scatter-gather write per batch (no copy here), or on a
+unix socket copies them into the thread's shared memfd, from which the sidecar copies and verifies them.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import mmap
 import os
 import socket
 import stat
+import sys
 import threading
 import time
 import warnings
@@ -42,6 +47,7 @@ class _Connection:
         self.timeout = timeout  # what the socket has now: setting it costs a system call
         if family != socket.AF_UNIX:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        bulkwire.large_buffers(self.sock)
         self.sock.connect(sockaddr)
         want_lent = shared_memory and zero_copy
         self.reader = bulkwire.FrameReader(self.sock, descriptors=want_lent)
@@ -51,7 +57,9 @@ class _Connection:
         status = _expect(self.reader, "status").status
         _check_status(status)
         self.lent = want_lent and status.sealed_memfds  # the sidecar lends chunks: no buffer needed
+        self.puts = status.puts  # the sidecar takes put frames (an older one: gRPC Put)
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.owned = ReleasedBuffers()
 
     def set_timeout(self, timeout: float) -> None:
         if timeout != self.timeout:
@@ -97,7 +105,7 @@ def _check_status(status: pb.BulkStatus) -> None:
         raise errors.from_status(status.code, status.message)
 
 
-class BulkGetter:
+class BulkClient:
     """Thread-safe: each thread has its own connection and buffer."""
 
     def __init__(self, address: str, authorization=lambda: "", shared_memory: bool = True,
@@ -128,6 +136,8 @@ class BulkGetter:
                                    self.zero_copy)
             except (OSError, bulkwire.FramingError) as exc:
                 raise errors.Unavailable(f"UNAVAILABLE: bulk channel {self.address}: {exc}") from None
+            except errors.ResourceExhausted as exc:  # at its connection limit: the call itself was not refused
+                raise errors.Unavailable(str(exc)) from None
             self._local.conn = conn
             with self._lock:
                 self._all.append(conn)
@@ -140,10 +150,12 @@ class BulkGetter:
                 self._all.remove(conn)
         conn.close()
 
-    def get(self, request: pb.GetRequest, expected_bytes: int, timeout: float) -> list[torch.Tensor]:
-        """Verified chunk blobs of the longest cached run, as views of this thread's buffer (valid until the
-        thread's next get) or of lent chunks (valid while referenced). `expected_bytes` sizes the buffer;
-        larger answers still fit (a new buffer)."""
+    def get(self, request: pb.GetRequest, expected_bytes: int, timeout: float,
+            owned: bool = False) -> tuple[list[torch.Tensor], bool]:
+        """(verified chunk blobs of the longest cached run, whether the caller owns them). Views of this thread's
+        buffer (valid until the thread's next call) or of lent chunks (valid while referenced), unless `owned`
+        and the bytes come on the socket: then each chunk is received into a tensor of its own.
+        `expected_bytes` sizes the buffer; larger answers still fit (a new buffer)."""
         deadline = time.monotonic() + timeout
         conn = self._connection(timeout)
         try:
@@ -155,9 +167,10 @@ class BulkGetter:
                     conn.sock.sendall(bulkwire.encode_get(request))
                 finally:
                     request.ClearField("shared_buffer")  # the caller may retry the request over gRPC
-                return self._receive_shared(conn, request.start_chunk, shared[:expected_bytes], self.lent)
+                return self._receive_shared(conn, request.start_chunk, shared[:expected_bytes], self.lent), False
             conn.sock.sendall(bulkwire.encode_get(request))
-            return self._receive(conn, request.start_chunk, expected_bytes, deadline, self.lent)
+            owned = owned and not conn.lent
+            return self._receive(conn, request.start_chunk, expected_bytes, deadline, self.lent, owned), owned
         except socket.timeout:
             self._drop(conn)  # the answer may still arrive: this connection's framing can't be trusted
             raise errors.DeadlineExceeded(f"DEADLINE_EXCEEDED: no answer from {self.address} in time") from None
@@ -167,6 +180,44 @@ class BulkGetter:
         except errors.CorruptChunk:
             self._drop(conn)  # the rest of the answer is still in the socket
             raise
+
+    def put(self, header: pb.PutHeader, chunks: list[tuple[pb.ChunkBegin, np.ndarray]],
+            timeout: float) -> pb.PutResponse:
+        """Store chunks (each its ChunkBegin, checksum set, and its bytes) as gRPC Put would. Unavailable when
+        the channel cannot take the call (no bulk channel, at its connection limit, a sidecar without bulk Put,
+        the connection broke): the caller then uses gRPC Put, whose answer is the same."""
+        conn = self._connection(timeout)
+        if not conn.puts:
+            raise errors.Unavailable(f"UNAVAILABLE: the sidecar at {self.address} takes no put frames on its bulk "
+                                     "channel (an older version)")
+        put = pb.BulkPut(header=header, chunks=len(chunks))
+        try:
+            conn.set_timeout(timeout)
+            if self.shared_memory:
+                # One copy into the memfd the sidecar maps; all frames in one write, no bytes after them.
+                shared = conn.attach(sum(data.size for _, data in chunks))
+                put.shared_buffer = True
+                frames, position = bytearray(bulkwire.encode(pb.BulkFrame(put=put))), 0
+                for begin, data in chunks:
+                    shared[position:position + data.size] = data
+                    begin.buffer_offset = position
+                    frames += bulkwire.encode(pb.BulkFrame(chunk=begin))
+                    position += data.size
+                conn.sock.sendall(frames)
+            else:
+                buffers = [bulkwire.encode(pb.BulkFrame(put=put))]
+                for begin, data in chunks:
+                    buffers += (bulkwire.encode(pb.BulkFrame(chunk=begin)), data)
+                bulkwire.send_buffers(conn.sock, buffers)
+            status = _expect(conn.reader, "status").status
+        except socket.timeout:
+            self._drop(conn)
+            raise errors.DeadlineExceeded(f"DEADLINE_EXCEEDED: no answer from {self.address} in time") from None
+        except (OSError, bulkwire.FramingError) as exc:
+            self._drop(conn)
+            raise errors.Unavailable(f"UNAVAILABLE: bulk channel {self.address}: {exc}") from None
+        _check_status(status)
+        return status.put
 
     @staticmethod
     def _receive_shared(conn: _Connection, start_chunk: int, shared: np.ndarray,
@@ -185,7 +236,9 @@ class BulkGetter:
 
     @staticmethod
     def _receive(conn: _Connection, start_chunk: int, expected_bytes: int, deadline: float,
-                 lent: LentChunks) -> list[torch.Tensor]:
+                 lent: LentChunks, owned: bool = False) -> list[torch.Tensor]:
+        if owned:  # no receive buffer: a tensor per chunk, returned as it is
+            expected_bytes = 0
         if conn.buffer.numel() < expected_bytes and not conn.lent:  # lent chunks need no buffer
             conn.buffer = torch.empty(expected_bytes, dtype=torch.uint8)
         buffer, position, blobs = conn.buffer, 0, []
@@ -195,11 +248,14 @@ class BulkGetter:
                 continue
             if c.nbytes > _MAX_CHUNK_BYTES:
                 raise errors.CorruptChunk(f"chunk {c.index} announces {c.nbytes} bytes")
-            if position + c.nbytes > buffer.numel():
-                # Earlier blobs keep the old buffer alive; the next call starts in the new, larger one.
-                buffer = conn.buffer = torch.empty(max(2 * buffer.numel(), c.nbytes), dtype=torch.uint8)
-                position = 0
-            view = buffer[position:position + c.nbytes]
+            if owned:
+                view = torch.from_numpy(conn.owned.take(c.nbytes))
+            else:
+                if position + c.nbytes > buffer.numel():
+                    # Earlier blobs keep the old buffer alive; the next call starts in the new, larger one.
+                    buffer = conn.buffer = torch.empty(max(2 * buffer.numel(), c.nbytes), dtype=torch.uint8)
+                    position = 0
+                view = buffer[position:position + c.nbytes]
             conn.set_timeout(max(deadline - time.monotonic(), 0.001))
             conn.reader.read_into(view.numpy())
             if xxhash.xxh3_64_intdigest(view.numpy()) != c.xxh3_64:
@@ -207,6 +263,35 @@ class BulkGetter:
             blobs.append(view)
             position += c.nbytes
         return blobs
+
+
+class ReleasedBuffers:
+    """Memory for owned blobs, reused once their owner has let go of them: a freshly allocated answer costs a
+    page fault per 4 KiB as the bytes arrive (about 0.3 ms per MiB here, as much as receiving them), and
+    memory freed by a caller goes back to the system, so the next answer faults again. An array handed out is
+    reused only when nothing references it but this list (no tensor, view or storage of it is alive), so a
+    caller keeps what it holds for as long as it holds it. At most `max_bytes` are kept."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self._arrays: collections.deque[np.ndarray] = collections.deque()
+        self._bytes = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        arrays = self._arrays
+        # Oldest first: callers mostly drop answers in the order they got them. Two references: the deque's
+        # and getrefcount's argument.
+        if arrays and sys.getrefcount(arrays[0]) == 2:
+            oldest = arrays.popleft()
+            if oldest.size == nbytes:
+                arrays.append(oldest)
+                return oldest
+            self._bytes -= oldest.size  # another size: let it go
+        array = np.empty(nbytes, dtype=np.uint8)
+        if self._bytes + nbytes <= self.max_bytes:
+            arrays.append(array)
+            self._bytes += nbytes
+        return array
 
 
 class LentChunks:

@@ -80,7 +80,7 @@ class PromptCacheClient:
     buffer per thread that the sidecar creates for this client (OpenSharedBuffer), streamed instead while the
     sidecar's per-tenant limits refuse one.
 
-    bulk_address: the sidecar's --bulk-address (HOST:PORT or unix:/PATH); Get then streams over that plain
+    bulk_address: the sidecar's --bulk-address (HOST:PORT or unix:/PATH); Get and Put then go over that plain
     socket (docs/bulk-channel.md), several times faster than gRPC for node-local clients. It has no TLS: with
     tls_ca set it is refused unless it is a unix socket. A sidecar without it falls back to gRPC. On a unix
     socket the bytes go through memfds unless bulk_shared_memory is False: the chunks' own, lent read-only by a
@@ -116,14 +116,14 @@ class PromptCacheClient:
         self._bulk = None
         self._bulk_retry_at = 0.0
         if bulk_address:
-            from promptcache.client.bulk import BulkGetter
+            from promptcache.client.bulk import BulkClient
             from promptcache.sidecar.auth import TokenSource
 
             if tls_ca is not None and not bulk_address.startswith("unix:"):
                 raise ValueError(f"bulk_address {bulk_address} is TCP and the bulk channel has no TLS; with "
                                  "tls_ca use a unix socket (unix:/PATH) or no bulk_address")
             source = TokenSource(token, token_file) if (token or token_file) else None
-            self._bulk = BulkGetter(bulk_address, (lambda: f"Bearer {source.get()}") if source else (lambda: ""),
+            self._bulk = BulkClient(bulk_address, (lambda: f"Bearer {source.get()}") if source else (lambda: ""),
                                     shared_memory=bulk_shared_memory, zero_copy=bulk_zero_copy,
                                     lent_cache_bytes=bulk_lent_cache_bytes)
 
@@ -233,6 +233,10 @@ class PromptCacheClient:
         dtype = NAME_TO_DTYPE[spec.kv_dtype]
         arrays = {i: _as_bytes_array(b) for i, b in sorted(blobs.items())}
         sums = {i: xxhash.xxh3_64_intdigest(arr) for i, arr in arrays.items()}
+        if self._bulk is not None and arrays:
+            resp = self._bulk_put(spec, token_list, arrays, sums, shape, dtype, timeout)
+            if resp is not None:
+                return PutResult(resp.stored_chunks, resp.skipped_chunks, resp.rejected_chunks, resp.stored_bytes)
 
         def put(shared) -> pb.PutResponse:
             offsets, pos = {}, 0
@@ -260,14 +264,30 @@ class PromptCacheClient:
             resp = put(None)
         return PutResult(resp.stored_chunks, resp.skipped_chunks, resp.rejected_chunks, resp.stored_bytes)
 
+    def _bulk_put(self, spec, token_list, arrays, sums, shape, dtype, timeout) -> pb.PutResponse | None:
+        """Put over the bulk channel; None: the channel cannot take the call (no bulk channel on this sidecar, one
+        without bulk Put, restarting, full, the connection broke), use gRPC Put, which has its own retries and
+        skips the chunks already stored. After such a failure the channel is left alone for a few seconds."""
+        if time.monotonic() < self._bulk_retry_at:
+            return None
+        header = pb.PutHeader(model=model_to_proto(spec), tokens=token_list)
+        chunks = [(pb.ChunkBegin(index=i, nbytes=arr.size, shape=shape, dtype=dtype, xxh3_64=sums[i]), arr)
+                  for i, arr in arrays.items()]
+        try:
+            return self._bulk.put(header, chunks, timeout or self.timeout)
+        except errors.Unavailable as exc:
+            self._bulk_retry_at = time.monotonic() + BULK_RETRY_SECONDS
+            log.warning("bulk channel not usable, using gRPC for %.0f s: %s", BULK_RETRY_SECONDS, exc)
+            return None
+
     def get_blobs(self, spec: ModelSpec, tokens, start_chunk: int = 0, max_chunks: int = 0,
                   timeout: float | None = None, copy: bool = True) -> list[torch.Tensor]:
         """The longest run of cached chunk blobs from start_chunk on, each verified against its checksum.
 
         With shared memory and copy=False the blobs are zero-copy views of this thread's shared buffer, valid
         until this thread's next call: decode them at once (as get() does)."""
-        blobs = self._get_blobs(spec, tokens, start_chunk, max_chunks, timeout)
-        if (self._shm is None and self._bulk is None) or not blobs or not copy:
+        blobs, owned = self._get_blobs(spec, tokens, start_chunk, max_chunks, timeout, owned=copy)
+        if owned or not blobs or not copy:
             return blobs
         # Views of a reused buffer are copied out (one copy, one allocation) before the next call reuses it.
         sizes = [b.numel() for b in blobs]
@@ -278,29 +298,31 @@ class PromptCacheClient:
             pos += n
         return list(torch.from_numpy(out).split(sizes))
 
-    def _get_blobs(self, spec, tokens, start_chunk, max_chunks, timeout) -> list[torch.Tensor]:
-        """Like get_blobs, but with shared memory the blobs are views of this thread's buffer, valid until
-        its next call: decode or copy them at once."""
+    def _get_blobs(self, spec, tokens, start_chunk, max_chunks, timeout,
+                   owned: bool = False) -> tuple[list[torch.Tensor], bool]:
+        """(blobs as get_blobs, whether the caller owns them). Unless owned, with shared memory or the bulk
+        channel the blobs may be views of this thread's buffer, valid until its next call: decode or copy them
+        at once. `owned` asks for owned blobs where they cost no extra copy."""
         token_list = _tokens(tokens)
         req = pb.GetRequest(model=model_to_proto(spec), tokens=token_list, start_chunk=start_chunk,
                             max_chunks=max_chunks)
         if self._bulk is not None:
-            blobs = self._bulk_get(spec, req, token_list, timeout)
-            if blobs is not None:
-                return blobs
-        if self._shm is None:
-            return self._call(lambda t: _receive(self._get(req, timeout=t), start_chunk), timeout)
+            got = self._bulk_get(spec, req, token_list, timeout, owned)
+            if got is not None:
+                return got
+        if self._shm is None:  # a tensor per chunk
+            return self._call(lambda t: _receive(self._get(req, timeout=t), start_chunk), timeout), True
         size = self._expected_bytes(spec, token_list, start_chunk, max_chunks)
         if size == 0:
-            return []
+            return [], True
 
-        def get(shared) -> list[torch.Tensor]:
-            if shared is None:
+        def get(shared) -> tuple[list[torch.Tensor], bool]:
+            if shared is None:  # streamed: a tensor per chunk, the caller's own
                 req.ClearField("shared_buffer")
-                return self._call(lambda t: _receive(self._get(req, timeout=t), start_chunk), timeout)
+                return self._call(lambda t: _receive(self._get(req, timeout=t), start_chunk), timeout), True
             req.shared_buffer.name, req.shared_buffer.length = shared.name, size
             return self._call(lambda t: _receive_shared(self._stub.GetShared(req, timeout=t), start_chunk,
-                                                        shared.array), timeout)
+                                                        shared.array), timeout), False
 
         return self._with_shared_buffer(size, get)
 
@@ -309,17 +331,17 @@ class PromptCacheClient:
         n = min(n, max_chunks) if max_chunks else n
         return max(n, 0) * chunk_nbytes(spec, self.chunk_tokens)
 
-    def _bulk_get(self, spec, req, token_list, timeout) -> list[torch.Tensor] | None:
-        """Blobs over the bulk channel (views of this thread's buffer); None: the channel cannot take the call
-        (not configured on this sidecar, restarting, full), use gRPC, which has its own retries. After such a
-        failure the bulk channel is left alone for a few seconds so a sidecar without one costs nothing."""
+    def _bulk_get(self, spec, req, token_list, timeout, owned) -> tuple[list[torch.Tensor], bool] | None:
+        """(blobs, owned) over the bulk channel; None: the channel cannot take the call (not configured on this
+        sidecar, restarting, full), use gRPC, which has its own retries. After such a failure the bulk channel
+        is left alone for a few seconds so a sidecar without one costs nothing."""
         size = self._expected_bytes(spec, token_list, req.start_chunk, req.max_chunks)
         if size == 0:
-            return []
+            return [], True
         if time.monotonic() < self._bulk_retry_at:
             return None
         try:
-            return self._bulk.get(req, size, timeout or self.timeout)
+            return self._bulk.get(req, size, timeout or self.timeout, owned)
         except (errors.Unavailable, errors.ResourceExhausted) as exc:
             self._bulk_retry_at = time.monotonic() + BULK_RETRY_SECONDS
             log.warning("bulk channel not usable, using gRPC Get for %.0f s: %s", BULK_RETRY_SECONDS, exc)
@@ -338,7 +360,7 @@ class PromptCacheClient:
     def get(self, spec: ModelSpec, tokens, start_chunk: int = 0, max_chunks: int = 0,
             device: torch.device | str = "cpu", timeout: float | None = None) -> tuple[int, list]:
         """(cached_tokens, per-layer [(K, V)] each [1, H, cached_tokens, D]) of the longest cached prefix."""
-        blobs = self._get_blobs(spec, tokens, start_chunk, max_chunks, timeout)
+        blobs, _ = self._get_blobs(spec, tokens, start_chunk, max_chunks, timeout)
         if not blobs:
             return 0, []
         return len(blobs) * self.chunk_tokens, decode_chunks(spec, blobs, self.chunk_tokens, device)

@@ -1,9 +1,11 @@
-"""The sidecar's bulk channel: Get over a plain stream socket (docs/bulk-channel.md).
+"""The sidecar's bulk channel: Get and Put over a plain stream socket (docs/bulk-channel.md).
 
-Same service code as the gRPC Get (KVCacheService.verified_chunks: model and token checks, tenancy, leases,
-checksums before serving, metrics), same authentication (the bearer token of the hello frame goes through the
-gRPC Authenticator), without gRPC's fixed per-call cost. Chunk bytes are sent straight from the stored tensor's
-memory while its lease is held. One thread per connection, at most --bulk-max-connections of them, at most
+Same service code as gRPC (Get: KVCacheService.verified_chunks, with model and token checks, tenancy, leases,
+checksums before serving, metrics; Put: KVCacheService.Put itself, fed the PutRequest frames a gRPC Put would
+carry, so its checks, reservations, quotas and limits stay in one place), same authentication (the bearer token
+of the hello frame goes through the gRPC Authenticator), without gRPC's fixed per-call cost. Chunk bytes are
+sent straight from the stored tensor's memory while its lease is held, and received into a reused buffer that
+Put copies into the reserved chunk. One thread per connection, at most --bulk-max-connections of them, at most
 --bulk-max-connections-per-peer from one peer (a process, by its unix-socket credentials; an IP address over TCP).
 A connection must complete its hello within --bulk-hello-seconds; while the channel is full, a new connection
 replaces the oldest one still waiting for its hello, so connections that never authenticate cannot lock out
@@ -32,6 +34,11 @@ from promptcache.v1 import kvcache_pb2 as pb
 
 log = logging.getLogger("promptcache.sidecar.bulk")
 RPC = "BulkGet"
+PUT_RPC = "BulkPut"
+# Bytes of one chunk a failed Put still reads (and drops) so that its client, still sending, gets the status;
+# a chunk frame announcing more closes the connection instead.
+MAX_DRAIN_CHUNK_BYTES = 1 << 30
+MAX_CHUNK_FRAME_BYTES = 4096  # a ChunkBegin takes a few dozen bytes
 MAX_FDS_PER_WRITE = 250  # the kernel passes at most 253 descriptors per message (SCM_MAX_FD)
 MAX_HELLO_BYTES = 64 << 10  # a hello carries a version, a flag and a bearer token
 LARGE_FRAME_BYTES = LARGE_REQUEST_TOKENS  # a frame that may carry more tokens (>= 1 byte each) is a large request
@@ -104,6 +111,9 @@ class BulkServer:
         self.idle_seconds = idle_seconds or None
         self.max_call_seconds = max_call_seconds
         self.lend = lend and self.family == socket.AF_UNIX  # descriptors only cross unix sockets
+        from promptcache.sidecar.server import RpcFailure  # server.py imports this module: not at the top
+
+        self._refusals = (RpcFailure, CallRejected)  # what the service raises for a status
         self._listener: socket.socket | None = None
         self._connections: dict[socket.socket, _Connection] = {}
         self._per_peer: dict[str, int] = {}
@@ -127,6 +137,7 @@ class BulkServer:
                     os.unlink(self.sockaddr)
             else:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            bulkwire.large_buffers(sock)  # connections accepted from it inherit them
             sock.bind(self.sockaddr)
             sock.listen(128)
         except OSError as exc:
@@ -273,8 +284,15 @@ class BulkServer:
                     _close_all(fds)
                     raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"a file descriptor came with a {kind} frame; only buffer frames carry one")
+                if kind == "put":
+                    try:
+                        self._put(conn, context, frame.put, shared)
+                    finally:
+                        self._release_large(large)
+                    continue
                 if kind != "get":
-                    raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"expected a get or buffer frame, got {kind}")
+                    raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"expected a get, put or buffer frame, got {kind}")
                 try:
                     self._get(conn, context, frame.get, shared)
                 finally:
@@ -361,6 +379,7 @@ class BulkServer:
         context.lend = self.lend and hello.sealed_memfds
         frame = _status(grpc.StatusCode.OK)
         frame.status.sealed_memfds = context.lend
+        frame.status.puts = True
         bulkwire.send(conn, frame)
         return context
 
@@ -439,6 +458,57 @@ class BulkServer:
         if n_lent:
             self.metrics.lent_chunks.inc(n_lent)
 
+    def _put(self, conn: socket.socket, context: _Context, put: pb.BulkPut,
+             shared: "_SharedBuffer | None" = None) -> None:
+        """One Put: its frames go through KVCacheService.Put, so every check, reservation, quota and limit is
+        the gRPC Put's; only the metrics (rpc="BulkPut") and the answer (a status frame) are the channel's.
+        A chunk is stored when all its bytes have arrived and verified; a cut connection stores nothing of the
+        chunk it was in. After a failure the rest of the Put is read and dropped, so the connection stays in
+        step (a client still sending then reads the status)."""
+        start = time.perf_counter()
+        if self.authenticator.enabled and self.authenticator.authenticate(context) is None:
+            self.metrics.requests.labels(PUT_RPC, "UNAUTHENTICATED").inc()
+            self._try_send(conn, _status(grpc.StatusCode.UNAUTHENTICATED, "the bearer token of this connection's "
+                                         "hello is no longer valid; reconnect with a current one"))
+            raise bulkwire.Closed("token revoked")  # the client is still sending: close rather than read on
+        frames = _PutFrames(conn, put, shared, self.service.settings.frame_bytes,
+                            start + self.max_call_seconds if self.max_call_seconds else 0.0)
+        code, message, result = grpc.StatusCode.OK, "", None
+        # Blocking reads for the Put's bytes (a socket with a timeout polls before every read, and a blocking
+        # one waits for whole pieces: MSG_WAITALL), with the kernel's own timeouts keeping the idle limit.
+        _connection.kernel_timeouts(conn, self.idle_seconds)
+        conn.settimeout(None)
+        try:
+            frames.check()
+            # KVCacheService.Put without its gRPC wrapper, which would count the call as rpc="Put" and answer
+            # through context.abort: the bulk channel counts its own calls and answers with a status frame.
+            result = type(self.service).Put.__wrapped__(self.service, iter(frames), context)
+        except self._refusals as exc:
+            code, message = exc.code, exc.message
+        except bulkwire.Cut:
+            self.metrics.requests.labels(PUT_RPC, "CANCELLED").inc()  # the client went away mid-put
+            raise bulkwire.Closed("connection cut in a put") from None
+        except bulkwire.FramingError as exc:
+            self.metrics.requests.labels(PUT_RPC, "INVALID_ARGUMENT").inc()
+            self._try_send(conn, _status(grpc.StatusCode.INVALID_ARGUMENT, f"malformed bulk frame: {exc}"))
+            raise bulkwire.Closed("framing error in a put") from None  # counted and answered: just close
+        except OSError:
+            self.metrics.requests.labels(PUT_RPC, "CANCELLED").inc()
+            raise
+        except Exception as exc:  # noqa: BLE001
+            log.exception("unexpected error in %s", PUT_RPC)
+            code, message = grpc.StatusCode.INTERNAL, f"internal error in {PUT_RPC}: {type(exc).__name__}"
+        finally:
+            self.metrics.latency.labels(PUT_RPC).observe(time.perf_counter() - start)
+        self.metrics.requests.labels(PUT_RPC, code.name).inc()
+        answer = _status(code, message)
+        if result is not None:
+            answer.status.put.CopyFrom(result)
+        bulkwire.send(conn, answer)
+        if code != grpc.StatusCode.OK:
+            frames.drain()
+        conn.settimeout(self.idle_seconds)
+
     @staticmethod
     def _try_send(conn: socket.socket, frame: pb.BulkFrame) -> None:
         try:
@@ -446,6 +516,121 @@ class BulkServer:
             bulkwire.send(conn, frame)
         except OSError:
             pass
+
+
+class _ConnectionState(threading.local):
+    """Per connection (each has its own thread): what its Puts reuse."""
+
+    buffer = bytearray()  # Put bytes are received here: reused, so its pages are already faulted in
+    timeouts_set = False
+
+    def receive_buffer(self, n: int) -> bytearray:
+        if len(self.buffer) < n:
+            self.buffer = bytearray(n)
+        return self.buffer
+
+    def kernel_timeouts(self, conn: socket.socket, seconds: float | None) -> None:
+        """SO_RCVTIMEO and SO_SNDTIMEO, once per connection: what its reads and writes wait at most while it
+        is blocking (None: forever)."""
+        if self.timeouts_set:
+            return
+        whole = int(seconds or 0)
+        value = struct.pack("ll", whole, int(((seconds or 0) - whole) * 1e6))
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        self.timeouts_set = True
+
+
+_connection = _ConnectionState()
+
+
+class _Data:
+    """A Put data frame as KVCacheService.Put reads it (msg.WhichOneof("frame"), msg.data), whose `data` is a
+    view of the received bytes instead of a copy inside a message: Put copies them once, into the chunk."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: memoryview):
+        self.data = data
+
+    @staticmethod
+    def WhichOneof(_group: str) -> str:  # noqa: N802 - protobuf's name
+        return "data"
+
+
+class _PutFrames:
+    """The frames of one bulk Put as KVCacheService.Put consumes them: the header, then for each chunk its
+    ChunkBegin and its bytes as data frames of at most `piece` bytes, received into one reused buffer (or, with
+    put.shared_buffer, one data frame: a view of the attached memfd, which Put copies before verifying).
+    Put checks each chunk frame (index, layout, --max-chunk-bytes) before it asks for the bytes after it."""
+
+    def __init__(self, conn: socket.socket, put: pb.BulkPut, shared: "_SharedBuffer | None", piece: int,
+                 deadline: float):
+        self.conn = conn
+        self.put = put
+        self.shared = shared if put.shared_buffer else None
+        self.bytes_follow = not put.shared_buffer  # raw bytes follow each chunk frame on the socket
+        self.piece = piece
+        self.deadline = deadline
+        self.remaining = put.chunks  # chunk frames not read yet
+        self.unread = 0  # bytes after the last chunk frame not read yet
+
+    def check(self) -> None:
+        from promptcache.sidecar.server import invalid
+
+        if self.put.header.shared_buffer:
+            raise invalid("put.header.shared_buffer must be empty on the bulk channel: set put.shared_buffer to "
+                          "use the memfd attached by a buffer frame")
+        if self.put.shared_buffer and self.shared is None:
+            raise invalid("put.shared_buffer is set but no buffer frame attached a memfd on this connection")
+
+    def __iter__(self):
+        yield pb.PutRequest(header=self.put.header)
+        while self.remaining:
+            if self.deadline and time.perf_counter() > self.deadline:
+                raise CallRejected(grpc.StatusCode.DEADLINE_EXCEEDED, "this put ran longer than "
+                                   "--max-call-seconds; nothing partial was stored")
+            begin = self._chunk_frame()
+            yield pb.PutRequest(chunk=begin)
+            if self.shared is not None:
+                end = begin.buffer_offset + begin.nbytes
+                if end > self.shared.array.size:
+                    from promptcache.sidecar.server import invalid
+
+                    raise invalid(f"chunk {begin.index}: buffer_offset {begin.buffer_offset} + nbytes {begin.nbytes} "
+                                  f"runs past the attached buffer's {self.shared.array.size} bytes")
+                yield _Data(memoryview(self.shared.array[begin.buffer_offset:end]))
+                continue
+            while self.unread:
+                yield _Data(self._receive(min(self.unread, self.piece)))
+
+    def _chunk_frame(self) -> pb.ChunkBegin:
+        frame = bulkwire.recv(self.conn, limit=MAX_CHUNK_FRAME_BYTES)
+        if frame.WhichOneof("frame") != "chunk":
+            raise bulkwire.FramingError(f"a put announced {self.put.chunks} chunk frames; frame "
+                                        f"{self.put.chunks - self.remaining + 1} is a {frame.WhichOneof('frame')}")
+        self.remaining -= 1
+        self.unread = frame.chunk.nbytes if self.bytes_follow else 0
+        return frame.chunk
+
+    def _receive(self, n: int) -> memoryview:
+        view = memoryview(_connection.receive_buffer(n))[:n]
+        bulkwire.recv_into(self.conn, view)
+        self.unread -= n
+        return view
+
+    def drain(self) -> None:
+        """Read and drop the rest of a Put that failed, so the connection stays in step."""
+        while True:
+            if self.unread > MAX_DRAIN_CHUNK_BYTES:
+                raise bulkwire.Closed(f"a failed put announced a chunk of {self.unread} bytes; not reading them")
+            while self.unread:
+                self._receive(min(self.unread, self.piece))
+            if not self.remaining:
+                return
+            if self.deadline and time.perf_counter() > self.deadline:
+                raise bulkwire.Closed("a failed put ran past --max-call-seconds while its rest was read")
+            self._chunk_frame()
 
 
 class _SharedBuffer:

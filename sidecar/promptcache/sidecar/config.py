@@ -211,9 +211,9 @@ HELP = {
                      "all clients together)",
     "shm_idle_seconds": "close a shared-memory buffer no call used this long (a client that died without "
                         "closing it); its client then opens a new one",
-    "bulk_address": "bulk channel for Get (docs/bulk-channel.md): HOST:PORT or unix:/PATH of a plain socket "
-                    "that streams chunk bytes without gRPC's per-call cost, or several, comma-separated (a unix "
-                    "socket for zero copy and TCP for other pods); empty disables it",
+    "bulk_address": "bulk channel for Get and Put (docs/bulk-channel.md): HOST:PORT or unix:/PATH of a plain "
+                    "socket that streams chunk bytes without gRPC's per-call cost, or several, comma-separated (a "
+                    "unix socket for zero copy and TCP for other pods); empty disables it",
     "bulk_max_connections": "open bulk-channel connections at most (one thread each); more are refused",
     "bulk_max_connections_per_peer": "bulk-channel connections one peer may hold (a process, by its unix-socket "
                                      "credentials; an IP address over TCP); more are refused",
