@@ -425,3 +425,51 @@ def test_huge_requests_do_not_take_memory_beyond_a_bound(tmp_path):
         assert took < 10, took
     finally:
         proc.stop()
+
+
+def trickling_bulk_put(address: str, seed: int, stop: threading.Event, every: float = 0.2) -> socket.socket:
+    """The slow-Put attack on the bulk channel: a put announcing a 1 MiB chunk, then a byte every `every` s."""
+    sock = raw_bulk(address.removeprefix("unix:"))
+    bulkwire.send(sock, pb.BulkFrame(hello=pb.BulkHello(version=1)))
+    assert bulkwire.recv(sock).status.code == 0
+    tokens = [seed * 1000 + i for i in range(CHUNK)]
+    header = pb.PutHeader(model=model_to_proto(WIDE), tokens=tokens)
+    bulkwire.send(sock, pb.BulkFrame(put=pb.BulkPut(header=header, chunks=1)))
+    bulkwire.send(sock, pb.BulkFrame(chunk=pb.ChunkBegin(index=0, nbytes=WIDE_NBYTES, shape=WIDE_SHAPE,
+                                                         dtype=pb.DTYPE_FLOAT32)))
+
+    def trickle():
+        try:
+            while not stop.wait(every):
+                sock.send(b"\x00")
+        except OSError:
+            pass  # cut off
+    threading.Thread(target=trickle, daemon=True).start()
+    return sock
+
+
+def test_trickling_bulk_puts_are_cut_off_like_grpc_ones(sidecar_factory, tmp_path):
+    """The same attack over the bulk channel's Put: the minimum rate applies there too, the reservations are
+    released, an honest writer gets in, and the cut is counted as the watchdog's. (One process's bulk
+    connections are one client for --max-put-reserved-fraction: here it may hold the whole budget, so only the
+    rate limit can end the lock-out.)"""
+    path = f"{tmp_path}/bulk.sock"
+    sidecar = sidecar_factory(memory_bytes=2 * MIB, max_chunk_bytes=2 * MIB, stream_idle_seconds=30,
+                              min_put_bytes_per_second=64 << 10, put_rate_window_seconds=1.0,
+                              max_put_reserved_fraction=1.0, bulk_address=f"unix:{path}")
+    stop = threading.Event()
+    socks = [trickling_bulk_put(path, seed, stop) for seed in range(2)]
+    try:
+        assert eventually(lambda: sidecar.tier.usage()["reserved"] == 2 * MIB), sidecar.tier.usage()
+        with PromptCacheClient(sidecar.address, retries=0, timeout=10) as honest:
+            took, refusals = honest_put(honest, seed=7, deadline=time.monotonic() + 8)
+        assert refusals and took < 4.0, (took, refusals[:2])
+        assert eventually(lambda: sidecar.tier.usage()["reserved"] == 0)
+    finally:
+        stop.set()
+        for s in socks:
+            s.close()
+    from support import metric
+
+    assert metric(sidecar, 'promptcache_calls_cancelled_total{limit="rate",rpc="BulkPut"}') == 2
+    assert metric(sidecar, 'promptcache_requests_total{code="DEADLINE_EXCEEDED",rpc="BulkPut"}') == 2

@@ -29,7 +29,7 @@ import numpy as np
 
 from promptcache import bulkwire
 from promptcache.sidecar.auth import AUTHORIZATION, attach_identity
-from promptcache.sidecar.limits import LARGE_REQUEST_TOKENS, CallRejected
+from promptcache.sidecar.limits import LARGE_REQUEST_TOKENS, CallRejected, attach_watch
 from promptcache.v1 import kvcache_pb2 as pb
 
 log = logging.getLogger("promptcache.sidecar.bulk")
@@ -74,6 +74,13 @@ class _Context:
     def __init__(self, peer: str, authorization: str):
         self._peer = peer
         self._metadata = ((AUTHORIZATION, authorization),) if authorization else ()
+        self.on_cancel = None  # set while a put runs: how the watchdog cuts it off
+
+    def cancel(self) -> None:
+        """The watchdog's cancellation (limits._cancel): a bulk call has no status to send from another thread,
+        so its connection is shut down and the serving thread reports the watchdog's reason."""
+        if self.on_cancel is not None:
+            self.on_cancel()
 
     def invocation_metadata(self):
         return self._metadata
@@ -91,6 +98,14 @@ class _Refused(Exception):
         self.code, self.message = code, message
 
 
+def _shutdown(conn: socket.socket) -> None:
+    """Wake the thread blocked reading `conn` (it then reads end of stream) without closing the descriptor."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def _status(code: grpc.StatusCode, message: str = "", chunks: int = 0) -> pb.BulkFrame:
     return pb.BulkFrame(status=pb.BulkStatus(code=code.value[0], message=message, chunks=chunks))
 
@@ -98,7 +113,7 @@ def _status(code: grpc.StatusCode, message: str = "", chunks: int = 0) -> pb.Bul
 class BulkServer:
     def __init__(self, address: str, service, authenticator, metrics, max_connections: int = 64,
                  idle_seconds: float = 30.0, max_call_seconds: float = 0.0, lend: bool = False,
-                 max_connections_per_peer: int = 16, hello_seconds: float = 5.0):
+                 max_connections_per_peer: int = 16, hello_seconds: float = 5.0, watchdog=None):
         self.family, self.sockaddr = bulkwire.parse_address(address)
         self.service = service
         self.authenticator = authenticator
@@ -106,6 +121,7 @@ class BulkServer:
         self.max_connections = max_connections
         self.max_connections_per_peer = max_connections_per_peer
         self.hello_seconds = hello_seconds
+        self.watchdog = watchdog  # limits.Watchdog: puts get the gRPC Put's minimum rate (and duration) too
         max_tokens = service.settings.max_request_tokens
         self.max_frame_bytes = min(bulkwire.MAX_FRAME_BYTES, 5 * max_tokens + (64 << 10))  # <= 5 bytes a token
         self.idle_seconds = idle_seconds or None
@@ -305,7 +321,8 @@ class BulkServer:
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if record.expired else grpc.StatusCode.RESOURCE_EXHAUSTED
                 self.metrics.requests.labels(RPC, code.name).inc()
                 self._try_send(conn, _status(code, why))
-            elif isinstance(exc, bulkwire.FramingError):
+            elif isinstance(exc, bulkwire.FramingError) and not isinstance(exc, (bulkwire.Closed, bulkwire.Cut)):
+                # (Closed: answered already, or the client left; Cut: nobody to answer)
                 self.metrics.requests.labels(RPC, "INVALID_ARGUMENT").inc()
                 self._try_send(conn, _status(grpc.StatusCode.INVALID_ARGUMENT, f"malformed bulk frame: {exc}"))
             # else: the client left, stalled past --stream-idle-seconds, or stop() shut the socket down
@@ -474,6 +491,11 @@ class BulkServer:
         frames = _PutFrames(conn, put, shared, self.service.settings.frame_bytes,
                             start + self.max_call_seconds if self.max_call_seconds else 0.0)
         code, message, result = grpc.StatusCode.OK, "", None
+        watch = None
+        if self.watchdog is not None:  # KVCacheService.Put reports what it holds and receives to this watch
+            watch = self.watchdog.watch(context, PUT_RPC, idle=False)
+            context.on_cancel = lambda: _shutdown(conn)
+            attach_watch(context, watch)
         # Blocking reads for the Put's bytes (a socket with a timeout polls before every read, and a blocking
         # one waits for whole pieces: MSG_WAITALL), with the kernel's own timeouts keeping the idle limit.
         _connection.kernel_timeouts(conn, self.idle_seconds)
@@ -485,21 +507,28 @@ class BulkServer:
             result = type(self.service).Put.__wrapped__(self.service, iter(frames), context)
         except self._refusals as exc:
             code, message = exc.code, exc.message
-        except bulkwire.Cut:
+        except (bulkwire.Cut, OSError) as exc:
+            if watch is not None and watch.expired:  # the watchdog shut the connection: say why, if it can hear
+                self.metrics.requests.labels(PUT_RPC, "DEADLINE_EXCEEDED").inc()
+                self._try_send(conn, _status(grpc.StatusCode.DEADLINE_EXCEEDED, watch.reason))
+                raise bulkwire.Closed("cut off by the watchdog") from None
             self.metrics.requests.labels(PUT_RPC, "CANCELLED").inc()  # the client went away mid-put
-            raise bulkwire.Closed("connection cut in a put") from None
+            if isinstance(exc, bulkwire.Cut):
+                raise bulkwire.Closed("connection cut in a put") from None
+            raise
         except bulkwire.FramingError as exc:
             self.metrics.requests.labels(PUT_RPC, "INVALID_ARGUMENT").inc()
             self._try_send(conn, _status(grpc.StatusCode.INVALID_ARGUMENT, f"malformed bulk frame: {exc}"))
             raise bulkwire.Closed("framing error in a put") from None  # counted and answered: just close
-        except OSError:
-            self.metrics.requests.labels(PUT_RPC, "CANCELLED").inc()
-            raise
         except Exception as exc:  # noqa: BLE001
             log.exception("unexpected error in %s", PUT_RPC)
             code, message = grpc.StatusCode.INTERNAL, f"internal error in {PUT_RPC}: {type(exc).__name__}"
         finally:
             self.metrics.latency.labels(PUT_RPC).observe(time.perf_counter() - start)
+            if watch is not None:
+                self.watchdog.unwatch(watch)
+                attach_watch(context, None)
+                context.on_cancel = None
         self.metrics.requests.labels(PUT_RPC, code.name).inc()
         answer = _status(code, message)
         if result is not None:

@@ -787,7 +787,7 @@ class Sidecar:
                                 settings.bulk_max_connections, settings.stream_idle_seconds,
                                 settings.max_call_seconds, lend=self.tier.host_memory is not None,
                                 max_connections_per_peer=settings.bulk_max_connections_per_peer,
-                                hello_seconds=settings.bulk_hello_seconds)
+                                hello_seconds=settings.bulk_hello_seconds, watchdog=self.watchdog)
                      for address in settings.bulk_addresses]
         self._stop = threading.Event()
         self._stop_lock = threading.Lock()
