@@ -16,7 +16,7 @@ def _tokens(n, seed=0):
 def test_fidelity_evaluate_on_tiny_model():
     model = models.tiny_llama("float32", num_layers=2)
     res = fidelity.evaluate(model, _tokens(200), modes=["none", "k8v8", "k8v4"], prefix=64, suffix=16, windows=2,
-                            chunk_tokens=32, revision="smoke", log=lambda s: None)
+                            chunk_tokens=64, revision="smoke", log=lambda s: None)
     assert set(res) == {"none", "k8v8", "k8v4"}
     for m, r in res.items():
         assert r["positions"] == 32
