@@ -63,7 +63,8 @@ def test_load_text_builtins_and_files(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("text", ["en", "zh"])
 def test_fidelity_thresholds_on_smollm2_slice(text):
-    """The real model, one window (512 cached + 256 scored tokens) per text: none exact, k8v4 top-1 >= 99 %."""
+    """The real model, the README's 3 windows (512 cached + 256 scored tokens) per text: none exact, k8v4 top-1 >= 99 %.
+    (One window is too few: 99 % of 256 positions allows 2 misses, and the first Chinese window has 3.)"""
     try:
         model, tok = models.load_smollm2("float32")
     except FileNotFoundError as exc:
@@ -72,7 +73,7 @@ def test_fidelity_thresholds_on_smollm2_slice(text):
     torch.set_num_threads(1)
     try:
         tokens = tok(fidelity.load_text(text)[1], add_special_tokens=False)["input_ids"]
-        res = fidelity.evaluate(model, tokens, modes=["none", "k8v4"], prefix=512, suffix=256, windows=1,
+        res = fidelity.evaluate(model, tokens, modes=["none", "k8v4"], prefix=512, suffix=256, windows=3,
                                 chunk_tokens=256, revision=models.model_revision(), log=lambda s: None)
     finally:
         torch.set_num_threads(threads)
