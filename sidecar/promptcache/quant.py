@@ -9,7 +9,7 @@ k8v4 (format 2) adds three measured refinements for 4-bit values (docs/quantizat
 * the first token and the last V_RECENT = 32 tokens of every chunk keep 8-bit values: at chunk 0 the first token is
   the attention-sink token, whose value error reaches every later position (97.5 -> 98.8 % top-1 on SmolLM2), and
   the last tokens of a chunk are the nearest context of whatever follows it (format 2, issue 16: on Chinese text
-  top-1 98.6 -> 99.1 %, max |dlogit| 2.8 -> 1.4);
+  top-1 98.96 -> 99.48 % over 768 positions, against 16 tokens at 8 bits);
 * the other tokens' value groups are rotated by a normalised Hadamard matrix before quantization (spreads
   outlier channels over the group; the inverse rotation is the same matrix), as in QuaRot/SpinQuant;
 * the encoder picks, per group, the scale among the 5 grid steps at and below the no-clipping scale that minimises
