@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Debian packages the tests and benchmarks drive for real: prometheus (promtool for the alert rules, and the
 # server the operator's Prometheus metrics source is tested against), openssl (test certificates
-# for the API server) and redis-server (the throughput baseline). Installed only when missing; needs root (as
+# for the API server), redis-server (the throughput baseline) and manpages-zh (the Chinese prose text of the
+# fidelity benchmark and its test: /usr/share/man/zh_CN/man1/bash.1.gz). Installed only when missing; needs root (as
 # in CI) or sudo.
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v promtool >/dev/null || need+=(prometheus)
 command -v openssl >/dev/null || need+=(openssl)
+[ -e /usr/share/man/zh_CN/man1/bash.1.gz ] || need+=(manpages-zh)
 [ ${#need[@]} -eq 0 ] && exit 0
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 echo "installing ${need[*]} (Debian packages)"

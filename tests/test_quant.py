@@ -21,7 +21,7 @@ MODES = ("k8v8", "k8v4")
 def chunks(draw):
     L = draw(st.integers(1, 3))
     H = draw(st.integers(1, 3))
-    T = draw(st.integers(1, 19))
+    T = draw(st.integers(1, 48))  # k8v4: up to 33 tokens are all 8-bit; more have a 4-bit middle
     D = draw(st.sampled_from([2, 4, 6, 16, 32, 48, 64, 80, 96, 128]))
     dtype = draw(st.sampled_from(sorted(DTYPES)))
     seed = draw(st.integers(0, 2**31 - 1))
@@ -45,11 +45,12 @@ def _check_roundtrip(mode, x, dtype):
     # quantization bound plus the final rounding to the KV dtype
     bound = quant.error_bound(mode, x) * 1.0001 + y.float().abs() * torch.finfo(x.dtype).eps + 1e-30
     assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
-    if mode == "k8v4" and x.shape[3] > 1:
-        L, _, H, T, D = x.shape
+    L, _, H, T, D = x.shape
+    mid = T - 1 - min(quant.V_RECENT, T - 1)  # k8v4's 4-bit tokens: 1 .. mid
+    if mode == "k8v4" and mid:
         g = quant.v_group_size(D)
-        e = (y.float() - x.float())[:, 1, :, 1:].reshape(L, H, T - 1, D // g, g)
-        slack = y.float()[:, 1, :, 1:].abs().reshape(L, H, T - 1, D // g, g).amax(-1) * torch.finfo(x.dtype).eps * g
+        e = (y.float() - x.float())[:, 1, :, 1:1 + mid].reshape(L, H, mid, D // g, g)
+        slack = y.float()[:, 1, :, 1:1 + mid].abs().reshape(L, H, mid, D // g, g).amax(-1) * torch.finfo(x.dtype).eps * g
         assert (e.norm(dim=-1) <= quant.value_group_l2_bound(x) + slack).all()
 
 
@@ -72,10 +73,54 @@ def test_zero_is_exact_and_constant_groups(mode):
 
 def test_compression_for_smollm2_geometry():
     shape = (30, 2, 3, 256, 64)
-    assert quant.compression_vs_fp16("k8v4", shape) >= 2.6
+    assert quant.compression_vs_fp16("k8v4", shape) >= 2.49  # format 2: 2.496x (format 1 was 2.602x)
     assert quant.compression_vs_fp16("k8v8", shape) >= 1.9
     spec = ModelSpec("m", "r", "float16", 30, 3, 64, quantization="k8v4")
     assert chunk_nbytes(spec, 256) == quant.packed_nbytes("k8v4", shape, "float16")
+
+
+def test_k8v4_keeps_first_and_recent_tokens_values_at_8_bits():
+    """Format 2: token 0 and the last V_RECENT tokens of a chunk are within half an 8-bit step; the middle is 4-bit."""
+    x = torch.randn(2, 2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    y = quant.unpack("k8v4", quant.pack("k8v4", x), x.shape, "float32")
+    err = (y - x)[:, 1].abs()
+    step8 = (x[:, 1].amax(-1) - x[:, 1].amin(-1)) / 254  # [L, H, T]: one group of 64 channels per token
+    eight_bit = [0] + list(range(64 - quant.V_RECENT, 64))
+    assert (err[:, :, eight_bit].amax(-1) <= step8[:, :, eight_bit] * 0.5 * 1.01).all()
+    middle = err[:, :, 1:64 - quant.V_RECENT].amax(-1)
+    assert (middle > step8[:, :, 1:64 - quant.V_RECENT]).float().mean() > 0.9  # 4-bit there: coarser
+
+
+# A k8v4 chunk in format 1 (before issue 16: only token 0's values at 8 bits), packed by that code from
+# x = (arange(64).reshape(2, 2, 1, 4, 4) - 15) / 7 in float32.
+K8V4_FORMAT1 = bytes.fromhex(
+    "5043513101020000fb1130c5200000000000000044494e5587919ca9cbdaeafe95989c9fb8babcbedbdcdddefefefefe522009207d1fea"
+    "1e2d24522477249c24fefefefe000000003f7fbefee9f0f7fe9c182f2500001e201f211f101e111e111e116a6f727e7f80221111")
+# docs/key-vectors.json "bf16-k8v4-tenant" fingerprint while k8v4 was format 1
+K8V4_FORMAT1_FINGERPRINT = "e9ce6d5f9d143432b4906783e2b6ffeb4c2af5a181d461e99a7ce10138ee2722"
+
+
+def test_k8v4_format1_chunks_are_never_misread():
+    """Format-1 chunks get other keys (fingerprint field 7 is "k8v4.2") and, if one arrived anyway, are refused."""
+    from promptcache.keys import QUANT_FORMATS, fingerprint
+
+    spec = ModelSpec("meta-llama/Llama-3.1-8B", "sha256:0123abcd", "bfloat16", 32, 8, 128, "k8v4", b"tenant-a")
+    assert QUANT_FORMATS["k8v4"] == "k8v4.2"
+    assert fingerprint(spec).hex() != K8V4_FORMAT1_FINGERPRINT
+    old = torch.frombuffer(bytearray(K8V4_FORMAT1), dtype=torch.uint8)
+    assert quant.read_header(old)["mode"] == "k8v4 format 1 (retired)"
+    with pytest.raises(quant.CorruptChunk, match="must be 128 bytes, got 107"):
+        quant.unpack("k8v4", old, (2, 2, 1, 4, 4), "float32")
+    # same length as format 2 (padded, CRC re-sealed): still refused by its header's mode id
+    forged = _refresh_crc(torch.cat([old, torch.zeros(128 - 107, dtype=torch.uint8)]))
+    with pytest.raises(quant.CorruptChunk, match="k8v4 format 1 \\(retired\\), expected k8v4"):
+        quant.unpack("k8v4", forged, (2, 2, 1, 4, 4), "float32")
+
+
+def test_format_header_mode_ids():
+    x = torch.randn(1, 2, 1, 20, 64)
+    assert quant.pack("k8v8", x)[5].item() == 1
+    assert quant.pack("k8v4", x)[5].item() == 3  # format 2 (format 1 was id 2)
 
 
 def test_bad_arguments():
@@ -92,7 +137,7 @@ def test_bad_arguments():
 
 
 # ------------------------------------------------------------------------------------------------ corrupt blobs
-SHAPE = (2, 2, 3, 16, 64)
+SHAPE = (2, 2, 3, 48, 64)  # 48 tokens: k8v4 has 4-bit middle tokens (1..15)
 
 
 def _blob(mode="k8v4", dtype="float16"):
@@ -142,7 +187,7 @@ def test_wrong_mode_dtype_shape_magic_rejected():
     blob = _blob("k8v4", "bfloat16")
     with pytest.raises(quant.CorruptChunk, match="packed from bfloat16, expected float16"):
         quant.unpack("k8v4", blob, SHAPE, "float16")
-    other_shape = (2, 2, 3, 8, 128)  # same element count, different layout
+    other_shape = (2, 2, 3, 24, 128)  # same element count, different layout
     with pytest.raises(quant.CorruptChunk):
         quant.unpack("k8v4", blob, other_shape, "bfloat16")
     bad = blob.clone()
@@ -162,7 +207,7 @@ def test_bad_fp16_scales_rejected(mode, value):
     bad[off:off + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
     with pytest.raises(quant.CorruptChunk, match="key scales"):
         quant.unpack(mode, _refresh_crc(bad), SHAPE, "float16")
-    for sec in (["v_scale"] if mode == "k8v8" else ["v0_scale"]):
+    for sec in (["v_scale"] if mode == "k8v8" else ["v8_scale"]):
         off, _ = _section_offset(mode, "float16", sec)
         bad = blob.clone()
         bad[off:off + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8)

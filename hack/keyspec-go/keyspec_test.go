@@ -35,6 +35,14 @@ func field(tag byte, payload []byte) []byte {
 	return append(out, payload...)
 }
 
+// quantFormat: fingerprint field 7 holds the mode's byte format (docs/keys.md); k8v4 is at format 2.
+func quantFormat(mode string) string {
+	if mode == "k8v4" {
+		return "k8v4.2"
+	}
+	return mode
+}
+
 func u32(v uint32) []byte {
 	b := make([]byte, 4)
 	binary.LittleEndian.PutUint32(b, v)
@@ -62,7 +70,7 @@ func TestVectors(t *testing.T) {
 		msg = append(msg, field(4, u32(v.Model.NumLayers))...)
 		msg = append(msg, field(5, u32(v.Model.NumKVHeads))...)
 		msg = append(msg, field(6, u32(v.Model.HeadDim))...)
-		msg = append(msg, field(7, []byte(v.Model.Quantization))...)
+		msg = append(msg, field(7, []byte(quantFormat(v.Model.Quantization)))...)
 		msg = append(msg, field(8, salt)...)
 		fp := sha256.Sum256(msg)
 		if hex.EncodeToString(fp[:]) != v.Fingerprint {

@@ -14,6 +14,10 @@ import numpy as np
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
 QUANT_MODES = ("none", "k8v8", "k8v4")
+# What field 7 of the fingerprint holds: the mode's byte *format*. k8v4 changed format in issue 16 (format 2: more
+# 8-bit value tokens per chunk), so its chunks hash under "k8v4.2": a format-1 chunk is never found by a format-2
+# client, nor the reverse.
+QUANT_FORMATS = {"none": "none", "k8v8": "k8v8", "k8v4": "k8v4.2"}
 DEFAULT_CHUNK_TOKENS = 256
 MAX_TOKEN_ID = 2**32 - 1
 
@@ -71,7 +75,7 @@ def fingerprint(spec: ModelSpec) -> bytes:
         _field(4, u32(spec.num_layers)),
         _field(5, u32(spec.num_kv_heads)),
         _field(6, u32(spec.head_dim)),
-        _field(7, spec.quantization.encode("ascii")),
+        _field(7, QUANT_FORMATS[spec.quantization].encode("ascii")),
         _field(8, spec.tenant_salt),
     ))
     return hashlib.sha256(_FP_DOMAIN + encoded).digest()
