@@ -276,18 +276,8 @@ class PrometheusSource:
     timeout_s: float = 5.0
 
     def query(self, promql: str) -> dict[str, float]:
-        q = urllib.parse.urlencode({"query": promql})
-        with urllib.request.urlopen(f"{self.url.rstrip('/')}/api/v1/query?{q}",  # noqa: S310 - configured URL
-                                    timeout=self.timeout_s) as r:
-            body = json.loads(r.read())
-        if body.get("status") != "success":
-            raise ValueError(f"Prometheus query failed: {body.get('error')}")
-        out = {}
-        for s in body["data"]["result"]:
-            v = float(s["value"][1])
-            if math.isfinite(v):
-                out[s["metric"].get("pod", "")] = v
-        return out
+        """pod -> value of an instant query."""
+        return {labels.get("pod", ""): v for labels, v in self.query_series(promql)}
 
     def query_series(self, promql: str) -> list[tuple[dict[str, str], float]]:
         q = urllib.parse.urlencode({"query": promql})
