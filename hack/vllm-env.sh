@@ -14,7 +14,7 @@ if [ -f "$STAMP" ]; then echo "$VENV/bin/python"; exit 0; fi
 PY=${VLLM_PYTHON:-}
 if [ -z "$PY" ]; then
   for c in python3.12 /root/.pyenv/versions/3.12.*/bin/python3.12 python3.13 python3.11; do
-    if command -v "$c" >/dev/null 2>&1; then PY=$(command -v "$c"); break; fi
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import venv' >/dev/null 2>&1; then PY=$(command -v "$c"); break; fi
   done
 fi
 [ -n "$PY" ] || { echo "vllm-env: no python3.11-3.13 found (set VLLM_PYTHON)" >&2; exit 1; }
