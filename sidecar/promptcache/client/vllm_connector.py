@@ -267,8 +267,9 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if usable <= first:
                 return None
             spec = self._spec(request)
+            # views of this thread's receive buffer, decoded (copied) at once
             blobs = self.client.get_blobs(spec, prompt[:usable * ct], start_chunk=first, max_chunks=usable - first,
-                                          timeout=self.load_timeout)
+                                          timeout=self.load_timeout, copy=False)
             if not blobs:
                 return None
             kv = _decode(spec, blobs, ct)
