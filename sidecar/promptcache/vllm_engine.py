@@ -7,7 +7,7 @@ Run with the vLLM virtualenv's python and the checkout's source roots on PYTHONP
 Requests, one JSON object per line; each answer is one line starting with ``@@`` (vLLM's own logging also goes to
 stdout/stderr):
     {"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8, "cache_salts": [null, ...]}
-        -> {"outputs": [[ids...], ...], "seconds": s, "ttft": [s, ...], "metrics": {name: value}}
+        -> {"outputs": [[ids...], ...], "seconds": s, "metrics": {name: value}}
     {"op": "flush"}    wait for the connector's background saves -> {"ok": true, "metrics": {...}}
     {"op": "metrics"}  -> {"metrics": {...}} (promptcache_client_* samples of this process)
     {"op": "exit"}
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     kwargs = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
                   enable_prefix_caching=args.prefix_caching, max_num_seqs=args.max_num_seqs, seed=0)
@@ -81,41 +81,48 @@ def main(argv=None) -> int:
         out.write("@@" + json.dumps(obj) + "\n")
         out.flush()
 
+    def handle(req):
+        _handle(llm, connector, reply, req)
+
     reply({"ready": True, "layout": getattr(connector, "_layout", None),
            "disabled": getattr(connector, "disabled", None)})
     for line in sys.stdin:
         req = json.loads(line)
-        op = req.get("op")
-        if op == "exit":
+        if req.get("op") == "exit":
             break
-        if op == "metrics":
-            reply({"metrics": metrics()})
-        elif op == "flush":
-            ok = connector.flush() if connector is not None else True
-            reply({"ok": ok, "metrics": metrics()})
-        elif op == "generate":
-            salts = req.get("cache_salts") or [None] * len(req["prompts"])
-            prompts = []
-            for ids, salt in zip(req["prompts"], salts):
-                prompt = {"prompt_token_ids": ids}
-                if salt:
-                    prompt["cache_salt"] = salt
-                prompts.append(prompt)
-            params = SamplingParams(max_tokens=req.get("max_tokens", 8), temperature=0.0,
-                                    ignore_eos=req.get("ignore_eos", True))
-            t0 = time.perf_counter()
-            results = llm.generate(prompts, params, use_tqdm=False)
-            seconds = time.perf_counter() - t0
-            ttft = []
-            for r in results:
-                m = getattr(r, "metrics", None)
-                first = getattr(m, "first_token_latency", None) if m is not None else None
-                ttft.append(first)
-            reply({"outputs": [list(r.outputs[0].token_ids) for r in results], "seconds": seconds, "ttft": ttft,
-                   "metrics": metrics()})
-        else:
-            reply({"error": f"unknown op {op!r}"})
+        try:
+            handle(req)
+        except Exception as exc:  # noqa: BLE001 - report it to the driver, keep serving
+            reply({"error": f"{type(exc).__name__}: {exc}"})
     return 0
+
+
+def _handle(llm, connector, reply, req) -> None:
+    from vllm import SamplingParams
+
+    op = req.get("op")
+    if op == "metrics":
+        reply({"metrics": metrics()})
+    elif op == "flush":
+        ok = connector.flush() if connector is not None else True
+        reply({"ok": ok, "metrics": metrics()})
+    elif op == "generate":
+        salts = req.get("cache_salts") or [None] * len(req["prompts"])
+        prompts = []
+        for ids, salt in zip(req["prompts"], salts):
+            prompt = {"prompt_token_ids": ids}
+            if salt:
+                prompt["cache_salt"] = salt
+            prompts.append(prompt)
+        params = SamplingParams(max_tokens=req.get("max_tokens", 8), temperature=0.0,
+                                ignore_eos=req.get("ignore_eos", True))
+        t0 = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        reply({"outputs": [list(r.outputs[0].token_ids) for r in results], "seconds": seconds,
+               "metrics": metrics()})
+    else:
+        reply({"error": f"unknown op {op!r}"})
 
 
 class EngineProcess:
@@ -137,27 +144,36 @@ class EngineProcess:
         full_env["PYTHONPATH"] = os.pathsep.join(str(root / d) for d in ("sidecar", "proto", "operator"))
         full_env.update(env or {})
         self.log = open(log_path or os.devnull, "w")
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=full_env, cwd=str(root))
         self.ready: dict | None = None
+        import queue
+        import threading
+
+        self._answers: queue.Queue = queue.Queue()
+        self._pump_thread = threading.Thread(target=self._pump, name=f"vllm-engine-{self.proc.pid}", daemon=True)
+        self._pump_thread.start()
+
+    def _pump(self) -> None:
+        """Reader thread: answers to the queue, everything else (vLLM's logging) to the log file."""
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                self._answers.put(json.loads(line[2:]))
+            else:
+                self.log.write(line)
+                self.log.flush()
+        self._answers.put(None)
 
     def _read(self, timeout: float) -> dict:
-        import select
+        import queue
 
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"vLLM engine process {self.proc.pid} gave no answer in {timeout:.0f}s")
-            ready, _, _ = select.select([self.proc.stdout], [], [], remaining)
-            if not ready:
-                continue
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"vLLM engine process {self.proc.pid} exited with {self.proc.wait()}")
-            if line.startswith("@@"):
-                return json.loads(line[2:])
-            self.log.write(line)
+        try:
+            answer = self._answers.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"vLLM engine process {self.proc.pid} gave no answer in {timeout:.0f}s") from None
+        if answer is None:
+            raise RuntimeError(f"vLLM engine process {self.proc.pid} exited with {self.proc.wait()}")
+        return answer
 
     def wait_ready(self, timeout: float = 600) -> dict:
         if self.ready is None:
@@ -186,6 +202,7 @@ class EngineProcess:
             except Exception:  # noqa: BLE001 - then kill it
                 self.proc.kill()
                 self.proc.wait()
+        self._pump_thread.join(10)
         self.log.close()
 
 
