@@ -91,3 +91,16 @@ def test_split_chunks_and_bad_shapes():
         vl.canonical_to_blocks(kv[:, :, :, :N + 1], vl.scatter_index("cpu_vec", N, D), N)
     with pytest.raises(ValueError, match="unknown KV block layout"):
         vl.gather_index("nhd_flash", N, D)
+
+
+@pytest.mark.parametrize("layout", vl.LAYOUTS)
+def test_strided_layer_copies_match_the_index_conversions(layout):
+    kv = canonical(nb=4, seed=3)
+    blocks = build_blocks(kv, layout)  # [L, nb, H, 2ND]
+    for layer in range(L):
+        region = torch.zeros(6, H, 2 * N * D)
+        vl.write_layer(region[1:5], kv[layer], layout, N)
+        assert torch.equal(region[1:5], blocks[layer]) and not region[0].any() and not region[5].any()
+        out = torch.empty(2, H, 4 * N, D)
+        vl.read_layer(blocks[layer], out, layout, N)
+        assert torch.equal(out, kv[layer])

@@ -97,3 +97,50 @@ def split_chunks(kv: torch.Tensor, chunk_tokens: int) -> list[torch.Tensor]:
     if T % chunk_tokens:
         raise ValueError(f"{T} tokens are not whole chunks of {chunk_tokens}")
     return [kv[:, :, :, i:i + chunk_tokens].contiguous() for i in range(0, T, chunk_tokens)]
+
+
+def _block_views(region: torch.Tensor, layout: str, N: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views (no copies) of K and V inside region [nb, H, 2*N*D], indexed [nb, H, n..., d...]: [nb, H, N, D], or for
+    cpu_amx K [nb, H, N/16, 16, D/2, 2] and V [nb, H, N/2, 2, D/16, 16] (n and d split the way _split splits them)."""
+    nb, H = region.shape[:2]
+    k, v = region[..., :N * D], region[..., N * D:]
+    if layout == "token_major":
+        return k.view(nb, H, N, D), v.view(nb, H, N, D)
+    if layout == "cpu_vec":  # K stored [D, N]
+        return k.view(nb, H, D, N).transpose(2, 3), v.view(nb, H, N, D)
+    if layout == "cpu_amx":  # K stored [N/16][D/2][16][2], V [D/16][N/2][16][2]
+        return (k.view(nb, H, N // 16, D // 2, 16, 2).permute(0, 1, 2, 4, 3, 5),
+                v.view(nb, H, D // 16, N // 2, 16, 2).permute(0, 1, 3, 5, 2, 4))
+    raise ValueError(f"unknown KV block layout {layout!r}; known: {', '.join(LAYOUTS)}")
+
+
+def _split(t: torch.Tensor, layout: str, part: str, N: int, D: int) -> torch.Tensor:
+    nb, H = t.shape[:2]
+    if layout != "cpu_amx":
+        return t
+    if part == "k":
+        return t.view(nb, H, N // 16, 16, D // 2, 2)
+    return t.view(nb, H, N // 2, 2, D // 16, 16)
+
+
+def write_layer(region: torch.Tensor, kv: torch.Tensor, layout: str, block_size: int) -> None:
+    """Copy one layer's canonical K/V [2, H, nb*N, D] into region [nb, H, 2*N*D] (consecutive blocks, e.g. a slice
+    of the engine's cache) in the engine's layout: one strided pass, no intermediate tensor."""
+    N = block_size
+    two, H, T, D = kv.shape
+    nb = T // N
+    kd, vd = _block_views(region, layout, N, D)
+    k = kv[0].view(H, nb, N, D).transpose(0, 1)
+    v = kv[1].view(H, nb, N, D).transpose(0, 1)
+    kd.copy_(_split(k, layout, "k", N, D))
+    vd.copy_(_split(v, layout, "v", N, D))
+
+
+def read_layer(region: torch.Tensor, out: torch.Tensor, layout: str, block_size: int) -> None:
+    """The inverse of write_layer: region [nb, H, 2*N*D] in the engine's layout -> out [2, H, nb*N, D]."""
+    N = block_size
+    two, H, T, D = out.shape
+    nb = T // N
+    ks, vs = _block_views(region, layout, N, D)
+    _split(out[0].view(H, nb, N, D).transpose(0, 1), layout, "k", N, D).copy_(ks)
+    _split(out[1].view(H, nb, N, D).transpose(0, 1), layout, "v", N, D).copy_(vs)
