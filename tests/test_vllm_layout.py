@@ -104,3 +104,9 @@ def test_strided_layer_copies_match_the_index_conversions(layout):
         out = torch.empty(2, H, 4 * N, D)
         vl.read_layer(blocks[layer], out, layout, N)
         assert torch.equal(out, kv[layer])
+
+
+def test_block_runs_group_consecutive_block_ids():
+    assert vl.block_runs([]) == []
+    assert vl.block_runs([7]) == [(0, 7, 1)]
+    assert vl.block_runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]

@@ -144,3 +144,14 @@ def read_layer(region: torch.Tensor, out: torch.Tensor, layout: str, block_size:
     ks, vs = _block_views(region, layout, N, D)
     _split(out[0].view(H, nb, N, D).transpose(0, 1), layout, "k", N, D).copy_(ks)
     _split(out[1].view(H, nb, N, D).transpose(0, 1), layout, "v", N, D).copy_(vs)
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index in block_ids, first block id, count) for each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs

@@ -213,7 +213,6 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self._pending_loads: dict[str, _LoadOp] = {}
         # worker side
         self._kv_caches: list[torch.Tensor] = []
-        self._gather = self._scatter = None
         self._layout: str | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-save")
         self._slots = threading.BoundedSemaphore(int(_setting(extra, "max_pending_saves", 8)))
@@ -374,8 +373,6 @@ class PromptCacheConnector(KVConnectorBase_V1):
             return
         self._layout = layout
         self._kv_caches = [c.view(c.shape[0], H, 2 * N * D) for c in caches]
-        self._gather = vllm_layout.gather_index(layout, N, D)
-        self._scatter = vllm_layout.scatter_index(layout, N, D)
         log.info("PromptCacheConnector: %d layers, KV block layout %s (probed)", len(caches), layout)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -386,10 +383,11 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if self._layout is None:  # unreachable: the scheduler side is inert too; never write a guessed layout
                 continue
             t0 = time.perf_counter()
-            blocks = vllm_layout.canonical_to_blocks(op.kv, self._scatter, self.block_size)
-            index = torch.tensor(op.block_ids, dtype=torch.long)
-            for layer, cache in enumerate(self._kv_caches):
-                cache.index_copy_(0, index, blocks[layer])
+            N = self.block_size
+            for first, start, count in vllm_layout.block_runs(op.block_ids):  # consecutive blocks: one strided copy each
+                tokens = slice(first * N, (first + count) * N)
+                for layer, cache in enumerate(self._kv_caches):
+                    vllm_layout.write_layer(cache[start:start + count], op.kv[layer, :, :, tokens], self._layout, N)
             LOAD_SECONDS.observe(time.perf_counter() - t0)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -416,7 +414,10 @@ class PromptCacheConnector(KVConnectorBase_V1):
     def _save(self, op: _SaveOp, snapshot: torch.Tensor) -> None:
         t0 = time.perf_counter()
         try:
-            kv = vllm_layout.blocks_to_canonical(snapshot, self._gather, self.block_size)
+            L, nb, H, _ = snapshot.shape
+            kv = torch.empty((L, 2, H, nb * self.block_size, self.base_spec.head_dim), dtype=snapshot.dtype)
+            for layer in range(L):
+                vllm_layout.read_layer(snapshot[layer], kv[layer], self._layout, self.block_size)
             chunks = vllm_layout.split_chunks(kv, op.chunk_tokens)
             if op.spec.quantization != "none":
                 from promptcache import quant
@@ -470,7 +471,7 @@ def _decode(spec: ModelSpec, blobs, chunk_tokens: int) -> torch.Tensor:
 
 
 def probe_cpu_layout(dtype: torch.dtype, block_size: int, num_kv_heads: int, head_dim: int, vllm_config) -> str | None:
-    """Write probe values through the CPU backend's own cache-write kernel into a scratch block; which layout it used."""
+    """Write probe values into a scratch block through the CPU backend's own cache-write kernel: which layout?"""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
