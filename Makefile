@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make run      start the sidecar on embedded defaults (CPU without a GPU, data in .data/, localhost)"
-	@echo "make test     create/update the virtualenv, install, build the test tools, run every test"
+	@echo "make test     create/update the virtualenv, install, build the test tools, run every test (then test-vllm)"
 	@echo "make test-vllm vLLM (CPU) with the KV connector against a real sidecar, end to end (part of make test)"
 	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT); not part of make test"
 	@echo "make demo     real model over requests sharing a long system prompt, through a local sidecar"
@@ -50,6 +50,7 @@ tools:
 
 test: install system-deps tools
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-vllm
 
 # vLLM's CPU backend in its own virtualenv outside the checkout (~6 GB, rebuilt only when hack/vllm-env.sh's pins
 # change), and the test model converted once to safetensors (promptcache.models, cached outside the checkout).
