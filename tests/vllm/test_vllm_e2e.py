@@ -4,8 +4,8 @@ Real parts only: a `promptcache serve` subprocess (gRPC and bulk channel), vLLM 
 the vLLM virtualenv (hack/vllm-env.sh; PROMPTCACHE_VLLM_PYTHON names its python), the real SmolLM2-135M model, and
 the transformers integration in this process. The engines are started once, in parallel, and reused by every case:
 
-    A    fp32, connector   generates and stores
-    B    fp32, connector   a separate process: loads what A and the transformers integration stored
+    A    fp32, connector   generates and stores (chunked prefill: at most 256 tokens a step)
+    B    fp32, connector   a separate process: loads what A and the transformers integration stored (chunked too)
     N    fp32, no connector  the reference output
     A16  bf16, connector   stores and loads in bf16 (AMX layout on this CPU), cross-checked with transformers
 
@@ -65,9 +65,10 @@ def env(tmp_path_factory):
     model_dir = str(models.smollm2_dir())
     logs = Path(os.environ.get("PROMPTCACHE_VLLM_LOGS", tmp))
     opts = dict(max_model_len=1024, max_num_seqs=8)
+    chunked = dict(opts, max_num_batched_tokens=256)  # prompts of 600 tokens take several steps
     engines = {
-        "A": EngineProcess(VLLM_PYTHON, model_dir, connector=conn, log_path=str(logs / "A.log"), **opts),
-        "B": EngineProcess(VLLM_PYTHON, model_dir, connector=conn, log_path=str(logs / "B.log"), **opts),
+        "A": EngineProcess(VLLM_PYTHON, model_dir, connector=conn, log_path=str(logs / "A.log"), **chunked),
+        "B": EngineProcess(VLLM_PYTHON, model_dir, connector=conn, log_path=str(logs / "B.log"), **chunked),
         "N": EngineProcess(VLLM_PYTHON, model_dir, log_path=str(logs / "N.log"), **opts),
         "A16": EngineProcess(VLLM_PYTHON, model_dir, dtype="bfloat16", connector=conn,
                              log_path=str(logs / "A16.log"), **opts),

@@ -69,7 +69,7 @@ def run(args) -> int:
             "revision": models.model_revision(), "load_timeout": 10.0}
     max_len = max(prefixes) + args.suffix + 64
     opts = dict(dtype=args.dtype, max_model_len=max_len, max_num_seqs=args.requests,
-                max_num_batched_tokens=max_len, kv_cache_gib=2)
+                max_num_batched_tokens=max_len, kv_cache_gib=1)
     t0 = time.monotonic()
     engines = {
         "full": EngineProcess(python, model_dir, log_path=str(tmp / "full.log"), **opts),
