@@ -199,6 +199,10 @@ class PromptCacheConnector(KVConnectorBase_V1):
             quantization=str(_setting(extra, "quantization", "none")),
             tenant_salt=str(_setting(extra, "tenant_salt", "")).encode(),
         ).validate()
+        if self.disabled is None and role == KVConnectorRole.SCHEDULER:
+            # The scheduler promises vLLM loaded tokens, so it must know the workers can write them: the same probe
+            # as register_kv_caches, from the config alone (the worker still checks its actual caches).
+            self.disabled = self._check_layout_from_config(vllm_config)
         self.client = None
         self.chunk_tokens = 0
         if self.disabled is None:
@@ -213,6 +217,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self._pending_loads: dict[str, _LoadOp] = {}
         # worker side
         self._kv_caches: list[torch.Tensor] = []
+        self._load_errors: set[int] = set()
         self._layout: str | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-save")
         self._slots = threading.BoundedSemaphore(int(_setting(extra, "max_pending_saves", 8)))
@@ -224,6 +229,20 @@ class PromptCacheConnector(KVConnectorBase_V1):
                      self.base_spec.quantization)
 
     # ------------------------------------------------------------------------------------------------ helpers
+    def _check_layout_from_config(self, vllm_config) -> str | None:
+        """None when the workers' KV layout is one this connector knows, else why not."""
+        try:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_cpu():
+                return f"attention backend of platform {current_platform.device_name!r} is not supported yet"
+            spec = self.base_spec
+            layout = probe_cpu_layout(TORCH_DTYPES[spec.kv_dtype], self.block_size, spec.num_kv_heads,
+                                      spec.head_dim, vllm_config)
+            return None if layout else "the CPU backend wrote its probe in a layout this connector does not know"
+        except Exception as exc:  # noqa: BLE001 - unknown means inert
+            return f"cannot probe the KV layout: {exc}"
+
     def _spec(self, request) -> ModelSpec:
         salt = getattr(request, "cache_salt", None)
         if not salt:
@@ -380,7 +399,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
         if not isinstance(meta, PromptCacheConnectorMetadata) or not meta.loads:
             return
         for op in meta.loads:
-            if self._layout is None:  # unreachable: the scheduler side is inert too; never write a guessed layout
+            if self._layout is None:  # the scheduler's probe passed but these caches are not as probed: never
+                self._load_errors.update(op.block_ids)  # write a guessed layout; vLLM recomputes these blocks
                 continue
             t0 = time.perf_counter()
             N = self.block_size
@@ -389,6 +409,10 @@ class PromptCacheConnector(KVConnectorBase_V1):
                 for layer, cache in enumerate(self._kv_caches):
                     vllm_layout.write_layer(cache[start:start + count], op.kv[layer, :, :, tokens], self._layout, N)
             LOAD_SECONDS.observe(time.perf_counter() - t0)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._load_errors = self._load_errors, set()
+        return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv wrote every layer before the forward pass
