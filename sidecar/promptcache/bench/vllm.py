@@ -109,6 +109,8 @@ def run(args) -> int:
                         load.append((tokens, secs))
             samples["ttft"][n] = rows
             samples["load"][n] = load
+            print(f"prefix {n}: " + ", ".join(f"{k} {min(v) * 1e3:.0f} ms" for k, v in rows.items())
+                  + f"; loads (tokens, seconds) {load}", flush=True)
         # throughput: 4 shared 1k prefixes, distinct suffixes
         shared = [text[i * 1024:(i + 1) * 1024] for i in range(4)]
         base = len(text) - 3000
@@ -121,6 +123,7 @@ def run(args) -> int:
             out = e.generate(prompts, args.max_tokens)
             samples["throughput"][name] = time.perf_counter() - t
             samples["throughput"][name + "_tokens"] = sum(len(o) for o in out["outputs"])
+            print(f"throughput {name}: {samples['throughput'][name]:.1f} s", flush=True)
     finally:
         for e in engines.values():
             e.close()
