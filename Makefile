@@ -7,11 +7,12 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install run test bench demo fuzz loadtest tools system-deps clean
+.PHONY: help venv install run test test-vllm vllm-env bench bench-vllm demo fuzz loadtest tools system-deps clean
 
 help:
 	@echo "make run      start the sidecar on embedded defaults (CPU without a GPU, data in .data/, localhost)"
-	@echo "make test     create/update the virtualenv, install, build the test tools, run every test"
+	@echo "make test     create/update the virtualenv, install, build the test tools, run every test (then test-vllm)"
+	@echo "make test-vllm vLLM (CPU) with the KV connector against a real sidecar, end to end (part of make test)"
 	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT); not part of make test"
 	@echo "make demo     real model over requests sharing a long system prompt, through a local sidecar"
 	@echo "make fuzz     100,000 generated and mutated requests against a real sidecar"
@@ -49,6 +50,16 @@ tools:
 
 test: install system-deps tools
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-vllm
+
+# vLLM's CPU backend in its own virtualenv outside the checkout (~6 GB, rebuilt only when hack/vllm-env.sh's pins
+# change), and the test model converted once to safetensors (promptcache.models, cached outside the checkout).
+vllm-env:
+	@hack/vllm-env.sh > /dev/null
+
+test-vllm: install vllm-env
+	$(PY) -m promptcache.models > /dev/null
+	PROMPTCACHE_VLLM_PYTHON=$$(hack/vllm-env.sh) $(PY) -m pytest tests/vllm $(PYTEST_ARGS)
 
 bench: install system-deps
 	@mkdir -p bench-results

@@ -13,6 +13,7 @@ BENCHES = {
     "fidelity": "promptcache.bench.fidelity",
     "ttft": "promptcache.bench.ttft",
     "loadtest": "promptcache.bench.loadtest",
+    "vllm": "promptcache.bench.vllm",
 }
 
 

@@ -1,0 +1,163 @@
+"""vllm: vLLM (CPU backend) TTFT and throughput with and without PromptCacheConnector, and vLLM's own prefix cache.
+
+Three engine processes (promptcache.vllm_engine, run by the vLLM virtualenv of hack/vllm-env.sh) over SmolLM2-135M and
+real English text, and a sidecar process (gRPC on a unix socket, bulk channel on another):
+
+* full: no connector, vLLM's prefix caching off: every prompt is prefilled in full;
+* connector: PromptCacheConnector, vLLM's prefix caching off: the prefix comes from the sidecar;
+* apc (the floor): no connector, vLLM's automatic prefix caching on and warm: the prefix is in engine memory.
+
+TTFT: one request of prefix + a fresh `--suffix`-token suffix, max_tokens 1 (prompt in -> first token out), for
+each prefix length; variants interleaved round by round, best of `--repeats` reported (the machine is shared).
+The load path (Get over the bulk channel, checks, decode, layout conversion into the blocks) is reported in GB/s next
+to a memcpy of the same bytes. Throughput: `--requests` requests over 4 shared 1k-token prefixes with distinct
+suffixes, `--max-tokens` new tokens each, wall time per variant.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefixes", default="1024,2048,4096", help="comma-separated cached prefix lengths in tokens")
+    p.add_argument("--suffix", type=int, default=64, help="new tokens after the cached prefix")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved TTFT rounds (best is reported)")
+    p.add_argument("--requests", type=int, default=32, help="requests in the throughput run")
+    p.add_argument("--max-tokens", type=int, default=16, help="new tokens per request in the throughput run")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--vllm-python", default=os.environ.get("PROMPTCACHE_VLLM_PYTHON", ""),
+                   help="python of the vLLM virtualenv (default: built/located by hack/vllm-env.sh)")
+    p.add_argument("--json", default="", help="write every sample here")
+
+
+def _metric(answer: dict, prefix: str) -> float:
+    return sum(v for k, v in answer["metrics"].items() if k.startswith(prefix))
+
+
+def run(args) -> int:
+    import torch
+
+    from promptcache import models
+    from promptcache.procs import free_port, stop_process, wait_healthy
+    from promptcache.vllm_engine import EngineProcess
+
+    python = args.vllm_python or subprocess.run([str(REPO / "hack" / "vllm-env.sh")], check=True, text=True,
+                                                stdout=subprocess.PIPE).stdout.strip().splitlines()[-1]
+    prefixes = [int(x) for x in args.prefixes.split(",")]
+    _, tok = models.load_smollm2("float32")
+    text = models.text_tokens(tok)
+    model_dir = str(models.smollm2_dir())
+    tmp = Path(tempfile.mkdtemp(prefix="pc-bench-vllm-"))
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    bulk = f"unix:{tmp}/bulk.sock"
+    sidecar = subprocess.Popen([sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", address,
+                                "--metrics-port", str(free_port()), "--memory-bytes", "4Gi", "--bulk-address", bulk,
+                                "--data-dir", str(tmp / "data"), "--disk-bytes", "0"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_healthy(address, sidecar, 60, lambda: "")
+    conn = {"address": address, "bulk_address": bulk, "model_id": models.SMOLLM2_ID,
+            "revision": models.model_revision(), "load_timeout": 10.0}
+    max_len = max(prefixes) + args.suffix + 64
+    opts = dict(dtype=args.dtype, max_model_len=max_len, max_num_seqs=args.requests,
+                max_num_batched_tokens=max_len, kv_cache_gib=1)
+    t0 = time.monotonic()
+    engines = {
+        "full": EngineProcess(python, model_dir, log_path=str(tmp / "full.log"), **opts),
+        "connector": EngineProcess(python, model_dir, connector=conn, log_path=str(tmp / "connector.log"), **opts),
+        "apc": EngineProcess(python, model_dir, log_path=str(tmp / "apc.log"), prefix_caching=True, **opts),
+    }
+    samples: dict = {"ttft": {}, "throughput": {}, "load": {}}
+    try:
+        for e in engines.values():
+            e.wait_ready(1800)
+        print(f"engines ready in {time.monotonic() - t0:.0f}s (logs in {tmp})", flush=True)
+        offset = 0
+        suffix_at = len(text) - 8000
+        for n in prefixes:
+            prefix = text[offset:offset + n]
+            offset += n
+            fresh = lambda r: text[suffix_at + r * args.suffix:suffix_at + (r + 1) * args.suffix]  # noqa: E731
+            suffix_at += (args.repeats + 1) * args.suffix
+            # warm: the connector engine stores the prefix; the apc engine holds it in memory
+            engines["connector"].generate([prefix + fresh(args.repeats)], 1)
+            engines["connector"].call(op="flush")
+            engines["apc"].generate([prefix + fresh(args.repeats)], 1)
+            rows = {k: [] for k in engines}
+            load = []
+            for r in range(args.repeats):
+                for name, e in engines.items():
+                    before = e.call(op="metrics") if name == "connector" else None
+                    t = time.perf_counter()
+                    e.generate([prefix + fresh(r)], 1)
+                    rows[name].append(time.perf_counter() - t)
+                    if before is not None:
+                        after = e.call(op="metrics")
+                        secs = sum(_metric(after, m) - _metric(before, m) for m in
+                                   ("promptcache_client_fetch_seconds_sum", "promptcache_client_load_seconds_sum"))
+                        tokens = _metric(after, "promptcache_client_reused_tokens_total") - \
+                            _metric(before, "promptcache_client_reused_tokens_total")
+                        load.append((tokens, secs))
+            samples["ttft"][n] = rows
+            samples["load"][n] = load
+            print(f"prefix {n}: " + ", ".join(f"{k} {min(v) * 1e3:.0f} ms" for k, v in rows.items())
+                  + f"; loads (tokens, seconds) {load}", flush=True)
+        # throughput: 4 shared 1k prefixes, distinct suffixes
+        shared = [text[i * 1024:(i + 1) * 1024] for i in range(4)]
+        base = len(text) - 3000
+        prompts = [shared[i % 4] + text[base + i * 64:base + (i + 1) * 64] for i in range(args.requests)]
+        for e in (engines["connector"], engines["apc"]):
+            e.generate([s + text[base - 100:base - 36] for s in shared], 1)
+        engines["connector"].call(op="flush")
+        for name, e in engines.items():
+            t = time.perf_counter()
+            out = e.generate(prompts, args.max_tokens)
+            samples["throughput"][name] = time.perf_counter() - t
+            samples["throughput"][name + "_tokens"] = sum(len(o) for o in out["outputs"])
+            print(f"throughput {name}: {samples['throughput'][name]:.1f} s", flush=True)
+    finally:
+        for e in engines.values():
+            e.close()
+        stop_process(sidecar)
+
+    bytes_per_token = 2 * 30 * 3 * 64 * (4 if args.dtype == "float32" else 2)
+    print(f"\nvLLM {args.dtype} CPU backend, SmolLM2-135M; TTFT = prefix + {args.suffix} new tokens -> first token "
+          f"(best of {args.repeats})\n")
+    print("| cached prefix | full prefill | connector (sidecar) | vLLM prefix cache (floor) | full / connector "
+          "| connector / floor | load path | memcpy |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for n in prefixes:
+        rows = samples["ttft"][n]
+        full, conn_t, apc = min(rows["full"]), min(rows["connector"]), min(rows["apc"])
+        loads = [(t, s) for t, s in samples["load"][n] if s > 0]
+        nbytes = n * bytes_per_token
+        gbps = max((t * bytes_per_token / s for t, s in loads), default=0.0) / 1e9
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        src.fill_(1)
+        best = min(_timed(lambda: src.clone()) for _ in range(5))
+        print(f"| {n} | {full * 1e3:.0f} ms | {conn_t * 1e3:.0f} ms | {apc * 1e3:.0f} ms | {full / conn_t:.1f}x "
+              f"| {conn_t / apc:.2f}x | {gbps:.2f} GB/s | {nbytes / best / 1e9:.1f} GB/s |")
+    tp = samples["throughput"]
+    print(f"\nThroughput, {args.requests} requests over 4 shared 1k-token prefixes, {args.max_tokens} new tokens each:")
+    print("| variant | seconds | tokens/s | vs full |")
+    print("| --- | --- | --- | --- |")
+    for name in engines:
+        print(f"| {name} | {tp[name]:.1f} | {tp[name + '_tokens'] / tp[name]:.1f} | {tp['full'] / tp[name]:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(samples, indent=1))
+    return 0
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t

@@ -1,0 +1,157 @@
+"""Between vLLM's paged KV blocks and PromptCache's canonical chunks. Pure tensor functions, no vLLM import.
+
+vLLM's CPU attention backend keeps each layer's cache as [num_blocks, kv_heads, block_size, 2 * head_dim]; the
+kernel reads it as [num_blocks, kv_heads, 2 * block_size * head_dim] per (block, head): the block's K first, then
+its V, each N x D values (N = block_size, D = head_dim) packed as the kernel's instruction set wants it:
+
+* ``cpu_vec``  (fp32/fp16 on AVX-512/AVX2, the "vec" ISA): K transposed, [D, N]; V as [N, D].
+* ``cpu_amx``  (bf16 on an AMX CPU): VNNI pairs, K [N/16][D/2][16][2], V [D/16][N/2][16][2].
+* ``token_major``: K and V both [N, D] (the plain layout; used as the negative control in the tests).
+
+A layout is described by where each (token n, dim d) of K and of V sits inside the 2*N*D values of one
+(block, head): :func:`gather_index` returns, in canonical order [2 (K, V), N, D], the position of each value.
+The canonical chunk is [layers, 2, kv_heads, chunk_tokens, head_dim] (promptcache.layout), so one chunk of C
+tokens is C/N consecutive blocks.
+"""
+from __future__ import annotations
+
+import torch
+
+LAYOUTS = ("cpu_vec", "cpu_amx", "token_major")
+
+
+def _positions(layout: str, part: str, n: torch.Tensor, d: torch.Tensor, N: int, D: int) -> torch.Tensor:
+    if layout == "token_major" or (layout == "cpu_vec" and part == "v"):
+        return n * D + d
+    if layout == "cpu_vec":  # K: [D, N]
+        return d * N + n
+    if layout == "cpu_amx":
+        if N % 16 or D % 32:
+            raise ValueError(f"layout cpu_amx needs block_size % 16 == 0 and head_dim % 32 == 0, got {N}, {D}")
+        if part == "k":  # [N/16][D/2][16][2]
+            return ((n // 16) * (D // 2) + d // 2) * 32 + (n % 16) * 2 + d % 2
+        return ((d // 16) * (N // 2) + n // 2) * 32 + (d % 16) * 2 + n % 2  # V: [D/16][N/2][16][2]
+    raise ValueError(f"unknown KV block layout {layout!r}; known: {', '.join(LAYOUTS)}")
+
+
+def gather_index(layout: str, block_size: int, head_dim: int) -> torch.Tensor:
+    """int64 [2 * N * D]: for canonical (kv, n, d) in row-major order, its position in one (block, head)."""
+    N, D = block_size, head_dim
+    n = torch.arange(N).view(N, 1).expand(N, D).reshape(-1)
+    d = torch.arange(D).view(1, D).expand(N, D).reshape(-1)
+    k = _positions(layout, "k", n, d, N, D)
+    v = _positions(layout, "v", n, d, N, D) + N * D
+    return torch.cat((k, v))
+
+
+def scatter_index(layout: str, block_size: int, head_dim: int) -> torch.Tensor:
+    """The inverse permutation: for each position in one (block, head), its canonical (kv, n, d) index."""
+    g = gather_index(layout, block_size, head_dim)
+    inv = torch.empty_like(g)
+    inv[g] = torch.arange(g.numel())
+    return inv
+
+
+def identify(k_tokens: torch.Tensor, k_dims: torch.Tensor, v_tokens: torch.Tensor, v_dims: torch.Tensor,
+             block_size: int, head_dim: int) -> str | None:
+    """Which known layout a probe saw, or None. The probe wrote K and V values equal to the token index n, then to the
+    dim index d, through the engine's own cache-write kernel; these are the [N * D] regions of one (block, head)
+    read back after each write."""
+    N, D = block_size, head_dim
+    for layout in LAYOUTS:
+        try:
+            g = gather_index(layout, N, D)
+        except ValueError:
+            continue
+        n = torch.arange(N).repeat_interleave(D).to(k_tokens.dtype)
+        d = torch.arange(D).repeat(N).to(k_tokens.dtype)
+        kpos, vpos = g[:N * D], g[N * D:] - N * D
+        if (torch.equal(k_tokens[kpos], n) and torch.equal(k_dims[kpos], d)
+                and torch.equal(v_tokens[vpos], n) and torch.equal(v_dims[vpos], d)):
+            return layout
+    return None
+
+
+def blocks_to_canonical(blocks: torch.Tensor, layout_index: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[layers, nb, H, 2*N*D] paged blocks -> [layers, 2, H, nb*N, D] canonical K/V of those nb*N tokens."""
+    L, nb, H, twond = blocks.shape
+    D = twond // (2 * block_size)
+    x = blocks.index_select(3, layout_index).view(L, nb, H, 2, block_size, D)
+    return x.permute(0, 3, 2, 1, 4, 5).reshape(L, 2, H, nb * block_size, D)
+
+
+def canonical_to_blocks(kv: torch.Tensor, layout_inverse: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[layers, 2, H, nb*N, D] canonical K/V -> [layers, nb, H, 2*N*D] blocks in the engine's layout
+    (layout_inverse = scatter_index(...))."""
+    L, two, H, T, D = kv.shape
+    if two != 2 or T % block_size:
+        raise ValueError(f"canonical K/V of shape {tuple(kv.shape)} is not [layers, 2, H, k*{block_size}, D]")
+    nb = T // block_size
+    x = kv.reshape(L, 2, H, nb, block_size, D).permute(0, 3, 2, 1, 4, 5).reshape(L, nb, H, 2 * block_size * D)
+    return x.index_select(3, layout_inverse)
+
+
+def split_chunks(kv: torch.Tensor, chunk_tokens: int) -> list[torch.Tensor]:
+    """[layers, 2, H, k*C, D] -> k contiguous chunks [layers, 2, H, C, D] (the stored blob layout)."""
+    T = kv.shape[3]
+    if T % chunk_tokens:
+        raise ValueError(f"{T} tokens are not whole chunks of {chunk_tokens}")
+    return [kv[:, :, :, i:i + chunk_tokens].contiguous() for i in range(0, T, chunk_tokens)]
+
+
+def _block_views(region: torch.Tensor, layout: str, N: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views (no copies) of K and V inside region [nb, H, 2*N*D], indexed [nb, H, n..., d...]: [nb, H, N, D], or for
+    cpu_amx K [nb, H, N/16, 16, D/2, 2] and V [nb, H, N/2, 2, D/16, 16] (n and d split the way _split splits them)."""
+    nb, H = region.shape[:2]
+    k, v = region[..., :N * D], region[..., N * D:]
+    if layout == "token_major":
+        return k.view(nb, H, N, D), v.view(nb, H, N, D)
+    if layout == "cpu_vec":  # K stored [D, N]
+        return k.view(nb, H, D, N).transpose(2, 3), v.view(nb, H, N, D)
+    if layout == "cpu_amx":  # K stored [N/16][D/2][16][2], V [D/16][N/2][16][2]
+        return (k.view(nb, H, N // 16, D // 2, 16, 2).permute(0, 1, 2, 4, 3, 5),
+                v.view(nb, H, D // 16, N // 2, 16, 2).permute(0, 1, 3, 5, 2, 4))
+    raise ValueError(f"unknown KV block layout {layout!r}; known: {', '.join(LAYOUTS)}")
+
+
+def _split(t: torch.Tensor, layout: str, part: str, N: int, D: int) -> torch.Tensor:
+    nb, H = t.shape[:2]
+    if layout != "cpu_amx":
+        return t
+    if part == "k":
+        return t.view(nb, H, N // 16, 16, D // 2, 2)
+    return t.view(nb, H, N // 2, 2, D // 16, 16)
+
+
+def write_layer(region: torch.Tensor, kv: torch.Tensor, layout: str, block_size: int) -> None:
+    """Copy one layer's canonical K/V [2, H, nb*N, D] into region [nb, H, 2*N*D] (consecutive blocks, e.g. a slice
+    of the engine's cache) in the engine's layout: one strided pass, no intermediate tensor."""
+    N = block_size
+    two, H, T, D = kv.shape
+    nb = T // N
+    kd, vd = _block_views(region, layout, N, D)
+    k = kv[0].view(H, nb, N, D).transpose(0, 1)
+    v = kv[1].view(H, nb, N, D).transpose(0, 1)
+    kd.copy_(_split(k, layout, "k", N, D))
+    vd.copy_(_split(v, layout, "v", N, D))
+
+
+def read_layer(region: torch.Tensor, out: torch.Tensor, layout: str, block_size: int) -> None:
+    """The inverse of write_layer: region [nb, H, 2*N*D] in the engine's layout -> out [2, H, nb*N, D]."""
+    N = block_size
+    two, H, T, D = out.shape
+    nb = T // N
+    ks, vs = _block_views(region, layout, N, D)
+    _split(out[0].view(H, nb, N, D).transpose(0, 1), layout, "k", N, D).copy_(ks)
+    _split(out[1].view(H, nb, N, D).transpose(0, 1), layout, "v", N, D).copy_(vs)
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index in block_ids, first block id, count) for each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs

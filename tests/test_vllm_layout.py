@@ -1,0 +1,112 @@
+"""promptcache.vllm_layout: vLLM paged KV blocks <-> canonical chunks. Each known layout is checked against an
+independent construction of the block from its description (reshape/permute, not the position formulas)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from promptcache import vllm_layout as vl
+
+N, D, H, L = 32, 64, 3, 2
+
+
+def canonical(nb: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L, 2, H, nb * N, D, generator=g)
+
+
+def build_blocks(kv: torch.Tensor, layout: str) -> torch.Tensor:
+    """[L, 2, H, nb*N, D] -> [L, nb, H, 2*N*D], written from the layout's description with reshapes only."""
+    nb = kv.shape[3] // N
+    k = kv[:, 0].reshape(L, H, nb, N, D).permute(0, 2, 1, 3, 4)  # [L, nb, H, N, D]
+    v = kv[:, 1].reshape(L, H, nb, N, D).permute(0, 2, 1, 3, 4)
+    if layout == "token_major":
+        kb, vb = k, v
+    elif layout == "cpu_vec":  # K [D, N], V [N, D]
+        kb, vb = k.transpose(-1, -2), v
+    elif layout == "cpu_amx":  # K [N/16][D/2][16][2], V [D/16][N/2][16][2]
+        kb = k.reshape(L, nb, H, N // 16, 16, D // 2, 2).permute(0, 1, 2, 3, 5, 4, 6)
+        vb = v.reshape(L, nb, H, N // 2, 2, D // 16, 16).permute(0, 1, 2, 5, 3, 6, 4)
+    else:
+        raise AssertionError(layout)
+    return torch.cat((kb.reshape(L, nb, H, N * D), vb.reshape(L, nb, H, N * D)), dim=3)
+
+
+@pytest.mark.parametrize("layout", vl.LAYOUTS)
+def test_conversions_match_the_layout_description(layout):
+    kv = canonical(nb=4)
+    blocks = build_blocks(kv, layout)
+    assert torch.equal(vl.canonical_to_blocks(kv, vl.scatter_index(layout, N, D), N), blocks)
+    assert torch.equal(vl.blocks_to_canonical(blocks, vl.gather_index(layout, N, D), N), kv)
+
+
+@pytest.mark.parametrize("layout", vl.LAYOUTS)
+def test_indexes_are_inverse_permutations(layout):
+    g, s = vl.gather_index(layout, N, D), vl.scatter_index(layout, N, D)
+    assert sorted(g.tolist()) == list(range(2 * N * D))
+    assert torch.equal(g[s], torch.arange(2 * N * D)) and torch.equal(s[g], torch.arange(2 * N * D))
+
+
+def test_a_wrong_layout_does_not_round_trip_to_the_same_values():
+    kv = canonical(nb=2)
+    blocks = build_blocks(kv, "cpu_vec")
+    assert not torch.equal(vl.blocks_to_canonical(blocks, vl.gather_index("token_major", N, D), N), kv)
+    assert not torch.equal(vl.blocks_to_canonical(blocks, vl.gather_index("cpu_amx", N, D), N), kv)
+
+
+def probe_regions(layout: str):
+    """What a cache-write kernel using `layout` leaves in one (block, head) after writing n, then d, as values."""
+    n = torch.arange(N).view(N, 1).expand(N, D).float()
+    d = torch.arange(D).view(1, D).expand(N, D).float()
+    out = []
+    for values in (n, d):
+        kv = values.reshape(1, 1, 1, N, D).expand(L, 2, H, N, D).reshape(L, 2, H, N, D)
+        region = build_blocks(kv.contiguous(), layout)[0, 0, 0]
+        out.append((region[:N * D], region[N * D:]))
+    (kt, vt), (kd, vd) = out
+    return kt, kd, vt, vd
+
+
+@pytest.mark.parametrize("layout", vl.LAYOUTS)
+def test_identify_names_the_layout_a_probe_saw(layout):
+    assert vl.identify(*probe_regions(layout), N, D) == layout
+
+
+def test_identify_refuses_an_unknown_layout():
+    kt, kd, vt, vd = probe_regions("token_major")
+    perm = torch.randperm(N * D, generator=torch.Generator().manual_seed(1))
+    assert vl.identify(kt[perm], kd[perm], vt[perm], vd[perm], N, D) is None
+    kt, kd, vt, vd = probe_regions("cpu_vec")
+    assert vl.identify(vt, vd, kt, kd, N, D) is None  # K and V swapped
+
+
+def test_split_chunks_and_bad_shapes():
+    kv = canonical(nb=4)
+    chunks = vl.split_chunks(kv, 2 * N)
+    assert len(chunks) == 2 and all(c.is_contiguous() and c.shape == (L, 2, H, 2 * N, D) for c in chunks)
+    assert torch.equal(torch.cat(chunks, dim=3), kv)
+    with pytest.raises(ValueError, match="whole chunks"):
+        vl.split_chunks(kv, 3 * N)
+    with pytest.raises(ValueError, match="not \\[layers, 2"):
+        vl.canonical_to_blocks(kv[:, :, :, :N + 1], vl.scatter_index("cpu_vec", N, D), N)
+    with pytest.raises(ValueError, match="unknown KV block layout"):
+        vl.gather_index("nhd_flash", N, D)
+
+
+@pytest.mark.parametrize("layout", vl.LAYOUTS)
+def test_strided_layer_copies_match_the_index_conversions(layout):
+    kv = canonical(nb=4, seed=3)
+    blocks = build_blocks(kv, layout)  # [L, nb, H, 2ND]
+    for layer in range(L):
+        region = torch.zeros(6, H, 2 * N * D)
+        vl.write_layer(region[1:5], kv[layer], layout, N)
+        assert torch.equal(region[1:5], blocks[layer]) and not region[0].any() and not region[5].any()
+        out = torch.empty(2, H, 4 * N, D)
+        vl.read_layer(blocks[layer], out, layout, N)
+        assert torch.equal(out, kv[layer])
+
+
+def test_block_runs_group_consecutive_block_ids():
+    assert vl.block_runs([]) == []
+    assert vl.block_runs([7]) == [(0, 7, 1)]
+    assert vl.block_runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
