@@ -31,7 +31,8 @@ VALID_SAMPLES = {"memory_bytes": "8192", "max_chunk_bytes": "8192", "disk_bytes"
                  "log_level": "debug", "device": "cpu", "eviction_policy": "lru", "chunk_tokens": "64",
                  "bulk_address": "unix:/run/promptcache/bulk.sock", "quantization": "k8v4", "tenancy": "shared",
                  "bulk_zero_copy": "off", "max_put_reserved_fraction": "0.25",
-                 "shm_dir": "/tmp"}
+                 "shm_dir": "/tmp", "cluster_master": "10.0.0.1:50051", "cluster_protocol": "rdma",
+                 "kv_events_address": "tcp://127.0.0.1:5557"}
 
 
 def test_every_setting_is_a_flag_and_an_environment_variable():

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent import futures
@@ -41,8 +42,8 @@ from promptcache.sidecar.memfd import ChunkMemory
 from promptcache.sidecar.metrics import Metrics
 from promptcache.sidecar.policies import make_policy
 from promptcache.sidecar.shmbuffers import BufferLimit, SharedBuffers, UnknownBuffer
-from promptcache.sidecar.store import (AdmissionRejected, ChunkTooLarge, MemoryTier, NoRoom, Reservation,
-                                       checksum)
+from promptcache.sidecar.store import (AdmissionRejected, ChunkTooLarge, Entry, MemoryTier, NoRoom, Reservation,
+                                       StoreError, checksum)
 from promptcache.sidecar.tenancy import Tenancy, TenancyError
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -136,6 +137,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self.memory_limit: int | None = None  # the container's cgroup limit; budgets must fit under it
         self.read_memory_limit = cgroup.memory_limit
         self.spill = None  # promptcache.sidecar.spill.Spill when the disk tier is on
+        self.cluster = None  # promptcache.sidecar.cluster.ClusterTier with --cluster-master
+        self.events = None  # promptcache.sidecar.kvevents.KVEvents with --kv-events-address
         self._totals_lock = threading.Lock()
         self._models: dict = {}  # (Model bytes, identity) -> (spec, fingerprint, owner); namespace() is pure
         # The shared-memory buffers this sidecar created for its callers (the only ones Put/GetShared use).
@@ -241,6 +244,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     def _lookup(self, request, fp: bytes, owner: str) -> pb.LookupResponse:
         chunks = []
+        from_cluster = 0
         for i, key in enumerate(self._keys(fp, request.tokens)):
             entry = self.tier.peek(key, fp)
             if entry is not None:
@@ -248,20 +252,31 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 continue
             size = self.spill.contains(key, fp) if self.spill is not None else None
             if size is None:
-                break
+                # The cluster tier is asked before a miss is reported; a hit is promoted here, so the Get
+                # that follows finds it in memory.
+                entry = self._from_cluster(key, fp)
+                if entry is None:
+                    break
+                self.tier.release_lease(entry)
+                chunks.append(pb.ChunkInfo(index=i, key=key, tier=pb.TIER_DEVICE, nbytes=entry.nbytes))
+                from_cluster += 1
+                continue
             chunks.append(pb.ChunkInfo(index=i, key=key, tier=pb.TIER_DISK, nbytes=size))
         cached = len(chunks) * self.chunk_tokens
         on_disk = sum(c.tier == pb.TIER_DISK for c in chunks) * self.chunk_tokens
-        self._count_lookup("lookup", cached, len(request.tokens), owner, on_disk)
+        self._count_lookup("lookup", cached, len(request.tokens), owner, on_disk, from_cluster * self.chunk_tokens)
         return pb.LookupResponse(cached_tokens=cached, chunk_tokens=self.chunk_tokens, chunks=chunks)
 
-    def _count_lookup(self, rpc: str, cached: int, total: int, owner: str = "", on_disk: int = 0) -> None:
+    def _count_lookup(self, rpc: str, cached: int, total: int, owner: str = "", on_disk: int = 0,
+                      from_cluster: int = 0) -> None:
         self.tenancy.count_lookup(owner, cached, total)
         self.metrics.lookups.labels(rpc).inc()
-        if cached - on_disk:
-            self.metrics.hit_tokens.labels(rpc, "device").inc(cached - on_disk)
+        if cached - on_disk - from_cluster:
+            self.metrics.hit_tokens.labels(rpc, "device").inc(cached - on_disk - from_cluster)
         if on_disk:
             self.metrics.hit_tokens.labels(rpc, "disk").inc(on_disk)
+        if from_cluster:
+            self.metrics.hit_tokens.labels(rpc, "cluster").inc(from_cluster)
         if total - cached:
             self.metrics.missed_tokens.labels(rpc).inc(total - cached)
         with self._totals_lock:
@@ -309,7 +324,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
         large = large_slot and self._take_large(request.tokens, "Get")
-        served = position = from_disk = 0
+        served = position = from_disk = from_cluster = 0
         try:
             for i, key in enumerate(self._keys(fp, request.tokens, request.start_chunk, request.max_chunks),
                                     start=request.start_chunk):
@@ -317,6 +332,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 tier_name = "device"
                 if entry is None and self.spill is not None:
                     entry, tier_name = self.spill.promote(key, fp), "disk"
+                if entry is None and self.cluster is not None:
+                    entry, tier_name = self._from_cluster(key, fp), "cluster"
                 if entry is None:
                     break
                 view = None
@@ -356,6 +373,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     self.tenancy.touched(owner, key)
                     served += 1
                     from_disk += tier_name == "disk"
+                    from_cluster += tier_name == "cluster"
                 finally:
                     view = None
                     self.tier.release_lease(entry)
@@ -363,7 +381,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             self._give_large(large)
             self._count_lookup("get", served * self.chunk_tokens,
                                max(0, len(request.tokens) - request.start_chunk * self.chunk_tokens), owner,
-                               from_disk * self.chunk_tokens)
+                               from_disk * self.chunk_tokens, from_cluster * self.chunk_tokens)
 
     @_observed("Put")
     def Put(self, request_iterator, context):
@@ -449,7 +467,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         except SharedBufferError as exc:
                             raise invalid(f"chunk {begin.index}: {exc}") from None
                         self.metrics.received_bytes.inc(begin.nbytes)
-                        stored_bytes += self._store(current, fp, owner)
+                        stored_bytes += self._store(current, fp, owner, header.tokens)
                         stored += 1
                         self._unhold(current, client, watch)
                         current = None
@@ -470,7 +488,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     self.metrics.received_bytes.inc(n)
                     if current.offset == current.begin.nbytes:
                         if current.reservation is not None:
-                            stored_bytes += self._store(current, fp, owner)
+                            stored_bytes += self._store(current, fp, owner, header.tokens)
                             stored += 1
                         self._unhold(current, client, watch)
                         current = None
@@ -544,7 +562,47 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return invalid(f"chunk {current.begin.index} ended after {current.offset} of its "
                        f"{current.begin.nbytes} bytes; nothing of it was stored")
 
-    def _store(self, incoming: _Incoming, fp: bytes, owner: str = "") -> int:
+    def _publish(self, incoming: _Incoming, fp: bytes, value: int) -> None:
+        """Queue the committed chunk for the cluster tier; the record is built on the publisher thread from the
+        received host bytes (never written again: a CPU tier stores them, a CUDA tier copied them)."""
+        from promptcache.sidecar.cluster import encode_record
+
+        begin, host, expires = incoming.begin, incoming.host, time.time() + self.settings.ttl_seconds
+        self.cluster.publish(incoming.key, lambda: encode_record(
+            fingerprint=fp, parent=incoming.parent, index=begin.index, dtype=begin.dtype, shape=tuple(begin.shape),
+            checksum_value=value, expires=expires, payload=host.numpy().data))
+
+    def _from_cluster(self, key: bytes, fp: bytes):
+        """A leased memory-tier entry for `key` fetched from the cluster tier and promoted, or None."""
+        if self.cluster is None:
+            return None
+        record = self.cluster.fetch(key, fp)
+        if record is None:
+            return None
+        remaining = record.expires - time.time()
+        payload = np.frombuffer(record.payload, dtype=np.uint8)
+        try:
+            reservation = self.tier.reserve(payload.size, key, record.parent)
+        except StoreError:
+            # No room in memory now: serve this copy for the call, uncached (as a disk promotion does).
+            now = self.tier.clock()
+            data = torch.from_numpy(payload.copy())
+            return Entry(key, fp, record.parent, record.index, data, record.checksum, record.shape, record.dtype,
+                         now, now, 0, leases=1, evicted=True)
+        host = self.tier.host_buffer(reservation)
+        host.numpy()[:] = payload
+        data = host if self.tier.device.type == "cpu" else host.to(self.tier.device)
+        self.tier.commit(reservation, key=key, fingerprint=fp, parent=record.parent, index=record.index, data=data,
+                         checksum_value=record.checksum, shape=record.shape, dtype=record.dtype,
+                         ttl=max(remaining, 0.001))
+        entry = self.tier.acquire(key, fp)
+        if entry is None:  # evicted again at once by a concurrent writer: serve this copy
+            now = self.tier.clock()
+            return Entry(key, fp, record.parent, record.index, host, record.checksum, record.shape, record.dtype,
+                         now, now, 0, leases=1, evicted=True)
+        return entry
+
+    def _store(self, incoming: _Incoming, fp: bytes, owner: str = "", tokens=()) -> int:
         begin = incoming.begin
         value = checksum(incoming.buffer)
         if begin.xxh3_64 and begin.xxh3_64 != value:
@@ -557,6 +615,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                             index=begin.index, data=data, checksum_value=value, shape=tuple(begin.shape),
                             dtype=begin.dtype):
             self.tenancy.committed(owner, incoming.key, charged)
+            if self.cluster is not None:
+                self._publish(incoming, fp, value)
+            if self.events is not None:
+                self.events.stored(incoming.key, incoming.parent, fp, owner, tokens)
             return begin.nbytes
         self.tenancy.release(owner, charged)
         return 0
@@ -770,6 +832,9 @@ class Sidecar:
             self.metrics.watch({"disk": self.spill})
             log.info("disk tier open", extra={"path": disk.path, "disk_bytes": settings.disk_bytes,
                                               **disk.open_report})
+        self.cluster = None
+        if settings.cluster_master:
+            self.cluster = self.service.cluster = self._cluster_tier(settings)
         self.bulk = [BulkServer(address, self.service, self.authenticator, self.metrics,
                                 settings.bulk_max_connections, settings.stream_idle_seconds,
                                 settings.max_call_seconds, lend=self.tier.host_memory is not None,
@@ -781,6 +846,22 @@ class Sidecar:
         self.stop_error: str | None = None
         self._http = None
         self.metrics_port = None
+
+    def _cluster_tier(self, settings: Settings):
+        from promptcache.sidecar.cluster import ClusterMetrics, ClusterTier, MooncakeStore
+
+        hostname = settings.cluster_local_hostname or socket.gethostbyname(socket.gethostname())
+
+        def connect() -> MooncakeStore:
+            return MooncakeStore(settings.cluster_master, hostname, settings.cluster_protocol,
+                                 settings.cluster_segment_bytes, settings.cluster_buffer_bytes,
+                                 settings.cluster_metadata_server, settings.cluster_rdma_devices)
+
+        log.info("cluster tier on", extra={"master": settings.cluster_master, "local_hostname": hostname,
+                                           "protocol": settings.cluster_protocol})
+        return ClusterTier(connect, ClusterMetrics(self.metrics.registry), settings.cluster_timeout_seconds,
+                           settings.cluster_retry_seconds, settings.cluster_publish_queue,
+                           settings.cluster_buffer_bytes)
 
     def _chunk_memory(self) -> ChunkMemory | None:
         """Memfd-backed chunk memory when the bulk channel may lend chunks (--bulk-zero-copy), else None."""
@@ -867,6 +948,8 @@ class Sidecar:
             if self.spill is not None:
                 self.spill.disk.close()
             raise
+        if self.cluster is not None:
+            self.cluster.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         threading.Thread(target=self._sweep, name="ttl-sweeper", daemon=True).start()
@@ -895,6 +978,8 @@ class Sidecar:
         self.server.stop(grace).wait()
         if self.service.buffers is not None:
             self.service.buffers.close_all()
+        if self.cluster is not None:
+            self.cluster.close()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
