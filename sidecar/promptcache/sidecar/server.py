@@ -139,6 +139,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self.spill = None  # promptcache.sidecar.spill.Spill when the disk tier is on
         self.cluster = None  # promptcache.sidecar.cluster.ClusterTier with --cluster-master
         self.events = None  # promptcache.sidecar.kvevents.KVEvents with --kv-events-address
+        self._event_models: dict[bytes, str | None] = {}  # fingerprint -> model announced in KV events, or None
         self._totals_lock = threading.Lock()
         self._models: dict = {}  # (Model bytes, identity) -> (spec, fingerprint, owner); namespace() is pure
         # The shared-memory buffers this sidecar created for its callers (the only ones Put/GetShared use).
@@ -175,10 +176,25 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         if self.tenancy.isolate:
             spec = dataclasses.replace(spec, tenant_salt=salt)
         result = spec, keyspec.fingerprint(spec), owner
+        if self.events is not None:
+            self._event_models[result[1]] = spec.model_id if self._announced(owner) else None
         if len(self._models) >= 1024:  # bounded: a client cycling through models cannot grow it
             self._models.clear()
         self._models[cache_key] = result
         return result
+
+    def _announced(self, owner: str) -> bool:
+        """Whether KV events may announce this owner's chunks (with their token ids): the shared namespace and
+        sharing groups open to every tenant; never an isolated tenant's or a restricted group's."""
+        if owner == "":
+            return True
+        return owner.startswith("group:") and self.tenancy.groups.get(owner[len("group:"):], ()) is None
+
+    def _announce(self, key: bytes, parent: bytes, fp: bytes, index: int, tokens) -> None:
+        model = self._event_models.get(fp)
+        if model is not None:
+            ct = self.chunk_tokens
+            self.events.stored(key, None if index == 0 else parent, model, tokens[index * ct:(index + 1) * ct])
 
     def _tokens(self, tokens) -> None:
         if len(tokens) == 0:
@@ -258,6 +274,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 if entry is None:
                     break
                 self.tier.release_lease(entry)
+                if self.events is not None and not entry.evicted:
+                    self._announce(key, entry.parent, fp, i, request.tokens)
                 chunks.append(pb.ChunkInfo(index=i, key=key, tier=pb.TIER_DEVICE, nbytes=entry.nbytes))
                 from_cluster += 1
                 continue
@@ -372,6 +390,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     self.metrics.sent_bytes.labels(tier_name).inc(entry.nbytes)
                     self.tenancy.touched(owner, key)
                     served += 1
+                    if tier_name != "device" and self.events is not None and not entry.evicted:
+                        self._announce(key, entry.parent, fp, i, request.tokens)
                     from_disk += tier_name == "disk"
                     from_cluster += tier_name == "cluster"
                 finally:
@@ -618,7 +638,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             if self.cluster is not None:
                 self._publish(incoming, fp, value)
             if self.events is not None:
-                self.events.stored(incoming.key, incoming.parent, fp, owner, tokens)
+                self._announce(incoming.key, incoming.parent, fp, begin.index, tokens)
             return begin.nbytes
         self.tenancy.release(owner, charged)
         return 0
@@ -832,6 +852,19 @@ class Sidecar:
             self.metrics.watch({"disk": self.spill})
             log.info("disk tier open", extra={"path": disk.path, "disk_bytes": settings.disk_bytes,
                                               **disk.open_report})
+        self.events = None
+        if settings.kv_events_address:
+            from promptcache.sidecar.kvevents import KVEvents
+
+            events_counter = Counter("promptcache_kv_events", "KV events sent to routers, by type (BlockStored, "
+                                     "BlockRemoved, AllBlocksCleared; dropped: queue full)", ["type"],
+                                     registry=self.metrics.registry)
+            try:
+                self.events = self.service.events = KVEvents(
+                    settings.kv_events_address, settings.kv_events_id or socket.gethostname(),
+                    settings.chunk_tokens, "GPU" if self.device.type == "cuda" else "CPU", events_counter)
+            except Exception as exc:  # noqa: BLE001 - zmq.ZMQError: the address is in use or not ours
+                raise OSError(f"cannot listen on --kv-events-address {settings.kv_events_address}: {exc}") from None
         self.cluster = None
         if settings.cluster_master:
             self.cluster = self.service.cluster = self._cluster_tier(settings)
@@ -890,6 +923,8 @@ class Sidecar:
 
     def _evicted(self, entry, reason: str, age: float) -> None:
         self.tenancy.on_evicted(entry)
+        if getattr(self, "events", None) is not None:
+            self.events.removed(entry.key)
         if reason == "capacity" and getattr(self, "spill", None) is not None:
             self.spill.demote(entry)
         self.metrics.evictions.labels("device", reason).inc()
@@ -943,6 +978,8 @@ class Sidecar:
         except OSError:
             for b in started:
                 b.stop()
+            if self.events is not None:
+                self.events.close()
             self.server.stop(0)
             self.watchdog.stop()
             if self.spill is not None:
@@ -950,6 +987,8 @@ class Sidecar:
             raise
         if self.cluster is not None:
             self.cluster.start()
+        if self.events is not None:
+            self.events.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         threading.Thread(target=self._sweep, name="ttl-sweeper", daemon=True).start()
@@ -980,6 +1019,8 @@ class Sidecar:
             self.service.buffers.close_all()
         if self.cluster is not None:
             self.cluster.close()
+        if self.events is not None:
+            self.events.close()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
