@@ -153,3 +153,39 @@ def test_isolated_tenants_are_not_announced_and_public_groups_are(sidecar_factor
     events = [e for _, _, p in frames for e in msgpack.unpackb(p)[1]]
     assert [e["token_ids"] for e in events if e["type"] == "BlockStored"] == [shared_prompt]
     sub.close()
+
+
+def test_each_pod_using_a_model_gets_its_holdings_under_its_own_id(sidecar_factory):
+    """Routers score pods: a pod naming itself (x-promptcache-pod) gets, on kv@POD@MODEL, what the node already
+    holds of the model, then the live events."""
+    import grpc
+    import msgpack
+
+    from promptcache.v1 import kvcache_pb2 as pb
+    from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+    from promptcache.wire import model_to_proto
+
+    sidecar = sidecar_factory(kv_events_address="tcp://127.0.0.1:*", kv_events_id="node-1")
+    sub = _subscribe(sidecar.events.address)
+    first, second = list(range(100, 100 + 2 * CHUNK)), list(range(700, 700 + CHUNK))
+    with PromptCacheClient(sidecar.address, timeout=10) as c, grpc.insecure_channel(sidecar.address) as channel:
+        assert c.put(SMALL, first, make_kv(SMALL, len(first))).stored_chunks == 2
+        frames = _receive(sub, 3)
+        pb_grpc.KVCacheStub(channel).Lookup(pb.LookupRequest(model=model_to_proto(SMALL), tokens=first),
+                                            metadata=[("x-promptcache-pod", "pod-a")], timeout=10)
+        frames += _receive(sub, 3)
+        assert c.put(SMALL, second, make_kv(SMALL, CHUNK)).stored_chunks == 1
+        frames += _receive(sub, 2)
+    by_topic: dict[str, list] = {}
+    for t, seq, payload in frames:
+        by_topic.setdefault(t.decode(), []).append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]))
+    node, pod = f"kv@node-1@{SMALL.model_id}", f"kv@pod-a@{SMALL.model_id}"
+    assert set(by_topic) == {node, pod}
+    for batches in by_topic.values():
+        assert [s for s, _ in batches] == list(range(len(batches)))
+    pod_events = [e for _, events in by_topic[pod] for e in events]
+    assert [e["type"] for e in pod_events] == ["AllBlocksCleared", "BlockStored", "BlockStored", "BlockStored"]
+    assert [e["token_ids"] for e in pod_events[1:]] == [first[:CHUNK], first[CHUNK:], second]
+    node_stored = [e["token_ids"] for _, events in by_topic[node] for e in events if e["type"] == "BlockStored"]
+    assert node_stored == [first[:CHUNK], first[CHUNK:], second]
+    sub.close()

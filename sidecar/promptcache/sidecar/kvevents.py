@@ -15,6 +15,12 @@ namespace (no tenancy) or a sharing group open to every tenant (GROUP=*); a chun
 group's) are never announced: their token ids are that tenant's prompt. The first event on a topic is
 AllBlocksCleared, so a subscriber forgets what an earlier run of this sidecar announced.
 
+Routers score pods, not nodes. Every event goes out under the node's id (`--kv-events-id`, topic kv@NODE@MODEL)
+and under the id of every inference pod that has used that model on this sidecar: a client names its pod in the
+gRPC metadata `x-promptcache-pod` (the vLLM connector and the HF client send POD_NAME). A pod first seen for a
+model gets, on its own topic, AllBlocksCleared and then BlockStored for every chunk of that model the memory tier
+holds, so its view starts complete; from then on it gets the live events. At most MAX_PODS pods per model.
+
 Events are queued (bounded, never blocking the caller, which may hold the memory tier's lock) and sent in
 batches by one thread, the only one touching the socket.
 """
@@ -31,6 +37,8 @@ log = logging.getLogger("promptcache.sidecar.kvevents")
 
 BATCH_SECONDS = 0.02
 MAX_BATCH = 1024
+MAX_PODS = 256  # per model
+POD_METADATA = "x-promptcache-pod"
 
 
 def block_stored(block_hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
@@ -73,7 +81,9 @@ class KVEvents:
         self._socket.bind(address)
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_events)
-        self._announced: dict[bytes, str] = {}  # chunk key -> topic, for what BlockRemoved to send
+        # chunk key -> (model, parent, token ids): what BlockRemoved to send, and what a new pod is told
+        self._held: dict[bytes, tuple[str, bytes | None, list[int]]] = {}
+        self._pods: dict[str, set[str]] = {}  # model -> pods that used it here
         self._lock = threading.Lock()
         self._sequence: dict[str, int] = {}
         self._stop = threading.Event()
@@ -85,22 +95,33 @@ class KVEvents:
 
     # --- called by the store (never blocks) ---------------------------------------------------------------
     def stored(self, key: bytes, parent: bytes | None, model: str, token_ids) -> None:
-        t = topic(self.publisher_id, model)
+        token_ids = [int(x) for x in token_ids]
         with self._lock:
-            if key in self._announced:
+            if key in self._held:
                 return
-            self._announced[key] = t
-        self._put(t, block_stored([key], parent, [int(x) for x in token_ids], self.block_size, self.medium))
+            self._held[key] = (model, parent, token_ids)
+        self._put(model, block_stored([key], parent, token_ids, self.block_size, self.medium))
 
     def removed(self, key: bytes) -> None:
         with self._lock:
-            t = self._announced.pop(key, None)
-        if t is not None:
-            self._put(t, block_removed([key], self.medium))
+            held = self._held.pop(key, None)
+        if held is not None:
+            self._put(held[0], block_removed([key], self.medium))
 
-    def _put(self, t: str, event: dict) -> None:
+    def seen(self, pod: str, model: str) -> None:
+        """A call from inference pod `pod` for `model`: from now on its topic gets this model's events."""
+        pods = self._pods.get(model)
+        if pods is not None and pod in pods:
+            return
+        with self._lock:
+            pods = self._pods.setdefault(model, set())
+            if pod in pods or len(pods) >= MAX_PODS:
+                return
+        self._put(model, None, pod)  # the sender adds it, after telling it what is held
+
+    def _put(self, model: str, event: dict | None, pod: str = "") -> None:
         try:
-            self._queue.put_nowait((t, event))
+            self._queue.put_nowait((model, event, pod))
         except queue.Full:
             if self.counter is not None:
                 self.counter.labels("dropped").inc()
@@ -120,10 +141,25 @@ class KVEvents:
                 except queue.Empty:
                     break
             by_topic: dict[str, list[dict]] = {}
-            for t, event in pending:
-                by_topic.setdefault(t, []).append(event)
+            for model, event, pod in pending:
+                if event is None:
+                    self._join(model, pod, by_topic)
+                    continue
+                with self._lock:
+                    pods = list(self._pods.get(model, ()))
+                for publisher in (self.publisher_id, *pods):
+                    by_topic.setdefault(topic(publisher, model), []).append(event)
             for t, events in by_topic.items():
                 self._send(t, events)
+
+    def _join(self, model: str, pod: str, by_topic: dict[str, list[dict]]) -> None:
+        """Tell a newly seen pod what the memory tier holds of `model`, then add it to the model's pods."""
+        with self._lock:
+            held = [(key, parent, tokens) for key, (m, parent, tokens) in self._held.items() if m == model]
+            self._pods.setdefault(model, set()).add(pod)
+        events = by_topic.setdefault(topic(pod, model), [])
+        for key, parent, tokens in held:
+            events.append(block_stored([key], parent, tokens, self.block_size, self.medium))
 
     def _send(self, t: str, events: list[dict]) -> None:
         seq = self._sequence.get(t)

@@ -159,6 +159,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         cache_key = (msg.SerializeToString(deterministic=True), identity)
         known = self._models.get(cache_key)
         if known is not None:  # pods send the same few models on every call: skip validation and hashing
+            if self.events is not None:
+                self._pod_seen(context, known)
             return known
         try:
             spec = model_from_proto(msg)
@@ -178,6 +180,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         result = spec, keyspec.fingerprint(spec), owner
         if self.events is not None:
             self._event_models[result[1]] = spec.model_id if self._announced(owner) else None
+            self._pod_seen(context, result)
         if len(self._models) >= 1024:  # bounded: a client cycling through models cannot grow it
             self._models.clear()
         self._models[cache_key] = result
@@ -189,6 +192,19 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         if owner == "":
             return True
         return owner.startswith("group:") and self.tenancy.groups.get(owner[len("group:"):], ()) is None
+
+    def _pod_seen(self, context, model) -> None:
+        """KV events: the calling inference pod (gRPC metadata x-promptcache-pod) gets this model's events."""
+        from promptcache.sidecar.kvevents import POD_METADATA
+
+        model_id = self._event_models.get(model[1])
+        if model_id is None:
+            return
+        metadata = getattr(context, "invocation_metadata", None)  # the bulk channel's context has none
+        for name, value in (metadata() if metadata is not None else None) or ():
+            if name == POD_METADATA and value and len(value) <= 253:
+                self.events.seen(value, model_id)
+                return
 
     def _announce(self, key: bytes, parent: bytes, fp: bytes, index: int, tokens) -> None:
         model = self._event_models.get(fp)
