@@ -83,6 +83,7 @@ def _tokens(seed: int, chunks: int) -> list[int]:
     return [seed * 100_000 + i for i in range(chunks * CHUNK)]
 
 
+@pytest.mark.slow  # two sidecar processes and a master: about 25 s here
 def test_a_prefix_stored_on_one_node_is_served_by_another_and_tenants_stay_apart(nodes):
     master, a, b, c = nodes
     tokens = _tokens(1, 3)
@@ -147,3 +148,18 @@ def test_a_record_is_served_only_for_its_fingerprint_before_it_expires_and_with_
     assert verify(decode_record(bytes(corrupt)), b"f" * 32, 999.0) == "checksum"
     assert decode_record(b"junk") is None and verify(None, b"f" * 32, 0) == "malformed"
     assert decode_record(b"XXXX" + raw[4:]) is None
+
+
+def test_fleet_simulation_a_shared_tier_and_prefix_routing_each_raise_the_hit_ratio():
+    from promptcache.bench import traces
+    from promptcache.bench.cluster import simulate
+    from promptcache.bench.replay import prepare
+
+    reqs, ws = prepare(traces.generate("chat", seed=1, scale=0.2))
+    node, shared = int(ws * 0.05), int(ws * 0.25)
+    alone, _ = simulate(reqs, 4, node, 0, "random", "lru", 0)
+    with_cluster, served = simulate(reqs, 4, node, shared, "random", "lru", 0)
+    twice, _ = simulate(reqs, 4, node, shared, "random", "lru", 0, publish_after=2)
+    routed, _ = simulate(reqs, 4, node, 0, "prefix", "lru", 0)
+    assert alone < twice < with_cluster and served > 0.05
+    assert alone < routed
