@@ -163,3 +163,48 @@ def test_fleet_simulation_a_shared_tier_and_prefix_routing_each_raise_the_hit_ra
     routed, _ = simulate(reqs, 4, node, 0, "prefix", "lru", 0)
     assert alone < twice < with_cluster and served > 0.05
     assert alone < routed
+
+
+class _StalledStore:
+    """A ClusterStore whose calls take longer than any deadline (a master that stopped answering)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def get(self, key):
+        self.calls += 1
+        time.sleep(1.0)
+
+    def put(self, key, value):
+        self.calls += 1
+        time.sleep(1.0)
+
+    def close(self):
+        pass
+
+
+def test_a_slow_cluster_costs_one_deadline_then_is_skipped_until_the_retry_time():
+    from prometheus_client import CollectorRegistry
+
+    from promptcache.sidecar.cluster import ClusterMetrics, ClusterTier
+
+    store = _StalledStore()
+    registry = CollectorRegistry()
+    metrics = ClusterMetrics(registry)
+    tier = ClusterTier(lambda: store, metrics, timeout_seconds=0.05, retry_seconds=30, queue_chunks=2,
+                       max_record_bytes=1 << 20).start()
+    try:
+        assert tier.wait_joined(5)
+        started = time.perf_counter()
+        assert tier.fetch(b"k" * 32, b"f" * 32) is None
+        assert time.perf_counter() - started < 0.5
+        assert tier.fetch(b"k" * 32, b"f" * 32) is None  # marked down: not asked at all
+        assert store.calls == 1
+        sample = registry.get_sample_value
+        assert sample("promptcache_cluster_fallbacks_total", {"op": "get", "reason": "timeout"}) == 1
+        assert sample("promptcache_cluster_fallbacks_total", {"op": "get", "reason": "down"}) == 1
+        assert sample("promptcache_cluster_up") == 0
+        tier.publish(b"k" * 32, lambda: b"record")  # while down: dropped at once, never queued
+        assert sample("promptcache_cluster_publish_dropped_total", {"reason": "down"}) == 1
+    finally:
+        tier.close()
