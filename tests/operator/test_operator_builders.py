@@ -114,6 +114,8 @@ def test_config_change_rolls_pods():
     ({"security": {"tokens": {"secretName": "Bad_Name"}}}, "spec.security.tokens.secretName"),
     ({"security": {"tls": {"mutual": True}}}, "spec.security.tls.secretName"),
     ({"security": {"vault": {}}}, "spec.security"),
+    ({"cluster": {"protocol": "udp"}}, "spec.cluster.protocol"),
+    ({"cluster": {"segmentMemory": "0"}}, "spec.cluster.segmentMemory"),
 ])
 def test_model_rejects_what_the_crd_rejects(patch, field):
     spec = {**example("minimal")["spec"], **patch}
