@@ -189,3 +189,43 @@ def test_each_pod_using_a_model_gets_its_holdings_under_its_own_id(sidecar_facto
     node_stored = [e["token_ids"] for _, events in by_topic[node] for e in events if e["type"] == "BlockStored"]
     assert node_stored == [first[:CHUNK], first[CHUNK:], second]
     sub.close()
+
+
+def test_a_prefix_scorer_fed_by_two_nodes_events_picks_the_node_holding_the_prefix(sidecar_factory):
+    """What llm-d's precise prefix-cache scorer does with the events (it hashes token ids per block and follows
+    the parent chain; its Go library is not reachable here): index each publisher's blocks by their token ids
+    chained to their parent, then score a request by the leading blocks a publisher holds."""
+    import msgpack
+
+    nodes = {name: sidecar_factory(kv_events_address="tcp://127.0.0.1:*", kv_events_id=name)
+             for name in ("node-1", "node-2")}
+    subs = {name: _subscribe(s.events.address) for name, s in nodes.items()}
+    system_a, system_b = list(range(1, 1 + 3 * CHUNK)), list(range(500, 500 + 3 * CHUNK))
+    with PromptCacheClient(nodes["node-1"].address, timeout=10) as c1, \
+            PromptCacheClient(nodes["node-2"].address, timeout=10) as c2:
+        assert c1.put(SMALL, system_a, make_kv(SMALL, len(system_a))).stored_chunks == 3
+        assert c2.put(SMALL, system_b, make_kv(SMALL, len(system_b))).stored_chunks == 3
+    held: dict[str, set] = {}
+    for name, sub in subs.items():
+        by_hash: dict[bytes, tuple] = {}
+        for topic, _, payload in _receive(sub, 4):
+            publisher = topic.decode().split("@")[1]
+            for e in msgpack.unpackb(payload)[1]:
+                if e["type"] == "BlockStored":
+                    prefix = by_hash.get(e["parent_block_hash"], ()) + tuple(e["token_ids"])
+                    by_hash[e["block_hashes"][0]] = prefix
+                    held.setdefault(publisher, set()).add(prefix)
+        sub.close()
+
+    def score(publisher: str, tokens: list[int]) -> int:
+        n = 0
+        while (n + 1) * CHUNK <= len(tokens) and tuple(tokens[:(n + 1) * CHUNK]) in held.get(publisher, ()):
+            n += 1
+        return n
+
+    def pick(tokens):
+        return max(held, key=lambda p: score(p, tokens))
+
+    assert pick(system_b + [7] * CHUNK) == "node-2" and score("node-2", system_b + [7] * CHUNK) == 3
+    assert pick(system_a + [9] * 5) == "node-1"
+    assert score("node-1", system_b) == 0
