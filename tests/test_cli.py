@@ -33,7 +33,9 @@ VALID_SAMPLES = {"memory_bytes": "8192", "max_chunk_bytes": "8192", "disk_bytes"
                  "bulk_zero_copy": "off", "max_put_reserved_fraction": "0.25",
                  "shm_dir": "/tmp",
                  "mrc_sample_rate": "0.5", "mrc_sizes": "1Mi,2Mi",
-                 "access_log_sample_rate": "0.5", "access_log_max_bytes": "8192"}
+                 "access_log_sample_rate": "0.5", "access_log_max_bytes": "8192",
+                 "cluster_master": "10.0.0.1:50051", "cluster_protocol": "rdma",
+                 "kv_events_address": "tcp://127.0.0.1:5557"}
 
 
 def test_every_setting_is_a_flag_and_an_environment_variable():

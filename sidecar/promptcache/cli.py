@@ -10,6 +10,7 @@ BENCHES = {
     "throughput": "promptcache.bench.throughput",
     "latency": "promptcache.bench.latency",
     "replay": "promptcache.bench.replay",
+    "cluster": "promptcache.bench.cluster",
     "fidelity": "promptcache.bench.fidelity",
     "ttft": "promptcache.bench.ttft",
     "loadtest": "promptcache.bench.loadtest",

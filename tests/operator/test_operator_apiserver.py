@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PC_API = "promptcache.io/v1alpha1"
 CORE_CHILDREN = [("v1", "ConfigMap", "{}-config"), ("apps/v1", "DaemonSet", "{}"), ("v1", "Service", "{}"),
                  ("v1", "Service", "{}-metrics"), ("v1", "ResourceQuota", "{}-quota")]
+# With spec.cluster.enabled (the full example): the Mooncake master.
+CLUSTER_CHILDREN = [("apps/v1", "Deployment", "{}-mooncake-master"), ("v1", "Service", "{}-mooncake-master")]
 OPTIONAL_CHILDREN = [(builders.VPA[0], builders.VPA[1], "{}"),
                      (builders.SERVICE_MONITOR[0], builders.SERVICE_MONITOR[1], "{}"),
                      (builders.PROMETHEUS_RULE[0], builders.PROMETHEUS_RULE[1], "{}")]
@@ -268,14 +270,15 @@ def test_operator_created_daemonset_passes_restricted(start_operator, crd, kube,
                                                "pod-security.kubernetes.io/enforce": "restricted"}}})
     op = start_operator("--standalone", env=FAST)
     apply_pc(kube, namespace, example("full"))
-    got = wait_for(lambda: all_present(kube, namespace, "qwen-32b"), timeout=30, what="children")
-    ds = got["DaemonSet/qwen-32b"]
-    body = {"apiVersion": "apps/v1", "kind": "DaemonSet",
-            "metadata": {"name": "qwen-32b", "namespace": namespace}, "spec": ds["spec"]}
-    _, _, warnings = kube.request("PATCH", object_path("apps/v1", "DaemonSet", namespace, "qwen-32b"), body=body,
-                                  content_type="application/apply-patch+yaml", with_headers=True,
-                                  query=[("fieldManager", "check"), ("dryRun", "All"), ("force", "true")])
-    assert warnings == []
+    got = wait_for(lambda: all_present(kube, namespace, "qwen-32b", CORE_CHILDREN + CLUSTER_CHILDREN), timeout=30,
+                   what="children")
+    for kind, name in (("DaemonSet", "qwen-32b"), ("Deployment", "qwen-32b-mooncake-master")):
+        body = {"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": name, "namespace": namespace},
+                "spec": got[f"{kind}/{name}"]["spec"]}
+        _, _, warnings = kube.request("PATCH", object_path("apps/v1", kind, namespace, name), body=body,
+                                      content_type="application/apply-patch+yaml", with_headers=True,
+                                      query=[("fieldManager", "check"), ("dryRun", "All"), ("force", "true")])
+        assert warnings == [], kind
     assert "API server warning" not in op.output()
 
 
@@ -291,7 +294,8 @@ def test_restart_mid_reconcile_converges(start_operator, crd, kube, namespace):
     first.kill(signal.SIGKILL)
 
     start_operator("--standalone", env=FAST, name="second")
-    got = wait_for(lambda: all_present(kube, namespace, "qwen-32b"), timeout=60, what="convergence after restart")
+    got = wait_for(lambda: all_present(kube, namespace, "qwen-32b", CORE_CHILDREN + CLUSTER_CHILDREN), timeout=60,
+                   what="convergence after restart")
     # Same state as an uninterrupted reconcile computes.
     spec = PromptCacheSpec.from_dict(get_pc(kube, namespace, "qwen-32b")["spec"])
     owner = Owner("qwen-32b", namespace, pc["metadata"]["uid"])
@@ -303,10 +307,13 @@ def test_restart_mid_reconcile_converges(start_operator, crd, kube, namespace):
     assert got["ResourceQuota/qwen-32b-quota"]["spec"]["hard"] == want["ResourceQuota/qwen-32b-quota"]["spec"]["hard"]
     wait_for(lambda: (get_pc(kube, namespace, "qwen-32b").get("status") or {}).get("observedGeneration") == 1,
              timeout=10, what="status after restart")
+    # No controller manager here: the master Deployment never gets a ready replica, and the status says so.
+    assert get_pc(kube, namespace, "qwen-32b")["status"]["clusterMasterReady"] is False
     # And it stays put: resyncs re-apply identical state without bumping resourceVersions.
     rv = {k: v["metadata"]["resourceVersion"] for k, v in got.items()}
     time.sleep(4.5)
-    assert {k: v["metadata"]["resourceVersion"] for k, v in children(kube, namespace, "qwen-32b").items()} == rv
+    now = children(kube, namespace, "qwen-32b", CORE_CHILDREN + CLUSTER_CHILDREN)
+    assert {k: v["metadata"]["resourceVersion"] for k, v in now.items()} == rv
 
 
 def _priority(op) -> int:

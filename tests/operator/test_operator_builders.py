@@ -114,6 +114,8 @@ def test_config_change_rolls_pods():
     ({"security": {"tokens": {"secretName": "Bad_Name"}}}, "spec.security.tokens.secretName"),
     ({"security": {"tls": {"mutual": True}}}, "spec.security.tls.secretName"),
     ({"security": {"vault": {}}}, "spec.security"),
+    ({"cluster": {"protocol": "udp"}}, "spec.cluster.protocol"),
+    ({"cluster": {"segmentMemory": "0"}}, "spec.cluster.segmentMemory"),
 ])
 def test_model_rejects_what_the_crd_rejects(patch, field):
     spec = {**example("minimal")["spec"], **patch}
@@ -320,3 +322,29 @@ def test_monitoring_labels_merge_over_the_operator_defaults_but_not_over_its_own
 def test_vpa_starts_off_until_the_autoscaler_decides():
     spec = PromptCacheSpec.from_dict({**example("minimal")["spec"], "autoscaling": {"enabled": True}})
     assert builders.vertical_pod_autoscaler(spec, OWNER)["spec"]["updatePolicy"]["updateMode"] == "Off"
+
+
+def test_cluster_tier_adds_a_master_and_points_the_sidecars_at_it():
+    from promptcache.operator.builders import desired_children
+    from promptcache.operator.model import quantity_bytes
+
+    owner = Owner(name="c1", namespace="ns", uid="u")
+    spec = PromptCacheSpec.from_dict({**example("minimal")["spec"],
+                                      "cluster": {"enabled": True, "segmentMemory": "2Gi", "protocol": "rdma"}})
+    children = {c["kind"] + "/" + c["metadata"]["name"]: c for c in desired_children(spec, owner, Capabilities())}
+    master, service = children["Deployment/c1-mooncake-master"], children["Service/c1-mooncake-master"]
+    pod_labels = master["spec"]["template"]["metadata"]["labels"]
+    assert master["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert service["spec"]["selector"] == master["spec"]["selector"]["matchLabels"]
+    # The sidecars' DaemonSet must not select the master's pod.
+    ds = children["DaemonSet/c1"]
+    assert not ds["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    env = children["ConfigMap/c1-config"]["data"]
+    assert env["PROMPTCACHE_CLUSTER_MASTER"] == "c1-mooncake-master.ns.svc:50051"
+    assert env["PROMPTCACHE_CLUSTER_PROTOCOL"] == "rdma" and env["PROMPTCACHE_CLUSTER_SEGMENT_BYTES"] == str(2 << 30)
+    _sidecar_takes({k: v for k, v in env.items() if k.startswith("PROMPTCACHE_")})
+    plain = {c["kind"] + "/" + c["metadata"]["name"]: c
+             for c in desired_children(PromptCacheSpec.from_dict(example("minimal")["spec"]), owner, Capabilities())}
+    assert "Deployment/c1-mooncake-master" not in plain
+    mem = lambda d: quantity_bytes(d["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"])
+    assert mem(ds) - mem(plain["DaemonSet/c1"]) == 2 << 30  # the contributed segment is in the sidecar's limit

@@ -90,6 +90,8 @@ INVALID = [
     ("tls without a secret", {"security": {"tls": {"mutual": True}}}, "spec.security.tls.secretName"),
     ("tenant secret name empty", {"security": {"tenantSecret": {"secretName": ""}}},
      "spec.security.tenantSecret.secretName"),
+    ("cluster protocol unknown", {"cluster": {"enabled": True, "protocol": "udp"}}, "spec.cluster.protocol"),
+    ("cluster segment zero", {"cluster": {"enabled": True, "segmentMemory": "0"}}, "spec.cluster.segmentMemory"),
 ]
 
 

@@ -108,3 +108,19 @@ def test_invalid_spec_is_reported_not_applied():
     out = reconcile(k, body({"cachePolicy": {"chunkTokens": 100}}))
     assert out.invalid_spec and not k.applied
     assert conds(out.status)["Degraded"]["reason"] == "InvalidSpec"
+
+
+def test_cluster_tier_runs_a_master_reports_it_and_prunes_it_when_turned_off():
+    k = FakeKube()
+    reconcile(k, body({"cluster": {"enabled": True}}))
+    master = "llama-8b-mooncake-master"
+    assert {f"Deployment/{master}", f"Service/{master}"} <= set(k.applied)
+    status = k.status_writes[-1]
+    assert status["clusterMasterReady"] is False  # the fake's Deployment reports no ready replica
+    k2 = FakeKube()
+    reconcile(k2, body({"cluster": {"enabled": False}}, status=status))
+    assert k2.deleted == [f"Deployment/{master}", f"Service/{master}"]
+    assert k2.status_writes[-1]["clusterMasterReady"] is None
+    k3 = FakeKube()
+    reconcile(k3, body())  # never had a master: nothing to delete
+    assert k3.deleted == []

@@ -26,6 +26,8 @@ from .model import GROUP, KIND, VERSION, PromptCacheSpec, isolated_identity, qua
 GRPC_PORT = 50051
 BULK_PORT = 50052  # the bulk channel (docs/bulk-channel.md); plaintext, so only without TLS
 METRICS_PORT = 9400
+MASTER_PORT = 50051  # the Mooncake master's RPC port (docs/cluster.md)
+MASTER_METRICS_PORT = 9003
 CONTAINER = "sidecar"
 MANAGED_BY = "promptcache-operator"
 CACHE_LABEL = f"{GROUP}/cache"
@@ -158,6 +160,9 @@ def sidecar_env(spec: PromptCacheSpec, defaults: OperatorDefaults = OperatorDefa
     }
     if spec.cachePolicy.maxChunkBytes:
         env["PROMPTCACHE_MAX_CHUNK_BYTES"] = _bytes(spec.cachePolicy.maxChunkBytes)
+    if spec.cluster.enabled:
+        env["PROMPTCACHE_CLUSTER_PROTOCOL"] = spec.cluster.protocol
+        env["PROMPTCACHE_CLUSTER_SEGMENT_BYTES"] = _bytes(spec.cluster.segmentMemory)
     env.update(security_env(spec))
     if isolated_identity(spec.security) and spec.autoscaling.enabled:
         # Resize is an admin call once callers authenticate: the autoscaler's identity must be allowed it.
@@ -220,7 +225,11 @@ def config_map(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults =
     summary = {"model": to_dict(spec.model), "memory": to_dict(spec.memory), "gpu": to_dict(spec.gpu),
                "cachePolicy": to_dict(spec.cachePolicy), "tenancy": to_dict(spec.tenancy),
                "autoscaling": to_dict(spec.autoscaling)}
-    data = {**sidecar_env(spec, defaults), "promptcache.yaml": yaml.safe_dump(summary, sort_keys=True)}
+    env = sidecar_env(spec, defaults)
+    if spec.cluster.enabled:
+        env["PROMPTCACHE_CLUSTER_MASTER"] = f"{master_name(owner)}.{owner.namespace}.svc:{MASTER_PORT}"
+        summary["cluster"] = to_dict(spec.cluster)
+    data = {**dict(sorted(env.items())), "promptcache.yaml": yaml.safe_dump(summary, sort_keys=True)}
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(owner, f"{owner.name}-config"),
             "data": data}
 
@@ -230,7 +239,8 @@ def config_hash(cm: dict[str, Any]) -> str:
 
 
 def _resources(spec: PromptCacheSpec) -> dict[str, Any]:
-    memory = format_bytes(quantity_bytes(spec.memory.host) + MEMORY_OVERHEAD)
+    segment = quantity_bytes(spec.cluster.segmentMemory) if spec.cluster.enabled else 0
+    memory = format_bytes(quantity_bytes(spec.memory.host) + segment + MEMORY_OVERHEAD)
     requests: dict[str, Any] = {"cpu": "250m", "memory": memory}
     limits: dict[str, Any] = {"memory": memory}
     if spec.memory.disk:
@@ -343,6 +353,81 @@ def node_local_service(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
     }
 
 
+def master_name(owner: Owner) -> str:
+    return f"{owner.name}-mooncake-master"
+
+
+def _master_selector(owner: Owner) -> dict[str, str]:
+    return {CACHE_LABEL: owner.name, "app.kubernetes.io/component": "cluster-master"}
+
+
+def mooncake_master(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults) -> dict[str, Any]:
+    """The cluster tier's Mooncake master (docs/cluster.md): the binary ships in the sidecar image (the 'cluster'
+    extra). One replica, recreated on upgrade: two masters would split the index."""
+    image, pull = _image(spec, defaults)
+    requests: dict[str, Any] = {"cpu": "100m", "memory": "256Mi"}
+    limits: dict[str, Any] = {"memory": "256Mi"}
+    requests.update({k: str(v) for k, v in spec.cluster.master.resources.requests.items()})
+    limits.update({k: str(v) for k, v in spec.cluster.master.resources.limits.items()})
+    component = {"app.kubernetes.io/component": "cluster-master"}
+    container = {
+        "name": "mooncake-master",
+        "image": image,
+        "imagePullPolicy": pull,
+        "command": ["mooncake_master"],
+        "args": [f"-rpc_port={MASTER_PORT}", "-rpc_address=0.0.0.0", f"-metrics_port={MASTER_METRICS_PORT}",
+                 "-metrics_host=0.0.0.0", "-enable_http_metadata_server=false"],
+        "ports": [{"name": "rpc", "containerPort": MASTER_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": MASTER_METRICS_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": MASTER_PORT}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": MASTER_PORT}, "periodSeconds": 10, "failureThreshold": 3},
+        "resources": {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items()))},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": spec.pod.serviceAccountName,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+    }
+    if spec.pod.imagePullSecrets:
+        pod_spec["imagePullSecrets"] = to_dict(spec.pod.imagePullSecrets)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, master_name(owner), component),
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": _master_selector(owner)},
+            "template": {"metadata": {"labels": dict(sorted({**labels(owner), **component}.items()))},
+                         "spec": pod_spec},
+        },
+    }
+
+
+def mooncake_master_service(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, master_name(owner), {"app.kubernetes.io/component": "cluster-master"}),
+        "spec": {"type": "ClusterIP", "selector": _master_selector(owner),
+                 "ports": [{"name": "rpc", "port": MASTER_PORT, "targetPort": "rpc", "protocol": "TCP"}]},
+    }
+
+
 def metrics_service(owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -448,6 +533,8 @@ def desired_children(spec: PromptCacheSpec, owner: Owner, caps: Capabilities,
     cm = config_map(spec, owner, defaults)
     children = [cm, daemon_set(spec, owner, defaults, config_hash(cm)), node_local_service(spec, owner),
                 metrics_service(owner), resource_quota(spec, owner)]
+    if spec.cluster.enabled:
+        children += [mooncake_master(spec, owner, defaults), mooncake_master_service(owner)]
     if caps.vpa:
         children.append(vertical_pod_autoscaler(spec, owner))
     if caps.service_monitor:

@@ -202,6 +202,26 @@ class Resources:
     limits: dict[str, str | int] = field(default_factory=dict)
 
 
+CLUSTER_PROTOCOLS = ("tcp", "rdma")
+
+
+@dataclass(frozen=True)
+class ClusterMaster:
+    """The Mooncake master Deployment (one replica: the tier is a cache, and a restarted master only empties it)."""
+
+    resources: Resources = field(default_factory=Resources)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The cluster tier (docs/cluster.md): a Mooncake master, and every sidecar joining it."""
+
+    enabled: bool = False
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    segmentMemory: str = "1Gi"  # host memory each sidecar contributes to the cluster store
+    master: ClusterMaster = field(default_factory=ClusterMaster)
+
+
 @dataclass(frozen=True)
 class PromptCacheSpec:
     model: Model
@@ -217,6 +237,7 @@ class PromptCacheSpec:
     resources: Resources = field(default_factory=Resources)
     pod: Pod = field(default_factory=Pod)
     monitoring: Monitoring = field(default_factory=Monitoring)
+    cluster: Cluster = field(default_factory=Cluster)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PromptCacheSpec":
@@ -231,6 +252,9 @@ class PromptCacheSpec:
         for name in ("host", "device", "disk"):
             _positive_quantity(f"spec.memory.{name}", getattr(self.memory, name))
         _positive_quantity("spec.cachePolicy.maxChunkBytes", self.cachePolicy.maxChunkBytes)
+        _positive_quantity("spec.cluster.segmentMemory", self.cluster.segmentMemory)
+        if self.cluster.protocol not in CLUSTER_PROTOCOLS:
+            raise SpecError(f"spec.cluster.protocol must be one of {', '.join(CLUSTER_PROTOCOLS)}")
         _positive_quantity("spec.autoscaling.minMemory", self.autoscaling.minMemory)
         _positive_quantity("spec.autoscaling.maxMemory", self.autoscaling.maxMemory)
         if self.cachePolicy.chunkTokens not in CHUNK_TOKENS_ALLOWED:

@@ -147,7 +147,7 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
     children = builders.desired_children(spec, owner, caps, defaults)
     # Memory tuned by the autoscaler (status.autoscaling) replaces the spec-derived limits and budget.
     children = autoscale.adjust_children(children, spec, old_status)
-    ds = None
+    ds = master = None
     pause_after, pause_seconds = _fault_injection(owner)
     for i, child in enumerate(children):
         if i == pause_after:
@@ -160,6 +160,8 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
             out.applied.append(key)
             if child["kind"] == "DaemonSet":
                 ds = res
+            elif key == f"Deployment/{builders.master_name(owner)}":
+                master = res
         except ApiError as exc:
             if exc.status == 404 and child["apiVersion"] in (builders.VPA[0], builders.SERVICE_MONITOR[0]):
                 kube.capabilities(refresh=True)  # the CRD went away since we looked
@@ -175,6 +177,15 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
         if present and key not in wanted:
             try:
                 if kube.delete(api_version, kind, owner.namespace, owner.name):
+                    out.deleted.append(key)
+            except ApiError as exc:
+                out.errors.append(f"delete {key}: {exc.message}")
+    # The cluster tier's master (spec.cluster) goes when the tier is turned off.
+    for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")):
+        key = f"{kind}/{builders.master_name(owner)}"
+        if key not in wanted and key in (old_status.get("children") or ()):
+            try:
+                if kube.delete(api_version, kind, owner.namespace, builders.master_name(owner)):
                     out.deleted.append(key)
             except ApiError as exc:
                 out.errors.append(f"delete {key}: {exc.message}")
@@ -194,6 +205,9 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
         "nodes": nodes,
         **usage,
         "children": sorted(out.applied),
+        # The cluster tier's master: whether its Deployment has a ready replica (null: the tier is off).
+        "clusterMasterReady": (bool(((master or {}).get("status") or {}).get("readyReplicas"))
+                               if spec.cluster.enabled else None),
         "conditions": merge_conditions(old_status.get("conditions"), conds, stamp),
     }
     _write_status(kube, owner, old_status, out.status)

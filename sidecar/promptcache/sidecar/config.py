@@ -75,6 +75,18 @@ class Settings:
     access_log_sample_rate: float = 1.0
     access_log_max_bytes: int = 64 << 20
     access_log_files: int = 4
+    cluster_master: str = ""
+    cluster_local_hostname: str = ""
+    cluster_protocol: str = "tcp"
+    cluster_rdma_devices: str = ""
+    cluster_metadata_server: str = "P2PHANDSHAKE"
+    cluster_segment_bytes: int = 1 << 30
+    cluster_buffer_bytes: int = 64 << 20
+    cluster_timeout_seconds: float = 0.25
+    cluster_retry_seconds: float = 10.0
+    cluster_publish_queue: int = 1024
+    kv_events_address: str = ""
+    kv_events_id: str = ""
 
     @property
     def bulk_addresses(self) -> list[str]:
@@ -172,6 +184,19 @@ class Settings:
             raise ValueError("--access-log-max-bytes must be at least 4096")
         if self.access_log_files < 1:
             raise ValueError("--access-log-files must be at least 1")
+        if self.cluster_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"--cluster-protocol must be tcp or rdma, got {self.cluster_protocol!r}")
+        if self.cluster_master and ":" not in self.cluster_master:
+            raise ValueError(f"--cluster-master must be HOST:PORT of the Mooncake master, got {self.cluster_master!r}")
+        if self.cluster_segment_bytes <= 0 or self.cluster_buffer_bytes <= 0:
+            raise ValueError("--cluster-segment-bytes and --cluster-buffer-bytes must be positive")
+        if self.cluster_timeout_seconds <= 0 or self.cluster_retry_seconds <= 0:
+            raise ValueError("--cluster-timeout-seconds and --cluster-retry-seconds must be positive")
+        if self.cluster_publish_queue < 1:
+            raise ValueError("--cluster-publish-queue must be at least 1")
+        if self.kv_events_address and not re.fullmatch(r"(tcp|ipc)://\S+", self.kv_events_address):
+            raise ValueError(f"--kv-events-address must be a ZMQ endpoint tcp://HOST:PORT or ipc://PATH, got "
+                             f"{self.kv_events_address!r}")
         from promptcache.sidecar.policies import POLICIES
 
         if self.eviction_policy not in POLICIES:
@@ -269,10 +294,26 @@ HELP = {
     "access_log_sample_rate": "fraction of chain roots whose requests the access log records",
     "access_log_max_bytes": "the access log file is rotated before it grows past this",
     "access_log_files": "access log files kept, the current one included (disk use <= max bytes x files)",
+    "cluster_master": "HOST:PORT of a Mooncake master: join the cluster tier (docs/cluster.md), where local misses "
+                      "are looked up and committed chunks published; empty: single node",
+    "cluster_local_hostname": "address other sidecars reach this one's cluster segment at (the pod IP); empty: "
+                              "this host's name resolved",
+    "cluster_protocol": "Mooncake transfer protocol: tcp or rdma",
+    "cluster_rdma_devices": "RDMA devices for --cluster-protocol rdma (e.g. mlx5_0); empty: auto",
+    "cluster_metadata_server": "Mooncake metadata server; P2PHANDSHAKE needs none (no etcd)",
+    "cluster_segment_bytes": "host memory this sidecar contributes to the cluster store (outside --memory-bytes)",
+    "cluster_buffer_bytes": "Mooncake client transfer buffer; chunks larger than it are not published",
+    "cluster_timeout_seconds": "deadline of one cluster call; a call that fails or runs out marks the tier down",
+    "cluster_retry_seconds": "how long the cluster tier stays marked down (serving locally) before it is tried again",
+    "cluster_publish_queue": "chunks waiting to be published at most; more are dropped and counted",
+    "kv_events_address": "ZMQ PUB endpoint (tcp://HOST:PORT or ipc://PATH) on which KV events in vLLM's format "
+                         "announce the chunks this node holds, for prefix-aware routers (docs/cluster.md); empty: off",
+    "kv_events_id": "the id in the KV event topic kv@ID@MODEL; empty: this host's name",
 }
 
 _BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "disk_min_free_bytes", "frame_bytes",
-                "tenant_quota_bytes", "shm_max_bytes", "min_put_bytes_per_second", "access_log_max_bytes"}
+                "tenant_quota_bytes", "shm_max_bytes", "min_put_bytes_per_second", "access_log_max_bytes",
+                "cluster_segment_bytes", "cluster_buffer_bytes"}
 
 
 def env_name(field_name: str) -> str:

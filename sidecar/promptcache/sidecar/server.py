@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent import futures
@@ -42,8 +43,8 @@ from promptcache.sidecar.metrics import Metrics
 from promptcache.sidecar.observer import TrafficObserver
 from promptcache.sidecar.policies import make_policy
 from promptcache.sidecar.shmbuffers import BufferLimit, SharedBuffers, UnknownBuffer
-from promptcache.sidecar.store import (AdmissionRejected, ChunkTooLarge, MemoryTier, NoRoom, Reservation,
-                                       checksum)
+from promptcache.sidecar.store import (AdmissionRejected, ChunkTooLarge, Entry, MemoryTier, NoRoom, Reservation,
+                                       StoreError, checksum)
 from promptcache.sidecar.tenancy import Tenancy, TenancyError
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -139,6 +140,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self.memory_limit: int | None = None  # the container's cgroup limit; budgets must fit under it
         self.read_memory_limit = cgroup.memory_limit
         self.spill = None  # promptcache.sidecar.spill.Spill when the disk tier is on
+        self.cluster = None  # promptcache.sidecar.cluster.ClusterTier with --cluster-master
+        self.events = None  # promptcache.sidecar.kvevents.KVEvents with --kv-events-address
+        self._event_models: dict[bytes, str | None] = {}  # fingerprint -> model announced in KV events, or None
         self._totals_lock = threading.Lock()
         self._models: dict = {}  # (Model bytes, identity) -> (spec, fingerprint, owner); namespace() is pure
         # The shared-memory buffers this sidecar created for its callers (the only ones Put/GetShared use).
@@ -158,6 +162,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         cache_key = (msg.SerializeToString(deterministic=True), identity)
         known = self._models.get(cache_key)
         if known is not None:  # pods send the same few models on every call: skip validation and hashing
+            if self.events is not None:
+                self._pod_seen(context, known)
             return known
         try:
             spec = model_from_proto(msg)
@@ -175,10 +181,39 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         if self.tenancy.isolate:
             spec = dataclasses.replace(spec, tenant_salt=salt)
         result = spec, keyspec.fingerprint(spec), owner
+        if self.events is not None:
+            self._event_models[result[1]] = spec.model_id if self._announced(owner) else None
+            self._pod_seen(context, result)
         if len(self._models) >= 1024:  # bounded: a client cycling through models cannot grow it
             self._models.clear()
         self._models[cache_key] = result
         return result
+
+    def _announced(self, owner: str) -> bool:
+        """Whether KV events may announce this owner's chunks (with their token ids): the shared namespace and
+        sharing groups open to every tenant; never an isolated tenant's or a restricted group's."""
+        if owner == "":
+            return True
+        return owner.startswith("group:") and self.tenancy.groups.get(owner[len("group:"):], ()) is None
+
+    def _pod_seen(self, context, model) -> None:
+        """KV events: the calling inference pod (gRPC metadata x-promptcache-pod) gets this model's events."""
+        from promptcache.sidecar.kvevents import POD_METADATA
+
+        model_id = self._event_models.get(model[1])
+        if model_id is None:
+            return
+        metadata = getattr(context, "invocation_metadata", None)  # the bulk channel's context has none
+        for name, value in (metadata() if metadata is not None else None) or ():
+            if name == POD_METADATA and value and len(value) <= 253:
+                self.events.seen(value, model_id)
+                return
+
+    def _announce(self, key: bytes, parent: bytes, fp: bytes, index: int, tokens) -> None:
+        model = self._event_models.get(fp)
+        if model is not None:
+            ct = self.chunk_tokens
+            self.events.stored(key, None if index == 0 else parent, model, tokens[index * ct:(index + 1) * ct])
 
     def _tokens(self, tokens) -> None:
         if len(tokens) == 0:
@@ -246,6 +281,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         chunks = []
         if self.observer.enabled:  # hashes the whole prompt only when it is sampled
             self.observer.lookup(spec, self._keys(fp, request.tokens), len(request.tokens))
+        from_cluster = 0
         for i, key in enumerate(self._keys(fp, request.tokens)):
             entry = self.tier.peek(key, fp)
             if entry is not None:
@@ -253,20 +289,33 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 continue
             size = self.spill.contains(key, fp) if self.spill is not None else None
             if size is None:
-                break
+                # The cluster tier is asked before a miss is reported; a hit is promoted here, so the Get
+                # that follows finds it in memory.
+                entry = self._from_cluster(key, fp, owner)
+                if entry is None:
+                    break
+                self.tier.release_lease(entry)
+                if self.events is not None and not entry.evicted:
+                    self._announce(key, entry.parent, fp, i, request.tokens)
+                chunks.append(pb.ChunkInfo(index=i, key=key, tier=pb.TIER_DEVICE, nbytes=entry.nbytes))
+                from_cluster += 1
+                continue
             chunks.append(pb.ChunkInfo(index=i, key=key, tier=pb.TIER_DISK, nbytes=size))
         cached = len(chunks) * self.chunk_tokens
         on_disk = sum(c.tier == pb.TIER_DISK for c in chunks) * self.chunk_tokens
-        self._count_lookup("lookup", cached, len(request.tokens), owner, on_disk)
+        self._count_lookup("lookup", cached, len(request.tokens), owner, on_disk, from_cluster * self.chunk_tokens)
         return pb.LookupResponse(cached_tokens=cached, chunk_tokens=self.chunk_tokens, chunks=chunks)
 
-    def _count_lookup(self, rpc: str, cached: int, total: int, owner: str = "", on_disk: int = 0) -> None:
+    def _count_lookup(self, rpc: str, cached: int, total: int, owner: str = "", on_disk: int = 0,
+                      from_cluster: int = 0) -> None:
         self.tenancy.count_lookup(owner, cached, total)
         self.metrics.lookups.labels(rpc).inc()
-        if cached - on_disk:
-            self.metrics.hit_tokens.labels(rpc, "device").inc(cached - on_disk)
+        if cached - on_disk - from_cluster:
+            self.metrics.hit_tokens.labels(rpc, "device").inc(cached - on_disk - from_cluster)
         if on_disk:
             self.metrics.hit_tokens.labels(rpc, "disk").inc(on_disk)
+        if from_cluster:
+            self.metrics.hit_tokens.labels(rpc, "cluster").inc(from_cluster)
         if total - cached:
             self.metrics.missed_tokens.labels(rpc).inc(total - cached)
         with self._totals_lock:
@@ -314,7 +363,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         spec, fp, owner = self._model(request.model, request.HasField("model"), context)
         self._tokens(request.tokens)
         large = large_slot and self._take_large(request.tokens, "Get")
-        served = position = from_disk = 0
+        served = position = from_disk = from_cluster = 0
         keys = self._keys(fp, request.tokens, request.start_chunk, request.max_chunks)
         if request.start_chunk == 0 and request.max_chunks == 0 and self.observer.enabled:  # a whole prompt
             self.observer.lookup(spec, self._keys(fp, request.tokens), len(request.tokens))
@@ -324,6 +373,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 tier_name = "device"
                 if entry is None and self.spill is not None:
                     entry, tier_name = self.spill.promote(key, fp, owner), "disk"
+                if entry is None and self.cluster is not None:
+                    entry, tier_name = self._from_cluster(key, fp, owner), "cluster"
                 if entry is None:
                     break
                 view = None
@@ -362,7 +413,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     self.metrics.sent_bytes.labels(tier_name).inc(entry.nbytes)
                     self.tenancy.touched(owner, key)
                     served += 1
+                    if tier_name != "device" and self.events is not None and not entry.evicted:
+                        self._announce(key, entry.parent, fp, i, request.tokens)
                     from_disk += tier_name == "disk"
+                    from_cluster += tier_name == "cluster"
                 finally:
                     view = None
                     self.tier.release_lease(entry)
@@ -370,7 +424,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             self._give_large(large)
             self._count_lookup("get", served * self.chunk_tokens,
                                max(0, len(request.tokens) - request.start_chunk * self.chunk_tokens), owner,
-                               from_disk * self.chunk_tokens)
+                               from_disk * self.chunk_tokens, from_cluster * self.chunk_tokens)
 
     @_observed("Put")
     def Put(self, request_iterator, context):
@@ -456,7 +510,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         except SharedBufferError as exc:
                             raise invalid(f"chunk {begin.index}: {exc}") from None
                         self.metrics.received_bytes.inc(begin.nbytes)
-                        stored_bytes += self._store(current, fp, owner)
+                        stored_bytes += self._store(current, fp, owner, header.tokens)
                         stored += 1
                         self._unhold(current, client, watch)
                         current = None
@@ -477,7 +531,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     self.metrics.received_bytes.inc(n)
                     if current.offset == current.begin.nbytes:
                         if current.reservation is not None:
-                            stored_bytes += self._store(current, fp, owner)
+                            stored_bytes += self._store(current, fp, owner, header.tokens)
                             stored += 1
                         self._unhold(current, client, watch)
                         current = None
@@ -553,7 +607,63 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return invalid(f"chunk {current.begin.index} ended after {current.offset} of its "
                        f"{current.begin.nbytes} bytes; nothing of it was stored")
 
-    def _store(self, incoming: _Incoming, fp: bytes, owner: str = "") -> int:
+    def _publish(self, incoming: _Incoming, fp: bytes, value: int) -> None:
+        """Queue the committed chunk for the cluster tier; the record is built on the publisher thread from the
+        received host bytes (never written again: a CPU tier stores them, a CUDA tier copied them)."""
+        from promptcache.sidecar.cluster import encode_record
+
+        now = time.time()
+        begin, host, expires = incoming.begin, incoming.host, now + self.settings.ttl_seconds
+        self.cluster.publish(incoming.key, lambda: encode_record(
+            fingerprint=fp, parent=incoming.parent, index=begin.index, dtype=begin.dtype, shape=tuple(begin.shape),
+            checksum_value=value, expires=expires, born=now, payload=host.numpy().data))
+
+    def _from_cluster(self, key: bytes, fp: bytes, owner: str = ""):
+        """A leased memory-tier entry for `key` fetched from the cluster tier and promoted, or None. Like a disk
+        promotion: charged to `owner`'s quota (served uncached when it has no room), and the chunk keeps its age
+        (its maximum lifetime counts from its first store, on whichever node)."""
+        if self.cluster is None:
+            return None
+        record = self.cluster.fetch(key, fp)
+        if record is None:
+            return None
+        wall = time.time()
+        if record.born + self.tier.max_lifetime <= wall:
+            return None
+        remaining = record.expires - wall
+        born = self.tier.clock() - (wall - record.born)
+        payload = np.frombuffer(record.payload, dtype=np.uint8)
+
+        def uncached() -> Entry:  # served from this copy for the call only
+            now = self.tier.clock()
+            return Entry(key, fp, record.parent, record.index, torch.from_numpy(payload.copy()), record.checksum,
+                         record.shape, record.dtype, now, now, 0, leases=1, evicted=True)
+        charged = self.tenancy.charge_if_room(owner, payload.size)
+        if charged is None:
+            return uncached()
+        try:
+            reservation = self.tier.reserve(payload.size, key, record.parent)
+        except StoreError:
+            self.tenancy.release(owner, charged)
+            return uncached()
+        host = self.tier.host_buffer(reservation)
+        host.numpy()[:] = payload
+        data = host if self.tier.device.type == "cpu" else host.to(self.tier.device)
+        stored = self.tier.commit(reservation, key=key, fingerprint=fp, parent=record.parent, index=record.index,
+                                  data=data, checksum_value=record.checksum, shape=record.shape, dtype=record.dtype,
+                                  ttl=max(remaining, 0.001), born=born)
+        if stored:
+            self.tenancy.committed(owner, key, charged)
+        else:
+            self.tenancy.release(owner, charged)
+        entry = self.tier.acquire(key, fp)
+        if entry is None:  # evicted again at once by a concurrent writer: serve this copy
+            now = self.tier.clock()
+            return Entry(key, fp, record.parent, record.index, host, record.checksum, record.shape, record.dtype,
+                         now, now, 0, leases=1, evicted=True)
+        return entry
+
+    def _store(self, incoming: _Incoming, fp: bytes, owner: str = "", tokens=()) -> int:
         begin = incoming.begin
         value = checksum(incoming.buffer)
         if begin.xxh3_64 and begin.xxh3_64 != value:
@@ -566,6 +676,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                             index=begin.index, data=data, checksum_value=value, shape=tuple(begin.shape),
                             dtype=begin.dtype):
             self.tenancy.committed(owner, incoming.key, charged)
+            if self.cluster is not None:
+                self._publish(incoming, fp, value)
+            if self.events is not None:
+                self._announce(incoming.key, incoming.parent, fp, begin.index, tokens)
             return begin.nbytes
         self.tenancy.release(owner, charged)
         return 0
@@ -783,6 +897,22 @@ class Sidecar:
             self.metrics.watch({"disk": self.spill})
             log.info("disk tier open", extra={"path": disk.path, "disk_bytes": settings.disk_bytes,
                                               **disk.open_report})
+        self.events = None
+        if settings.kv_events_address:
+            from promptcache.sidecar.kvevents import KVEvents
+
+            events_counter = Counter("promptcache_kv_events", "KV events sent to routers, by type (BlockStored, "
+                                     "BlockRemoved, AllBlocksCleared; dropped: queue full)", ["type"],
+                                     registry=self.metrics.registry)
+            try:
+                self.events = self.service.events = KVEvents(
+                    settings.kv_events_address, settings.kv_events_id or socket.gethostname(),
+                    settings.chunk_tokens, "GPU" if self.device.type == "cuda" else "CPU", events_counter)
+            except Exception as exc:  # noqa: BLE001 - zmq.ZMQError: the address is in use or not ours
+                raise OSError(f"cannot listen on --kv-events-address {settings.kv_events_address}: {exc}") from None
+        self.cluster = None
+        if settings.cluster_master:
+            self.cluster = self.service.cluster = self._cluster_tier(settings)
         self.bulk = [BulkServer(address, self.service, self.authenticator, self.metrics,
                                 settings.bulk_max_connections, settings.stream_idle_seconds,
                                 settings.max_call_seconds, lend=self.tier.host_memory is not None,
@@ -807,6 +937,22 @@ class Sidecar:
         if settings.access_log_path:
             access_log = AccessLog(settings.access_log_path, settings.access_log_max_bytes, settings.access_log_files)
         return TrafficObserver(settings.chunk_tokens, curve, access_log, settings.access_log_sample_rate)
+
+    def _cluster_tier(self, settings: Settings):
+        from promptcache.sidecar.cluster import ClusterMetrics, ClusterTier, MooncakeStore
+
+        hostname = settings.cluster_local_hostname or socket.gethostbyname(socket.gethostname())
+
+        def connect() -> MooncakeStore:
+            return MooncakeStore(settings.cluster_master, hostname, settings.cluster_protocol,
+                                 settings.cluster_segment_bytes, settings.cluster_buffer_bytes,
+                                 settings.cluster_metadata_server, settings.cluster_rdma_devices)
+
+        log.info("cluster tier on", extra={"master": settings.cluster_master, "local_hostname": hostname,
+                                           "protocol": settings.cluster_protocol})
+        return ClusterTier(connect, ClusterMetrics(self.metrics.registry), settings.cluster_timeout_seconds,
+                           settings.cluster_retry_seconds, settings.cluster_publish_queue,
+                           settings.cluster_buffer_bytes)
 
     def _chunk_memory(self) -> ChunkMemory | None:
         """Memfd-backed chunk memory when the bulk channel may lend chunks (--bulk-zero-copy), else None."""
@@ -835,6 +981,8 @@ class Sidecar:
 
     def _evicted(self, entry, reason: str, age: float) -> None:
         self.tenancy.on_evicted(entry)
+        if getattr(self, "events", None) is not None:
+            self.events.removed(entry.key)
         if reason == "capacity" and getattr(self, "spill", None) is not None:
             self.spill.demote(entry)
         self.metrics.evictions.labels("device", reason).inc()
@@ -888,11 +1036,17 @@ class Sidecar:
         except OSError:
             for b in started:
                 b.stop()
+            if self.events is not None:
+                self.events.close()
             self.server.stop(0)
             self.watchdog.stop()
             if self.spill is not None:
                 self.spill.disk.close()
             raise
+        if self.cluster is not None:
+            self.cluster.start()
+        if self.events is not None:
+            self.events.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         threading.Thread(target=self._sweep, name="ttl-sweeper", daemon=True).start()
@@ -923,6 +1077,10 @@ class Sidecar:
         if self.service.buffers is not None:
             self.service.buffers.close_all()
         self.observer.stop()  # after the last call: the access log gets every line queued
+        if self.cluster is not None:
+            self.cluster.close()
+        if self.events is not None:
+            self.events.close()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

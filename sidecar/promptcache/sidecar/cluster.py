@@ -1,0 +1,323 @@
+"""The cluster tier: chunks shared between sidecars (nodes) through Mooncake Store (docs/cluster.md).
+
+A local miss (memory and disk) asks the cluster before it is reported; a cluster hit is verified and promoted
+into this node's memory tier. Every chunk committed by a Put is published, off the critical path: a bounded
+queue drained by one thread, full → dropped and counted. Write policy: every committed chunk, once per node
+(a chunk promoted from the cluster is not published again); Mooncake's own eviction bounds what the cluster keeps.
+
+The store logic never sees Mooncake: it talks to a `ClusterStore` (put, get, close), and `MooncakeStore` is the
+one adapter. A record is the chunk's bytes behind a header naming the fingerprint, parent, index, dtype, shape,
+xxh3 checksum and the absolute expiry (Unix time, since monotonic clocks differ between nodes): the key is our
+chained SHA-256 chunk key (tenant salts included), the fingerprint and checksum are verified before serving,
+and an expired record is a miss.
+
+Cluster down or slow: every call has a deadline (--cluster-timeout-seconds); a call that fails or runs out marks
+the tier down for --cluster-retry-seconds, during which lookups do not ask it and publishing drops, all counted.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
+
+from promptcache.sidecar.metrics import LATENCY_BUCKETS
+from promptcache.sidecar.store import checksum
+
+log = logging.getLogger("promptcache.sidecar.cluster")
+
+MAGIC = b"PCC2"
+# magic, expires and born (Unix s), fingerprint, parent, index, dtype, ndim, xxh3
+_HEADER = struct.Struct("<4sdd32s32sIBBQ")
+KEY_PREFIX = "promptcache/v1/"
+
+
+class ClusterError(Exception):
+    """The cluster store failed a call (unreachable master, transfer error)."""
+
+
+class ClusterStore(Protocol):
+    def put(self, key: str, value: bytes) -> None: ...
+    def get(self, key: str) -> bytes | None: ...  # None: not held
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Record:
+    fingerprint: bytes
+    parent: bytes
+    index: int
+    dtype: int
+    shape: tuple[int, ...]
+    checksum: int
+    expires: float  # Unix time
+    born: float     # Unix time of the chunk's first store: --max-lifetime-seconds counts from it on every node
+    payload: memoryview
+
+
+def store_key(key: bytes) -> str:
+    return KEY_PREFIX + key.hex()
+
+
+def encode_record(*, fingerprint: bytes, parent: bytes, index: int, dtype: int, shape: tuple[int, ...],
+                  checksum_value: int, expires: float, born: float, payload) -> bytes:
+    header = _HEADER.pack(MAGIC, expires, born, fingerprint, parent, index, dtype, len(shape), checksum_value)
+    return header + struct.pack(f"<{len(shape)}I", *shape) + bytes(payload)
+
+
+def decode_record(raw: bytes) -> Record | None:
+    """The record in `raw`, or None when it is not one of ours (wrong magic, truncated)."""
+    if len(raw) < _HEADER.size:
+        return None
+    magic, expires, born, fp, parent, index, dtype, ndim, value = _HEADER.unpack_from(raw)
+    start = _HEADER.size + 4 * ndim
+    if magic != MAGIC or len(raw) < start:
+        return None
+    shape = struct.unpack_from(f"<{ndim}I", raw, _HEADER.size)
+    return Record(fp, parent, index, dtype, shape, value, expires, born, memoryview(raw)[start:])
+
+
+def verify(record: Record | None, fingerprint: bytes, now: float) -> str:
+    """Why `record` may not be served for `fingerprint` at Unix time `now` ("" when it may)."""
+    if record is None:
+        return "malformed"
+    if record.fingerprint != fingerprint:
+        return "fingerprint"
+    if record.expires <= now:
+        return "expired"
+    if checksum(np.frombuffer(record.payload, dtype=np.uint8)) != record.checksum:
+        return "checksum"
+    return ""
+
+
+class MooncakeStore:
+    """ClusterStore on a Mooncake Store client (mooncake-transfer-engine): this sidecar joins the cluster and
+    contributes `segment_bytes` of its memory to it."""
+
+    NOT_FOUND = -704  # mooncake's OBJECT_NOT_FOUND
+
+    def __init__(self, master: str, local_hostname: str, protocol: str, segment_bytes: int, buffer_bytes: int,
+                 metadata_server: str = "P2PHANDSHAKE", rdma_devices: str = ""):
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise ClusterError("the cluster tier needs Mooncake: pip install 'promptcache[cluster]' "
+                               f"(and Debian libibverbs1): {exc}") from None
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(local_hostname, metadata_server, segment_bytes, buffer_bytes, protocol,
+                               rdma_devices, master)
+        if rc != 0:
+            raise ClusterError(f"cannot join the Mooncake master at {master} (setup returned {rc})")
+
+    def put(self, key: str, value: bytes) -> None:
+        rc = self._store.put(key, value)
+        if rc != 0:
+            raise ClusterError(f"put returned {rc}")
+
+    def get(self, key: str) -> bytes | None:
+        size = self._store.get_size(key)
+        if size == self.NOT_FOUND:
+            return None
+        if size < 0:
+            raise ClusterError(f"get_size returned {size}")
+        value = self._store.get(key)
+        return value or None  # empty: evicted between the two calls
+
+    def close(self) -> None:
+        self._store.close()
+
+
+class ClusterMetrics:
+    def __init__(self, registry):
+        r = registry
+        self.hits = Counter("promptcache_cluster_hits", "chunks a local miss found in the cluster tier (promoted)",
+                            registry=r)
+        self.misses = Counter("promptcache_cluster_misses", "local misses the cluster tier did not hold either",
+                              registry=r)
+        self.rejected = Counter("promptcache_cluster_rejected", "cluster records not served, by reason "
+                                "(fingerprint, expired, checksum, malformed)", ["reason"], registry=r)
+        self.fallbacks = Counter("promptcache_cluster_fallbacks", "cluster calls not made or failed, so the "
+                                 "sidecar behaved as a single node, by operation and reason (timeout, error, down)",
+                                 ["op", "reason"], registry=r)
+        self.published = Counter("promptcache_cluster_published_chunks", "chunks published to the cluster tier",
+                                 registry=r)
+        self.publish_dropped = Counter("promptcache_cluster_publish_dropped", "chunks not published, by reason "
+                                       "(queue_full, down, error, too_large)", ["reason"], registry=r)
+        self.latency = Histogram("promptcache_cluster_call_duration_seconds", "cluster store calls, by operation",
+                                 ["op"], buckets=LATENCY_BUCKETS, registry=r)
+        self.up = Gauge("promptcache_cluster_up", "1 while the cluster tier answers, 0 while it is marked down",
+                        registry=r)
+
+
+class ClusterTier:
+    """Deadlines, the down state, the publish queue and the counters around a ClusterStore."""
+
+    def __init__(self, connect: Callable[[], ClusterStore], metrics: ClusterMetrics, timeout_seconds: float,
+                 retry_seconds: float, queue_chunks: int, max_record_bytes: int,
+                 clock: Callable[[], float] = time.time):
+        self._connect = connect
+        self.metrics = metrics
+        self.timeout = timeout_seconds
+        self.retry = retry_seconds
+        self.clock = clock
+        self.max_record_bytes = max_record_bytes  # the client's transfer buffer: a larger put would fail
+        self._store: ClusterStore | None = None
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="cluster")
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_chunks)
+        self._pending = 0  # queued or being published
+        self._stop = threading.Event()
+        self._publisher = threading.Thread(target=self._publish_loop, name="cluster-publish", daemon=True)
+        self.metrics.up.set(0)
+
+    def start(self) -> "ClusterTier":
+        self._publisher.start()
+        threading.Thread(target=self._join, name="cluster-join", daemon=True).start()
+        return self
+
+    def wait_joined(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._store is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self._store is not None
+
+    # --- state ------------------------------------------------------------------------------------------
+    def _mark_down(self, why: str) -> None:
+        with self._lock:
+            first = self._down_until <= time.monotonic()
+            self._down_until = time.monotonic() + self.retry
+        self.metrics.up.set(0)
+        if first:
+            log.warning("cluster tier down: serving locally", extra={"reason": why, "retry_seconds": self.retry})
+
+    def _join(self) -> None:
+        """On a thread of its own: join the cluster, retrying every --cluster-retry-seconds until it works."""
+        while not self._stop.is_set():
+            try:
+                store = self._connect()
+            except Exception as exc:  # noqa: BLE001 - any failure to join leaves us single-node, for now
+                log.warning("cannot join the cluster tier: serving locally", extra={"error": str(exc)})
+                self._stop.wait(self.retry)
+                continue
+            if self._stop.is_set():
+                store.close()
+                return
+            self._store = store
+            self.metrics.up.set(1)
+            log.info("joined the cluster tier")
+            return
+
+    def _available(self) -> ClusterStore | None:
+        """The store; None before it joined and while marked down."""
+        if self._store is None or time.monotonic() < self._down_until:
+            return None
+        return self._store
+
+    def _call(self, op: str, fn, *args):
+        """fn(*args) on a worker within the deadline; raises ClusterError (counted) on failure or timeout."""
+        store = self._available()
+        if store is None:
+            self.metrics.fallbacks.labels(op, "down").inc()
+            raise ClusterError("marked down")
+        started = time.perf_counter()
+        future = self._calls.submit(fn, store, *args)
+        try:
+            result = future.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            self.metrics.fallbacks.labels(op, "timeout").inc()
+            self._mark_down(f"{op} took longer than {self.timeout} s")
+            raise ClusterError("timeout") from None
+        except Exception as exc:  # noqa: BLE001
+            self.metrics.fallbacks.labels(op, "error").inc()
+            self._mark_down(f"{op}: {exc}")
+            raise ClusterError(str(exc)) from None
+        self.metrics.latency.labels(op).observe(time.perf_counter() - started)
+        self.metrics.up.set(1)
+        return result
+
+    # --- reads ------------------------------------------------------------------------------------------
+    def fetch(self, key: bytes, fingerprint: bytes) -> Record | None:
+        """The verified, unexpired record of `key` under `fingerprint`, or None (a miss, or the cluster is
+        down or slow: counted either way)."""
+        try:
+            raw = self._call("get", lambda store, k: store.get(k), store_key(key))
+        except ClusterError:
+            return None
+        if raw is None:
+            self.metrics.misses.inc()
+            return None
+        record = decode_record(raw)
+        why = verify(record, fingerprint, self.clock())
+        if why:
+            self.metrics.rejected.labels(why).inc()
+            if why == "checksum":
+                log.error("cluster chunk failed its checksum and was not served", extra={"key": key.hex()})
+            return None
+        self.metrics.hits.inc()
+        return record
+
+    # --- writes -----------------------------------------------------------------------------------------
+    def publish(self, key: bytes, make_record: Callable[[], bytes]) -> None:
+        """Queue the chunk for publishing (`make_record` runs on the publisher thread); never blocks."""
+        if self._available() is None:
+            self.metrics.publish_dropped.labels("down").inc()
+            return
+        with self._lock:
+            try:
+                self._queue.put_nowait((key, make_record))
+            except queue.Full:
+                self.metrics.publish_dropped.labels("queue_full").inc()
+                return
+            self._pending += 1
+
+    def _publish_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            key, make_record = item
+            try:
+                value = make_record()
+                if len(value) > self.max_record_bytes:
+                    self.metrics.publish_dropped.labels("too_large").inc()
+                    continue
+                self._call("put", lambda store, k, v: store.put(k, v), store_key(key), value)
+                self.metrics.published.inc()
+            except ClusterError:
+                self.metrics.publish_dropped.labels("error").inc()
+            except Exception:  # noqa: BLE001 - a bug in one record must not stop publishing
+                log.exception("cannot publish a chunk")
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def drain(self, timeout: float = 5.0) -> bool:
+        """Wait until the publish queue is empty (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._pending == 0:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        self._stop.set()
+        self._publisher.join(timeout=2)
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        store, self._store = self._store, None
+        if store is not None and time.monotonic() >= self._down_until:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001
+                log.warning("closing the cluster store failed", exc_info=True)

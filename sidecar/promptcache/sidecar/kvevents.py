@@ -1,0 +1,179 @@
+"""KV events for prefix-aware routers: what this node's memory tier holds, announced in vLLM's own KV event format
+(vllm/distributed/kv_events.py), so a router that consumes vLLM's events (llm-d's precise prefix-cache scorer,
+Dynamo's indexer) can consume ours (docs/cluster.md).
+
+Wire format, as vLLM's ZmqEventPublisher: a ZMQ PUB socket; each message is multipart
+`[topic, 8-byte big-endian sequence number, msgpack EventBatch]`, topic `kv@<id>@<model>`, one sequence per topic
+from 0. EventBatch is msgspec's array_like encoding `[ts, [event, ...], data_parallel_rank (nil)]`; each event a
+msgspec tagged struct, i.e. a map `{"type": "BlockStored", field: value, ...}` with its required fields always
+present and defaulted ones omitted. A block is one chunk: block_hashes are our 32-byte chunk keys, block_size is
+--chunk-tokens, token_ids the chunk's tokens; medium "CPU" (host memory) or "GPU" (a CUDA memory tier).
+
+What is announced: chunks entering the memory tier (Put, or a promotion from disk or the cluster) in the shared
+namespace (no tenancy) or a sharing group open to every tenant (GROUP=*); a chunk leaving the memory tier
+(evicted, deleted, purged, demoted to disk) is announced removed. An isolated tenant's chunks (and a restricted
+group's) are never announced: their token ids are that tenant's prompt. The first event on a topic is
+AllBlocksCleared, so a subscriber forgets what an earlier run of this sidecar announced.
+
+Routers score pods, not nodes. Every event goes out under the node's id (`--kv-events-id`, topic kv@NODE@MODEL)
+and under the id of every inference pod that has used that model on this sidecar: a client names its pod in the
+gRPC metadata `x-promptcache-pod` (the vLLM connector and the HF client send POD_NAME). A pod first seen for a
+model gets, on its own topic, AllBlocksCleared and then BlockStored for every chunk of that model the memory tier
+holds, so its view starts complete; from then on it gets the live events. At most MAX_PODS pods per model.
+
+Events are queued (bounded, never blocking the caller, which may hold the memory tier's lock) and sent in
+batches by one thread, the only one touching the socket.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import msgpack
+
+log = logging.getLogger("promptcache.sidecar.kvevents")
+
+BATCH_SECONDS = 0.02
+MAX_BATCH = 1024
+MAX_PODS = 256  # per model
+POD_METADATA = "x-promptcache-pod"
+
+
+def block_stored(block_hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
+                 medium: str) -> dict:
+    return {"type": "BlockStored", "block_hashes": block_hashes, "parent_block_hash": parent,
+            "token_ids": token_ids, "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None}
+
+
+def block_removed(block_hashes: list[bytes], medium: str) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": block_hashes, "medium": medium}
+
+
+def all_blocks_cleared() -> dict:
+    return {"type": "AllBlocksCleared"}
+
+
+def encode_batch(ts: float, events: list[dict]) -> bytes:
+    """msgspec's encoding of vllm.distributed.kv_events.KVEventBatch(ts, events): data_parallel_rank is written
+    (nil) even though it is a default, as msgspec does for array_like structs."""
+    return msgpack.packb([ts, events, None], use_bin_type=True)
+
+
+def topic(publisher_id: str, model: str) -> str:
+    return f"kv@{publisher_id}@{model}"
+
+
+class KVEvents:
+    def __init__(self, address: str, publisher_id: str, block_size: int, medium: str, counter=None,
+                 queue_events: int = 65536):
+        import zmq
+
+        self.block_size = block_size
+        self.medium = medium
+        self.publisher_id = publisher_id
+        self.counter = counter  # promptcache_kv_events_total{type}
+        self._zmq = zmq.Context()
+        self._socket = self._zmq.socket(zmq.PUB)
+        self._socket.setsockopt(zmq.SNDHWM, 100_000)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(address)
+        self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_events)
+        # chunk key -> (model, parent, token ids): what BlockRemoved to send, and what a new pod is told
+        self._held: dict[bytes, tuple[str, bytes | None, list[int]]] = {}
+        self._pods: dict[str, set[str]] = {}  # model -> pods that used it here
+        self._lock = threading.Lock()
+        self._sequence: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+
+    def start(self) -> "KVEvents":
+        self._thread.start()
+        return self
+
+    # --- called by the store (never blocks) ---------------------------------------------------------------
+    def stored(self, key: bytes, parent: bytes | None, model: str, token_ids) -> None:
+        token_ids = [int(x) for x in token_ids]
+        with self._lock:
+            if key in self._held:
+                return
+            self._held[key] = (model, parent, token_ids)
+        self._put(model, block_stored([key], parent, token_ids, self.block_size, self.medium))
+
+    def removed(self, key: bytes) -> None:
+        with self._lock:
+            held = self._held.pop(key, None)
+        if held is not None:
+            self._put(held[0], block_removed([key], self.medium))
+
+    def seen(self, pod: str, model: str) -> None:
+        """A call from inference pod `pod` for `model`: from now on its topic gets this model's events."""
+        pods = self._pods.get(model)
+        if pods is not None and pod in pods:
+            return
+        with self._lock:
+            pods = self._pods.setdefault(model, set())
+            if pod in pods or len(pods) >= MAX_PODS:
+                return
+        self._put(model, None, pod)  # the sender adds it, after telling it what is held
+
+    def _put(self, model: str, event: dict | None, pod: str = "") -> None:
+        try:
+            self._queue.put_nowait((model, event, pod))
+        except queue.Full:
+            if self.counter is not None:
+                self.counter.labels("dropped").inc()
+
+    # --- the sending thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            pending = [first]
+            deadline = time.monotonic() + BATCH_SECONDS
+            while len(pending) < MAX_BATCH and (left := deadline - time.monotonic()) > 0:
+                try:
+                    pending.append(self._queue.get(timeout=left))
+                except queue.Empty:
+                    break
+            by_topic: dict[str, list[dict]] = {}
+            for model, event, pod in pending:
+                if event is None:
+                    self._join(model, pod, by_topic)
+                    continue
+                with self._lock:
+                    pods = list(self._pods.get(model, ()))
+                for publisher in (self.publisher_id, *pods):
+                    by_topic.setdefault(topic(publisher, model), []).append(event)
+            for t, events in by_topic.items():
+                self._send(t, events)
+
+    def _join(self, model: str, pod: str, by_topic: dict[str, list[dict]]) -> None:
+        """Tell a newly seen pod what the memory tier holds of `model`, then add it to the model's pods."""
+        with self._lock:
+            held = [(key, parent, tokens) for key, (m, parent, tokens) in self._held.items() if m == model]
+            self._pods.setdefault(model, set()).add(pod)
+        events = by_topic.setdefault(topic(pod, model), [])
+        for key, parent, tokens in held:
+            events.append(block_stored([key], parent, tokens, self.block_size, self.medium))
+
+    def _send(self, t: str, events: list[dict]) -> None:
+        seq = self._sequence.get(t)
+        if seq is None:  # the first batch on this topic since start: forget what an earlier run announced
+            events = [all_blocks_cleared(), *events]
+            seq = 0
+        self._sequence[t] = seq + 1
+        self._socket.send_multipart((t.encode(), seq.to_bytes(8, "big"), encode_batch(time.time(), events)))
+        if self.counter is not None:
+            for e in events:
+                self.counter.labels(e["type"]).inc()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._socket.close(0)
+        self._zmq.term()

@@ -1,0 +1,211 @@
+"""The cluster tier on a real Mooncake master (loopback, TCP): two sidecar processes ("nodes", each with its own
+data folder and memory) share chunks through it; a killed master leaves both serving locally, counted; tenant
+isolation holds across the nodes."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from support import CHUNK, SMALL, SidecarProcess, free_port, make_kv, metric
+from promptcache.client import PromptCacheClient
+from promptcache.procs import wait_until
+from promptcache.sidecar.cluster import decode_record, encode_record, verify
+from promptcache.sidecar.store import checksum
+from test_auth import write_secret_dir
+
+
+def mooncake_master_binary() -> str:
+    import mooncake  # the 'cluster' extra: mooncake-transfer-engine-non-cuda
+
+    return str(Path(mooncake.__file__).parent / "mooncake_master")
+
+
+@pytest.fixture
+def master(tmp_path):
+    port, admin = free_port(), free_port()
+    proc = subprocess.Popen([mooncake_master_binary(), f"-rpc_port={port}", "-rpc_address=127.0.0.1",
+                             f"-metrics_port={admin}", "-metrics_host=127.0.0.1"],
+                            stdout=open(tmp_path / "master.log", "w"), stderr=subprocess.STDOUT)
+    wait_until(lambda: _accepts(port), "the Mooncake master listening", timeout=20)
+    yield proc, f"127.0.0.1:{port}"
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _accepts(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _node(tmp_path, name: str, master: str, tokens: str, secret: str) -> SidecarProcess:
+    data = tmp_path / name
+    data.mkdir()
+    return SidecarProcess("--chunk-tokens", str(CHUNK), "--memory-bytes", "8Mi", "--data-dir", str(data),
+                          "--token-file", tokens, "--tenant-secret-file", secret,
+                          "--cluster-master", master, "--cluster-local-hostname", "127.0.0.1",
+                          "--cluster-segment-bytes", "32Mi", "--cluster-buffer-bytes", "8Mi",
+                          "--cluster-retry-seconds", "30", "--log-format", "text").wait_ready()
+
+
+@pytest.fixture
+def nodes(tmp_path, master):
+    tokens = tmp_path / "tokens"
+    write_secret_dir(tokens, {"alice": "alice-token", "bob": "bob-token"})
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))  # one fleet secret: a tenant's keys are the same on every node
+    a = _node(tmp_path, "a", master[1], str(tokens), str(secret))
+    b = _node(tmp_path, "b", master[1], str(tokens), str(secret))
+    for n in (a, b):
+        wait_until(lambda n=n: metric(n, "promptcache_cluster_up") == 1, "a sidecar joining the cluster", 30)
+    clients = {(node, t): PromptCacheClient(n.address, token=f"{t}-token", retries=0, timeout=10)
+               for node, n in (("a", a), ("b", b)) for t in ("alice", "bob")}
+    yield master[0], a, b, clients
+    for c in clients.values():
+        c.close()
+    for n in (a, b):
+        if n.proc.poll() is None:
+            n.proc.send_signal(signal.SIGKILL)  # a Mooncake client whose master is gone can take long to close
+            n.proc.wait()
+
+
+def _tokens(seed: int, chunks: int) -> list[int]:
+    return [seed * 100_000 + i for i in range(chunks * CHUNK)]
+
+
+@pytest.mark.slow  # two sidecar processes and a master: about 25 s here
+def test_a_prefix_stored_on_one_node_is_served_by_another_and_tenants_stay_apart(nodes):
+    master, a, b, c = nodes
+    tokens = _tokens(1, 3)
+    kv = make_kv(SMALL, len(tokens))
+    assert c["a", "alice"].put(SMALL, tokens, kv).stored_chunks == 3
+    wait_until(lambda: metric(a, "promptcache_cluster_published_chunks_total") == 3, "A publishing 3 chunks", 10)
+
+    # Bob on node B: another tenant's keys, whatever salt he sends: a plain miss (B asked the cluster, found none).
+    for salt in (b"", b"alice"):
+        spec = dataclasses.replace(SMALL, tenant_salt=salt)
+        assert c["b", "bob"].lookup(spec, tokens).cached_tokens == 0
+        assert c["b", "bob"].get_blobs(spec, tokens) == []
+    assert metric(b, "promptcache_cluster_hits_total") == 0
+    assert metric(b, "promptcache_cluster_misses_total") >= 2
+
+    # Alice on node B: B holds nothing locally, finds the prefix in the cluster, serves it byte-exact.
+    started = time.perf_counter()
+    assert c["b", "alice"].lookup(SMALL, tokens).cached_tokens == 3 * CHUNK
+    lookup_ms = (time.perf_counter() - started) * 1000
+    cached, got = c["b", "alice"].get(SMALL, tokens)
+    assert cached == 3 * CHUNK
+    for (k, v), (k2, v2) in zip(kv, got):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert metric(b, "promptcache_cluster_hits_total") == 3
+    assert metric(b, 'promptcache_hit_tokens_total{rpc="lookup",tier="cluster"}') == 3 * CHUNK
+    # Promoted: the Get found it in B's memory, and B did not publish it back.
+    assert metric(b, 'promptcache_hit_tokens_total{rpc="get",tier="device"}') == 3 * CHUNK
+    assert metric(b, "promptcache_cluster_published_chunks_total") == 0
+    print(f"cluster lookup of 3 chunks on node B (fetch + promote): {lookup_ms:.1f} ms")
+
+    # The master dies: both nodes keep serving what they hold, and a new prefix is stored and served locally.
+    master.kill()
+    master.wait()
+    for node in ("a", "b"):
+        assert c[node, "alice"].lookup(SMALL, tokens).cached_tokens == 3 * CHUNK
+        assert c[node, "alice"].get(SMALL, tokens)[0] == 3 * CHUNK
+    fresh = _tokens(2, 2)
+    started = time.perf_counter()
+    assert c["b", "alice"].put(SMALL, fresh, make_kv(SMALL, len(fresh), seed=2)).stored_chunks == 2
+    assert c["b", "alice"].get(SMALL, fresh)[0] == 2 * CHUNK
+    assert c["a", "alice"].lookup(SMALL, fresh).cached_tokens == 0  # A cannot reach the cluster: a local miss
+    assert time.perf_counter() - started < 5
+    wait_until(lambda: sum(metric(n, f'promptcache_cluster_fallbacks_total{{op="{op}",reason="{r}"}}')
+                           for n in (a, b) for op in ("get", "put") for r in ("error", "timeout", "down")) > 0,
+               "fallbacks counted", 10)
+    assert metric(a, "promptcache_cluster_up") == 0
+    assert c["a", "alice"].lookup(SMALL, fresh).cached_tokens == 0
+    assert metric(a, 'promptcache_cluster_fallbacks_total{op="get",reason="down"}') >= 1
+
+
+def test_a_record_is_served_only_for_its_fingerprint_before_it_expires_and_with_its_bytes():
+    payload = np.arange(64, dtype=np.uint8)
+    raw = encode_record(fingerprint=b"f" * 32, parent=b"p" * 32, index=3, dtype=1, shape=(2, 2, 2, 4, 1),
+                        checksum_value=checksum(payload), expires=1000.0, born=900.0, payload=payload.data)
+    record = decode_record(raw)
+    assert record.index == 3 and record.shape == (2, 2, 2, 4, 1) and bytes(record.payload) == payload.tobytes()
+    assert (record.expires, record.born) == (1000.0, 900.0)
+    assert verify(record, b"f" * 32, 999.0) == ""
+    assert verify(record, b"g" * 32, 999.0) == "fingerprint"
+    assert verify(record, b"f" * 32, 1000.0) == "expired"
+    corrupt = bytearray(raw)
+    corrupt[-1] ^= 1
+    assert verify(decode_record(bytes(corrupt)), b"f" * 32, 999.0) == "checksum"
+    assert decode_record(b"junk") is None and verify(None, b"f" * 32, 0) == "malformed"
+    assert decode_record(b"XXXX" + raw[4:]) is None
+
+
+def test_fleet_simulation_a_shared_tier_and_prefix_routing_each_raise_the_hit_ratio():
+    from promptcache.bench import traces
+    from promptcache.bench.cluster import simulate
+    from promptcache.bench.replay import prepare
+
+    reqs, ws = prepare(traces.generate("chat", seed=1, scale=0.2))
+    node, shared = int(ws * 0.05), int(ws * 0.25)
+    alone, _ = simulate(reqs, 4, node, 0, "random", "lru", 0)
+    with_cluster, served = simulate(reqs, 4, node, shared, "random", "lru", 0)
+    twice, _ = simulate(reqs, 4, node, shared, "random", "lru", 0, publish_after=2)
+    routed, _ = simulate(reqs, 4, node, 0, "prefix", "lru", 0)
+    assert alone < twice < with_cluster and served > 0.05
+    assert alone < routed
+
+
+class _StalledStore:
+    """A ClusterStore whose calls take longer than any deadline (a master that stopped answering)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def get(self, key):
+        self.calls += 1
+        time.sleep(1.0)
+
+    def put(self, key, value):
+        self.calls += 1
+        time.sleep(1.0)
+
+    def close(self):
+        pass
+
+
+def test_a_slow_cluster_costs_one_deadline_then_is_skipped_until_the_retry_time():
+    from prometheus_client import CollectorRegistry
+
+    from promptcache.sidecar.cluster import ClusterMetrics, ClusterTier
+
+    store = _StalledStore()
+    registry = CollectorRegistry()
+    metrics = ClusterMetrics(registry)
+    tier = ClusterTier(lambda: store, metrics, timeout_seconds=0.05, retry_seconds=30, queue_chunks=2,
+                       max_record_bytes=1 << 20).start()
+    try:
+        assert tier.wait_joined(5)
+        started = time.perf_counter()
+        assert tier.fetch(b"k" * 32, b"f" * 32) is None
+        assert time.perf_counter() - started < 0.5
+        assert tier.fetch(b"k" * 32, b"f" * 32) is None  # marked down: not asked at all
+        assert store.calls == 1
+        sample = registry.get_sample_value
+        assert sample("promptcache_cluster_fallbacks_total", {"op": "get", "reason": "timeout"}) == 1
+        assert sample("promptcache_cluster_fallbacks_total", {"op": "get", "reason": "down"}) == 1
+        assert sample("promptcache_cluster_up") == 0
+        tier.publish(b"k" * 32, lambda: b"record")  # while down: dropped at once, never queued
+        assert sample("promptcache_cluster_publish_dropped_total", {"reason": "down"}) == 1
+    finally:
+        tier.close()

@@ -1,0 +1,231 @@
+"""KV events in vLLM's format: the encoding is byte-identical to what vLLM's own classes (msgspec) produce, and
+what a running sidecar sends decodes with vLLM's own KVEventBatch in the vLLM environment, when it is built
+(~/.cache/promptcache-vllm, by the vLLM connector's tests). Isolated tenants' chunks are never announced."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import time
+
+import pytest
+import zmq
+
+from support import CHUNK, SMALL, make_kv
+from promptcache.client import PromptCacheClient
+from promptcache.sidecar.kvevents import all_blocks_cleared, block_removed, block_stored, encode_batch
+from test_auth import write_secret_dir
+
+# msgspec.msgpack.encode(vllm.distributed.kv_events.KVEventBatch(ts=1700000000.25, events=[AllBlocksCleared(),
+#   BlockStored([H1], None, [1, 2, 3, 4], 4, None, "CPU", None), BlockStored([H2], H1, [5, 6, 70000, 8], 4, None,
+#   "CPU", None), BlockRemoved([H1, H2], "CPU")])) with vLLM 0.32.0, H1 = bytes(range(32)), H2 = bytes(range(32, 64)).
+VLLM_BATCH = bytes.fromhex(
+    "93cb41d954fc401000009481a474797065b0416c6c426c6f636b73436c656172656488a474797065ab426c6f636b53746f726564ac"
+    "626c6f636b5f68617368657391c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fb170617265"
+    "6e745f626c6f636b5f68617368c0a9746f6b656e5f6964739401020304aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d"
+    "656469756da3435055a96c6f72615f6e616d65c088a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391"
+    "c420202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3fb1706172656e745f626c6f636b5f68617368"
+    "c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa9746f6b656e5f696473940506ce00011170"
+    "08aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3435055a96c6f72615f6e616d65c083a474797065ac42"
+    "6c6f636b52656d6f766564ac626c6f636b5f68617368657392c420000102030405060708090a0b0c0d0e0f101112131415161718"
+    "191a1b1c1d1e1fc420202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3fa66d656469756da3435055c0")
+
+DECODE = """
+import json, sys
+import msgspec
+from vllm.distributed.kv_events import KVEventBatch
+decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+out = []
+for topic, seq, payload in json.load(sys.stdin):
+    batch = decoder.decode(bytes.fromhex(payload))
+    events = []
+    for e in batch.events:
+        d = {"type": type(e).__name__}
+        for f in e.__struct_fields__:
+            v = getattr(e, f)
+            d[f] = v.hex() if isinstance(v, bytes) else [x.hex() if isinstance(x, bytes) else x for x in v] \\
+                if isinstance(v, list) else v
+        events.append(d)
+    out.append({"topic": topic, "seq": int.from_bytes(bytes.fromhex(seq), "big"), "events": events})
+print(json.dumps(out))
+"""
+
+
+def vllm_python() -> str | None:
+    for python in sorted(glob.glob(os.path.expanduser("~/.cache/promptcache-vllm/*/bin/python"))):
+        if glob.glob(os.path.join(os.path.dirname(python), "..", "lib", "python3*", "site-packages", "vllm",
+                                  "distributed", "kv_events.py")):
+            return python
+    return None
+
+
+def test_the_encoding_is_byte_identical_to_vllms():
+    h1, h2 = bytes(range(32)), bytes(range(32, 64))
+    ours = encode_batch(1700000000.25, [all_blocks_cleared(), block_stored([h1], None, [1, 2, 3, 4], 4, "CPU"),
+                                        block_stored([h2], h1, [5, 6, 70000, 8], 4, "CPU"),
+                                        block_removed([h1, h2], "CPU")])
+    assert ours == VLLM_BATCH
+
+
+def _subscribe(address: str):
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(address)
+    time.sleep(0.3)  # a PUB socket drops what it sends before the subscription has arrived
+    return sub
+
+
+def _receive(sub, until_events: int, timeout: float = 5.0) -> list[tuple[bytes, bytes, bytes]]:
+    frames, count = [], 0
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    deadline = time.monotonic() + timeout
+    while count < until_events and time.monotonic() < deadline:
+        if poller.poll(100):
+            topic, seq, payload = sub.recv_multipart()
+            frames.append((topic, seq, payload))
+            import msgpack
+
+            count += len(msgpack.unpackb(payload)[1])
+    return frames
+
+
+def _decode_with_vllm(frames) -> list[dict]:
+    python = vllm_python()
+    if python is None:
+        pytest.skip("the vLLM environment (~/.cache/promptcache-vllm) is not built here; "
+                    "test_the_encoding_is_byte_identical_to_vllms covers the encoding")
+    data = json.dumps([[t.decode(), s.hex(), p.hex()] for t, s, p in frames])
+    out = subprocess.run([python, "-c", DECODE], input=data, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # importing vLLM takes about a minute here
+def test_a_sidecar_announces_what_it_stores_and_evicts_and_vllm_decodes_it(sidecar_factory):
+    sidecar = sidecar_factory(kv_events_address="tcp://127.0.0.1:*", kv_events_id="node-1")
+    sub = _subscribe(sidecar.events.address)
+    tokens = list(range(1000, 1000 + 2 * CHUNK))
+    with PromptCacheClient(sidecar.address, timeout=10) as c:
+        assert c.put(SMALL, tokens, make_kv(SMALL, len(tokens))).stored_chunks == 2
+        keys = [ch.key for ch in c.lookup(SMALL, tokens).chunks]
+        frames = _receive(sub, 3)
+        assert c.delete(SMALL, tokens) == 2
+        frames += _receive(sub, 2)
+    decoded = _decode_with_vllm(frames)
+    topic = f"kv@node-1@{SMALL.model_id}"
+    assert {b["topic"] for b in decoded} == {topic}
+    assert [b["seq"] for b in decoded] == list(range(len(decoded)))
+    events = [e for b in decoded for e in b["events"]]
+    assert events[0]["type"] == "AllBlocksCleared"
+    stored = [e for e in events if e["type"] == "BlockStored"]
+    assert [e["block_hashes"] for e in stored] == [[keys[0].hex()], [keys[1].hex()]]
+    assert [e["parent_block_hash"] for e in stored] == [None, keys[0].hex()]
+    assert [e["token_ids"] for e in stored] == [tokens[:CHUNK], tokens[CHUNK:]]
+    assert {(e["block_size"], e["medium"]) for e in stored} == {(CHUNK, "CPU")}
+    removed = sorted(h for e in events if e["type"] == "BlockRemoved" for h in e["block_hashes"])
+    assert removed == sorted(k.hex() for k in keys)
+    sub.close()
+
+
+def test_isolated_tenants_are_not_announced_and_public_groups_are(sidecar_factory, tmp_path):
+    tokens_dir = tmp_path / "tokens"
+    write_secret_dir(tokens_dir, {"alice": "alice-token"})
+    sidecar = sidecar_factory(kv_events_address="tcp://127.0.0.1:*", token_file=str(tokens_dir),
+                              sharing_groups="public=*;team=alice")
+    sub = _subscribe(sidecar.events.address)
+    import dataclasses
+
+    secret_prompt = list(range(5000, 5000 + CHUNK))
+    with PromptCacheClient(sidecar.address, token="alice-token", timeout=10) as c:
+        assert c.put(SMALL, secret_prompt, make_kv(SMALL, CHUNK)).stored_chunks == 1
+        team = dataclasses.replace(SMALL, tenant_salt=b"share:team")
+        assert c.put(team, secret_prompt, make_kv(SMALL, CHUNK)).stored_chunks == 1
+        public = dataclasses.replace(SMALL, tenant_salt=b"share:public")
+        shared_prompt = list(range(9000, 9000 + CHUNK))
+        assert c.put(public, shared_prompt, make_kv(SMALL, CHUNK)).stored_chunks == 1
+        frames = _receive(sub, 10, timeout=2.0)
+    import msgpack
+
+    events = [e for _, _, p in frames for e in msgpack.unpackb(p)[1]]
+    assert [e["token_ids"] for e in events if e["type"] == "BlockStored"] == [shared_prompt]
+    sub.close()
+
+
+def test_each_pod_using_a_model_gets_its_holdings_under_its_own_id(sidecar_factory):
+    """Routers score pods: a pod naming itself (x-promptcache-pod) gets, on kv@POD@MODEL, what the node already
+    holds of the model, then the live events."""
+    import grpc
+    import msgpack
+
+    from promptcache.v1 import kvcache_pb2 as pb
+    from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+    from promptcache.wire import model_to_proto
+
+    sidecar = sidecar_factory(kv_events_address="tcp://127.0.0.1:*", kv_events_id="node-1")
+    sub = _subscribe(sidecar.events.address)
+    first, second = list(range(100, 100 + 2 * CHUNK)), list(range(700, 700 + CHUNK))
+    with PromptCacheClient(sidecar.address, timeout=10) as c, grpc.insecure_channel(sidecar.address) as channel:
+        assert c.put(SMALL, first, make_kv(SMALL, len(first))).stored_chunks == 2
+        frames = _receive(sub, 3)
+        pb_grpc.KVCacheStub(channel).Lookup(pb.LookupRequest(model=model_to_proto(SMALL), tokens=first),
+                                            metadata=[("x-promptcache-pod", "pod-a")], timeout=10)
+        frames += _receive(sub, 3)
+        assert c.put(SMALL, second, make_kv(SMALL, CHUNK)).stored_chunks == 1
+        frames += _receive(sub, 2)
+    by_topic: dict[str, list] = {}
+    for t, seq, payload in frames:
+        by_topic.setdefault(t.decode(), []).append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]))
+    node, pod = f"kv@node-1@{SMALL.model_id}", f"kv@pod-a@{SMALL.model_id}"
+    assert set(by_topic) == {node, pod}
+    for batches in by_topic.values():
+        assert [s for s, _ in batches] == list(range(len(batches)))
+    pod_events = [e for _, events in by_topic[pod] for e in events]
+    assert [e["type"] for e in pod_events] == ["AllBlocksCleared", "BlockStored", "BlockStored", "BlockStored"]
+    assert [e["token_ids"] for e in pod_events[1:]] == [first[:CHUNK], first[CHUNK:], second]
+    node_stored = [e["token_ids"] for _, events in by_topic[node] for e in events if e["type"] == "BlockStored"]
+    assert node_stored == [first[:CHUNK], first[CHUNK:], second]
+    sub.close()
+
+
+def test_a_prefix_scorer_fed_by_two_nodes_events_picks_the_node_holding_the_prefix(sidecar_factory):
+    """What llm-d's precise prefix-cache scorer does with the events (it hashes token ids per block and follows
+    the parent chain; its Go library is not reachable here): index each publisher's blocks by their token ids
+    chained to their parent, then score a request by the leading blocks a publisher holds."""
+    import msgpack
+
+    nodes = {name: sidecar_factory(kv_events_address="tcp://127.0.0.1:*", kv_events_id=name)
+             for name in ("node-1", "node-2")}
+    subs = {name: _subscribe(s.events.address) for name, s in nodes.items()}
+    system_a, system_b = list(range(1, 1 + 3 * CHUNK)), list(range(500, 500 + 3 * CHUNK))
+    with PromptCacheClient(nodes["node-1"].address, timeout=10) as c1, \
+            PromptCacheClient(nodes["node-2"].address, timeout=10) as c2:
+        assert c1.put(SMALL, system_a, make_kv(SMALL, len(system_a))).stored_chunks == 3
+        assert c2.put(SMALL, system_b, make_kv(SMALL, len(system_b))).stored_chunks == 3
+    held: dict[str, set] = {}
+    for name, sub in subs.items():
+        by_hash: dict[bytes, tuple] = {}
+        for topic, _, payload in _receive(sub, 4):
+            publisher = topic.decode().split("@")[1]
+            for e in msgpack.unpackb(payload)[1]:
+                if e["type"] == "BlockStored":
+                    prefix = by_hash.get(e["parent_block_hash"], ()) + tuple(e["token_ids"])
+                    by_hash[e["block_hashes"][0]] = prefix
+                    held.setdefault(publisher, set()).add(prefix)
+        sub.close()
+
+    def score(publisher: str, tokens: list[int]) -> int:
+        n = 0
+        while (n + 1) * CHUNK <= len(tokens) and tuple(tokens[:(n + 1) * CHUNK]) in held.get(publisher, ()):
+            n += 1
+        return n
+
+    def pick(tokens):
+        return max(held, key=lambda p: score(p, tokens))
+
+    assert pick(system_b + [7] * CHUNK) == "node-2" and score("node-2", system_b + [7] * CHUNK) == 3
+    assert pick(system_a + [9] * 5) == "node-1"
+    assert score("node-1", system_b) == 0
