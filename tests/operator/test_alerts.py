@@ -234,9 +234,21 @@ def test_dashboard_configmap_and_promql(helm_offline, tmp_path):
         {"record": f"dashboard:q{i}", "expr": e} for i, e in enumerate(filled)]}]}, width=10000))
     r = promtool("check", "rules", "dash.yaml", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    exported = sidecar_series()
+    exported = sidecar_series() | client_series()
     used = {n for e in exprs for n in re.findall(r"\b(promptcache_[a-z_]+)", e)}
     assert used <= exported, used - exported
+    # The inference pods' side is on it: fallbacks, and load/save latency.
+    assert {"promptcache_client_fallbacks_total", "promptcache_client_load_seconds_bucket",
+            "promptcache_client_save_seconds_bucket"} <= used
+
+
+def client_series() -> set[str]:
+    """Names of the series the client integrations export in the inference pods (transformers, vLLM)."""
+    import prometheus_client
+
+    pytest.importorskip("promptcache.client.metrics")
+    return {f.name + suffix for f in prometheus_client.REGISTRY.collect() if f.name.startswith("promptcache_client_")
+            for suffix in {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(f.type, ("",))}
 
 
 def sidecar_series() -> set[str]:

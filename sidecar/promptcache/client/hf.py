@@ -39,10 +39,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-from prometheus_client import Counter, Histogram
 
 from promptcache.client import errors
 from promptcache.client.client import PromptCacheClient, encode_chunk
+from promptcache.client.metrics import COMPUTED_TOKENS, FALLBACKS, FETCH_SECONDS, REUSED_TOKENS, STORES
 from promptcache.keys import ModelSpec
 
 log = logging.getLogger("promptcache.client.hf")
@@ -60,14 +60,6 @@ def output_cache(out):
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
 
-FALLBACKS = Counter("promptcache_client_fallbacks_total",
-                    "Requests that fell back to a full prefill because the cache could not be used, by reason",
-                    ["reason"])
-REUSED_TOKENS = Counter("promptcache_client_reused_tokens_total", "Prompt tokens loaded from the cache, not computed")
-COMPUTED_TOKENS = Counter("promptcache_client_computed_tokens_total", "Prompt tokens computed by the model")
-STORES = Counter("promptcache_client_stores_total", "Background stores by outcome (ok, error, dropped)", ["outcome"])
-FETCH_SECONDS = Histogram("promptcache_client_fetch_seconds", "Time to fetch and decode a cached prefix",
-                          buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 
 _REASONS = {
     errors.Unavailable: "unavailable",

@@ -60,11 +60,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from prometheus_client import Counter, Histogram
 
 from promptcache import vllm_layout
 from promptcache.client import errors
-from promptcache.client.hf import FALLBACKS, FETCH_SECONDS, REUSED_TOKENS, STORES, _warn, fallback_reason
+from promptcache.client.hf import _warn, fallback_reason
+from promptcache.client.metrics import (FALLBACKS, FETCH_SECONDS, HITS, LOAD_SECONDS, REUSED_TOKENS,
+                                        SAVE_COPY_SECONDS, SAVE_SECONDS, STORES)
 from promptcache.keys import ModelSpec
 from promptcache.layout import DTYPE_NAMES, TORCH_DTYPES, chunk_nbytes, chunk_shape
 
@@ -83,16 +84,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("promptcache.client.vllm")
 
-HITS = Counter("promptcache_client_hits_total", "vLLM requests that loaded a cached prefix from the sidecar")
-LOAD_SECONDS = Histogram("promptcache_client_load_seconds",
-                         "vLLM connector: time to write a fetched prefix into the engine's KV blocks",
-                         buckets=(0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
-SAVE_SECONDS = Histogram("promptcache_client_save_seconds",
-                         "vLLM connector: time to convert and Put one request's new chunks (background)",
-                         buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-SAVE_COPY_SECONDS = Histogram("promptcache_client_save_copy_seconds",
-                              "vLLM connector: time on the engine's step to copy new chunks out of their blocks",
-                              buckets=(0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
 
 
 def _setting(extra: dict, key: str, default=None):
