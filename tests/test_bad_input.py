@@ -209,3 +209,17 @@ def test_server_survives_a_burst_of_garbage(sidecar, client):
                 raw(junk, timeout=5)
     with PromptCacheClient(sidecar.address) as c:
         assert c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS))).stored_chunks == 2
+
+
+def test_a_model_no_chunk_can_have_is_refused_by_every_method(client):
+    """k8v4 packs two values a byte: an odd head_dim has no layout. Found by the fuzzer on Lookup (INTERNAL)."""
+    import dataclasses
+
+    from promptcache.client import errors
+    from support import SMALL
+
+    odd = dataclasses.replace(SMALL, head_dim=1, quantization="k8v4")
+    tokens = list(range(64))
+    for call in (lambda: client.lookup(odd, tokens), lambda: client.get_blobs(odd, tokens)):
+        with pytest.raises(errors.InvalidArgument, match="even head_dim"):
+            call()

@@ -167,8 +167,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             return known
         try:
             spec = model_from_proto(msg)
+            chunk_nbytes(spec, self.chunk_tokens)  # a layout no chunk can have (k8v4 with an odd head_dim)
         except ValueError as exc:
-            raise invalid(str(exc)) from None
+            raise invalid(f"model: {exc}" if not str(exc).startswith("model") else str(exc)) from None
         served = self.settings.quantization
         if served != "any" and spec.quantization != served:
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
