@@ -229,9 +229,9 @@ def run(args) -> int:
         import multiprocessing as mp
 
         with mp.get_context("fork").Pool(args.jobs) as pool:
-            results = pool.map(_one, jobs, chunksize=1)
+            results = _with_progress(pool.imap_unordered(_one, jobs), len(jobs))
     else:
-        results = [_one(j) for j in jobs]
+        results = _with_progress(map(_one, jobs), len(jobs))
     table = {(t, p, f): r for t, p, f, r, _ in results}
     print_table(table, list(_TRACES), fractions, cols, markdown=args.markdown, default=DEFAULT_POLICY)
     if args.plot:
@@ -239,6 +239,19 @@ def run(args) -> int:
 
         plots.replay(table, list(_TRACES), fractions, cols, args.plot, default=DEFAULT_POLICY)
     return 0
+
+
+def _with_progress(results, total: int, every: float = 5.0) -> list:
+    """Collect replay results, printing how many are done to stderr every `every` seconds (long replays)."""
+    import time
+
+    out, last = [], time.monotonic()
+    for r in results:
+        out.append(r)
+        if time.monotonic() - last >= every and len(out) < total:
+            print(f"replay: {len(out)}/{total} simulations done", file=sys.stderr, flush=True)
+            last = time.monotonic()
+    return out
 
 
 def print_table(table, trace_names, fractions, cols, markdown=False, default=None) -> None:

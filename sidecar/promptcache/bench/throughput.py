@@ -219,6 +219,8 @@ def run(args) -> int:
                 rc.flushall()
                 mb = size * chunk_bytes / 1e6
                 rows.append((size, t, mb / put_s, mb / get_s, mb / memcpy, mb / rput_s, mb / rget_s))
+                print(f"throughput: {size} MiB {t}: Put {mb / put_s:,.0f} MB/s ({rput_s / put_s:.2f}x Redis SET), "
+                      f"Get {mb / get_s:,.0f} MB/s ({rget_s / get_s:.2f}x Redis GET)", file=sys.stderr, flush=True)
                 if view_s is not None:
                     rows.append((size, f"{t}, views", mb / put_s, mb / view_s, mb / memcpy, mb / rput_s, mb / rget_s))
                 client.purge(spec)
