@@ -137,6 +137,20 @@ def format_bytes(n: int) -> str:
     return str(n)
 
 
+def restricted_container_security() -> dict[str, Any]:
+    """A container securityContext that the restricted Pod Security Standard admits (a new dict each time)."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def sidecar_env(spec: PromptCacheSpec, defaults: OperatorDefaults = OperatorDefaults()) -> dict[str, str]:
     """PROMPTCACHE_* settings of `promptcache serve` (see sidecar/promptcache/sidecar/config.py)."""
     on_gpu = spec.gpu.count > 0
@@ -277,16 +291,7 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         **_probes(spec),
         "resources": _resources(spec),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "privileged": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS,
-            "runAsGroup": RUN_AS,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": restricted_container_security(),
         "volumeMounts": [{"name": "data", "mountPath": DATA_DIR}, {"name": "tmp", "mountPath": "/tmp"},
                          *secret_mounts],
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -382,16 +387,7 @@ def mooncake_master(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefau
         "readinessProbe": {"tcpSocket": {"port": MASTER_PORT}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": MASTER_PORT}, "periodSeconds": 10, "failureThreshold": 3},
         "resources": {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items()))},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "privileged": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS,
-            "runAsGroup": RUN_AS,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": restricted_container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec: dict[str, Any] = {

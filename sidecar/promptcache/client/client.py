@@ -462,6 +462,21 @@ def encode_chunk(spec: ModelSpec, kv: KV, start: int, stop: int) -> torch.Tensor
     return quant.pack(spec.quantization, chunk)
 
 
+def decode_chunk(spec: ModelSpec, index: int, blob: torch.Tensor, expected: int, shape, dtype) -> torch.Tensor:
+    """One stored chunk blob as its canonical tensor [layers, 2, kv_heads, chunk_tokens, head_dim]: a view for
+    unquantized chunks, dequantized otherwise. CorruptChunk when its length or its quantization checks fail."""
+    if blob.numel() != expected:
+        raise errors.CorruptChunk(f"chunk {index} has {blob.numel()} bytes; this model's layout needs {expected}")
+    if spec.quantization == "none":
+        return blob.view(dtype).reshape(shape)
+    from promptcache import quant
+
+    try:
+        return quant.unpack(spec.quantization, blob, shape, spec.kv_dtype)
+    except quant.CorruptChunk as exc:
+        raise errors.CorruptChunk(f"chunk {index}: {exc}") from None
+
+
 def decode_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens: int,
                   device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Blobs of consecutive chunks -> per-layer (K, V), each [1, H, len(blobs) * chunk_tokens, D]."""
@@ -470,17 +485,7 @@ def decode_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens: 
     dtype = TORCH_DTYPES[spec.kv_dtype]
     chunks = []
     for i, blob in enumerate(blobs):
-        if blob.numel() != expected:
-            raise errors.CorruptChunk(f"chunk {i} has {blob.numel()} bytes; this model's layout needs {expected}")
-        if spec.quantization == "none":
-            chunks.append(blob.view(dtype).reshape(shape))
-        else:
-            from promptcache import quant
-
-            try:
-                chunks.append(quant.unpack(spec.quantization, blob, shape, spec.kv_dtype))
-            except quant.CorruptChunk as exc:
-                raise errors.CorruptChunk(f"chunk {i}: {exc}") from None
+        chunks.append(decode_chunk(spec, i, blob, expected, shape, dtype))
     # [C, L, 2, H, Tc, D] -> [L, 2, H, C*Tc, D]: one copy, then per-layer views.
     stacked = torch.stack(chunks).to(device)
     c, layers, _, heads, tc, dim = stacked.shape

@@ -63,6 +63,7 @@ import torch
 
 from promptcache import vllm_layout
 from promptcache.client import errors
+from promptcache.client.client import decode_chunk
 from promptcache.client.hf import _warn, fallback_reason
 from promptcache.client.metrics import (FALLBACKS, FETCH_SECONDS, HITS, LOAD_SECONDS, REUSED_TOKENS,
                                         SAVE_COPY_SECONDS, SAVE_SECONDS, STORES)
@@ -468,18 +469,7 @@ def _decode(spec: ModelSpec, blobs, chunk_tokens: int) -> torch.Tensor:
     L, _, H, ct, D = shape
     out = torch.empty((L, 2, H, len(blobs) * ct, D), dtype=dtype)
     for i, blob in enumerate(blobs):
-        if blob.numel() != expected:
-            raise errors.CorruptChunk(f"chunk {i} has {blob.numel()} bytes; this model's layout needs {expected}")
-        dst = out[:, :, :, i * ct:(i + 1) * ct]
-        if spec.quantization == "none":
-            dst.copy_(blob.view(dtype).reshape(shape))
-        else:
-            from promptcache import quant
-
-            try:
-                dst.copy_(quant.unpack(spec.quantization, blob, shape, spec.kv_dtype))
-            except quant.CorruptChunk as exc:
-                raise errors.CorruptChunk(f"chunk {i}: {exc}") from None
+        out[:, :, :, i * ct:(i + 1) * ct].copy_(decode_chunk(spec, i, blob, expected, shape, dtype))
     if spec.quantization == "none" and not torch.isfinite(out).all():
         raise errors.CorruptChunk("cached prefix has NaN or Inf")
     return out
