@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install run test test-fast test-vllm vllm-env bench bench-vllm plots demo fuzz loadtest tools system-deps clean
+.PHONY: help venv install run test test-vllm vllm-env bench bench-vllm plots demo fuzz loadtest tools system-deps clean
 
 help:
 	@echo "make run      start the sidecar on embedded defaults (CPU without a GPU, data in .data/, localhost)"
@@ -70,6 +70,11 @@ bench: install system-deps
 	$(PY) -m promptcache.sidecar.disk
 	$(VENV)/bin/promptcache bench fidelity
 	$(VENV)/bin/promptcache bench ttft
+
+# vLLM with and without the connector, and with its own prefix cache (minutes; never beside make test: memory).
+bench-vllm: install vllm-env
+	$(PY) -m promptcache.models > /dev/null
+	PROMPTCACHE_VLLM_PYTHON=$$(hack/vllm-env.sh) $(VENV)/bin/promptcache bench vllm
 
 # The README's pictures, regenerated (a few minutes; the TTFT one runs the real model, the closed loop the API server).
 plots: install system-deps tools
