@@ -48,10 +48,10 @@ def _accepts(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _node(tmp_path, name: str, master: str, tokens: str, secret: str) -> SidecarProcess:
+def _node(tmp_path, name: str, master: str, tokens: str, secret: str, *extra: str) -> SidecarProcess:
     data = tmp_path / name
     data.mkdir()
-    return SidecarProcess("--chunk-tokens", str(CHUNK), "--memory-bytes", "8Mi", "--data-dir", str(data),
+    return SidecarProcess("--chunk-tokens", str(CHUNK), "--memory-bytes", "8Mi", "--data-dir", str(data), *extra,
                           "--token-file", tokens, "--tenant-secret-file", secret,
                           "--cluster-master", master, "--cluster-local-hostname", "127.0.0.1",
                           "--cluster-segment-bytes", "32Mi", "--cluster-buffer-bytes", "8Mi",
@@ -59,13 +59,15 @@ def _node(tmp_path, name: str, master: str, tokens: str, secret: str) -> Sidecar
 
 
 @pytest.fixture
-def nodes(tmp_path, master):
+def nodes(tmp_path, master, request):
+    """Nodes a and b; a test parametrizing `nodes` indirectly starts b with those extra flags."""
     tokens = tmp_path / "tokens"
     write_secret_dir(tokens, {"alice": "alice-token", "bob": "bob-token"})
     secret = tmp_path / "secret"
     secret.write_bytes(os.urandom(32))  # one fleet secret: a tenant's keys are the same on every node
+    extra = getattr(request, "param", ())
     a = _node(tmp_path, "a", master[1], str(tokens), str(secret))
-    b = _node(tmp_path, "b", master[1], str(tokens), str(secret))
+    b = _node(tmp_path, "b", master[1], str(tokens), str(secret), *extra)
     for n in (a, b):
         wait_until(lambda n=n: metric(n, "promptcache_cluster_up") == 1, "a sidecar joining the cluster", 30)
     clients = {(node, t): PromptCacheClient(n.address, token=f"{t}-token", retries=0, timeout=10)
@@ -209,3 +211,20 @@ def test_a_slow_cluster_costs_one_deadline_then_is_skipped_until_the_retry_time(
         assert sample("promptcache_cluster_publish_dropped_total", {"reason": "down"}) == 1
     finally:
         tier.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes", [("--tenant-quota-bytes", "4096")], indirect=True)  # one chunk of SMALL
+def test_cluster_promotions_count_against_the_tenants_quota(nodes):
+    """Like a disk promotion (issue 17, item 10), a chunk fetched from the cluster is charged to its owner: alice's
+    three chunks from node A are served on node B, but B keeps at most her one-chunk quota of them in memory."""
+    _, a, b, c = nodes
+    tokens = _tokens(7, 3)
+    assert c["a", "alice"].put(SMALL, tokens, make_kv(SMALL, len(tokens))).stored_chunks == 3
+    wait_until(lambda: metric(a, "promptcache_cluster_published_chunks_total") == 3, "A publishing 3 chunks", 10)
+    for _ in range(2):
+        cached, _got = c["b", "alice"].get(SMALL, tokens)
+        assert cached == 3 * CHUNK  # served: the ones over quota from the cluster's copy, uncached
+        # B holds only alice's chunks: the store itself (not only her accounting) stays within her quota.
+        assert metric(b, 'promptcache_entries{tier="device"}') <= 1
+        assert metric(b, 'promptcache_tenant_stored_bytes{owner="alice"}') <= 4096
