@@ -58,8 +58,7 @@ def _reconcile(body: kopf.Body, logger: logging.Logger, reason: str) -> None:
     obj = {"metadata": dict(body.metadata), "spec": dict(body.spec), "status": dict(body.status)}
     out = reconcile(kube(), obj, OperatorDefaults.from_env())
     md = obj["metadata"]
-    telemetry.record(md["namespace"], md["name"], out.status.get("conditions") or [],
-                     "invalid_spec" if out.invalid_spec else "error" if out.errors else "ok")
+    telemetry.record_outcome(md["namespace"], md["name"], out)
     if out.invalid_spec:
         raise kopf.PermanentError("; ".join(out.errors))  # status says InvalidSpec; wait for a spec change
     if out.errors:
@@ -162,8 +161,7 @@ def _repair(key: tuple[str, str]) -> None:
         return  # the PromptCache is gone or going: its children go with it (garbage collection)
     obj = {"metadata": body["metadata"], "spec": body.get("spec") or {}, "status": body.get("status") or {}}
     out = reconcile(kube(), obj, OperatorDefaults.from_env())
-    telemetry.record(namespace, name, out.status.get("conditions") or [],
-                     "invalid_spec" if out.invalid_spec else "error" if out.errors else "ok")
+    telemetry.record_outcome(namespace, name, out)
     if out.errors:
         log.warning("repairing the children of %s/%s: %s", namespace, name, "; ".join(out.errors))
 

@@ -31,6 +31,12 @@ def record(namespace: str, name: str, conditions: list[dict[str, Any]], result: 
             seen.add((CONDITION, (namespace, name, c["type"])))
 
 
+def record_outcome(namespace: str, name: str, out) -> None:
+    """record() from a reconcile.Outcome."""
+    record(namespace, name, out.status.get("conditions") or [],
+           "invalid_spec" if out.invalid_spec else "error" if out.errors else "ok")
+
+
 def forget(namespace: str, name: str) -> None:
     """Drop a deleted PromptCache's series (a removed cache must not stay Degraded on a dashboard)."""
     with _lock:

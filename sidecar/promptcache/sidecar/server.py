@@ -167,9 +167,12 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             return known
         try:
             spec = model_from_proto(msg)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        try:
             chunk_nbytes(spec, self.chunk_tokens)  # a layout no chunk can have (k8v4 with an odd head_dim)
         except ValueError as exc:
-            raise invalid(f"model: {exc}" if not str(exc).startswith("model") else str(exc)) from None
+            raise invalid(f"model: {exc}") from None
         served = self.settings.quantization
         if served != "any" and spec.quantization != served:
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
@@ -444,10 +447,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         watch = watch_of(context)  # told what this Put holds reserved and receives (--min-put-bytes-per-second)
         client = client_key(identity_of(context), context.peer())
         expected_shape = list(chunk_shape(spec, self.chunk_tokens))
-        try:
-            expected_nbytes = chunk_nbytes(spec, self.chunk_tokens)
-        except ValueError as exc:  # e.g. k8v4 with an odd head_dim (found by promptcache.fuzz)
-            raise invalid(f"model: {exc}") from None
+        expected_nbytes = chunk_nbytes(spec, self.chunk_tokens)  # a layout _model() already checked
         expected_dtype = NAME_TO_DTYPE[spec.kv_dtype]
         stored = skipped = rejected = stored_bytes = 0
         seen: set[int] = set()
