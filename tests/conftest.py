@@ -7,7 +7,7 @@ import pytest
 
 from promptcache.client import PromptCacheClient
 from promptcache.sidecar.config import Settings
-from promptcache.sidecar.server import Sidecar
+from promptcache.sidecar.app import Sidecar
 from support import CHUNK
 
 

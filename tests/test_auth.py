@@ -13,9 +13,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from support import CHUNK, SMALL, SidecarProcess, make_kv
 from promptcache.client import PromptCacheClient, errors
-from promptcache.sidecar.auth import TokenStore, client_channel
+from promptcache.client.credentials import client_channel
+from promptcache.sidecar.auth import TokenStore
 from promptcache.sidecar.config import Settings
-from promptcache.sidecar.server import Sidecar
+from promptcache.sidecar.app import Sidecar
 from test_auth_pki import make_pki
 
 TOKENS = list(range(2 * CHUNK))

@@ -16,7 +16,7 @@ from promptcache import bulkwire
 from promptcache.client import PromptCacheClient, errors
 from promptcache.keys import ModelSpec
 from promptcache.sidecar.config import Settings
-from promptcache.sidecar.server import Sidecar
+from promptcache.sidecar.app import Sidecar
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.wire import model_to_proto
 from support import CHUNK, SMALL, free_port, make_kv, metric

@@ -35,7 +35,7 @@ def test_resize_beyond_the_cgroup_limit_is_refused(sidecar):
     from promptcache.client import PromptCacheClient, errors
 
     limit = [64 << 20]  # as if the container were limited to 64 MiB
-    sidecar.service.read_memory_limit = lambda: limit[0]
+    sidecar.engine.read_memory_limit = lambda: limit[0]
     with PromptCacheClient(sidecar.address) as c:
         with pytest.raises(errors.FailedPrecondition, match="cgroup memory limit of 67108864"):
             c.resize(1 << 30)

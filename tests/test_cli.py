@@ -35,7 +35,11 @@ VALID_SAMPLES = {"memory_bytes": "8192", "max_chunk_bytes": "8192", "disk_bytes"
                  "mrc_sample_rate": "0.5", "mrc_sizes": "1Mi,2Mi",
                  "access_log_sample_rate": "0.5", "access_log_max_bytes": "8192",
                  "cluster_master": "10.0.0.1:50051", "cluster_protocol": "rdma",
-                 "kv_events_address": "tcp://127.0.0.1:5557"}
+                 "kv_events_address": "tcp://127.0.0.1:5557", "grpc_address": "unix:/run/promptcache/grpc.sock"}
+# Settings that are valid only together with others (Settings.validate checks them as a whole).
+COMPANIONS = {"tls_cert_file": ["--tls-key-file", "key.pem"], "tls_key_file": ["--tls-cert-file", "cert.pem"],
+              "tls_client_ca_file": ["--tls-cert-file", "cert.pem", "--tls-key-file", "key.pem", "--token-file",
+                                     "tokens"]}
 
 
 def test_every_setting_is_a_flag_and_an_environment_variable():
@@ -48,8 +52,9 @@ def test_every_setting_is_a_flag_and_an_environment_variable():
             value = VALID_SAMPLES.get(f.name, value)
             argv, env_value = ["--" + f.name.replace("_", "-"), value], value
             expected = {"int": int, "float": float, "str": str}[f.type](value)
-        from_flag = getattr(parse(argv), f.name)
-        from_env = getattr(parse([], {config.env_name(f.name): env_value}), f.name)
+        companions = COMPANIONS.get(f.name, [])
+        from_flag = getattr(parse(argv + companions), f.name)
+        from_env = getattr(parse(companions, {config.env_name(f.name): env_value}), f.name)
         assert from_flag == from_env == expected, f.name
 
 

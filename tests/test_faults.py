@@ -17,7 +17,7 @@ import torch
 from support import CHUNK, SMALL, free_port, make_kv
 from promptcache.client import PromptCacheClient, errors
 from promptcache.procs import stop_process
-from promptcache.sidecar.auth import client_channel
+from promptcache.client.credentials import client_channel
 
 KILLS = int(os.environ.get("PROMPTCACHE_TEST_KILLS", "4"))
 

@@ -58,7 +58,7 @@ def raw_channel():
 
     from support import CHUNK
     from promptcache.sidecar.config import Settings
-    from promptcache.sidecar.server import Sidecar
+    from promptcache.sidecar.app import Sidecar
 
     sidecar = Sidecar(dataclasses.replace(Settings(grpc_address="127.0.0.1:0", metrics_port=0, chunk_tokens=CHUNK,
                                                    memory_bytes=8 << 20))).start()

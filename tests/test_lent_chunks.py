@@ -24,7 +24,7 @@ from promptcache.client import PromptCacheClient
 from promptcache.client.bulk import LentChunks
 from promptcache.sidecar.config import Settings
 from promptcache.sidecar.memfd import ChunkMemory
-from promptcache.sidecar.server import Sidecar
+from promptcache.sidecar.app import Sidecar
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.wire import model_to_proto
 from support import CHUNK, SMALL, make_kv, metric

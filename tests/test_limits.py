@@ -323,7 +323,7 @@ def test_a_large_bulk_frame_trickled_in_cannot_keep_its_slot(sidecar_factory, tm
     big = pb.LookupRequest(model=model_to_proto(SMALL), tokens=range(100_000))
     with grpc.insecure_channel(sidecar.address) as ch:
         stub = pb_grpc.KVCacheStub(ch)
-        assert eventually(lambda: sidecar.service.large_requests.active == 1)
+        assert eventually(lambda: sidecar.engine.large_requests.active == 1)
         with pytest.raises(grpc.RpcError) as info:
             stub.Lookup(big)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -336,7 +336,7 @@ def test_a_large_bulk_frame_trickled_in_cannot_keep_its_slot(sidecar_factory, tm
         except (BrokenPipeError, ConnectionResetError):
             pass
         assert time.monotonic() - t0 < 3.5
-        assert eventually(lambda: sidecar.service.large_requests.active == 0)
+        assert eventually(lambda: sidecar.engine.large_requests.active == 0)
         assert stub.Lookup(big).cached_tokens == 0
     s.close()
 

@@ -18,7 +18,7 @@ from promptcache.layout import chunk_nbytes
 from promptcache.sidecar.config import Settings
 from promptcache.sidecar.mrc import MissRatioCurve, default_sizes, parse_sizes, sampled
 from promptcache.sidecar.policies import make_policy
-from promptcache.sidecar.server import Sidecar
+from promptcache.sidecar.app import Sidecar
 from support import REPO, metrics_text
 
 FRACTIONS = (0.02, 0.05, 0.10, 0.25, 0.50)

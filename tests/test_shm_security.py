@@ -17,7 +17,8 @@ import torch
 from support import CHUNK, SMALL, make_kv
 from promptcache.client import PromptCacheClient
 from promptcache.layout import chunk_nbytes, chunk_shape
-from promptcache.sidecar.auth import Identity, client_channel
+from promptcache.client.credentials import client_channel
+from promptcache.sidecar.identity import Identity
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
 from promptcache.wire import NAME_TO_DTYPE, model_to_proto
@@ -241,7 +242,7 @@ def test_an_idle_buffer_is_closed_and_its_client_opens_a_new_one(isolated):
         assert c.put(SMALL, tokens, kv).stored_chunks == 3
         old = c._shm._all[0].handle
         time.sleep(0.3)
-        assert sidecar.service.buffers.reap() == 1  # what the sweeper thread does every few seconds
+        assert sidecar.engine.buffers.reap() == 1  # what the sweeper thread does every few seconds
         cached, got = c.get(SMALL, tokens)  # NOT_FOUND for the old handle, then a new buffer
         assert cached == 3 * CHUNK and all(torch.equal(g[0], k[0]) for g, k in zip(got, kv))
         assert [b.handle for b in c._shm._all] != [old] and len(c._shm._all) == 1
@@ -274,7 +275,7 @@ def test_the_client_never_blocks_on_what_was_swapped_in_for_its_buffer_file(isol
             assert c._shm._all == []  # streamed: the swapped-in file was refused, never used
         assert time.monotonic() - began < 3
         assert (shm.parent / "elsewhere").read_bytes() == bytes(8 * NBYTES)
-        assert sidecar.service.buffers.held(Identity("alice", "token")) == (0, 0)  # given back at once
+        assert sidecar.engine.buffers.held(Identity("alice", "token")) == (0, 0)  # given back at once
         for leftover in shm.iterdir():
             leftover.unlink()
 

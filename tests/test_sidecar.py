@@ -255,8 +255,8 @@ def test_shared_memory_fast_path_round_trip(sidecar_factory, tmp_path):
         # first use, so no other process can open it.
         assert len(fast._shm._all) == 1
         assert list(shm.iterdir()) == []
-        assert sidecar.service.buffers.held(ANONYMOUS) == (1, fast._shm._all[0].size)
-    assert sidecar.service.buffers.held(ANONYMOUS) == (0, 0)  # closed with the client
+        assert sidecar.engine.buffers.held(ANONYMOUS) == (1, fast._shm._all[0].size)
+    assert sidecar.engine.buffers.held(ANONYMOUS) == (0, 0)  # closed with the client
 
 
 def test_shared_buffers_are_only_those_the_sidecar_created(sidecar_factory, tmp_path):
@@ -308,9 +308,9 @@ def test_a_truncated_shared_buffer_is_refused_not_a_crash(sidecar_factory, tmp_p
     shm = tmp_path / "shm"
     shm.mkdir()
     sidecar = sidecar_factory(shm_dir=str(shm))
-    grant = sidecar.service.buffers.open(ANONYMOUS, 8192)
+    grant = sidecar.engine.buffers.open(ANONYMOUS, 8192)
     client_fd = os.open(shm / grant.file_name, os.O_RDWR)  # as the client opens it
-    f = sidecar.service.buffers.use(ANONYMOUS, grant.handle, 8192)
+    f = sidecar.engine.buffers.use(ANONYMOUS, grant.handle, 8192)
     os.ftruncate(client_fd, 100)  # what a misbehaving client can do at any moment
     os.close(client_fd)
     out = np.empty(4096, dtype=np.uint8)

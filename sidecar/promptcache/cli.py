@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         return operator_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        from promptcache.sidecar import server
+        from promptcache.sidecar import app
 
-        return server.serve_from_args(args)
+        return app.serve_from_args(args)
     if args.command == "bench":
         return args.bench_run(args)
     return args.admin_run(args)

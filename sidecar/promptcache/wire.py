@@ -7,6 +7,8 @@ from promptcache.v1 import kvcache_pb2 as pb
 DTYPE_TO_NAME = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16"}
 NAME_TO_DTYPE = {v: k for k, v in DTYPE_TO_NAME.items()}
 TIER_NAMES = {pb.TIER_DEVICE: "device", pb.TIER_DISK: "disk"}
+AUTHORIZATION = "authorization"  # the bearer token's gRPC metadata key (the bulk channel's hello carries the same value)
+POD_METADATA = "x-promptcache-pod"  # gRPC metadata naming the calling inference pod (for KV events)
 
 
 def model_from_proto(msg: pb.Model) -> ModelSpec:

@@ -91,7 +91,7 @@ def evaluate(model, tokens: list[int], *, modes, prefix: int, suffix: int, windo
     from promptcache.client.hf import PromptCacheHF, cache_kv, cache_kwargs, make_cache, output_cache
     from promptcache.layout import chunk_nbytes
     from promptcache.sidecar.config import Settings
-    from promptcache.sidecar.server import Sidecar
+    from promptcache.sidecar.app import Sidecar
 
     if prefix % chunk_tokens:
         raise ValueError(f"--prefix {prefix} must be a multiple of --chunk-tokens {chunk_tokens}")

@@ -84,7 +84,7 @@ def _client_worker(cfg, client_id: int, deadline: float, out: dict, lock: thread
 
     from promptcache.client import PromptCacheClient, errors
     from promptcache.layout import chunk_nbytes
-    from promptcache.sidecar.auth import client_channel
+    from promptcache.client.credentials import client_channel
 
     rng = random.Random(cfg["seed"] * 100_003 + client_id)
     spec = _spec(cfg)

@@ -101,7 +101,7 @@ class PromptCacheClient:
         self.backoff = backoff
         self.frame_bytes = frame_bytes
         if channel is None:
-            from promptcache.sidecar.auth import client_channel
+            from promptcache.client.credentials import client_channel
 
             channel = client_channel(target, root_certificates=tls_ca, client_cert=tls_cert, client_key=tls_key,
                                      server_name=tls_server_name, token=token, token_file=token_file)
@@ -117,7 +117,7 @@ class PromptCacheClient:
         self._bulk_retry_at = 0.0
         if bulk_address:
             from promptcache.client.bulk import BulkClient
-            from promptcache.sidecar.auth import TokenSource
+            from promptcache.client.credentials import TokenSource
 
             if tls_ca is not None and not bulk_address.startswith("unix:"):
                 raise ValueError(f"bulk_address {bulk_address} is TCP and the bulk channel has no TLS; with "

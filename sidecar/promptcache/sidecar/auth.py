@@ -19,42 +19,22 @@ import re
 import ssl
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from promptcache.wire import AUTHORIZATION
+from promptcache.sidecar.identity import ANONYMOUS, TENANT_NAME, Identity, check_tenant_name  # noqa: F401
+
 log = logging.getLogger("promptcache.sidecar.auth")
 
-TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-AUTHORIZATION = "authorization"
 _IDENTITY_ATTR = "promptcache_identity"
-
-
-@dataclass(frozen=True)
-class Identity:
-    tenant: str      # "" for anonymous callers (auth off)
-    method: str      # "none", "token" or "mtls"
-
-    @property
-    def anonymous(self) -> bool:
-        return self.method == "none"
-
-
-ANONYMOUS = Identity("", "none")
 
 
 def identity_of(context) -> Identity:
     """The identity the Guard attached to this call (ANONYMOUS when auth is off or no Guard ran)."""
     return getattr(context, _IDENTITY_ATTR, ANONYMOUS)
-
-
-def check_tenant_name(name: str, where: str) -> str:
-    if not TENANT_NAME.match(name):
-        raise ValueError(f"{where}: tenant name {name!r} must be 1-128 characters of letters, digits, "
-                         "'.', '_', '@' and '-', starting with a letter or digit")
-    return name
 
 
 def _digest(token: str) -> bytes:
@@ -160,12 +140,8 @@ class Authenticator:
     def enabled(self) -> bool:
         return self.tokens is not None or self.mtls
 
-    def authenticate(self, context) -> Identity | None:
-        """The caller's identity; None when auth is on and the call carries no valid credential.
-
-        A bearer token, when present, must be valid and names the tenant; without one, the verified client
-        certificate's common name does (mTLS).
-        """
+    def authenticate_call(self, context) -> Identity | None:
+        """The identity of a gRPC call (its metadata and TLS peer); None when it has no valid credential."""
         if not self.enabled:
             return ANONYMOUS
         token = None
@@ -173,21 +149,27 @@ class Authenticator:
             if key == AUTHORIZATION:
                 token = value
                 break
-        if token is not None:
+        names = (context.auth_context() or {}).get("x509_common_name") or [] if token is None and self.mtls else []
+        return self.identify(token, names[0].decode("utf-8", "replace") if names else None)
+
+    def identify(self, authorization: str | None, certificate_name: str | None = None) -> Identity | None:
+        """The caller's identity; None when auth is on and it has no valid credential.
+
+        A bearer token (`authorization: Bearer ...`), when present, must be valid and names the tenant; without
+        one, the verified client certificate's common name does (mTLS).
+        """
+        if not self.enabled:
+            return ANONYMOUS
+        if authorization is not None:
             if self.tokens is None:
                 return None
-            scheme, _, credential = token.partition(" ")
+            scheme, _, credential = authorization.partition(" ")
             if scheme.lower() != "bearer" or not credential.strip():
                 return None
             tenant = self.tokens.tenant(credential.strip())
             return Identity(tenant, "token") if tenant is not None else None
-        if self.mtls:
-            auth = context.auth_context() or {}
-            names = auth.get("x509_common_name") or []
-            if names:
-                name = names[0].decode("utf-8", "replace")
-                if TENANT_NAME.match(name):
-                    return Identity(name, "mtls")
+        if self.mtls and certificate_name is not None and TENANT_NAME.match(certificate_name):
+            return Identity(certificate_name, "mtls")
         return None
 
 
@@ -271,88 +253,6 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str,
     files = CertificateFiles(cert_file, key_file, client_ca_file, reload_seconds)
     return grpc.dynamic_ssl_server_credentials(files.initial, files.fetch,
                                                require_client_authentication=bool(client_ca_file))
-
-
-# --- client side ----------------------------------------------------------------------------------------
-class TokenSource:
-    """A fixed token, or one read from a file and re-read when the file changes (rotation)."""
-
-    def __init__(self, token: str | None, token_file: str | None):
-        self._token = token
-        self._file = Path(token_file) if token_file else None
-        self._sig = None
-        self._lock = threading.Lock()
-
-    def get(self) -> str:
-        if self._file is None:
-            return self._token or ""
-        st = self._file.stat()
-        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
-        with self._lock:
-            if sig != self._sig:
-                self._token, self._sig = self._file.read_text().strip(), sig
-            return self._token
-
-
-class _Details:
-    def __init__(self, base, metadata):
-        self.method = base.method
-        self.timeout = base.timeout
-        self.metadata = metadata
-        self.credentials = base.credentials
-        self.wait_for_ready = getattr(base, "wait_for_ready", None)
-        self.compression = getattr(base, "compression", None)
-
-
-class BearerTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                             grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds `authorization: Bearer TOKEN` to every call; works on plaintext (loopback) and TLS channels."""
-
-    def __init__(self, token: str | None = None, token_file: str | None = None):
-        self.source = TokenSource(token, token_file)
-
-    def _details(self, details):
-        metadata = [m for m in (details.metadata or ()) if m[0] != AUTHORIZATION]
-        metadata.append((AUTHORIZATION, f"Bearer {self.source.get()}"))
-        return _Details(details, metadata)
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation, details, request_iterator):
-        return continuation(self._details(details), request_iterator)
-
-    def intercept_stream_stream(self, continuation, details, request_iterator):
-        return continuation(self._details(details), request_iterator)
-
-
-def client_channel(target: str, *, root_certificates: str | bytes | None = None,
-                   client_cert: str | bytes | None = None, client_key: str | bytes | None = None,
-                   tls: bool | None = None, server_name: str | None = None, token: str | None = None,
-                   token_file: str | None = None, options: list | None = None) -> grpc.Channel:
-    """A channel to the sidecar. Certificate arguments are PEM bytes or paths to PEM files. TLS is on when
-    any certificate is given or tls=True (system roots then)."""
-    def pem(value):
-        if value is None or isinstance(value, bytes):
-            return value
-        return Path(value).read_bytes()
-
-    options = list(options or [])
-    use_tls = tls if tls is not None else any(v is not None for v in (root_certificates, client_cert, client_key))
-    if use_tls:
-        creds = grpc.ssl_channel_credentials(root_certificates=pem(root_certificates),
-                                             private_key=pem(client_key), certificate_chain=pem(client_cert))
-        if server_name:
-            options.append(("grpc.ssl_target_name_override", server_name))
-        channel = grpc.secure_channel(target, creds, options=options)
-    else:
-        channel = grpc.insecure_channel(target, options=options)
-    if token is not None or token_file is not None:
-        channel = grpc.intercept_channel(channel, BearerTokenInterceptor(token, token_file))
-    return channel
 
 
 def attach_identity(context, identity: Identity) -> None:

@@ -1,11 +1,10 @@
 """The sidecar's bulk channel: Get and Put over a plain stream socket (docs/bulk-channel.md).
 
-Same service code as gRPC (Get: KVCacheService.verified_chunks, with model and token checks, tenancy, leases,
-checksums before serving, metrics; Put: KVCacheService.Put itself, fed the PutRequest frames a gRPC Put would
-carry, so its checks, reservations, quotas and limits stay in one place), same authentication (the bearer token
-of the hello frame goes through the gRPC Authenticator), without gRPC's fixed per-call cost. Chunk bytes are
-sent straight from the stored tensor's memory while its lease is held, and received into a reused buffer that
-Put copies into the reserved chunk. One thread per connection, at most --bulk-max-connections of them, at most
+An adapter onto the same cache engine as gRPC (Get: CacheEngine.read_chunks, with model and token checks,
+tenancy, leases, checksums before serving, metrics; Put: a PutSession, so its checks, reservations, quotas and
+limits are the gRPC Put's), same authentication (the bearer token of the hello frame goes through the
+Authenticator), without gRPC's fixed per-call cost. Chunk bytes are sent straight from the stored tensor's
+memory while its lease is held, and received straight into the memory reserved for the chunk. One thread per connection, at most --bulk-max-connections of them, at most
 --bulk-max-connections-per-peer from one peer (a process, by its unix-socket credentials; an IP address over TCP).
 A connection must complete its hello within --bulk-hello-seconds; while the channel is full, a new connection
 replaces the oldest one still waiting for its hello, so connections that never authenticate cannot lock out
@@ -28,8 +27,9 @@ import grpc
 import numpy as np
 
 from promptcache import bulkwire
-from promptcache.sidecar.auth import AUTHORIZATION, attach_identity
-from promptcache.sidecar.limits import LARGE_REQUEST_TOKENS, CallRejected, attach_watch
+from promptcache.sidecar.errors import CacheError, Cancelled, InvalidRequest, TimedOut
+from promptcache.sidecar.identity import Caller
+from promptcache.sidecar.limits import LARGE_REQUEST_TOKENS
 from promptcache.v1 import kvcache_pb2 as pb
 
 log = logging.getLogger("promptcache.sidecar.bulk")
@@ -66,30 +66,16 @@ class _Connection:
             pass
 
 
-class _Context:
-    """What the service and the Authenticator read from a gRPC context, for one bulk connection."""
+class _Session:
+    """A bulk connection once its hello is accepted: who is calling, with which token (checked again on every
+    get and put, as gRPC checks every call), and whether it takes lent chunks (sealed memfds)."""
 
-    lend = False  # this connection takes lent chunks (sealed memfds)
+    __slots__ = ("caller", "authorization", "lend")
 
-    def __init__(self, peer: str, authorization: str):
-        self._peer = peer
-        self._metadata = ((AUTHORIZATION, authorization),) if authorization else ()
-        self.on_cancel = None  # set while a put runs: how the watchdog cuts it off
-
-    def cancel(self) -> None:
-        """The watchdog's cancellation (limits._cancel): a bulk call has no status to send from another thread,
-        so its connection is shut down and the serving thread reports the watchdog's reason."""
-        if self.on_cancel is not None:
-            self.on_cancel()
-
-    def invocation_metadata(self):
-        return self._metadata
-
-    def auth_context(self):
-        return {}  # no TLS on the bulk channel: identity comes from the bearer token only
-
-    def peer(self) -> str:
-        return self._peer
+    def __init__(self, caller: Caller, authorization: str | None, lend: bool):
+        self.caller = caller
+        self.authorization = authorization
+        self.lend = lend
 
 
 class _Refused(Exception):
@@ -111,25 +97,24 @@ def _status(code: grpc.StatusCode, message: str = "", chunks: int = 0) -> pb.Bul
 
 
 class BulkServer:
-    def __init__(self, address: str, service, authenticator, metrics, max_connections: int = 64,
+    def __init__(self, address: str, engine, authenticator, metrics, max_connections: int = 64,
                  idle_seconds: float = 30.0, max_call_seconds: float = 0.0, lend: bool = False,
-                 max_connections_per_peer: int = 16, hello_seconds: float = 5.0, watchdog=None):
+                 max_connections_per_peer: int = 16, hello_seconds: float = 5.0, watchdog=None,
+                 frame_bytes: int = 1 << 20):
         self.family, self.sockaddr = bulkwire.parse_address(address)
-        self.service = service
+        self.engine = engine  # promptcache.sidecar.engine.CacheEngine
+        self.frame_bytes = frame_bytes  # a Put's bytes are received in pieces of at most this (progress, rate)
         self.authenticator = authenticator
         self.metrics = metrics
         self.max_connections = max_connections
         self.max_connections_per_peer = max_connections_per_peer
         self.hello_seconds = hello_seconds
         self.watchdog = watchdog  # limits.Watchdog: puts get the gRPC Put's minimum rate (and duration) too
-        max_tokens = service.settings.max_request_tokens
+        max_tokens = engine.settings.max_request_tokens
         self.max_frame_bytes = min(bulkwire.MAX_FRAME_BYTES, 5 * max_tokens + (64 << 10))  # <= 5 bytes a token
         self.idle_seconds = idle_seconds or None
         self.max_call_seconds = max_call_seconds
         self.lend = lend and self.family == socket.AF_UNIX  # descriptors only cross unix sockets
-        from promptcache.sidecar.server import RpcFailure  # server.py imports this module: not at the top
-
-        self._refusals = (RpcFailure, CallRejected)  # what the service raises for a status
         self._listener: socket.socket | None = None
         self._connections: dict[socket.socket, _Connection] = {}
         self._per_peer: dict[str, int] = {}
@@ -286,7 +271,7 @@ class BulkServer:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             readable = select.poll()
             readable.register(conn, select.POLLIN)
-            context = self._hello(record, peer, readable)
+            session = self._hello(record, peer, readable)
             while True:
                 try:
                     frame = self._next_frame(conn, readable, fds, lambda length: self._admit(length, large))
@@ -302,7 +287,7 @@ class BulkServer:
                                    f"a file descriptor came with a {kind} frame; only buffer frames carry one")
                 if kind == "put":
                     try:
-                        self._put(conn, context, frame.put, shared)
+                        self._put(conn, session, frame.put, shared)
                     finally:
                         self._release_large(large)
                     continue
@@ -310,7 +295,7 @@ class BulkServer:
                     raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"expected a get, put or buffer frame, got {kind}")
                 try:
-                    self._get(conn, context, frame.get, shared)
+                    self._get(conn, session, frame.get, shared)
                 finally:
                     self._release_large(large)
         except (bulkwire.Closed, bulkwire.FramingError, OSError) as exc:
@@ -357,11 +342,11 @@ class BulkServer:
         if length > self.max_frame_bytes:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
                            f"a bulk frame of {length} bytes is over the limit of {self.max_frame_bytes} bytes "
-                           f"that --max-request-tokens ({self.service.settings.max_request_tokens}) sets")
+                           f"that --max-request-tokens ({self.engine.settings.max_request_tokens}) sets")
         if length > LARGE_FRAME_BYTES:
-            if not self.service.large_requests.acquire():
+            if not self.engine.large_requests.acquire():
                 raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               self.service.large_requests.refusal(f"a bulk frame of {length} bytes").message)
+                               self.engine.large_requests.refusal(f"a bulk frame of {length} bytes").message)
             large[0] = True
             return time.monotonic() + (self.idle_seconds or 30.0)
         return None
@@ -369,9 +354,9 @@ class BulkServer:
     def _release_large(self, large: list) -> None:
         if large[0]:
             large[0] = False
-            self.service.large_requests.release()
+            self.engine.large_requests.release()
 
-    def _hello(self, record: _Connection, peer: str, readable: select.poll) -> _Context:
+    def _hello(self, record: _Connection, peer: str, readable: select.poll) -> _Session:
         conn = record.sock
         frame = self._next_frame(conn, readable, limit=MAX_HELLO_BYTES)
         if frame.WhichOneof("frame") != "hello":
@@ -382,23 +367,22 @@ class BulkServer:
             raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
                            f"bulk protocol version {hello.version} is not supported (this sidecar speaks "
                            f"{bulkwire.VERSION})")
-        context = _Context(peer, hello.authorization)
-        identity = self.authenticator.authenticate(context)
+        authorization = hello.authorization or None
+        identity = self.authenticator.identify(authorization)  # no TLS here: the bearer token only
         if identity is None:
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED,
                            "this sidecar requires authentication: a valid bearer token in the hello frame "
                            "(authorization: Bearer ...)")
-        attach_identity(context, identity)
         with self._lock:
             if record.expired or record.replaced:
                 raise bulkwire.Closed("closed while its hello was read")
             record.greeted = True
-        context.lend = self.lend and hello.sealed_memfds
+        session = _Session(Caller(identity, peer), authorization, self.lend and hello.sealed_memfds)
         frame = _status(grpc.StatusCode.OK)
-        frame.status.sealed_memfds = context.lend
+        frame.status.sealed_memfds = session.lend
         frame.status.puts = True
         bulkwire.send(conn, frame)
-        return context
+        return session
 
     def _attach(self, conn: socket.socket, buffer: pb.BulkBuffer, fds: list[int],
                 old: "_SharedBuffer | None") -> "_SharedBuffer | None":
@@ -421,10 +405,12 @@ class BulkServer:
         bulkwire.send(conn, _status(grpc.StatusCode.OK))
         return new
 
-    def _get(self, conn: socket.socket, context: _Context, request: pb.GetRequest,
-             shared: "_SharedBuffer | None" = None) -> None:
-        from promptcache.sidecar.server import RpcFailure
+    def _revoked(self, session: _Session) -> bool:
+        """Whether the token of this connection's hello is no longer valid (removed from the token file)."""
+        return self.authenticator.enabled and self.authenticator.identify(session.authorization) is None
 
+    def _get(self, conn: socket.socket, session: _Session, request: pb.GetRequest,
+             shared: "_SharedBuffer | None" = None) -> None:
         start = time.perf_counter()
         sent = 0
         # Frames without bytes after them (memfd answers) are sent at once with the status: one wake-up.
@@ -434,18 +420,18 @@ class BulkServer:
         code, message = grpc.StatusCode.OK, ""
         # Credentials are checked on every get, as on every gRPC call: a token revoked (removed from the token
         # file) stops working on open connections too. The connection is then closed.
-        if self.authenticator.enabled and self.authenticator.authenticate(context) is None:
+        if self._revoked(session):
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, "the bearer token of this connection's hello is no "
                            "longer valid; reconnect with a current one")
         try:
             target = None
             if request.HasField("shared_buffer"):
                 target = _shared_target(request.shared_buffer, shared)
-            for begin, view in self.service.verified_chunks(request, context, target, lend=context.lend,
-                                                            large_slot=False):
+            for begin, view in self.engine.read_chunks(session.caller, request, target, lend=session.lend,
+                                                       large_slot=False):
                 if self.max_call_seconds and time.perf_counter() - start > self.max_call_seconds:
-                    raise RpcFailure(grpc.StatusCode.CANCELLED, f"this get ran longer than --max-call-seconds "
-                                     f"({self.max_call_seconds:g} s); the client is reading too slowly")
+                    raise Cancelled(f"this get ran longer than --max-call-seconds ({self.max_call_seconds:g} s); "
+                                    "the client is reading too slowly")
                 if begin.sealed_memfd:
                     memfd, frame = view
                     pending += frame  # its descriptor goes with it
@@ -459,8 +445,8 @@ class BulkServer:
                     _flush(conn, pending, lent)  # frames already queued go first
                     bulkwire.send_chunk(conn, begin, view)  # from the stored tensor's memory, lease held
                 sent += 1
-        except (RpcFailure, CallRejected) as exc:
-            code, message = exc.code, exc.message
+        except CacheError as exc:
+            code, message = grpc.StatusCode[exc.status], exc.message
         except OSError:
             self.metrics.requests.labels(RPC, "CANCELLED").inc()
             raise
@@ -475,38 +461,37 @@ class BulkServer:
         if n_lent:
             self.metrics.lent_chunks.inc(n_lent)
 
-    def _put(self, conn: socket.socket, context: _Context, put: pb.BulkPut,
+    def _put(self, conn: socket.socket, session: _Session, put: pb.BulkPut,
              shared: "_SharedBuffer | None" = None) -> None:
-        """One Put: its frames go through KVCacheService.Put, so every check, reservation, quota and limit is
-        the gRPC Put's; only the metrics (rpc="BulkPut") and the answer (a status frame) are the channel's.
-        A chunk is stored when all its bytes have arrived and verified; a cut connection stores nothing of the
-        chunk it was in. After a failure the rest of the Put is read and dropped, so the connection stays in
-        step (a client still sending then reads the status)."""
+        """One Put through a PutSession, so every check, reservation, quota and limit is the gRPC Put's; only
+        the metrics (rpc="BulkPut") and the answer (a status frame) are the channel's. A chunk is stored when
+        all its bytes have arrived and verified; a cut connection stores nothing of the chunk it was in. After
+        a failure the rest of the Put is read and dropped, so the connection stays in step (a client still
+        sending then reads the status)."""
         start = time.perf_counter()
-        if self.authenticator.enabled and self.authenticator.authenticate(context) is None:
+        if self._revoked(session):
             self.metrics.requests.labels(PUT_RPC, "UNAUTHENTICATED").inc()
             self._try_send(conn, _status(grpc.StatusCode.UNAUTHENTICATED, "the bearer token of this connection's "
                                          "hello is no longer valid; reconnect with a current one"))
             raise bulkwire.Closed("token revoked")  # the client is still sending: close rather than read on
-        frames = _PutFrames(conn, put, shared, self.service.settings.frame_bytes,
+        frames = _PutFrames(conn, put, shared, self.frame_bytes,
                             start + self.max_call_seconds if self.max_call_seconds else 0.0)
         code, message, result = grpc.StatusCode.OK, "", None
-        watch = None
-        if self.watchdog is not None:  # KVCacheService.Put reports what it holds and receives to this watch
-            watch = self.watchdog.watch(context, PUT_RPC, idle=False)
-            context.on_cancel = lambda: _shutdown(conn)
-            attach_watch(context, watch)
+        # The watchdog cuts a put off (--min-put-bytes-per-second, --max-call-seconds) by shutting the
+        # connection down; the serving thread then reports its reason.
+        watch = (self.watchdog.watch(lambda reason: _shutdown(conn), PUT_RPC, idle=False)
+                 if self.watchdog is not None else None)
         # Blocking reads for the Put's bytes (a socket with a timeout polls before every read, and a blocking
         # one waits for whole pieces: MSG_WAITALL), with the kernel's own timeouts keeping the idle limit.
         _connection.kernel_timeouts(conn, self.idle_seconds)
         conn.settimeout(None)
         try:
             frames.check()
-            # KVCacheService.Put without its gRPC wrapper, which would count the call as rpc="Put" and answer
-            # through context.abort: the bulk channel counts its own calls and answers with a status frame.
-            result = type(self.service).Put.__wrapped__(self.service, iter(frames), context)
-        except self._refusals as exc:
-            code, message = exc.code, exc.message
+            with self.engine.put(session.caller, put.header, watch) as put_session:
+                frames.feed(put_session)
+                result = put_session.commit()
+        except CacheError as exc:
+            code, message = grpc.StatusCode[exc.status], exc.message
         except (bulkwire.Cut, OSError) as exc:
             if watch is not None and watch.expired:  # the watchdog shut the connection: say why, if it can hear
                 self.metrics.requests.labels(PUT_RPC, "DEADLINE_EXCEEDED").inc()
@@ -527,8 +512,6 @@ class BulkServer:
             self.metrics.latency.labels(PUT_RPC).observe(time.perf_counter() - start)
             if watch is not None:
                 self.watchdog.unwatch(watch)
-                attach_watch(context, None)
-                context.on_cancel = None
         self.metrics.requests.labels(PUT_RPC, code.name).inc()
         answer = _status(code, message)
         if result is not None:
@@ -573,25 +556,12 @@ class _ConnectionState(threading.local):
 _connection = _ConnectionState()
 
 
-class _Data:
-    """A Put data frame as KVCacheService.Put reads it (msg.WhichOneof("frame"), msg.data), whose `data` is a
-    view of the received bytes instead of a copy inside a message: Put copies them once, into the chunk."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: memoryview):
-        self.data = data
-
-    @staticmethod
-    def WhichOneof(_group: str) -> str:  # noqa: N802 - protobuf's name
-        return "data"
-
-
 class _PutFrames:
-    """The frames of one bulk Put as KVCacheService.Put consumes them: the header, then for each chunk its
-    ChunkBegin and its bytes as data frames of at most `piece` bytes, received into one reused buffer (or, with
-    put.shared_buffer, one data frame: a view of the attached memfd, which Put copies before verifying).
-    Put checks each chunk frame (index, layout, --max-chunk-bytes) before it asks for the bytes after it."""
+    """The frames of one bulk Put, fed to a PutSession: for each chunk its ChunkBegin, then its bytes, received
+    in pieces of at most `piece` bytes straight into the memory reserved for the chunk (into one reused buffer
+    when the chunk is not kept), or, with put.shared_buffer, a view of the attached memfd, which the session
+    copies before verifying. The session checks each chunk frame (index, layout, --max-chunk-bytes) before the
+    bytes after it are read."""
 
     def __init__(self, conn: socket.socket, put: pb.BulkPut, shared: "_SharedBuffer | None", piece: int,
                  deadline: float):
@@ -605,33 +575,35 @@ class _PutFrames:
         self.unread = 0  # bytes after the last chunk frame not read yet
 
     def check(self) -> None:
-        from promptcache.sidecar.server import invalid
-
         if self.put.header.shared_buffer:
-            raise invalid("put.header.shared_buffer must be empty on the bulk channel: set put.shared_buffer to "
-                          "use the memfd attached by a buffer frame")
+            raise InvalidRequest("put.header.shared_buffer must be empty on the bulk channel: set "
+                                 "put.shared_buffer to use the memfd attached by a buffer frame")
         if self.put.shared_buffer and self.shared is None:
-            raise invalid("put.shared_buffer is set but no buffer frame attached a memfd on this connection")
+            raise InvalidRequest("put.shared_buffer is set but no buffer frame attached a memfd on this connection")
 
-    def __iter__(self):
-        yield pb.PutRequest(header=self.put.header)
+    def feed(self, session) -> None:
         while self.remaining:
             if self.deadline and time.perf_counter() > self.deadline:
-                raise CallRejected(grpc.StatusCode.DEADLINE_EXCEEDED, "this put ran longer than "
-                                   "--max-call-seconds; nothing partial was stored")
+                raise TimedOut("this put ran longer than --max-call-seconds; nothing partial was stored")
             begin = self._chunk_frame()
-            yield pb.PutRequest(chunk=begin)
+            session.begin_chunk(begin)
             if self.shared is not None:
                 end = begin.buffer_offset + begin.nbytes
                 if end > self.shared.array.size:
-                    from promptcache.sidecar.server import invalid
-
-                    raise invalid(f"chunk {begin.index}: buffer_offset {begin.buffer_offset} + nbytes {begin.nbytes} "
-                                  f"runs past the attached buffer's {self.shared.array.size} bytes")
-                yield _Data(memoryview(self.shared.array[begin.buffer_offset:end]))
+                    raise InvalidRequest(f"chunk {begin.index}: buffer_offset {begin.buffer_offset} + nbytes "
+                                         f"{begin.nbytes} runs past the attached buffer's {self.shared.array.size} "
+                                         "bytes")
+                session.add_data(memoryview(self.shared.array[begin.buffer_offset:end]))
                 continue
             while self.unread:
-                yield _Data(self._receive(min(self.unread, self.piece)))
+                n = min(self.unread, self.piece)
+                target = session.data_target()
+                if target is None:
+                    self._receive(n)  # a chunk not kept: read and dropped
+                else:
+                    bulkwire.recv_into(self.conn, target[:n])
+                    self.unread -= n
+                session.advance(n)
 
     def _chunk_frame(self) -> pb.ChunkBegin:
         frame = bulkwire.recv(self.conn, limit=MAX_CHUNK_FRAME_BYTES)
@@ -707,16 +679,15 @@ class _SharedBuffer:
 
 
 def _shared_target(request: pb.SharedBuffer, shared: _SharedBuffer | None) -> np.ndarray:
-    from promptcache.sidecar.server import invalid
-
     if shared is None:
-        raise invalid("shared_buffer is set but no buffer frame attached a memfd on this connection "
-                      "(on the bulk channel, shared memory needs a unix socket and a buffer frame first)")
+        raise InvalidRequest("shared_buffer is set but no buffer frame attached a memfd on this connection "
+                             "(on the bulk channel, shared memory needs a unix socket and a buffer frame first)")
     if request.name:
-        raise invalid("shared_buffer.name must be empty on the bulk channel: the buffer is the attached memfd")
+        raise InvalidRequest("shared_buffer.name must be empty on the bulk channel: the buffer is the attached "
+                             "memfd")
     if not 0 < request.length <= shared.array.size:
-        raise invalid(f"shared_buffer.length {request.length} must be in 1..{shared.array.size} "
-                      "(the attached buffer's length)")
+        raise InvalidRequest(f"shared_buffer.length {request.length} must be in 1..{shared.array.size} "
+                             "(the attached buffer's length)")
     return shared.array[:request.length]
 
 

@@ -197,12 +197,55 @@ class Settings:
         if self.kv_events_address and not re.fullmatch(r"(tcp|ipc)://\S+", self.kv_events_address):
             raise ValueError(f"--kv-events-address must be a ZMQ endpoint tcp://HOST:PORT or ipc://PATH, got "
                              f"{self.kv_events_address!r}")
+        self._validate_security()
+        if self.bulk_zero_copy == "on" and not any(a.startswith("unix:") for a in self.bulk_addresses):
+            raise ValueError("--bulk-zero-copy on needs a unix-socket --bulk-address (unix:/PATH): descriptors "
+                             "cannot cross TCP")
         from promptcache.sidecar.policies import POLICIES
 
         if self.eviction_policy not in POLICIES:
             raise ValueError(f"--eviction-policy must be one of {', '.join(sorted(POLICIES))}, "
                              f"got {self.eviction_policy!r}")
         return self
+
+    @property
+    def authenticated(self) -> bool:
+        """Callers are authenticated tenants (bearer tokens or mTLS)."""
+        return bool(self.token_file or self.tls_client_ca_file)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
+
+    def _validate_security(self) -> None:
+        """Cross-field checks of TLS, authentication, tenancy and where plaintext may listen."""
+        from promptcache.sidecar.netaddr import is_local_address
+
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("--tls-cert-file and --tls-key-file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("--tls-client-ca-file (mTLS) needs --tls-cert-file and --tls-key-file")
+        if not self.tls and not is_local_address(self.grpc_address) and not self.allow_insecure_remote:
+            raise ValueError(f"--grpc-address {self.grpc_address} is not loopback or a unix socket; "
+                             "serve TLS there (--tls-cert-file, --tls-key-file) or, for plaintext, pass "
+                             "--allow-insecure-remote")
+        if self.tenancy == "isolated" and not self.authenticated:
+            raise ValueError("--tenancy isolated needs authentication (--token-file or --tls-client-ca-file): "
+                             "without it every caller is the same anonymous tenant")
+        if not self.bulk_address:
+            return
+        if self.tls_client_ca_file and not self.token_file:
+            raise ValueError("--bulk-address: bulk clients authenticate with a bearer token, and with mTLS but no "
+                             "--token-file they could not; add --token-file or leave --bulk-address empty")
+        for address in self.bulk_addresses:
+            if address.startswith("unix:"):
+                continue
+            if self.tls:
+                raise ValueError(f"--bulk-address {address} is TCP, and the bulk channel has no TLS: with TLS on, "
+                                 "put it on a unix socket (unix:/PATH) or leave it empty")
+            if not is_local_address(address) and not self.allow_insecure_remote:
+                raise ValueError(f"--bulk-address {address} is not loopback or a unix socket and the bulk channel "
+                                 "is plaintext; use a unix socket or pass --allow-insecure-remote")
 
 
 HELP = {

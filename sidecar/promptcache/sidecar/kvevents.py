@@ -33,12 +33,13 @@ import time
 
 import msgpack
 
+from promptcache.wire import POD_METADATA  # noqa: F401 - the metadata an inference pod names itself with
+
 log = logging.getLogger("promptcache.sidecar.kvevents")
 
 BATCH_SECONDS = 0.02
 MAX_BATCH = 1024
 MAX_PODS = 256  # per model
-POD_METADATA = "x-promptcache-pod"
 
 
 def block_stored(block_hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
@@ -102,11 +103,15 @@ class KVEvents:
             self._held[key] = (model, parent, token_ids)
         self._put(model, block_stored([key], parent, token_ids, self.block_size, self.medium))
 
-    def removed(self, key: bytes) -> None:
+    def inserted(self, entry) -> None:
+        """The memory tier's insert hook: announced by the engine instead, which knows the chunk's tokens."""
+
+    def removed(self, entry, reason: str = "", age: float = 0.0) -> None:
+        """The memory tier's remove hook: whatever took the chunk away, routers must stop sending its prefix."""
         with self._lock:
-            held = self._held.pop(key, None)
+            held = self._held.pop(entry.key, None)
         if held is not None:
-            self._put(held[0], block_removed([key], self.medium))
+            self._put(held[0], block_removed([entry.key], self.medium))
 
     def seen(self, pod: str, model: str) -> None:
         """A call from inference pod `pod` for `model`: from now on its topic gets this model's events."""

@@ -12,8 +12,8 @@
 * `ReservedBytes`: what the Puts of one client hold reserved at once (--max-put-reserved-fraction).
 * `LargeRequests`: how many requests of more than LARGE_REQUEST_TOKENS tokens are processed at once
   (--max-large-requests).
-* `Guard`: the server interceptor that applies authentication (promptcache.sidecar.auth) and the limits to
-  every method except the health service.
+The gRPC side (the `Guard` interceptor that applies authentication and these limits to every call) is
+promptcache.sidecar.guard; the bulk channel applies them itself. Nothing here imports grpc.
 """
 from __future__ import annotations
 
@@ -21,24 +21,12 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import Iterator
 
-import grpc
-
-from promptcache.sidecar.auth import HEALTH_PREFIX, Authenticator, Identity, attach_identity
+from promptcache.sidecar.errors import NoCapacity
+from promptcache.sidecar.identity import client_key  # noqa: F401 - who a call counts against
 
 log = logging.getLogger("promptcache.sidecar.limits")
 LARGE_REQUEST_TOKENS = 1 << 16  # a request with more tokens than this needs one of --max-large-requests
-_WATCH_ATTR = "_promptcache_watch"
-
-
-class CallRejected(Exception):
-    """A refusal with a gRPC status, raised below the service layer (the service maps it like its own)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class CallLimiter:
@@ -115,18 +103,17 @@ class LargeRequests:
         with self._lock:
             self.active -= 1
 
-    def refusal(self, what: str) -> CallRejected:
-        return CallRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"{what}: {self.limit} requests of more than {LARGE_REQUEST_TOKENS} tokens are already "
-                            "being served (--max-large-requests); retry later")
+    def refusal(self, what: str) -> NoCapacity:
+        return NoCapacity(f"{what}: {self.limit} requests of more than {LARGE_REQUEST_TOKENS} tokens are already "
+                          "being served (--max-large-requests); retry later")
 
 
 class _Watch:
-    __slots__ = ("context", "rpc", "started", "last", "idle", "max_seconds", "expired", "reason",
+    __slots__ = ("cancel", "rpc", "started", "last", "idle", "max_seconds", "expired", "reason",
                  "holding", "received", "window_start", "window_received")
 
-    def __init__(self, context, rpc: str, max_seconds: float, idle: float):
-        self.context = context
+    def __init__(self, cancel, rpc: str, max_seconds: float, idle: float):
+        self.cancel = cancel  # cancel(reason): how the call is cut off (its transport decides)
         self.rpc = rpc
         self.started = self.last = time.monotonic()
         self.max_seconds = max_seconds
@@ -151,29 +138,6 @@ class _Watch:
         self.received += nbytes
 
 
-def attach_watch(context, w: _Watch) -> None:
-    setattr(context, _WATCH_ATTR, w)
-
-
-def watch_of(context) -> _Watch | None:
-    """The watchdog's record of this call (None when no Guard watches it)."""
-    return getattr(context, _WATCH_ATTR, None)
-
-
-def _cancel(context, code: grpc.StatusCode, details: str) -> None:
-    """Cancel a server-side call from another thread, sending `code` and `details` to the client.
-
-    grpc's public ServicerContext.cancel() always sends CANCELLED; the underlying call object accepts a status
-    (grpcio 1.85). Fall back to the public API if that ever changes.
-    """
-    try:
-        from grpc._cython import cygrpc
-
-        context._rpc_event.call.cancel(getattr(cygrpc.StatusCode, code.name.lower()), details)
-    except Exception:  # noqa: BLE001
-        context.cancel()
-
-
 class Watchdog:
     def __init__(self, max_call_seconds: float, stream_idle_seconds: float, on_expire=None,
                  min_put_bytes_per_second: int = 0, put_rate_window_seconds: float = 10.0):
@@ -192,8 +156,9 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="call-watchdog", daemon=True)
         self._thread.start()
 
-    def watch(self, context, rpc: str, idle: bool) -> _Watch:
-        w = _Watch(context, rpc, self.max_call_seconds, self.stream_idle_seconds if idle else 0.0)
+    def watch(self, cancel, rpc: str, idle: bool) -> _Watch:
+        """Watch one call; cancel(reason) is called (from the watchdog's thread) when it breaks a limit."""
+        w = _Watch(cancel, rpc, self.max_call_seconds, self.stream_idle_seconds if idle else 0.0)
         with self._lock:
             self._watches.add(w)
         return w
@@ -224,7 +189,7 @@ class Watchdog:
                 log.warning("cancelled a call", extra={"rpc": w.rpc, "reason": w.reason})
                 self.on_expire(w.rpc, "duration" if "--max-call-seconds" in w.reason
                                else "rate" if "--min-put-bytes-per-second" in w.reason else "idle")
-                _cancel(w.context, grpc.StatusCode.DEADLINE_EXCEEDED, w.reason)
+                w.cancel(w.reason)
 
     def _too_slow(self, w: _Watch, now: float) -> bool:
         """Under the lock: whether `w` held a reservation for a whole window while receiving less than the
@@ -243,176 +208,3 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-class _WatchedRequests:
-    """A request iterator that tells the watchdog each time a frame arrives."""
-
-    def __init__(self, inner: Iterator, watch: _Watch):
-        self._inner = inner
-        self._watch = watch
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            item = next(self._inner)
-        except grpc.RpcError:
-            if self._watch.expired:
-                raise CallRejected(grpc.StatusCode.DEADLINE_EXCEEDED, self._watch.reason) from None
-            raise CallRejected(grpc.StatusCode.CANCELLED, "the client cancelled the call") from None
-        except StopIteration:
-            # A call the watchdog cancelled may see its request stream simply end: that is still the watchdog's
-            # cancellation, not a client that stopped mid-chunk (which the method would call INVALID_ARGUMENT).
-            if self._watch.expired:
-                raise CallRejected(grpc.StatusCode.DEADLINE_EXCEEDED, self._watch.reason) from None
-            raise
-        self._watch.touch()
-        return item
-
-
-def client_key(identity: Identity, peer: str) -> str:
-    """Who a call counts against: the authenticated tenant, or the peer address (a connection) without auth."""
-    return f"tenant:{identity.tenant}" if not identity.anonymous else f"peer:{peer}"
-
-
-def _method_name(full: str) -> str:
-    return full.rsplit("/", 1)[-1]
-
-
-class Guard(grpc.ServerInterceptor):
-    """Authentication, per-client call limit and the watchdog around every method but health."""
-
-    def __init__(self, authenticator: Authenticator, limiter: CallLimiter, watchdog: Watchdog, metrics=None):
-        self.authenticator = authenticator
-        self.limiter = limiter
-        self.watchdog = watchdog
-        self.metrics = metrics
-
-    def _refuse(self, context, rpc: str, code: grpc.StatusCode, message: str):
-        if self.metrics is not None:
-            self.metrics.requests.labels(rpc, code.name).inc()
-        context.abort(code, message)
-
-    def _admit(self, context, rpc: str) -> tuple[Identity, str]:
-        identity = self.authenticator.authenticate(context)
-        if identity is None:
-            self._refuse(context, rpc, grpc.StatusCode.UNAUTHENTICATED,
-                         "this sidecar requires authentication: a valid bearer token (authorization: Bearer ...) "
-                         "or a client certificate signed by its client CA")
-        attach_identity(context, identity)
-        client = client_key(identity, context.peer())
-        if not self.limiter.acquire(client):
-            self._refuse(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"too many calls in flight from this client (at most {self.limiter.max_per_client}, "
-                         "--max-calls-per-client); retry later")
-        return identity, client
-
-    def _parse(self, deserializer, raw: bytes, rpc: str):
-        if deserializer is None:
-            return raw
-        try:
-            return deserializer(raw)
-        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and anything else a parser raises
-            raise CallRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"malformed {rpc} request: the bytes are not a valid protobuf message "
-                               f"({type(exc).__name__})") from None
-
-    def intercept_service(self, continuation, handler_call_details):
-        """Wrap the handler: requests arrive as raw bytes and are parsed here, so that bytes that are not a
-        valid message get INVALID_ARGUMENT (grpc's own deserialization failure is INTERNAL); then
-        authentication (not for health), the per-client limit and the watchdog."""
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        rpc = _method_name(handler_call_details.method)
-        guarded = not handler_call_details.method.startswith(HEALTH_PREFIX)
-        guard = self
-        parse = handler.request_deserializer
-
-        def admit(context):
-            if not guarded:
-                return None
-            return guard._admit(context, rpc)[1]
-
-        def done(w, client):
-            if w is not None:
-                guard.watchdog.unwatch(w)
-            if client is not None:
-                guard.limiter.release(client)
-
-        def parsed_or_abort(raw, context):
-            try:
-                return guard._parse(parse, raw, rpc)
-            except CallRejected as exc:
-                guard._refuse(context, rpc, exc.code, exc.message)
-
-        def parsed_stream(raw_iterator):
-            for raw in raw_iterator:
-                yield guard._parse(parse, raw, rpc)
-
-        if handler.unary_unary:
-            inner = handler.unary_unary
-
-            def unary_unary(raw, context):
-                client = admit(context)  # credentials first: an unauthenticated caller learns nothing more
-                w = None
-                try:
-                    request = parsed_or_abort(raw, context)
-                    w = guard.watchdog.watch(context, rpc, idle=False) if guarded else None
-                    return inner(request, context)
-                finally:
-                    done(w, client)
-
-            return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
-        if handler.unary_stream:
-            inner = handler.unary_stream
-
-            def unary_stream(raw, context):
-                client = admit(context)  # credentials first: an unauthenticated caller learns nothing more
-                w = None
-                try:
-                    request = parsed_or_abort(raw, context)
-                    # Idle here means: gRPC did not ask for the next frame (the previous one could not be
-                    # sent: a reader that stopped reading) for --stream-idle-seconds.
-                    w = guard.watchdog.watch(context, rpc, idle=True) if guarded else None
-                    for response in inner(request, context):
-                        yield response
-                        if w is not None:
-                            w.touch()
-                finally:
-                    done(w, client)
-
-            return grpc.unary_stream_rpc_method_handler(unary_stream, None, handler.response_serializer)
-        if handler.stream_unary:
-            inner = handler.stream_unary
-
-            def stream_unary(raw_iterator, context):
-                client = admit(context)
-                w = guard.watchdog.watch(context, rpc, idle=True) if guarded else None
-                if w is not None:
-                    attach_watch(context, w)  # Put reports the reservation it holds and the bytes it receives
-                requests = parsed_stream(raw_iterator if w is None else _WatchedRequests(raw_iterator, w))
-                try:
-                    return inner(requests, context)
-                except CallRejected as exc:  # raised inside a handler that does not map it itself
-                    guard._refuse(context, rpc, exc.code, exc.message)
-                finally:
-                    done(w, client)
-
-            return grpc.stream_unary_rpc_method_handler(stream_unary, None, handler.response_serializer)
-        inner = handler.stream_stream
-
-        def stream_stream(raw_iterator, context):
-            client = admit(context)
-            w = guard.watchdog.watch(context, rpc, idle=True) if guarded else None
-            requests = parsed_stream(raw_iterator if w is None else _WatchedRequests(raw_iterator, w))
-            try:
-                yield from inner(requests, context)
-            except CallRejected as exc:
-                guard._refuse(context, rpc, exc.code, exc.message)
-            finally:
-                done(w, client)
-
-        return grpc.stream_stream_rpc_method_handler(stream_stream, None, handler.response_serializer)

@@ -71,6 +71,15 @@ class Metrics:
             if isinstance(metric, (Counter, Histogram)) and metric._labelnames:
                 setattr(self, name, _Children(metric))
 
+    # The memory tier's hooks (promptcache.sidecar.store.StoreListener).
+    def inserted(self, entry) -> None:
+        pass
+
+    def removed(self, entry, reason: str, age: float) -> None:
+        self.evictions.labels("device", reason).inc()
+        self.evicted_bytes.labels("device", reason).inc(entry.nbytes)
+        self.eviction_age.labels(reason).observe(age)
+
     def watch(self, tiers) -> None:
         """Report entries/bytes/budget of each tier at scrape time, read from the tiers themselves."""
         self.registry.register(_TierCollector(tiers))

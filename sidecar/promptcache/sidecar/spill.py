@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from promptcache.sidecar.disk import DiskTier
-from promptcache.sidecar.store import Entry, MemoryTier, StoreError, checksum
+from promptcache.sidecar.store import Entry, MemoryTier, StoreError, StoreListener, checksum
 
 log = logging.getLogger("promptcache.sidecar.spill")
 
@@ -42,7 +42,7 @@ def decode_meta(meta: bytes) -> tuple[bytes, bytes, int, int, int, tuple[int, ..
     return fp, parent, index, dtype, value, struct.unpack_from(f"<{ndim}I", meta, _META.size)
 
 
-class Spill:
+class Spill(StoreListener):
     def __init__(self, memory: MemoryTier, disk: DiskTier, metrics=None, tenancy=None):
         self.memory = memory
         self.disk = disk
@@ -50,6 +50,11 @@ class Spill:
         self.tenancy = tenancy  # promptcache.sidecar.tenancy.Tenancy: promotions are charged to the owner's quota
 
     # --- memory -> disk ---------------------------------------------------------------------------------
+    def removed(self, entry: Entry, reason: str, age: float) -> None:
+        """The memory tier's hook: what it evicts for room goes to disk (expired or deleted chunks do not)."""
+        if reason == "capacity":
+            self.demote(entry)
+
     def demote(self, entry: Entry) -> bool:
         """Called for a capacity eviction (under the memory tier's lock: the disk tier only queues the write)."""
         now = self.memory.clock()
@@ -67,9 +72,7 @@ class Spill:
 
     def demote_all(self) -> int:
         """On a graceful shutdown: everything still in memory goes to disk, so a restart keeps it."""
-        with self.memory._lock:  # noqa: SLF001 - a consistent snapshot of the index
-            entries = list(self.memory._entries.values())  # noqa: SLF001
-        return sum(self.demote(e) for e in entries)
+        return sum(self.demote(e) for e in self.memory.snapshot())
 
     # --- disk -> memory ---------------------------------------------------------------------------------
     def contains(self, key: bytes, fingerprint: bytes) -> int | None:
@@ -122,14 +125,11 @@ class Spill:
         data = self.memory.host_buffer(reservation)
         data.numpy()[:] = raw
         device_data = data if self.memory.device.type == "cpu" else data.to(self.memory.device)
-        stored = self.memory.commit(reservation, key=key, fingerprint=fp, parent=parent, index=index,
-                                    data=device_data, checksum_value=value, shape=shape, dtype=dtype,
-                                    ttl=max(remaining, 0.001), born=born)
+        self.memory.commit(reservation, key=key, fingerprint=fp, parent=parent, index=index, data=device_data,
+                           checksum_value=value, shape=shape, dtype=dtype, ttl=max(remaining, 0.001), born=born,
+                           owner=owner)
         if self.tenancy is not None:
-            if stored:
-                self.tenancy.committed(owner, key, charged)
-            else:
-                self.tenancy.release(owner, charged)
+            self.tenancy.release(owner, charged)
         self.disk.delete(key)
         if self.metrics is not None:
             self.metrics.promotions.inc()

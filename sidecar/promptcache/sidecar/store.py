@@ -79,6 +79,7 @@ class Entry:
     last_access: float = field(default=0.0)
     memfd: SealedChunk | None = None  # set when `data` is a sealed memfd's mapping: the chunk can be lent
     born: float | None = None  # first stored in any tier (memory clock; a promoted chunk keeps its age); None: created
+    owner: str = ""  # whose quota it is charged to (promptcache.sidecar.tenancy)
     _array: np.ndarray | None = field(default=None, repr=False)
     _lent_frame: tuple[pb.ChunkBegin, bytes] | None = field(default=None, repr=False)
 
@@ -113,7 +114,17 @@ class Reservation:
     memfd: SealedChunk | None = None  # its memfd, if it has one
 
 
-EvictionListener = Callable[[Entry, str, float], None]  # (entry, reason, age_seconds)
+class StoreListener:
+    """What the parts that follow the tier's contents subscribe to (MemoryTier.subscribe): tenancy's
+    accounting, the disk tier (demotion), KV events, metrics. Called under the tier's lock, in the order of
+    subscription: keep them short and never call back into the tier."""
+
+    def inserted(self, entry: Entry) -> None:
+        """`entry` was committed (stored, or promoted from the disk or cluster tier)."""
+
+    def removed(self, entry: Entry, reason: str, age: float) -> None:
+        """`entry` left the index (`reason`: capacity, ttl, delete, purge, quota, corrupt, resize);
+        entry.evicted is already True. `age`: seconds since it was stored in this tier."""
 
 
 def checksum(buf) -> int:
@@ -122,8 +133,7 @@ def checksum(buf) -> int:
 
 class MemoryTier:
     def __init__(self, budget_bytes: int, device: torch.device, policy: EvictionPolicy, ttl_seconds: float,
-                 clock: Callable[[], float] = time.monotonic, on_evict: EvictionListener | None = None,
-                 host_memory: ChunkMemory | None = None, max_lifetime_seconds: float = math.inf):
+                 clock: Callable[[], float] = time.monotonic, host_memory: ChunkMemory | None = None, max_lifetime_seconds: float = math.inf):
         if budget_bytes <= 0:
             raise ValueError("budget must be positive")
         self.device = device
@@ -131,7 +141,7 @@ class MemoryTier:
         self.ttl = ttl_seconds  # sliding: an entry lives this long after its last hit (Get, promotion)...
         self.max_lifetime = max_lifetime_seconds  # ...and never longer than this after it was first stored
         self.clock = clock
-        self.on_evict = on_evict or (lambda entry, reason, age: None)
+        self._listeners: tuple[StoreListener, ...] = ()
         self._budget = budget_bytes
         self._entries: dict[bytes, Entry] = {}
         self._used = 0
@@ -145,6 +155,11 @@ class MemoryTier:
         # Memfd-backed chunks only where the chunk stays in host memory: a CUDA tier copies to the device.
         self.host_memory = host_memory if device.type == "cpu" else None
 
+    def subscribe(self, listener: StoreListener) -> None:
+        """Tell `listener` of every entry inserted and removed from now on."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
     # --- accounting -------------------------------------------------------------------------------------
     @property
     def budget(self) -> int:
@@ -154,6 +169,11 @@ class MemoryTier:
         with self._lock:
             return {"entries": len(self._entries), "used": self._used, "reserved": self._reserved,
                     "draining": self._draining, "budget": self._budget}
+
+    def snapshot(self) -> list[Entry]:
+        """The entries stored now (a consistent copy of the index; no policy side effects)."""
+        with self._lock:
+            return list(self._entries.values())
 
     def measured_bytes(self) -> int:
         """Bytes actually held by stored tensors, read from torch, not from our own counters."""
@@ -184,7 +204,9 @@ class MemoryTier:
         entry.evicted = True
         if entry.leases:
             self._draining += entry.accounted
-        self.on_evict(entry, reason, self.clock() - entry.created)
+        age = self.clock() - entry.created
+        for listener in self._listeners:
+            listener.removed(entry, reason, age)
 
     def _expire(self, now: float) -> int:
         expired = [e for e in self._entries.values() if e.expires <= now]
@@ -242,10 +264,10 @@ class MemoryTier:
 
     def commit(self, reservation: Reservation, *, key: bytes, fingerprint: bytes, parent: bytes, index: int,
                data: torch.Tensor, checksum_value: int, shape: tuple[int, ...], dtype: int,
-               ttl: float | None = None, born: float | None = None) -> bool:
+               ttl: float | None = None, born: float | None = None, owner: str = "") -> bool:
         """Insert a fully received, verified chunk (living `ttl` seconds, default the tier's TTL; a chunk
         promoted from disk keeps what it had left and its birth time `born`, so its maximum lifetime counts from
-        its first store). False if an equal key won the race (bytes released).
+        its first store), charged to `owner`. False if an equal key won the race (bytes released).
         A chunk stored in its reservation's memfd is sealed here: from now on its bytes cannot change."""
         memfd = reservation.memfd if data is reservation.host and reservation.memfd is not None else None
         if memfd is not None and not memfd.sealed and not memfd.seal():
@@ -265,10 +287,12 @@ class MemoryTier:
             born = now if born is None else born
             entry = Entry(key, fingerprint, parent, index, data, checksum_value, shape, dtype, now,
                           min(now + (self.ttl if ttl is None else ttl), born + self.max_lifetime),
-                          reservation.accounted, last_access=now, memfd=memfd, born=born)
+                          reservation.accounted, last_access=now, memfd=memfd, born=born, owner=owner)
             self._entries[key] = entry
             self._used += entry.accounted
             self.policy.inserted(key, entry.nbytes, parent)
+            for listener in self._listeners:
+                listener.inserted(entry)
             return True
 
     # --- reads ------------------------------------------------------------------------------------------

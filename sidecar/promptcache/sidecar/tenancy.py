@@ -107,7 +107,7 @@ class _Usage:
 class Tenancy:
     def __init__(self, *, enabled: bool, secret: bytes | None = None, groups: dict | None = None,
                  admins: frozenset[str] = frozenset(), default_quota: int = 0, quotas: dict | None = None,
-                 isolate: bool | None = None):
+                 isolate: bool | None = None, tier=None):
         self.enabled = enabled  # callers are authenticated tenants (admins, per-tenant quotas and stats)
         self.isolate = enabled if isolate is None else isolate and enabled  # tenants' keys are salted apart
         self.secret = secret if secret is not None else secrets.token_bytes(32)
@@ -118,15 +118,12 @@ class Tenancy:
         self._lock = threading.Lock()
         self._usage: dict[str, _Usage] = {}
         self._owner_of: dict[bytes, str] = {}
-        self.tier = None  # set by bind()
+        self.tier = tier  # the memory tier: a Put over quota evicts the owner's own chunks from it
 
     @classmethod
-    def from_settings(cls, settings) -> "Tenancy":
-        enabled = bool(settings.token_file or settings.tls_client_ca_file)
-        mode = getattr(settings, "tenancy", "auto")
-        if mode == "isolated" and not enabled:
-            raise ValueError("--tenancy isolated needs authentication (--token-file or --tls-client-ca-file): "
-                             "without it every caller is the same anonymous tenant")
+    def from_settings(cls, settings, tier=None) -> "Tenancy":
+        enabled = settings.authenticated  # --tenancy isolated without it is refused by Settings.validate
+        mode = settings.tenancy
         if settings.tenant_secret_file:
             secret = load_secret(settings.tenant_secret_file)
         else:
@@ -138,10 +135,7 @@ class Tenancy:
                            for a in settings.admin_tenants.split(",") if a.strip())
         return cls(enabled=enabled, secret=secret, groups=parse_groups(settings.sharing_groups), admins=admins,
                    default_quota=settings.tenant_quota_bytes, quotas=parse_quotas(settings.tenant_quotas),
-                   isolate=mode != "shared")
-
-    def bind(self, tier) -> None:
-        self.tier = tier
+                   isolate=mode != "shared", tier=tier)
 
     # --- namespaces -------------------------------------------------------------------------------------
     def namespace(self, identity: Identity, client_salt: bytes) -> tuple[bytes, str]:
@@ -180,7 +174,8 @@ class Tenancy:
 
     def reserve(self, owner: str, nbytes: int, fingerprint: bytes) -> int:
         """Charge a chunk about to be received to `owner`; evict the owner's own LRU chunks to make room.
-        Returns the bytes charged (give them to committed() or release())."""
+        Returns the bytes charged: give them back with release() once the chunk is committed or dropped (a
+        committed chunk is charged to its owner by the store's insert hook)."""
         need = self._accounted(nbytes)
         limit = self.quota(owner)
         for _ in range(64):
@@ -207,7 +202,7 @@ class Tenancy:
 
     def charge_if_room(self, owner: str, nbytes: int) -> int | None:
         """Charge a chunk promoted from disk to `owner` if it fits in the quota as it is (nothing is evicted);
-        None when it does not. Give the bytes returned to committed() or release()."""
+        None when it does not. Give the bytes returned back with release() after the commit."""
         need = self._accounted(nbytes)
         limit = self.quota(owner)
         with self._lock:
@@ -222,22 +217,19 @@ class Tenancy:
             with self._lock:
                 self._usage_of(owner).reserved -= charged
 
-    def committed(self, owner: str, key: bytes, charged: int) -> None:
-        """A chunk was stored: move its charge from reserved to used, tracking the store's entry."""
-        # A read-only look at the store's index (no policy side effects, unlike peek()); proposed as a store hook.
-        entry = getattr(self.tier, "_entries", {}).get(key) if self.tier is not None else None
+    # --- the store's hooks (promptcache.sidecar.store.StoreListener) ---------------------------------------
+    def inserted(self, entry) -> None:
+        """Called by the store (under its lock) for every chunk stored: it now counts as its owner's. The
+        charge reserved for it is given back by release() after the commit."""
         with self._lock:
-            u = self._usage_of(owner)
-            u.reserved -= charged
-            # The store sets entry.evicted before it calls on_evicted (which takes this lock), so an entry
-            # evicted between commit and here is seen as evicted and never charged.
-            if entry is None or entry.evicted or key in self._owner_of:
+            if entry.key in self._owner_of:
                 return
-            self._owner_of[key] = owner
-            u.entries[key] = entry
+            u = self._usage_of(entry.owner)
+            self._owner_of[entry.key] = entry.owner
+            u.entries[entry.key] = entry
             u.used += entry.accounted
 
-    def on_evicted(self, entry) -> None:
+    def removed(self, entry, reason: str = "", age: float = 0.0) -> None:
         """Called by the store (under its lock) for every entry removed, whatever the reason."""
         with self._lock:
             owner = self._owner_of.get(entry.key)

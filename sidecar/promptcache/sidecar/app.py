@@ -1,0 +1,351 @@
+"""One running sidecar: its parts built from the settings in dependency order, then served.
+
+`Sidecar(settings)` checks the settings (Settings.validate holds every check), builds the memory tier, tenancy,
+observer, the gRPC server (its port bound before the disk tier opens, so a second sidecar started on the same
+address by mistake stops before it touches the data), the disk and cluster tiers, KV events, the cache engine
+and its two transports (gRPC servicer, bulk channel), each given the parts it needs. The parts that follow the
+memory tier's contents (tenancy, KV events, the disk tier, metrics) subscribe to its insert and remove hooks.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from concurrent import futures
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Counter, start_http_server
+
+from promptcache import frames
+from promptcache.sidecar import cgroup, logs, memfd
+from promptcache.sidecar.auth import Authenticator, TokenStore, server_credentials
+from promptcache.sidecar.bulk import BulkServer
+from promptcache.sidecar.config import Settings, settings_from_args
+from promptcache.sidecar.disk import DiskTierError
+from promptcache.sidecar.engine import CacheEngine
+from promptcache.sidecar.guard import Guard
+from promptcache.sidecar.limits import CallLimiter, Watchdog
+from promptcache.sidecar.memfd import ChunkMemory
+from promptcache.sidecar.metrics import Metrics
+from promptcache.sidecar.netaddr import is_local_address
+from promptcache.sidecar.observer import TrafficObserver
+from promptcache.sidecar.policies import make_policy
+from promptcache.sidecar.server import SERVICE_NAME, KVCacheServicer
+from promptcache.sidecar.shmbuffers import SharedBuffers
+from promptcache.sidecar.store import MemoryTier
+from promptcache.sidecar.tenancy import Tenancy, TenantCollector
+
+log = logging.getLogger("promptcache.sidecar")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available")
+    return device
+
+
+def chunk_memory(settings: Settings, device: torch.device) -> ChunkMemory | None:
+    """Memfd-backed chunk memory when the bulk channel may lend chunks (--bulk-zero-copy), else None."""
+    mode = settings.bulk_zero_copy
+    if mode == "off" or not any(a.startswith("unix:") for a in settings.bulk_addresses):
+        return None
+    if mode == "auto" and settings.authenticated and settings.tenancy != "shared":
+        log.info("bulk zero-copy is off: with isolated tenants a client could keep evicted chunks' memory "
+                 "alive (--bulk-zero-copy on allows it)")
+        return None
+    why = ("the device tier is on " + device.type) if device.type != "cpu" else memfd.probe()
+    limit = memfd.descriptor_budget() if not why else 0
+    if not why and limit < 64:
+        why = f"only {limit} chunks could have a descriptor (raise the open-files limit)"
+    if why:
+        if mode == "on":
+            raise ValueError(f"--bulk-zero-copy on: {why}")
+        log.info("bulk zero-copy is off: %s", why)
+        return None
+    log.info("bulk zero-copy is on", extra={"max_lendable_chunks": limit})
+    return ChunkMemory(limit)
+
+
+def traffic_observer(settings: Settings) -> TrafficObserver:
+    from promptcache.sidecar.accesslog import AccessLog
+    from promptcache.sidecar.mrc import MissRatioCurve, parse_sizes
+
+    curve = access_log = None
+    if settings.mrc_sample_rate > 0:
+        curve = MissRatioCurve(parse_sizes(settings.mrc_sizes, settings.memory_bytes), settings.mrc_sample_rate,
+                               settings.eviction_policy, settings.mrc_min_chunks)
+    if settings.access_log_path:
+        access_log = AccessLog(settings.access_log_path, settings.access_log_max_bytes, settings.access_log_files)
+    return TrafficObserver(settings.chunk_tokens, curve, access_log, settings.access_log_sample_rate)
+
+
+def cluster_tier(settings: Settings, metrics: Metrics):
+    from promptcache.sidecar.cluster import ClusterMetrics, ClusterTier, MooncakeStore
+
+    hostname = settings.cluster_local_hostname or socket.gethostbyname(socket.gethostname())
+
+    def connect() -> MooncakeStore:
+        return MooncakeStore(settings.cluster_master, hostname, settings.cluster_protocol,
+                             settings.cluster_segment_bytes, settings.cluster_buffer_bytes,
+                             settings.cluster_metadata_server, settings.cluster_rdma_devices)
+
+    log.info("cluster tier on", extra={"master": settings.cluster_master, "local_hostname": hostname,
+                                       "protocol": settings.cluster_protocol})
+    return ClusterTier(connect, ClusterMetrics(metrics.registry), settings.cluster_timeout_seconds,
+                       settings.cluster_retry_seconds, settings.cluster_publish_queue, settings.cluster_buffer_bytes)
+
+
+def kv_events(settings: Settings, device: torch.device, metrics: Metrics):
+    from promptcache.sidecar.kvevents import KVEvents
+
+    sent = Counter("promptcache_kv_events", "KV events sent to routers, by type (BlockStored, BlockRemoved, "
+                   "AllBlocksCleared; dropped: queue full)", ["type"], registry=metrics.registry)
+    try:
+        return KVEvents(settings.kv_events_address, settings.kv_events_id or socket.gethostname(),
+                        settings.chunk_tokens, "GPU" if device.type == "cuda" else "CPU", sent)
+    except Exception as exc:  # noqa: BLE001 - zmq.ZMQError: the address is in use or not ours
+        raise OSError(f"cannot listen on --kv-events-address {settings.kv_events_address}: {exc}") from None
+
+
+def disk_spill(settings: Settings, tier: MemoryTier, metrics: Metrics, tenancy: Tenancy):
+    from promptcache.sidecar.disk import DiskTier  # rocksdict loads only when the disk tier is on
+    from promptcache.sidecar.spill import Spill
+
+    disk = DiskTier(os.path.join(settings.data_dir, "rocksdb"), settings.disk_bytes,
+                    ttl_seconds=settings.ttl_seconds, min_free_bytes=settings.disk_min_free_bytes,
+                    lock_wait_seconds=settings.disk_lock_wait_seconds)
+    log.info("disk tier open", extra={"path": disk.path, "disk_bytes": settings.disk_bytes, **disk.open_report})
+    return Spill(tier, disk, metrics, tenancy)
+
+
+def grpc_server(settings: Settings, guard: Guard) -> tuple[grpc.Server, int]:
+    """The gRPC server with its port bound (OSError naming the flag when it cannot be)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="grpc"),
+                         interceptors=[guard], options=[("grpc.so_reuseport", 0)])
+    if not settings.tls and not is_local_address(settings.grpc_address):
+        log.warning("serving plaintext gRPC on a non-loopback address (--allow-insecure-remote): requests, "
+                    "chunk bytes and bearer tokens cross the network unencrypted",
+                    extra={"grpc": settings.grpc_address})
+    try:
+        port = (server.add_secure_port(settings.grpc_address, server_credentials(
+                    settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file,
+                    settings.token_reload_seconds)) if settings.tls
+                else server.add_insecure_port(settings.grpc_address))
+    except RuntimeError:  # grpcio's "Failed to bind": the TLS files were checked above, so it is the address
+        port = 0
+    if port == 0:
+        why = ("the socket is in use, or its folder is missing or not writable"
+               if settings.grpc_address.startswith("unix:") else
+               "the port is in use, or the host is not an address of this machine")
+        raise OSError(f"cannot listen on --grpc-address {settings.grpc_address}: {why}")
+    return server, port
+
+
+class Sidecar:
+    """One running sidecar: gRPC server, bulk channel, health, reflection, metrics endpoint, TTL sweeper."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings = settings.validate()
+        tokens = TokenStore(settings.token_file, settings.token_reload_seconds) if settings.token_file else None
+        self.authenticator = Authenticator(tokens, mtls=bool(settings.tls_client_ca_file))
+        self.device = resolve_device(settings.device)
+        self.memory_limit = cgroup.memory_limit()
+        cgroup.check_budget(settings.memory_bytes, self.device.type == "cpu", self.memory_limit)
+        self.metrics = metrics = Metrics()
+        self.tier = tier = MemoryTier(settings.memory_bytes, self.device,
+                                      make_policy(settings.eviction_policy, capacity=settings.memory_bytes),
+                                      settings.ttl_seconds, host_memory=chunk_memory(settings, self.device),
+                                      max_lifetime_seconds=settings.max_lifetime_seconds)
+        self.tenancy = Tenancy.from_settings(settings, tier)
+        tier.subscribe(self.tenancy)
+        metrics.watch({"device": tier})
+        metrics.registry.register(TenantCollector(self.tenancy))
+        self.observer = traffic_observer(settings)
+        metrics.registry.register(self.observer)
+        cancelled = Counter("promptcache_calls_cancelled", "calls cancelled by the watchdog, by method and limit "
+                            "(idle: --stream-idle-seconds, duration: --max-call-seconds, rate: "
+                            "--min-put-bytes-per-second)", ["rpc", "limit"], registry=metrics.registry)
+        self.watchdog = Watchdog(settings.max_call_seconds, settings.stream_idle_seconds,
+                                 on_expire=lambda rpc, limit: cancelled.labels(rpc, limit).inc(),
+                                 min_put_bytes_per_second=settings.min_put_bytes_per_second,
+                                 put_rate_window_seconds=settings.put_rate_window_seconds)
+        self.server, self.port = grpc_server(settings, Guard(self.authenticator,
+                                                             CallLimiter(settings.max_calls_per_client),
+                                                             self.watchdog, metrics))
+        self.events = kv_events(settings, self.device, metrics) if settings.kv_events_address else None
+        if self.events is not None:
+            tier.subscribe(self.events)
+        self.spill = disk_spill(settings, tier, metrics, self.tenancy) if settings.disk_bytes > 0 else None
+        if self.spill is not None:
+            tier.subscribe(self.spill)  # capacity evictions are demoted to disk
+            metrics.watch({"disk": self.spill})
+        tier.subscribe(metrics)
+        self.cluster = cluster_tier(settings, metrics) if settings.cluster_master else None
+        buffers = (SharedBuffers(settings.shm_dir, settings.shm_max_buffers, settings.shm_max_bytes,
+                                 settings.shm_idle_seconds) if settings.shm_dir else None)
+        self.engine = CacheEngine(settings, tier, metrics, self.tenancy, self.observer, spill=self.spill,
+                                  cluster=self.cluster, events=self.events, buffers=buffers)
+        self.servicer = KVCacheServicer(self.engine, settings.frame_bytes)
+        frames.add_service(self.servicer, self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+        self.bulk = [BulkServer(address, self.engine, self.authenticator, metrics, settings.bulk_max_connections,
+                                settings.stream_idle_seconds, settings.max_call_seconds,
+                                lend=tier.host_memory is not None,
+                                max_connections_per_peer=settings.bulk_max_connections_per_peer,
+                                hello_seconds=settings.bulk_hello_seconds, watchdog=self.watchdog,
+                                frame_bytes=settings.frame_bytes)
+                     for address in settings.bulk_addresses]
+        self._stop = threading.Event()
+        self._stop_lock = threading.Lock()
+        self.stop_error: str | None = None
+        self._http = None
+        self.metrics_port = None
+
+    @property
+    def bulk_address(self) -> str | None:
+        """The first bulk-channel address (as listening: a TCP port 0 resolved), or None."""
+        return self.bulk[0].address if self.bulk else None
+
+    @property
+    def bulk_addresses(self) -> list[str]:
+        return [b.address for b in self.bulk]
+
+    @property
+    def address(self) -> str:
+        a = self.settings.grpc_address
+        return a if a.startswith("unix:") else f"{a.rsplit(':', 1)[0]}:{self.port}"
+
+    def start(self) -> "Sidecar":
+        """Start serving; OSError naming the flag when a listener cannot be opened (everything opened is closed)."""
+        self.server.start()
+        started = []
+        try:
+            for b in self.bulk:
+                started.append(b.start())
+            if self.settings.metrics_port is not None:
+                try:
+                    self._http, _ = start_http_server(self.settings.metrics_port, addr=self.settings.metrics_host,
+                                                      registry=self.metrics.registry)
+                except OSError as exc:
+                    raise OSError(f"cannot listen on --metrics-host {self.settings.metrics_host} --metrics-port "
+                                  f"{self.settings.metrics_port}: {exc.strerror or exc}") from None
+                self.metrics_port = self._http.server_port
+        except OSError:
+            for b in started:
+                b.stop()
+            if self.events is not None:
+                self.events.close()
+            self.server.stop(0)
+            self.watchdog.stop()
+            if self.spill is not None:
+                self.spill.disk.close()
+            raise
+        if self.cluster is not None:
+            self.cluster.start()
+        if self.events is not None:
+            self.events.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        threading.Thread(target=self._sweep, name="ttl-sweeper", daemon=True).start()
+        self.observer.start()
+        return self
+
+    def _sweep(self) -> None:
+        interval = min(max(self.settings.ttl_seconds / 4, 0.05), 30.0)
+        while not self._stop.wait(interval):
+            self.tier.expire()
+            if self.engine.buffers is not None:
+                self.engine.buffers.reap()
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Idempotent; a second caller waits until the first has finished (the disk flush included). When the
+        disk tier could not be flushed and closed, `stop_error` says why (what it held may be lost)."""
+        with self._stop_lock:
+            if not self._stop.is_set():
+                self._stop.set()
+                self._shutdown(grace)
+
+    def _shutdown(self, grace: float) -> None:
+        self.watchdog.stop()
+        self.health.enter_graceful_shutdown()
+        for b in self.bulk:
+            b.stop()
+        self.server.stop(grace).wait()
+        if self.engine.buffers is not None:
+            self.engine.buffers.close_all()
+        self.observer.stop()  # after the last call: the access log gets every line queued
+        if self.cluster is not None:
+            self.cluster.close()
+        if self.events is not None:
+            self.events.close()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        if self.spill is not None:
+            # A graceful stop (upgrade, rescheduling) keeps the cache: memory goes to disk for the next start.
+            disk = self.spill.disk
+            demoted = self.spill.demote_all()
+            flushed = disk.flush()
+            try:
+                disk.close()
+            except Exception as exc:  # noqa: BLE001 - RocksDB reports I/O errors as plain Exception
+                self.stop_error = f"cannot close the disk tier {disk.path} (--data-dir): {exc}"
+            else:
+                if not flushed:
+                    self.stop_error = f"the disk tier {disk.path} (--data-dir) did not finish its writes in time"
+            if self.stop_error:
+                log.error("%s; what it held may be lost", self.stop_error)
+            else:
+                log.info("disk tier closed", extra={"demoted_on_shutdown": demoted})
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+def serve_from_args(args) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"promptcache serve: {exc}", flush=True)
+        return 2
+    logs.configure(settings.log_level, settings.log_format)
+    try:
+        sidecar = Sidecar(settings).start()
+    except (ValueError, OSError, DiskTierError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    log.info("promptcache sidecar serving", extra={
+        "grpc": sidecar.address, "bulk": ",".join(sidecar.bulk_addresses),
+        "metrics": f"http://{settings.metrics_host}:{sidecar.metrics_port}/metrics",
+        "device": str(sidecar.device), "memory_bytes": settings.memory_bytes,
+        "chunk_tokens": settings.chunk_tokens, "eviction_policy": settings.eviction_policy})
+
+    def stop() -> None:
+        try:
+            sidecar.stop()
+        except Exception as exc:  # noqa: BLE001 - a bug: say so, and exit non-zero
+            log.exception("shutdown failed")
+            sidecar.stop_error = sidecar.stop_error or f"shutdown failed: {exc}"
+            sidecar.server.stop(0)  # so that wait() below returns
+
+    def shutdown(signum, frame):
+        log.info("shutting down", extra={"signal": signal.Signals(signum).name})
+        threading.Thread(target=stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    sidecar.wait()
+    sidecar.stop()  # returns once the shutdown started by the signal has finished
+    return 1 if sidecar.stop_error else 0
