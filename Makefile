@@ -54,12 +54,12 @@ test: install system-deps tools
 	$(MAKE) test-vllm
 
 # vLLM's CPU backend in its own virtualenv outside the checkout (~6 GB, rebuilt only when hack/vllm-env.sh's pins
-# change), and the test model converted once to safetensors (promptcache.models, cached outside the checkout).
+# change), and the test model converted once to safetensors (promptcache.devtools.models, cached outside the checkout).
 vllm-env:
 	@hack/vllm-env.sh > /dev/null
 
 test-vllm: install vllm-env
-	$(PY) -m promptcache.models > /dev/null
+	$(PY) -m promptcache.devtools.models > /dev/null
 	PROMPTCACHE_VLLM_PYTHON=$$(hack/vllm-env.sh) $(PY) -m pytest tests/vllm $(PYTEST_ARGS)
 
 bench: install system-deps
@@ -67,13 +67,13 @@ bench: install system-deps
 	$(VENV)/bin/promptcache bench throughput
 	$(VENV)/bin/promptcache bench latency
 	$(VENV)/bin/promptcache bench replay --synthetic all --policy all
-	$(PY) -m promptcache.sidecar.disk
+	$(PY) -m promptcache.devtools.bench.disk
 	$(VENV)/bin/promptcache bench fidelity
 	$(VENV)/bin/promptcache bench ttft
 
 # vLLM with and without the connector, and with its own prefix cache (minutes; never beside make test: memory).
 bench-vllm: install vllm-env
-	$(PY) -m promptcache.models > /dev/null
+	$(PY) -m promptcache.devtools.models > /dev/null
 	PROMPTCACHE_VLLM_PYTHON=$$(hack/vllm-env.sh) $(VENV)/bin/promptcache bench vllm
 
 # The README's pictures, regenerated (a few minutes; the TTFT one runs the real model, the closed loop the API server).
@@ -88,13 +88,13 @@ plots: install system-deps tools
 	$(PY) -m pytest tests/operator/test_closed_loop.py -k plaintext -q --closed-loop-plot docs/img/closed-loop.png
 
 fuzz: install
-	$(PY) -m promptcache.fuzz --requests 100000
+	$(PY) -m promptcache.devtools.fuzz --requests 100000
 
 loadtest: install
 	$(VENV)/bin/promptcache bench loadtest --clients 16 --duration 60
 
 demo: install
-	$(PY) -m promptcache.demo
+	$(PY) -m promptcache.devtools.demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis bench-results

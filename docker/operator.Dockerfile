@@ -15,8 +15,8 @@ RUN python -m venv /venv \
       prometheus-client==0.26.0 \
  && /venv/bin/pip uninstall -y pip setuptools wheel || true
 COPY operator/promptcache/operator /app/promptcache/operator
-# The one Kubernetes-quantity parser, shared with the sidecar (promptcache.quantity).
-COPY sidecar/promptcache/quantity.py /app/promptcache/quantity.py
+# The one Kubernetes-quantity parser, shared with the sidecar (promptcache.contract.quantity).
+COPY sidecar/promptcache/contract/quantity.py /app/promptcache/contract/quantity.py
 RUN /venv/bin/python -m compileall -q /app
 
 FROM ${PYTHON_IMAGE}

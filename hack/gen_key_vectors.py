@@ -1,8 +1,8 @@
-"""Regenerate docs/key-vectors.json from promptcache.keys (run only when the spec version changes)."""
+"""Regenerate docs/key-vectors.json from promptcache.contract.keys (run only when the spec version changes)."""
 import json
 from pathlib import Path
 
-from promptcache.keys import ModelSpec, chunk_keys, fingerprint
+from promptcache.contract.keys import ModelSpec, chunk_keys, fingerprint
 
 CASES = [
     {"name": "smollm2-fp32", "spec": ModelSpec("HuggingFaceTB/SmolLM2-135M-Instruct", "gguf-q4_1", "float32", 30, 3, 64),

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from promptcache.keys import ModelSpec
-from promptcache.procs import free_port, stop_process, wait_healthy  # noqa: F401 - free_port re-exported
+from promptcache.contract.keys import ModelSpec
+from promptcache.devtools.procs import free_port, stop_process, wait_healthy  # noqa: F401 - free_port re-exported
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ModelSpec("test/tiny-llama", "rev-1", "float32", num_layers=2, num_kv_heads=2, head_dim=8)
@@ -19,7 +19,7 @@ CHUNK = 16
 
 def make_kv(spec: ModelSpec, tokens: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Random per-layer (K, V), [1, H, tokens, D] in the spec's dtype."""
-    from promptcache.layout import TORCH_DTYPES
+    from promptcache.contract.layout import TORCH_DTYPES
 
     g = torch.Generator().manual_seed(seed)
     dtype = TORCH_DTYPES[spec.kv_dtype]

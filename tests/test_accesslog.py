@@ -6,11 +6,11 @@ import os
 import subprocess
 import sys
 
-from promptcache import keys as keyspec
-from promptcache.bench import traces
-from promptcache.bench.replay import prepare, simulate_policy
+from promptcache.contract import keys as keyspec
+from promptcache.devtools.bench import traces
+from promptcache.devtools.bench.replay import prepare, simulate_policy
 from promptcache.client import PromptCacheClient
-from promptcache.keys import ModelSpec
+from promptcache.contract.keys import ModelSpec
 from promptcache.sidecar.accesslog import AccessLog, log_sampled
 from promptcache.sidecar.policies import make_policy
 

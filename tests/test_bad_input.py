@@ -10,10 +10,10 @@ import pytest
 from support import CHUNK, SMALL, make_kv
 from promptcache.client import PromptCacheClient, errors
 from promptcache.client.client import encode_chunk
-from promptcache.layout import chunk_nbytes
+from promptcache.contract.layout import chunk_nbytes
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
-from promptcache.wire import model_to_proto
+from promptcache.contract.wire import model_to_proto
 
 MODEL = model_to_proto(SMALL)
 NBYTES = chunk_nbytes(SMALL, CHUNK)

@@ -1,6 +1,6 @@
 """The bulk channel (docs/bulk-channel.md): Get over a plain socket next to gRPC, against a real sidecar.
 
-Raw-socket tests speak the framing by hand (promptcache.bulkwire) to send what the client never would.
+Raw-socket tests speak the framing by hand (promptcache.contract.bulkwire) to send what the client never would.
 """
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import grpc
 import pytest
 import torch
 
-from promptcache import bulkwire
+from promptcache.contract import bulkwire
 from promptcache.client import PromptCacheClient, errors
-from promptcache.keys import ModelSpec
+from promptcache.contract.keys import ModelSpec
 from promptcache.sidecar.config import Settings
 from promptcache.sidecar.app import Sidecar
 from promptcache.v1 import kvcache_pb2 as pb
-from promptcache.wire import model_to_proto
+from promptcache.contract.wire import model_to_proto
 from support import CHUNK, SMALL, free_port, make_kv, metric
 from test_auth import pki, token_dir  # noqa: F401 - fixtures
 

@@ -16,7 +16,7 @@ import torch
 
 from support import CHUNK, SMALL, SidecarProcess, free_port, make_kv, metric
 from promptcache.client import PromptCacheClient
-from promptcache.procs import wait_until
+from promptcache.devtools.procs import wait_until
 from promptcache.sidecar.cluster import decode_record, encode_record, verify
 from promptcache.sidecar.store import checksum
 from test_auth import write_secret_dir
@@ -154,9 +154,9 @@ def test_a_record_is_served_only_for_its_fingerprint_before_it_expires_and_with_
 
 
 def test_fleet_simulation_a_shared_tier_and_prefix_routing_each_raise_the_hit_ratio():
-    from promptcache.bench import traces
-    from promptcache.bench.cluster import simulate
-    from promptcache.bench.replay import prepare
+    from promptcache.devtools.bench import traces
+    from promptcache.devtools.bench.cluster import simulate
+    from promptcache.devtools.bench.replay import prepare
 
     reqs, ws = prepare(traces.generate("chat", seed=1, scale=0.2))
     node, shared = int(ws * 0.05), int(ws * 0.25)

@@ -16,7 +16,7 @@ import torch
 
 from support import CHUNK, SMALL, free_port, make_kv
 from promptcache.client import PromptCacheClient, errors
-from promptcache.procs import stop_process
+from promptcache.devtools.procs import stop_process
 from promptcache.client.credentials import client_channel
 
 KILLS = int(os.environ.get("PROMPTCACHE_TEST_KILLS", "4"))
@@ -126,7 +126,7 @@ def test_kill_9_under_load_and_restart():
 
 @pytest.mark.timeout(600)
 def test_memory_budget_under_64_concurrent_clients():
-    from promptcache.bench import loadtest
+    from promptcache.devtools.bench import loadtest
 
     p = argparse.ArgumentParser()
     loadtest.add_arguments(p)

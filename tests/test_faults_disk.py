@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 
 from promptcache.client import PromptCacheClient
-from promptcache.keys import ModelSpec
-from promptcache.layout import chunk_nbytes
+from promptcache.contract.keys import ModelSpec
+from promptcache.contract.layout import chunk_nbytes
 from support import SMALL, SidecarProcess, make_kv
 from support import metric as sidecar_metric
 

@@ -13,11 +13,11 @@ import pytest
 from support import CHUNK, SMALL, make_kv
 from promptcache.client import PromptCacheClient
 from promptcache.client.client import encode_chunk
-from promptcache.keys import ModelSpec
-from promptcache.layout import chunk_nbytes
+from promptcache.contract.keys import ModelSpec
+from promptcache.contract.layout import chunk_nbytes
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
-from promptcache.wire import model_to_proto
+from promptcache.contract.wire import model_to_proto
 
 NBYTES = chunk_nbytes(SMALL, CHUNK)
 SHAPE = [SMALL.num_layers, 2, SMALL.num_kv_heads, CHUNK, SMALL.head_dim]

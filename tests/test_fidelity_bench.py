@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from promptcache import models
-from promptcache.bench import fidelity, ttft
+from promptcache.devtools import models
+from promptcache.devtools.bench import fidelity, ttft
 
 
 def _tokens(n, seed=0):

@@ -10,7 +10,9 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from promptcache import models, quant
+from promptcache.devtools import models
+
+from promptcache.contract import quant
 from promptcache.client import PromptCacheClient
 from promptcache.client.client import encode_chunk
 from promptcache.client.hf import PromptCacheHF, cache_kv, cache_kwargs, output_cache

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from promptcache import models
+from promptcache.devtools import models
 from promptcache.client import PromptCacheClient
 from promptcache.client.hf import PromptCacheHF
 

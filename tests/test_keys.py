@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from support import REPO
-from promptcache.keys import ModelSpec, chunk_keys, fingerprint
+from promptcache.contract.keys import ModelSpec, chunk_keys, fingerprint
 
 VECTORS = json.loads((REPO / "docs/key-vectors.json").read_text())
 BASE = ModelSpec("m", "r", "float16", 4, 2, 8)
@@ -22,7 +22,7 @@ def spec_of(v) -> ModelSpec:
 
 
 def reference_keys(v):
-    """Written from docs/keys.md alone, sharing no code with promptcache.keys."""
+    """Written from docs/keys.md alone, sharing no code with promptcache.contract.keys."""
     m = v["model"]
     f = lambda tag, p: bytes([tag]) + len(p).to_bytes(4, "little") + p  # noqa: E731
     u = lambda x: x.to_bytes(4, "little")  # noqa: E731

@@ -163,7 +163,7 @@ def test_each_pod_using_a_model_gets_its_holdings_under_its_own_id(sidecar_facto
 
     from promptcache.v1 import kvcache_pb2 as pb
     from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
-    from promptcache.wire import model_to_proto
+    from promptcache.contract.wire import model_to_proto
 
     sidecar = sidecar_factory(kv_events_address="tcp://127.0.0.1:*", kv_events_id="node-1")
     sub = _subscribe(sidecar.events.address)

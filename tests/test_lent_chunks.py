@@ -19,14 +19,14 @@ import grpc
 import pytest
 import torch
 
-from promptcache import bulkwire
+from promptcache.contract import bulkwire
 from promptcache.client import PromptCacheClient
 from promptcache.client.bulk import LentChunks
 from promptcache.sidecar.config import Settings
 from promptcache.sidecar.memfd import ChunkMemory
 from promptcache.sidecar.app import Sidecar
 from promptcache.v1 import kvcache_pb2 as pb
-from promptcache.wire import model_to_proto
+from promptcache.contract.wire import model_to_proto
 from support import CHUNK, SMALL, make_kv, metric
 from test_auth import token_dir  # noqa: F401 - fixture
 

@@ -22,14 +22,14 @@ import numpy as np
 import psutil
 import pytest
 
-from promptcache import bulkwire
+from promptcache.contract import bulkwire
 from promptcache.client import PromptCacheClient, errors
 from promptcache.client.client import encode_chunk
-from promptcache.keys import ModelSpec
-from promptcache.layout import chunk_nbytes
+from promptcache.contract.keys import ModelSpec
+from promptcache.contract.layout import chunk_nbytes
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
-from promptcache.wire import model_to_proto
+from promptcache.contract.wire import model_to_proto
 from support import CHUNK, SMALL, SidecarProcess, make_kv
 from test_auth import write_secret_dir
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from promptcache.bench import loadtest
+from promptcache.devtools.bench import loadtest
 
 
 def args(**overrides) -> argparse.Namespace:

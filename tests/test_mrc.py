@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from promptcache.bench import traces
-from promptcache.bench.replay import simulate_policy
+from promptcache.devtools.bench import traces
+from promptcache.devtools.bench.replay import simulate_policy
 from promptcache.client import PromptCacheClient
-from promptcache.keys import ModelSpec
-from promptcache.layout import chunk_nbytes
+from promptcache.contract.keys import ModelSpec
+from promptcache.contract.layout import chunk_nbytes
 from promptcache.sidecar.config import Settings
 from promptcache.sidecar.mrc import MissRatioCurve, default_sizes, parse_sizes, sampled
 from promptcache.sidecar.policies import make_policy
@@ -45,7 +45,7 @@ def shared_traces() -> Path | None:
 
 
 def exact_curve(reqs, chunk_bytes: int, sizes: list[int], policy: str = POLICY) -> list[float]:
-    """The exact replay (promptcache.bench.replay) with every chunk `chunk_bytes` long, at each size."""
+    """The exact replay (promptcache.devtools.bench.replay) with every chunk `chunk_bytes` long, at each size."""
     prepared = [(r.hash_ids, [chunk_bytes] * len(r.hash_ids)) for r in reqs]
     out = []
     for s in sizes:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from promptcache.bench.replay import simulate_policy
+from promptcache.devtools.bench.replay import simulate_policy
 from promptcache.sidecar.policies import (DEFAULT_POLICY, LRU, POLICIES, ROOT_PARENT, FrequencySketch, WTinyLFU,
                                           make_policy)
 
@@ -216,7 +216,7 @@ def test_sketch_of_a_huge_budget_stays_bounded_and_consistent():
 
 def test_default_beats_lru_on_a_small_chat_trace():
     """Issue #3's target on a small draw of the chat generator (the cell the 50 % start window lost on)."""
-    from promptcache.bench import replay, traces
+    from promptcache.devtools.bench import replay, traces
 
     reqs, ws = replay.prepare(traces.generate("chat", seed=0, scale=0.2))
     for fraction in (0.05, 0.10):
@@ -228,7 +228,7 @@ def test_default_beats_lru_on_a_small_chat_trace():
 
 def test_wtinylfu_window_stays_within_bounds():
     """The hill climber never takes the window past max_window: a TinyLFU-filtered main space always remains."""
-    from promptcache.bench import replay, traces
+    from promptcache.devtools.bench import replay, traces
 
     reqs, ws = replay.prepare(traces.generate("agent", seed=1, scale=0.1))
     cap = int(ws * 0.1)

@@ -9,9 +9,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from promptcache import quant
-from promptcache.keys import ModelSpec
-from promptcache.layout import chunk_nbytes
+from promptcache.contract import quant
+from promptcache.contract.keys import ModelSpec
+from promptcache.contract.layout import chunk_nbytes
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MODES = ("k8v8", "k8v4")
@@ -102,7 +102,7 @@ K8V4_FORMAT1_FINGERPRINT = "e9ce6d5f9d143432b4906783e2b6ffeb4c2af5a181d461e99a7c
 
 def test_k8v4_format1_chunks_are_never_misread():
     """Format-1 chunks get other keys (fingerprint field 7 is "k8v4.2") and, if one arrived anyway, are refused."""
-    from promptcache.keys import QUANT_FORMATS, fingerprint
+    from promptcache.contract.keys import QUANT_FORMATS, fingerprint
 
     spec = ModelSpec("meta-llama/Llama-3.1-8B", "sha256:0123abcd", "bfloat16", 32, 8, 128, "k8v4", b"tenant-a")
     assert QUANT_FORMATS["k8v4"] == "k8v4.2"

@@ -1,4 +1,4 @@
-"""promptcache.quantity: the one Kubernetes-quantity parser of the sidecar and the operator, exact (decimal)."""
+"""promptcache.contract.quantity: the one Kubernetes-quantity parser of the sidecar and the operator, exact (decimal)."""
 from __future__ import annotations
 
 from decimal import Decimal
@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from promptcache.operator.model import SpecError, quantity_bytes
-from promptcache.quantity import parse_bytes, parse_quantity
+from promptcache.contract.quantity import parse_bytes, parse_quantity
 from promptcache.sidecar import config
 
 

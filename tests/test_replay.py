@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from promptcache.bench import opt, replay, traces
+from promptcache.devtools.bench import opt, replay, traces
 from promptcache.sidecar.policies import DEFAULT_POLICY, POLICIES, make_policy
 
 

@@ -14,13 +14,13 @@ import torch
 from support import CHUNK, metrics_text
 from promptcache.client import PromptCacheClient, errors
 from promptcache.client.client import encode_chunk
-from promptcache.keys import ModelSpec
-from promptcache.layout import chunk_nbytes, chunk_shape
+from promptcache.contract.keys import ModelSpec
+from promptcache.contract.layout import chunk_nbytes, chunk_shape
 from promptcache.sidecar.policies import make_policy
 from promptcache.sidecar.store import MemoryTier, NoRoom
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
-from promptcache.wire import model_to_proto
+from promptcache.contract.wire import model_to_proto
 
 BIG = ModelSpec("test/big", "rev-1", "float32", num_layers=8, num_kv_heads=8, head_dim=64)
 BIG_BYTES = chunk_nbytes(BIG, CHUNK)  # 512 KiB

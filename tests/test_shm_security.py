@@ -16,12 +16,12 @@ import torch
 
 from support import CHUNK, SMALL, make_kv
 from promptcache.client import PromptCacheClient
-from promptcache.layout import chunk_nbytes, chunk_shape
+from promptcache.contract.layout import chunk_nbytes, chunk_shape
 from promptcache.client.credentials import client_channel
 from promptcache.sidecar.identity import Identity
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
-from promptcache.wire import NAME_TO_DTYPE, model_to_proto
+from promptcache.contract.wire import NAME_TO_DTYPE, model_to_proto
 from test_auth import write_secret_dir
 
 NBYTES = chunk_nbytes(SMALL, CHUNK)

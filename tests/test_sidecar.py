@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from support import CHUNK, SMALL, make_kv, metric, metrics_text
 from promptcache.client import PromptCacheClient, errors
-from promptcache.layout import chunk_nbytes
+from promptcache.contract.layout import chunk_nbytes
 from promptcache.sidecar.auth import ANONYMOUS
 
 CHUNK_BYTES = chunk_nbytes(SMALL, CHUNK)  # 2 layers * 2 * 2 heads * 16 tokens * 8 dim * 4 bytes = 4096
@@ -264,7 +264,7 @@ def test_shared_buffers_are_only_those_the_sidecar_created(sidecar_factory, tmp_
     handles nobody was granted."""
     from promptcache.v1 import kvcache_pb2 as pb
     from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
-    from promptcache.wire import model_to_proto
+    from promptcache.contract.wire import model_to_proto
 
     shm = tmp_path / "shm"
     shm.mkdir()
@@ -299,11 +299,11 @@ def test_a_truncated_shared_buffer_is_refused_not_a_crash(sidecar_factory, tmp_p
     import xxhash
 
     from promptcache.client.client import encode_chunk
-    from promptcache.layout import chunk_shape
-    from promptcache.shm import SharedBufferError
+    from promptcache.contract.layout import chunk_shape
+    from promptcache.contract.shm import SharedBufferError
     from promptcache.v1 import kvcache_pb2 as pb
     from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
-    from promptcache.wire import NAME_TO_DTYPE, model_to_proto
+    from promptcache.contract.wire import NAME_TO_DTYPE, model_to_proto
 
     shm = tmp_path / "shm"
     shm.mkdir()
@@ -344,10 +344,10 @@ def test_a_truncated_shared_buffer_is_refused_not_a_crash(sidecar_factory, tmp_p
 
 def test_pre_encoded_data_frames_are_plain_proto_on_the_wire(client, sidecar):
     """The server's fast data frames must parse as ordinary GetResponse messages for any other client."""
-    from promptcache import frames
+    from promptcache.contract import frames
     from promptcache.v1 import kvcache_pb2 as pb
     from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
-    from promptcache.wire import model_to_proto
+    from promptcache.contract.wire import model_to_proto
 
     payload = bytes(range(256)) * 1000
     encoded = frames.encode_data_frame(memoryview(payload))

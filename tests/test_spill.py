@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from promptcache.client import PromptCacheClient, errors
-from promptcache.layout import chunk_nbytes
+from promptcache.contract.layout import chunk_nbytes
 from support import CHUNK, SMALL, SidecarProcess, make_kv
 
 CHUNK_BYTES = chunk_nbytes(SMALL, CHUNK)

@@ -13,10 +13,10 @@ import torch
 
 from support import CHUNK, SMALL, make_kv
 from promptcache.client import PromptCacheClient, errors
-from promptcache.layout import chunk_nbytes
+from promptcache.contract.layout import chunk_nbytes
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
-from promptcache.wire import model_to_proto
+from promptcache.contract.wire import model_to_proto
 from test_auth import write_secret_dir
 
 NBYTES = chunk_nbytes(SMALL, CHUNK)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from promptcache.client import PromptCacheClient
-from promptcache.layout import chunk_nbytes
+from promptcache.contract.layout import chunk_nbytes
 from promptcache.sidecar.policies import make_policy
 from promptcache.sidecar.store import MemoryTier
 from support import CHUNK, SMALL, make_kv

@@ -1,11 +1,11 @@
-"""promptcache.vllm_layout: vLLM paged KV blocks <-> canonical chunks. Each known layout is checked against an
+"""promptcache.client.vllm_layout: vLLM paged KV blocks <-> canonical chunks. Each known layout is checked against an
 independent construction of the block from its description (reshape/permute, not the position formulas)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from promptcache import vllm_layout as vl
+from promptcache.client import vllm_layout as vl
 
 N, D, H, L = 32, 64, 3, 2
 

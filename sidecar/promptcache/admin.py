@@ -154,7 +154,7 @@ def _client(args):
 
 
 def _spec(args):
-    from promptcache.keys import ModelSpec
+    from promptcache.contract.keys import ModelSpec
 
     return ModelSpec(args.model, args.revision, args.kv_dtype, args.layers, args.kv_heads, args.head_dim,
                      quantization=args.quantization, tenant_salt=args.tenant_salt.encode()).validate()

@@ -7,14 +7,14 @@ import sys
 
 # Sub-benchmarks: name -> module with add_arguments(parser) and run(args) -> int.
 BENCHES = {
-    "throughput": "promptcache.bench.throughput",
-    "latency": "promptcache.bench.latency",
-    "replay": "promptcache.bench.replay",
-    "cluster": "promptcache.bench.cluster",
-    "fidelity": "promptcache.bench.fidelity",
-    "ttft": "promptcache.bench.ttft",
-    "loadtest": "promptcache.bench.loadtest",
-    "vllm": "promptcache.bench.vllm",
+    "throughput": "promptcache.devtools.bench.throughput",
+    "latency": "promptcache.devtools.bench.latency",
+    "replay": "promptcache.devtools.bench.replay",
+    "cluster": "promptcache.devtools.bench.cluster",
+    "fidelity": "promptcache.devtools.bench.fidelity",
+    "ttft": "promptcache.devtools.bench.ttft",
+    "loadtest": "promptcache.devtools.bench.loadtest",
+    "vllm": "promptcache.devtools.bench.vllm",
 }
 
 

@@ -25,8 +25,8 @@ import time
 import pytest
 
 from promptcache.client import PromptCacheClient
-from promptcache.keys import ModelSpec
-from promptcache.layout import chunk_nbytes
+from promptcache.contract.keys import ModelSpec
+from promptcache.contract.layout import chunk_nbytes
 from promptcache.operator import autoscale, metrics_source, tuning
 from promptcache.operator.builders import OperatorDefaults
 from promptcache.operator.kube import Kube, configuration_from_environment, object_path
@@ -210,7 +210,7 @@ def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path, secure
         print("\n" + _table(rows))
         plot = request.config.getoption("--closed-loop-plot")
         if plot and not secured:  # the trajectory as a picture: `make plots` (docs/img/closed-loop.png)
-            from promptcache.bench import plots
+            from promptcache.devtools.bench import plots
 
             plots.closed_loop(rows, TARGET, plot)
         assert rows[-1][1] == MIN and rows[-1][2] == MIN, _table(rows)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Literal, get_args, get_origin
 
-from promptcache import quantity
+from promptcache.contract import quantity
 
 GROUP = "promptcache.io"
 VERSION = "v1alpha1"
@@ -38,7 +38,7 @@ class SpecError(ValueError):
 
 
 def parse_quantity(text: str | int) -> Decimal:
-    """Kubernetes quantity -> exact number ('16Gi' -> 17179869184; promptcache.quantity). Raises SpecError."""
+    """Kubernetes quantity -> exact number ('16Gi' -> 17179869184; promptcache.contract.quantity). Raises SpecError."""
     try:
         return quantity.parse_quantity(text)
     except ValueError as exc:

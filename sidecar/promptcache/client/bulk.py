@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import xxhash
 
-from promptcache import bulkwire
+from promptcache.contract import bulkwire
 from promptcache.client import errors
 from promptcache.v1 import kvcache_pb2 as pb
 

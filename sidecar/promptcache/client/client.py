@@ -1,7 +1,7 @@
 """PromptCacheClient: lookup, put and get of per-layer K/V tensors over gRPC (TCP or a unix socket).
 
 Chunks travel as one contiguous blob each ([layers, 2, kv_heads, chunk_tokens, head_dim], see
-promptcache.layout); quantized modes are packed here, before the bytes leave the process, and unpacked
+promptcache.contract.layout); quantized modes are packed here, before the bytes leave the process, and unpacked
 after they arrive. Every chunk received is checked against the checksum the server sent with it.
 """
 from __future__ import annotations
@@ -17,14 +17,14 @@ import numpy as np
 import torch
 import xxhash
 
-from promptcache import frames
+from promptcache.contract import frames
 from promptcache.client import errors
-from promptcache.keys import ModelSpec
-from promptcache.layout import TORCH_DTYPES, chunk_nbytes, chunk_shape
-from promptcache.shm import ClientBuffers, SharedBufferError
+from promptcache.contract.keys import ModelSpec
+from promptcache.contract.layout import TORCH_DTYPES, chunk_nbytes, chunk_shape
+from promptcache.contract.shm import ClientBuffers, SharedBufferError
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
-from promptcache.wire import NAME_TO_DTYPE, TIER_NAMES, model_to_proto
+from promptcache.contract.wire import NAME_TO_DTYPE, TIER_NAMES, model_to_proto
 
 log = logging.getLogger("promptcache.client")
 T = TypeVar("T")
@@ -393,7 +393,7 @@ def _receive(stream: Iterable, start_chunk: int) -> list[torch.Tensor]:
             raise errors.CorruptChunk(f"chunk {current.index} failed its checksum in transit")
 
     for msg in stream:
-        if isinstance(msg, memoryview):  # a data frame (promptcache.frames), or a parsed message otherwise
+        if isinstance(msg, memoryview):  # a data frame (promptcache.contract.frames), or a parsed message otherwise
             data = msg
         elif msg.WhichOneof("frame") == "chunk":
             if current is not None:
@@ -457,7 +457,7 @@ def encode_chunk(spec: ModelSpec, kv: KV, start: int, stop: int) -> torch.Tensor
                          for k, v in kv]).cpu()
     if spec.quantization == "none":
         return chunk.contiguous().view(torch.uint8).reshape(-1)
-    from promptcache import quant
+    from promptcache.contract import quant
 
     return quant.pack(spec.quantization, chunk)
 
@@ -469,7 +469,7 @@ def decode_chunk(spec: ModelSpec, index: int, blob: torch.Tensor, expected: int,
         raise errors.CorruptChunk(f"chunk {index} has {blob.numel()} bytes; this model's layout needs {expected}")
     if spec.quantization == "none":
         return blob.view(dtype).reshape(shape)
-    from promptcache import quant
+    from promptcache.contract import quant
 
     try:
         return quant.unpack(spec.quantization, blob, shape, spec.kv_dtype)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from promptcache.wire import AUTHORIZATION
+from promptcache.contract.wire import AUTHORIZATION
 
 
 class TokenSource:

@@ -43,7 +43,7 @@ import torch
 from promptcache.client import errors
 from promptcache.client.client import PromptCacheClient, encode_chunk
 from promptcache.client.metrics import COMPUTED_TOKENS, FALLBACKS, FETCH_SECONDS, REUSED_TOKENS, STORES
-from promptcache.keys import ModelSpec
+from promptcache.contract.keys import ModelSpec
 
 log = logging.getLogger("promptcache.client.hf")
 
@@ -173,8 +173,8 @@ def adopt_cache(model, kv) -> object:
 def decode_prefix(spec: ModelSpec, blobs, chunk_tokens: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Blobs of consecutive chunks -> per-layer (K, V) [1, H, C*chunk_tokens, D], decoded straight into one buffer
     (one copy for mode none; quantized chunks are dequantized in place). CorruptChunk on any bad chunk."""
-    from promptcache import quant
-    from promptcache.layout import TORCH_DTYPES, chunk_nbytes, chunk_shape
+    from promptcache.contract import quant
+    from promptcache.contract.layout import TORCH_DTYPES, chunk_nbytes, chunk_shape
 
     shape = chunk_shape(spec, chunk_tokens)
     expected = chunk_nbytes(spec, chunk_tokens)
@@ -209,7 +209,7 @@ class PromptCacheHF:
                  model_id: str | None = None, revision: str = "", tenant_salt: bytes = b"",
                  fetch_timeout: float = 1.0, store_timeout: float = 30.0, store: bool = True,
                  max_pending_stores: int = 8, verify_finite: bool = True):
-        from promptcache.layout import DTYPE_NAMES
+        from promptcache.contract.layout import DTYPE_NAMES
 
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = cfg.num_attention_heads

@@ -19,13 +19,13 @@ What happens to a request:
    are copied out of their blocks (one copy) and handed to a background thread that converts them to the canonical
    chunk layout and Puts them. The queue is bounded: when it is full the save is dropped and counted, never blocking.
 
-The fingerprint (promptcache.keys.ModelSpec) comes from the engine's config: model id (served name), revision (the
+The fingerprint (promptcache.contract.keys.ModelSpec) comes from the engine's config: model id (served name), revision (the
 configured revision, else a digest of the weight files), KV dtype, layers, KV heads, head dim, the quantization mode;
 vLLM's per-request ``cache_salt`` is the tenant salt, so salted requests share only with the same salt.
 
 Layouts: vLLM's CPU attention backend is supported (fp32/fp16 "vec" and bf16 AMX); the layout is not assumed but
 measured once at start-up by writing probe values through the backend's own cache-write kernel
-(promptcache.vllm_layout.identify). Any other backend, an fp8 KV cache or a layout the probe does not recognise is
+(promptcache.client.vllm_layout.identify). Any other backend, an fp8 KV cache or a layout the probe does not recognise is
 logged once and the connector stays inert: every request is a normal prefill. A chunk is never stored or served in
 a layout that was not identified.
 
@@ -61,14 +61,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from promptcache import vllm_layout
+from promptcache.client import vllm_layout
 from promptcache.client import errors
 from promptcache.client.client import decode_chunk
 from promptcache.client.hf import _warn, fallback_reason
 from promptcache.client.metrics import (FALLBACKS, FETCH_SECONDS, HITS, LOAD_SECONDS, REUSED_TOKENS,
                                         SAVE_COPY_SECONDS, SAVE_SECONDS, STORES)
-from promptcache.keys import ModelSpec
-from promptcache.layout import DTYPE_NAMES, TORCH_DTYPES, chunk_nbytes, chunk_shape
+from promptcache.contract.keys import ModelSpec
+from promptcache.contract.layout import DTYPE_NAMES, TORCH_DTYPES, chunk_nbytes, chunk_shape
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402 - vLLM is this module's host
     KVConnectorBase_V1,
@@ -436,7 +436,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
                 vllm_layout.read_layer(snapshot[layer], kv[layer], self._layout, self.block_size)
             chunks = vllm_layout.split_chunks(kv, op.chunk_tokens)
             if op.spec.quantization != "none":
-                from promptcache import quant
+                from promptcache.contract import quant
 
                 chunks = [quant.pack(op.spec.quantization, c) for c in chunks]
             blobs = {op.first_chunk + i: c for i, c in enumerate(chunks)}

@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, start_http_server
 
-from promptcache import frames
+from promptcache.contract import frames
 from promptcache.sidecar import cgroup, logs, memfd
 from promptcache.sidecar.auth import Authenticator, TokenStore, server_credentials
 from promptcache.sidecar.bulk import BulkServer

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import ssl
 import threading
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import grpc
 
-from promptcache.wire import AUTHORIZATION
+from promptcache.contract.wire import AUTHORIZATION
 from promptcache.sidecar.identity import ANONYMOUS, TENANT_NAME, Identity, check_tenant_name  # noqa: F401
 
 log = logging.getLogger("promptcache.sidecar.auth")

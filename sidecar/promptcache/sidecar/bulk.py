@@ -26,7 +26,7 @@ import time
 import grpc
 import numpy as np
 
-from promptcache import bulkwire
+from promptcache.contract import bulkwire
 from promptcache.sidecar.errors import CacheError, Cancelled, InvalidRequest, TimedOut
 from promptcache.sidecar.identity import Caller
 from promptcache.sidecar.limits import LARGE_REQUEST_TOKENS

@@ -15,7 +15,7 @@ Every flag can also be set by an environment variable: --memory-bytes is PROMPTC
 Byte sizes accept Kubernetes quantities: 512Mi, 4Gi, 1G, or plain integers.
 """
 
-from promptcache.quantity import parse_bytes  # noqa: E402,F401 - byte flags are Kubernetes quantities
+from promptcache.contract.quantity import parse_bytes  # noqa: E402,F401 - byte flags are Kubernetes quantities
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class Settings:
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.bulk_address:
-            from promptcache.bulkwire import parse_address
+            from promptcache.contract.bulkwire import parse_address
 
             for address in self.bulk_addresses:
                 try:
@@ -198,6 +198,7 @@ class Settings:
             raise ValueError(f"--kv-events-address must be a ZMQ endpoint tcp://HOST:PORT or ipc://PATH, got "
                              f"{self.kv_events_address!r}")
         self._validate_security()
+        self._validate_chunk_size()
         if self.bulk_zero_copy == "on" and not any(a.startswith("unix:") for a in self.bulk_addresses):
             raise ValueError("--bulk-zero-copy on needs a unix-socket --bulk-address (unix:/PATH): descriptors "
                              "cannot cross TCP")
@@ -216,6 +217,29 @@ class Settings:
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert_file)
+
+    def _validate_chunk_size(self) -> None:
+        """Refuse a chunk size no Put could ever store: even the smallest model (one layer, one KV head, the
+        narrowest head) in the smallest mode served would have chunks over --max-chunk-bytes or the budget."""
+        from promptcache.contract.keys import QUANT_MODES, ModelSpec
+        from promptcache.contract.layout import chunk_nbytes
+
+        modes = QUANT_MODES if self.quantization == "any" else (self.quantization,)
+        smallest = None
+        for mode in modes:
+            for head_dim in (1, 2):  # some packed modes need an even head_dim
+                spec = ModelSpec(model_id="m", revision="", kv_dtype="float16", num_layers=1, num_kv_heads=1,
+                                 head_dim=head_dim, quantization=mode)
+                try:
+                    n = chunk_nbytes(spec, self.chunk_tokens)
+                except ValueError:
+                    continue
+                smallest = n if smallest is None else min(smallest, n)
+        limit = min(self.max_chunk_bytes, self.memory_bytes)
+        if smallest is not None and smallest > limit:
+            which = "--max-chunk-bytes" if self.max_chunk_bytes <= self.memory_bytes else "--memory-bytes"
+            raise ValueError(f"--chunk-tokens {self.chunk_tokens}: even the smallest chunk (one layer, one KV head) "
+                             f"takes {smallest} bytes, more than {which} {limit}; no Put could ever store one")
 
     def _validate_security(self) -> None:
         """Cross-field checks of TLS, authentication, tenancy and where plaintext may listen."""

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from promptcache import keys as keyspec
-from promptcache.keys import ModelSpec
-from promptcache.layout import chunk_nbytes, chunk_shape
-from promptcache.shm import SharedBufferError, SharedFile
+from promptcache.contract import keys as keyspec
+from promptcache.contract.keys import ModelSpec
+from promptcache.contract.layout import chunk_nbytes, chunk_shape
+from promptcache.contract.shm import SharedBufferError, SharedFile
 from promptcache.sidecar import cgroup
 from promptcache.sidecar.errors import (CacheError, DataLoss, InvalidRequest, NoCapacity, NotFound, NotServed,
                                         PermissionDenied, TimedOut)
@@ -36,7 +36,7 @@ from promptcache.sidecar.store import (AdmissionRejected, ChunkTooLarge, Entry, 
                                        ResizeOutcome, StoreError, checksum)
 from promptcache.sidecar.tenancy import Tenancy, TenancyError
 from promptcache.v1 import kvcache_pb2 as pb
-from promptcache.wire import NAME_TO_DTYPE, model_from_proto
+from promptcache.contract.wire import NAME_TO_DTYPE, model_from_proto
 
 log = logging.getLogger("promptcache.sidecar")
 MAX_KNOWN_MODELS = 1024  # resolved (model, identity) pairs kept: a client cycling through models cannot grow it

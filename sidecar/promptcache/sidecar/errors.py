@@ -14,35 +14,12 @@ class CacheError(Exception):
         self.message = message
 
 
-class InvalidRequest(CacheError):
-    status = "INVALID_ARGUMENT"
-
-
-class NotServed(CacheError):
-    """The request is well formed but this sidecar is not set up for it (a flag decides)."""
-    status = "FAILED_PRECONDITION"
-
-
-class PermissionDenied(CacheError):
-    status = "PERMISSION_DENIED"
-
-
-class NoCapacity(CacheError):
-    """A limit or the budget refuses it now; a retry later may succeed."""
-    status = "RESOURCE_EXHAUSTED"
-
-
-class NotFound(CacheError):
-    status = "NOT_FOUND"
-
-
-class DataLoss(CacheError):
-    status = "DATA_LOSS"
-
-
-class TimedOut(CacheError):
-    status = "DEADLINE_EXCEEDED"
-
-
-class Cancelled(CacheError):
-    status = "CANCELLED"
+# One class a refusal kind, named for what went wrong; `status` is the gRPC convention's name for it.
+class InvalidRequest(CacheError): status = "INVALID_ARGUMENT"  # noqa: E701
+class NotServed(CacheError): status = "FAILED_PRECONDITION"  # noqa: E701 - well formed, but a flag rules it out
+class PermissionDenied(CacheError): status = "PERMISSION_DENIED"  # noqa: E701
+class NoCapacity(CacheError): status = "RESOURCE_EXHAUSTED"  # noqa: E701 - a limit or the budget; retry later
+class NotFound(CacheError): status = "NOT_FOUND"  # noqa: E701
+class DataLoss(CacheError): status = "DATA_LOSS"  # noqa: E701
+class TimedOut(CacheError): status = "DEADLINE_EXCEEDED"  # noqa: E701
+class Cancelled(CacheError): status = "CANCELLED"  # noqa: E701

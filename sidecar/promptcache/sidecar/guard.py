@@ -9,7 +9,8 @@ import grpc
 
 from promptcache.sidecar.auth import HEALTH_PREFIX, Authenticator, Identity, attach_identity
 from promptcache.sidecar.errors import CacheError
-from promptcache.sidecar.limits import CallLimiter, Watchdog, _Watch, client_key
+from promptcache.sidecar.identity import client_key
+from promptcache.sidecar.limits import CallLimiter, Watchdog, _Watch
 
 _WATCH_ATTR = "_promptcache_watch"
 

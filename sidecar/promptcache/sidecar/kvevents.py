@@ -33,8 +33,6 @@ import time
 
 import msgpack
 
-from promptcache.wire import POD_METADATA  # noqa: F401 - the metadata an inference pod names itself with
-
 log = logging.getLogger("promptcache.sidecar.kvevents")
 
 BATCH_SECONDS = 0.02

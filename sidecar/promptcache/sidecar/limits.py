@@ -23,7 +23,6 @@ import time
 from collections import defaultdict
 
 from promptcache.sidecar.errors import NoCapacity
-from promptcache.sidecar.identity import client_key  # noqa: F401 - who a call counts against
 
 log = logging.getLogger("promptcache.sidecar.limits")
 LARGE_REQUEST_TOKENS = 1 << 16  # a request with more tokens than this needs one of --max-large-requests

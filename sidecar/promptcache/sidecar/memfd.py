@@ -21,8 +21,8 @@ import threading
 import numpy as np
 import torch
 
-from promptcache.bulkwire import LENT_SEALS as SEALS
-from promptcache.bulkwire import MMAP_OPTIONS
+from promptcache.contract.bulkwire import LENT_SEALS as SEALS
+from promptcache.contract.bulkwire import MMAP_OPTIONS
 
 log = logging.getLogger("promptcache.sidecar.memfd")
 

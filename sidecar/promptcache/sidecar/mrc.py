@@ -9,7 +9,7 @@ follows the default.
 Prefix semantics are kept by sampling whole chains: a request is sampled iff its ROOT key (chunk 0's) is, so
 every chunk of a sampled request, and every request sharing that root, lands in the same miniatures. A request
 hits its leading run of cached chunks; its missing chunks are stored, in order, when a Put carries them, exactly as
-the trace replayer (promptcache.bench.replay.simulate_policy) does: a chunk whose parent is not cached is not
+the trace replayer (promptcache.devtools.bench.replay.simulate_policy) does: a chunk whose parent is not cached is not
 stored, `admit` is asked when room must be made, `victim` until it fits.
 
 The estimate's spread grows with the share of traffic under the largest roots: with only a few roots (one shared
@@ -202,7 +202,7 @@ def request_path(policy: str, calls: int = 20000) -> None:
     import hashlib
     import time
 
-    from promptcache import keys as keyspec
+    from promptcache.contract import keys as keyspec
     from promptcache.sidecar.observer import TrafficObserver
 
     spec = keyspec.ModelSpec("m", "r", "float16", num_layers=32, num_kv_heads=8, head_dim=128)
@@ -228,8 +228,8 @@ def _main(argv: list[str] | None = None) -> int:
     import time
     import tracemalloc
 
-    from promptcache.bench import traces
-    from promptcache.bench.replay import simulate_policy
+    from promptcache.devtools.bench import traces
+    from promptcache.devtools.bench.replay import simulate_policy
     from promptcache.sidecar.policies import DEFAULT_POLICY
 
     ap = argparse.ArgumentParser(prog="python -m promptcache.sidecar.mrc", description=_main.__doc__)

@@ -15,7 +15,7 @@ import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from promptcache.layout import chunk_nbytes
+from promptcache.contract.layout import chunk_nbytes
 from promptcache.sidecar.accesslog import AccessLog, log_sampled
 from promptcache.sidecar.mrc import MissRatioCurve, sampled
 

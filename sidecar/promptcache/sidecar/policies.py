@@ -1,7 +1,7 @@
 """Eviction and admission policies (design and measurements: docs/eviction.md).
 
 A policy only orders keys; the store owns the bytes. The store calls every hook under its own lock, so a
-policy needs no locking of its own. Pure and I/O-free, so the trace replayer (promptcache.bench.replay)
+policy needs no locking of its own. Pure and I/O-free, so the trace replayer (promptcache.devtools.bench.replay)
 drives the very same classes that the server uses.
 
 Policies:
@@ -24,7 +24,7 @@ from typing import Hashable, Protocol
 
 Key = Hashable  # bytes in the server (32-byte chained chunk keys); ints in the trace replayer
 
-ROOT_PARENT = bytes(32)  # promptcache.keys.ROOT_PARENT; chunk 0 names it as parent
+ROOT_PARENT = bytes(32)  # promptcache.contract.keys.ROOT_PARENT; chunk 0 names it as parent
 
 
 class EvictionPolicy(Protocol):

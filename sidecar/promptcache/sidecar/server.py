@@ -12,7 +12,7 @@ import time
 
 import grpc
 
-from promptcache import frames
+from promptcache.contract import frames
 from promptcache.sidecar.auth import identity_of
 from promptcache.sidecar.engine import CacheEngine
 from promptcache.sidecar.errors import CacheError, InvalidRequest
@@ -20,7 +20,7 @@ from promptcache.sidecar.guard import watch_of
 from promptcache.sidecar.identity import Caller
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
-from promptcache.wire import POD_METADATA
+from promptcache.contract.wire import POD_METADATA
 
 log = logging.getLogger("promptcache.sidecar")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from promptcache.shm import SharedBufferError, SharedFile
+from promptcache.contract.shm import SharedBufferError, SharedFile
 
 
 class UnknownBuffer(Exception):

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
-from promptcache import bulkwire
+from promptcache.contract import bulkwire
 from promptcache.sidecar.memfd import ChunkMemory, SealedChunk
 from promptcache.sidecar.policies import EvictionPolicy
 from promptcache.v1 import kvcache_pb2 as pb

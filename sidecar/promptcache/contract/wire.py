@@ -1,7 +1,7 @@
 """Conversions between the proto messages and the pure data types (ModelSpec), shared by server and client."""
 from __future__ import annotations
 
-from promptcache.keys import ModelSpec
+from promptcache.contract.keys import ModelSpec
 from promptcache.v1 import kvcache_pb2 as pb
 
 DTYPE_TO_NAME = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16"}

@@ -147,8 +147,8 @@ def text_tokens(tokenizer, n: int | None = None) -> list[int]:
 
 def model_spec(model, quantization: str = "none", model_id: str | None = None, revision: str | None = None):
     """ModelSpec describing `model`'s KV cache (layers, KV heads, head dim, dtype)."""
-    from promptcache.keys import ModelSpec
-    from promptcache.layout import DTYPE_NAMES
+    from promptcache.contract.keys import ModelSpec
+    from promptcache.contract.layout import DTYPE_NAMES
 
     cfg = model.config
     cfg = getattr(cfg, "get_text_config", lambda: cfg)()

@@ -2,7 +2,7 @@
 
 A chunk holds the K and V of `chunk_tokens` tokens for every layer as one contiguous blob whose logical shape
 is [num_layers, 2 (K, V), num_kv_heads, chunk_tokens, head_dim]. With quantization "none" the blob is that
-tensor in the model's KV dtype; quantized modes pack it as promptcache.quant describes.
+tensor in the model's KV dtype; quantized modes pack it as promptcache.contract.quant describes.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from promptcache.keys import ModelSpec
+from promptcache.contract.keys import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -25,6 +25,6 @@ def chunk_nbytes(spec: ModelSpec, chunk_tokens: int) -> int:
     shape = chunk_shape(spec, chunk_tokens)
     if spec.quantization == "none":
         return math.prod(shape) * TORCH_DTYPES[spec.kv_dtype].itemsize
-    from promptcache import quant  # quantized formats live with their (de)quantizers
+    from promptcache.contract import quant  # quantized formats live with their (de)quantizers
 
     return quant.packed_nbytes(spec.quantization, shape, spec.kv_dtype)

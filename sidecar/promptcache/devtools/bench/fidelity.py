@@ -68,7 +68,7 @@ _TEXT_MACROS = {"B", "I", "BR", "IR", "RB", "BI", "IB", "RI", "SM", "SH", "SS", 
 def load_text(name: str) -> tuple[str, str]:
     """(label, text) for a --text argument."""
     if name == "en":
-        from promptcache import models
+        from promptcache.devtools import models
 
         return "en", models.english_text()
     path = ZH_MANPAGE if name == "zh" else Path(name)
@@ -89,7 +89,7 @@ def evaluate(model, tokens: list[int], *, modes, prefix: int, suffix: int, windo
 
     from promptcache.client import PromptCacheClient
     from promptcache.client.hf import PromptCacheHF, cache_kv, cache_kwargs, make_cache, output_cache
-    from promptcache.layout import chunk_nbytes
+    from promptcache.contract.layout import chunk_nbytes
     from promptcache.sidecar.config import Settings
     from promptcache.sidecar.app import Sidecar
 
@@ -205,7 +205,7 @@ def target_checks(mode: str, r: dict) -> dict:
 def run(args) -> int:
     import torch
 
-    from promptcache import models
+    from promptcache.devtools import models
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -10,7 +10,7 @@ its V, each N x D values (N = block_size, D = head_dim) packed as the kernel's i
 
 A layout is described by where each (token n, dim d) of K and of V sits inside the 2*N*D values of one
 (block, head): :func:`gather_index` returns, in canonical order [2 (K, V), N, D], the position of each value.
-The canonical chunk is [layers, 2, kv_heads, chunk_tokens, head_dim] (promptcache.layout), so one chunk of C
+The canonical chunk is [layers, 2, kv_heads, chunk_tokens, head_dim] (promptcache.contract.layout), so one chunk of C
 tokens is C/N consecutive blocks.
 """
 from __future__ import annotations

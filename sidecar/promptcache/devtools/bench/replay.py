@@ -5,7 +5,7 @@ simulated store with the server's prefix semantics: every block of a request is 
 its longest leading run of cached blocks (`accessed`); its missing blocks are then stored in order - a block whose
 parent is not cached is not stored (unreachable), `admit` is asked when room must be made, and `victim` is asked
 until the block fits. Sizes are tokens, the capacity is a fraction of the trace's working set (the tokens of its
-unique blocks). OPT and the infinite cache: promptcache.bench.opt.
+unique blocks). OPT and the infinite cache: promptcache.devtools.bench.opt.
 
 Held-out evaluation (`--split`): a trace is ordered by timestamp and cut at its middle request. `half` replays each
 half on its own from an empty cache, its capacity a fraction of that half's working set (tune on the first, report
@@ -75,7 +75,7 @@ def replay_sets(name: str, reqs, split: str) -> list[tuple[str, list, int]]:
 
 def prepare(reqs) -> tuple[list[tuple[list, list[int]]], int]:
     """(ids, block token sizes) per request, and the working set in tokens."""
-    from promptcache.bench.traces import block_sizes
+    from promptcache.devtools.bench.traces import block_sizes
 
     out = []
     size_of: dict = {}
@@ -147,7 +147,7 @@ def simulate_policy(reqs, policy, capacity: int, measure_from: int = 0) -> dict:
 
 def _one(job):
     trace_name, policy_name, fraction = job
-    from promptcache.bench import opt
+    from promptcache.devtools.bench import opt
     from promptcache.sidecar.policies import make_policy
 
     reqs, ws, start = _TRACES[trace_name]
@@ -169,7 +169,7 @@ _TRACES: dict = {}
 
 
 def load_traces(args) -> dict:
-    from promptcache.bench import traces
+    from promptcache.devtools.bench import traces
 
     out = {}
     if args.trace:
@@ -189,7 +189,7 @@ def load_traces(args) -> dict:
 
 
 def run(args) -> int:
-    from promptcache.bench import traces
+    from promptcache.devtools.bench import traces
     from promptcache.sidecar.policies import DEFAULT_POLICY, POLICIES
 
     try:
@@ -235,7 +235,7 @@ def run(args) -> int:
     table = {(t, p, f): r for t, p, f, r, _ in results}
     print_table(table, list(_TRACES), fractions, cols, markdown=args.markdown, default=DEFAULT_POLICY)
     if args.plot:
-        from promptcache.bench import plots
+        from promptcache.devtools.bench import plots
 
         plots.replay(table, list(_TRACES), fractions, cols, args.plot, default=DEFAULT_POLICY)
     return 0

@@ -114,8 +114,8 @@ def run(args) -> int:
     import torch
 
     from promptcache.client import PromptCacheClient
-    from promptcache.keys import ModelSpec
-    from promptcache.procs import free_port, wait_until
+    from promptcache.contract.keys import ModelSpec
+    from promptcache.devtools.procs import free_port, wait_until
 
     # A layout whose chunks are exactly 1 MiB: 4 layers x (K, V) x 4 heads x 256 tokens x 64 dims x fp16.
     spec = ModelSpec("bench/1mib-chunks", "v1", "float16", num_layers=4, num_kv_heads=4, head_dim=64)
@@ -243,7 +243,7 @@ def run(args) -> int:
                        f"{os.cpu_count()} CPUs, {args.repeats} rounds, blocks of ~{args.block_seconds:g} s -->\n"
                        f"{table}\n")
         if args.plot:
-            from promptcache.bench import plots
+            from promptcache.devtools.bench import plots
 
             plots.throughput(rows, args.plot)
         return 0

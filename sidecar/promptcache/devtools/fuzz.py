@@ -1,4 +1,4 @@
-"""Fuzz the sidecar's gRPC surface: `python -m promptcache.fuzz --requests 100000`.
+"""Fuzz the sidecar's gRPC surface: `python -m promptcache.devtools.fuzz --requests 100000`.
 
 Starts a real sidecar subprocess on loopback (or fuzzes --target) and sends it generated and mutated requests
 through generic channel calls, so that any bytes at all reach the server:
@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from promptcache.procs import free_port
+from promptcache.devtools.procs import free_port
 
 BAD_CODES = ("UNKNOWN", "INTERNAL")
 CHUNK = 16
@@ -105,7 +105,7 @@ class SidecarUnderTest:
         return self.proc.poll() is None
 
     def stop(self) -> None:
-        from promptcache.procs import stop_process
+        from promptcache.devtools.procs import stop_process
 
         stop_process(self.proc)
         self.log.close()
@@ -115,10 +115,10 @@ class Generator:
     """Seeded request generator: structured mutations of valid requests, and raw byte mutations."""
 
     def __init__(self, rng: random.Random, shm_dir: str | None):
-        from promptcache.keys import ModelSpec
-        from promptcache.layout import chunk_nbytes, chunk_shape
+        from promptcache.contract.keys import ModelSpec
+        from promptcache.contract.layout import chunk_nbytes, chunk_shape
         from promptcache.v1 import kvcache_pb2 as pb
-        from promptcache.wire import model_to_proto
+        from promptcache.contract.wire import model_to_proto
 
         self.pb = pb
         self.rng = rng
@@ -286,7 +286,7 @@ class Generator:
 
     def bulk(self, authorization: str) -> tuple[bytes, int | None]:
         """(bytes for one bulk connection, a descriptor to attach to them or None)."""
-        from promptcache import bulkwire
+        from promptcache.contract import bulkwire
 
         pb, rng = self.pb, self.rng
         version = rng.choice([1] * 8 + [0, 2, 2**32 - 1])
@@ -332,7 +332,7 @@ class Generator:
     def bulk_put(self) -> bytes:
         """One put on the bulk channel: the frames of a generated Put stream as a put frame, chunk frames and
         the raw bytes of their data frames."""
-        from promptcache import bulkwire
+        from promptcache.contract import bulkwire
 
         pb, rng = self.pb, self.rng
         self.bulk_puts += 1
@@ -406,7 +406,7 @@ def _bulk_call(path: str, data: bytes, fd: int | None, timeout: float) -> tuple[
     """Send one connection's bytes (the descriptor with the first of them), half-close, read every answer
     until the sidecar closes. Returns the worst status code name seen (OK, or CLOSED when it closed without
     any status frame, e.g. after a clean end of the stream), and its message."""
-    from promptcache import bulkwire
+    from promptcache.contract import bulkwire
     from promptcache.client.errors import STATUS_BY_VALUE
 
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -464,7 +464,7 @@ def _round_trip(address: str, auth: bool, rng: random.Random, bulk: str | None =
     import torch
 
     from promptcache.client import PromptCacheClient, errors
-    from promptcache.keys import ModelSpec
+    from promptcache.contract.keys import ModelSpec
 
     spec = ModelSpec("fuzz/check", "r1", "float32", num_layers=2, num_kv_heads=2, head_dim=8)
     tokens = [rng.randrange(50_000) for _ in range(2 * CHUNK)]
@@ -595,7 +595,7 @@ def fuzz(requests: int, seed: int = 0, workers: int = 4, auth: bool = True, time
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m promptcache.fuzz", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m promptcache.devtools.fuzz", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=100_000, help="requests to send (default 100000)")
     p.add_argument("--seed", type=int, default=int(os.environ.get("PROMPTCACHE_FUZZ_SEED", "0")))

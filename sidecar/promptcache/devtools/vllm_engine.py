@@ -2,7 +2,7 @@
 
 Run with the vLLM virtualenv's python and the checkout's source roots on PYTHONPATH (hack/vllm-env.sh):
 
-    python -m promptcache.vllm_engine --model DIR --dtype float32 [--connector '{"address": ...}']
+    python -m promptcache.devtools.vllm_engine --model DIR --dtype float32 [--connector '{"address": ...}']
 
 Requests, one JSON object per line; each answer is one line starting with ``@@`` (vLLM's own logging also goes to
 stdout/stderr):
@@ -126,7 +126,7 @@ def _handle(llm, connector, reply, req) -> None:
 
 
 class EngineProcess:
-    """The driving side (any python, no vLLM import): start `python -m promptcache.vllm_engine` and talk to it."""
+    """The driving side (any python, no vLLM import): start `python -m promptcache.devtools.vllm_engine` and talk to it."""
 
     def __init__(self, python: str, model: str, *, dtype: str = "float32", connector: dict | None = None,
                  log_path: str | None = None, env: dict | None = None, **options):
@@ -134,7 +134,7 @@ class EngineProcess:
         from pathlib import Path
 
         root = Path(__file__).resolve().parents[2]
-        argv = [python, "-m", "promptcache.vllm_engine", "--model", model, "--dtype", dtype]
+        argv = [python, "-m", "promptcache.devtools.vllm_engine", "--model", model, "--dtype", dtype]
         if connector is not None:
             argv += ["--connector", json.dumps(connector)]
         for k, v in options.items():

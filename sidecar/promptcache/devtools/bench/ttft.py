@@ -56,13 +56,13 @@ class SidecarProcess:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60.0) -> "SidecarProcess":
-        from promptcache.procs import wait_healthy
+        from promptcache.devtools.procs import wait_healthy
 
         wait_healthy(self.address, self.proc, timeout, lambda: f"; log in {self.log.name}")
         return self
 
     def stop(self) -> None:
-        from promptcache.procs import stop_process
+        from promptcache.devtools.procs import stop_process
 
         stop_process(self.proc)
         self.log.close()
@@ -158,7 +158,7 @@ def format_table(rows: list[dict], modes) -> str:
 def run(args) -> int:
     import torch
 
-    from promptcache import models
+    from promptcache.devtools import models
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -184,7 +184,7 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "bench_run"}, "rows": rows}, f, indent=2)
     if args.plot:
-        from promptcache.bench import plots
+        from promptcache.devtools.bench import plots
 
         plots.ttft(rows, modes, args.plot)
     return 0

@@ -1,6 +1,6 @@
 """Offline references for trace replay: Belady's OPT and an infinite cache, under prefix semantics.
 
-Model (shared with promptcache.bench.replay): a request's blocks are looked up in order and it hits the longest
+Model (shared with promptcache.devtools.bench.replay): a request's blocks are looked up in order and it hits the longest
 leading run of cached blocks; afterwards its missing blocks are stored in order (a block is stored only if its
 parent block is cached, since an orphan could never be reached). Sizes are in tokens (bytes are proportional to
 tokens for one model), the capacity is a token budget, and the hit ratio is hit tokens / input tokens.
@@ -113,7 +113,7 @@ def simulate_dead_first(reqs: list[tuple[list, list[int]]], capacity: int, measu
 
     It knows *whether* a block will be used again, not *when*: the gap between it and OPT is what knowing the time
     of the next use is worth, the gap between it and lru-prefix what a perfect predictor of reuse would be worth."""
-    from promptcache.bench.replay import simulate_policy
+    from promptcache.devtools.bench.replay import simulate_policy
     from promptcache.sidecar.policies import PrefixLRU
 
     remaining: dict = {}

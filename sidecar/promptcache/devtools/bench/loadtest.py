@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from promptcache.procs import free_port
+from promptcache.devtools.procs import free_port
 
 OPS = ("lookup", "get", "put")
 
@@ -63,7 +63,7 @@ def _mix(text: str) -> dict[str, float]:
 
 
 def _spec(cfg):
-    from promptcache.keys import ModelSpec
+    from promptcache.contract.keys import ModelSpec
 
     return ModelSpec("loadtest/model", "r1", cfg["dtype"], cfg["layers"], cfg["kv_heads"], cfg["head_dim"])
 
@@ -83,7 +83,7 @@ def _client_worker(cfg, client_id: int, deadline: float, out: dict, lock: thread
     import grpc
 
     from promptcache.client import PromptCacheClient, errors
-    from promptcache.layout import chunk_nbytes
+    from promptcache.contract.layout import chunk_nbytes
     from promptcache.client.credentials import client_channel
 
     rng = random.Random(cfg["seed"] * 100_003 + client_id)
@@ -137,7 +137,7 @@ def _process_main(cfg, client_ids, duration, ready, go, queue) -> None:
     import grpc  # noqa: F401 - import before the clock starts
 
     from promptcache.client import PromptCacheClient  # noqa: F401
-    from promptcache.layout import chunk_nbytes
+    from promptcache.contract.layout import chunk_nbytes
 
     nbytes = chunk_nbytes(_spec(cfg), cfg["chunk_tokens"])
     blobs = [rng.randbytes(nbytes) for _ in range(8)]
@@ -364,7 +364,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m promptcache.bench.loadtest", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m promptcache.devtools.bench.loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return run(p.parse_args(argv))

@@ -144,7 +144,7 @@ def simulate(reqs, n_nodes: int, node_capacity: int, cluster_capacity: int, rout
 
 
 def run(args) -> int:
-    from promptcache.bench.replay import load_traces, prepare
+    from promptcache.devtools.bench.replay import load_traces, prepare
     from promptcache.sidecar.policies import DEFAULT_POLICY, POLICIES
 
     policy = args.policy or DEFAULT_POLICY

@@ -21,7 +21,7 @@ QUESTIONS = (
 
 
 def system_prompt(words: int) -> str:
-    from promptcache.models import LICENSE_DIR
+    from promptcache.devtools.models import LICENSE_DIR
 
     text = " ".join((LICENSE_DIR / "GPL-3").read_text().split()[:words])
     return ("You are a helpful assistant who answers questions about a software license. Answer briefly, using only "
@@ -29,7 +29,7 @@ def system_prompt(words: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m promptcache.demo", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m promptcache.devtools.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quantization", default="none", choices=["none", "k8v8", "k8v4"])
     p.add_argument("--system-words", type=int, default=750, help="words of the GPL-3 in the system prompt")
@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from promptcache import models
-    from promptcache.bench.ttft import SidecarProcess
+    from promptcache.devtools import models
+    from promptcache.devtools.bench.ttft import SidecarProcess
     from promptcache.client import PromptCacheClient
     from promptcache.client.hf import PromptCacheHF, cache_kwargs, output_cache
 

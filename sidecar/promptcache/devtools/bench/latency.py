@@ -70,8 +70,8 @@ def run(args) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from promptcache.client import PromptCacheClient
-    from promptcache.keys import ModelSpec
-    from promptcache.procs import free_port, stop_process, wait_healthy, wait_until
+    from promptcache.contract.keys import ModelSpec
+    from promptcache.devtools.procs import free_port, stop_process, wait_healthy, wait_until
 
     redis_bin = shutil.which("redis-server")
     if not redis_bin:

@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-log = logging.getLogger("promptcache.shm")
+log = logging.getLogger("promptcache.contract.shm")
 
 
 class SharedBufferError(ValueError):

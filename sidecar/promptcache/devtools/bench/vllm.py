@@ -1,6 +1,6 @@
 """vllm: vLLM (CPU backend) TTFT and throughput with and without PromptCacheConnector, and vLLM's own prefix cache.
 
-Three engine processes (promptcache.vllm_engine, run by the vLLM virtualenv of hack/vllm-env.sh) over SmolLM2-135M and
+Three engine processes (promptcache.devtools.vllm_engine, run by the vLLM virtualenv of hack/vllm-env.sh) over SmolLM2-135M and
 real English text, and a sidecar process (gRPC on a unix socket, bulk channel on another):
 
 * full: no connector, vLLM's prefix caching off: every prompt is prefilled in full;
@@ -46,9 +46,9 @@ def _metric(answer: dict, prefix: str) -> float:
 def run(args) -> int:
     import torch
 
-    from promptcache import models
-    from promptcache.procs import free_port, stop_process, wait_healthy
-    from promptcache.vllm_engine import EngineProcess
+    from promptcache.devtools import models
+    from promptcache.devtools.procs import free_port, stop_process, wait_healthy
+    from promptcache.devtools.vllm_engine import EngineProcess
 
     python = args.vllm_python or subprocess.run([str(REPO / "hack" / "vllm-env.sh")], check=True, text=True,
                                                 stdout=subprocess.PIPE).stdout.strip().splitlines()[-1]

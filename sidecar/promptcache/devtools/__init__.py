@@ -1,0 +1,1 @@
+"""Benchmarks, the fuzzer, the demo and the test-model helpers: tools around the product, not part of it."""

@@ -1,0 +1,138 @@
+"""The cache engine on its own, with no transport: what a Put and a Get do, and that a PutSession gives back every
+reservation it holds on any exit (memory tier, tenant quota, the client's share of the budget)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from support import CHUNK, SMALL, make_kv
+from promptcache.client.client import encode_chunk
+from promptcache.contract.keys import ModelSpec
+from promptcache.contract.layout import chunk_nbytes
+from promptcache.contract.wire import NAME_TO_DTYPE, model_to_proto
+from promptcache.sidecar.config import Settings
+from promptcache.sidecar.engine import CacheEngine
+from promptcache.sidecar.errors import CacheError, InvalidRequest, NoCapacity, NotServed, PermissionDenied
+from promptcache.sidecar.identity import Caller, Identity
+from promptcache.sidecar.metrics import Metrics
+from promptcache.sidecar.observer import TrafficObserver
+from promptcache.sidecar.policies import make_policy
+from promptcache.sidecar.store import MemoryTier, checksum
+from promptcache.sidecar.tenancy import Tenancy
+from promptcache.v1 import kvcache_pb2 as pb
+
+ALICE = Caller(Identity("alice", "token"), peer="ipv4:127.0.0.1:1")
+BOB = Caller(Identity("bob", "token"), peer="ipv4:127.0.0.1:2")
+
+
+def engine(**overrides) -> CacheEngine:
+    settings = Settings(chunk_tokens=CHUNK, memory_bytes=1 << 20, **overrides).validate()
+    tier = MemoryTier(settings.memory_bytes, torch.device("cpu"), make_policy("lru", capacity=settings.memory_bytes),
+                      settings.ttl_seconds)
+    tenancy = Tenancy(enabled=True, tier=tier, quotas={"bob": chunk_nbytes(SMALL, CHUNK) - 1})
+    tier.subscribe(tenancy)
+    metrics = Metrics()
+    tier.subscribe(metrics)
+    return CacheEngine(settings, tier, metrics, tenancy, TrafficObserver(CHUNK))
+
+
+def chunks(spec: ModelSpec, n: int) -> list[tuple[pb.ChunkBegin, bytes]]:
+    kv = make_kv(spec, n * CHUNK)
+    out = []
+    for i in range(n):
+        blob = encode_chunk(spec, kv, i * CHUNK, (i + 1) * CHUNK).numpy().tobytes()
+        out.append((pb.ChunkBegin(index=i, nbytes=len(blob), shape=[spec.num_layers, 2, spec.num_kv_heads, CHUNK,
+                                                                    spec.head_dim],
+                                  dtype=NAME_TO_DTYPE[spec.kv_dtype], xxh3_64=checksum(blob)), blob))
+    return out
+
+
+def header(n_chunks: int) -> pb.PutHeader:
+    return pb.PutHeader(model=model_to_proto(SMALL), tokens=list(range(n_chunks * CHUNK)))
+
+
+def held(e: CacheEngine, caller: Caller) -> tuple[int, int, int]:
+    """(memory-tier bytes reserved, the caller's quota bytes reserved, the client's share held)."""
+    return (e.tier.usage()["reserved"], e.tenancy.usage(caller.tenant)["reserved"],
+            e.reserved_by_client.held(caller.client))
+
+
+def test_put_then_read_back_byte_exact_and_other_tenants_see_nothing():
+    e = engine()
+    sent = chunks(SMALL, 3)
+    with e.put(ALICE, header(3)) as put:
+        for begin, blob in sent:
+            put.begin_chunk(begin)
+            put.add_data(blob[:100])
+            put.add_data(blob[100:])
+        result = put.commit()
+    assert (result.stored_chunks, result.stored_bytes) == (3, sum(len(b) for _, b in sent))
+    request = pb.GetRequest(model=model_to_proto(SMALL), tokens=list(range(3 * CHUNK)))
+    got = [bytes(view) for _, view in e.read_chunks(ALICE, request)]
+    assert got == [blob for _, blob in sent]
+    assert list(e.read_chunks(BOB, request)) == []  # isolated tenants: bob's keys are salted apart
+    assert e.lookup(ALICE, model_to_proto(SMALL), list(range(3 * CHUNK))).cached_tokens == 3 * CHUNK
+    assert held(e, ALICE) == (0, 0, 0)
+
+
+def test_a_put_cut_mid_chunk_stores_nothing_of_it_and_releases_everything():
+    e = engine()
+    (begin0, blob0), (begin1, blob1) = chunks(SMALL, 2)
+    with pytest.raises(InvalidRequest, match="chunk 1 ended after 10 of its"):
+        with e.put(ALICE, header(2)) as put:
+            put.begin_chunk(begin0)
+            put.add_data(blob0)
+            put.begin_chunk(begin1)
+            put.add_data(blob1[:10])
+            assert held(e, ALICE)[0] > 0 and held(e, ALICE)[2] == len(blob1)  # chunk 1 holds its reservation
+            put.commit()
+    assert held(e, ALICE) == (0, 0, 0)
+    assert e.tier.usage()["entries"] == 1  # chunk 0 was complete and verified: it stays
+
+
+def test_an_exception_inside_the_session_releases_the_reservation():
+    e = engine()
+    (begin0, blob0), = chunks(SMALL, 1)
+    with pytest.raises(RuntimeError):
+        with e.put(ALICE, header(1)) as put:
+            put.begin_chunk(begin0)
+            put.add_data(blob0[:64])
+            raise RuntimeError("the transport broke")
+    assert held(e, ALICE) == (0, 0, 0) and e.tier.usage()["entries"] == 0
+
+
+def test_data_received_in_place_through_data_target():
+    e = engine()
+    (begin0, blob0), = chunks(SMALL, 1)
+    with e.put(ALICE, header(1)) as put:
+        put.begin_chunk(begin0)
+        while put.unread:
+            target = put.data_target()
+            n = min(put.unread, 100)
+            start = len(blob0) - put.unread
+            target[:n] = blob0[start:start + n]
+            put.advance(n)
+        assert put.commit().stored_chunks == 1
+    request = pb.GetRequest(model=model_to_proto(SMALL), tokens=list(range(CHUNK)))
+    assert [bytes(v) for _, v in e.read_chunks(ALICE, request)] == [blob0]
+
+
+def test_refusals_are_the_projects_own_errors_with_their_status():
+    e = engine(quantization="none")
+    (begin0, blob0), = chunks(SMALL, 1)
+    with pytest.raises(NoCapacity, match="exceeds the quota") as refused:  # bob's quota is under one chunk
+        with e.put(BOB, header(1)) as put:
+            put.begin_chunk(begin0)
+    assert refused.value.status == "RESOURCE_EXHAUSTED"
+    assert held(e, BOB) == (0, 0, 0)
+    k8 = model_to_proto(SMALL)
+    k8.quantization = "k8v8"
+    with pytest.raises(NotServed) as refused:
+        e.lookup(ALICE, k8, list(range(CHUNK)))
+    assert refused.value.status == "FAILED_PRECONDITION"
+    with pytest.raises(InvalidRequest, match="model is missing"):
+        e.lookup(ALICE, None, [1])
+    with pytest.raises(PermissionDenied):
+        e.resize(ALICE, 1 << 20, 0.0)  # alice is no admin
+    with pytest.raises(CacheError, match="tokens is empty"):
+        e.delete(ALICE, model_to_proto(SMALL), [])
