@@ -283,15 +283,29 @@ def test_operator_created_daemonset_passes_restricted(start_operator, crd, kube,
 
 
 def test_restart_mid_reconcile_converges(start_operator, crd, kube, namespace):
-    # The first operator stops for 60 s after applying 2 of the 5 children; it is killed there.
-    first = start_operator("--standalone", name="first",
-                           env={**FAST, "PROMPTCACHE_OPERATOR_FAULT_PAUSE": f"2:60:{namespace}/qwen-32b"})
+    # A fault from outside the operator: a ResourceQuota in the namespace that allows no DaemonSet and no Service,
+    # so the API server refuses 3 of the 5 core children (403, exceeded quota) and the first operator gets only
+    # 2 applied. It is killed (-9) in that state; the quota goes; a second operator starts.
+    hard = {"count/daemonsets.apps": "0", "services": "0"}
+    kube.request("POST", f"/api/v1/namespaces/{namespace}/resourcequotas",
+                 body={"apiVersion": "v1", "kind": "ResourceQuota",
+                       "metadata": {"name": "no-daemonsets-or-services", "namespace": namespace},
+                       "spec": {"hard": hard}})
+    # No quota controller runs here: the usage it would record (nothing yet), so admission compares against it.
+    kube.request("PATCH", f"/api/v1/namespaces/{namespace}/resourcequotas/no-daemonsets-or-services/status",
+                 content_type="application/merge-patch+json",
+                 body={"status": {"hard": hard, "used": {k: "0" for k in hard}}})
+    first = start_operator("--standalone", name="first", env=FAST)
     pc = apply_pc(kube, namespace, example("full"))
-    wait_for(lambda: f"fault injection: {namespace}/qwen-32b" in first.output(), timeout=60,
-             what="first operator paused mid-reconcile")
+
+    def refused():
+        degraded = conditions(get_pc(kube, namespace, "qwen-32b")).get("Degraded") or {}
+        return degraded.get("reason") == "ApplyFailed" and "exceeded quota" in degraded.get("message", "")
+    wait_for(refused, timeout=60, what="first operator refused some children")
     partial = children(kube, namespace, "qwen-32b")
     assert sum(v is not None for v in partial.values()) == 2, {k: v is not None for k, v in partial.items()}
     first.kill(signal.SIGKILL)
+    kube.delete("v1", "ResourceQuota", namespace, "no-daemonsets-or-services")
 
     start_operator("--standalone", env=FAST, name="second")
     got = wait_for(lambda: all_present(kube, namespace, "qwen-32b", CORE_CHILDREN + CLUSTER_CHILDREN), timeout=60,

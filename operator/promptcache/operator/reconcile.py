@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,12 +147,7 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
     # Memory tuned by the autoscaler (status.autoscaling) replaces the spec-derived limits and budget.
     children = autoscale.adjust_children(children, spec, old_status)
     ds = master = None
-    pause_after, pause_seconds = _fault_injection(owner)
-    for i, child in enumerate(children):
-        if i == pause_after:
-            log.warning("fault injection: %s/%s sleeping %ss after %d applies", owner.namespace, owner.name,
-                        pause_seconds, i)
-            time.sleep(pause_seconds)
+    for child in children:
         key = builders.child_key(child)
         try:
             res = kube.apply(child)
@@ -214,18 +208,6 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
     log.info("reconciled %s/%s generation %d: %d applied, %d deleted, %d errors", owner.namespace, owner.name,
              generation, len(out.applied), len(out.deleted), len(out.errors))
     return out
-
-
-def _fault_injection(owner: Owner) -> tuple[int, float]:
-    """Test hook: PROMPTCACHE_OPERATOR_FAULT_PAUSE="N:SECONDS[:NAMESPACE/NAME]" sleeps after the N-th child apply
-    (of that PromptCache only, if named), so a test can kill the operator mid-reconcile. Unset in production."""
-    spec = os.environ.get("PROMPTCACHE_OPERATOR_FAULT_PAUSE")
-    if not spec:
-        return -1, 0.0
-    parts = spec.split(":")
-    if len(parts) > 2 and parts[2] != f"{owner.namespace}/{owner.name}":
-        return -1, 0.0
-    return int(parts[0]), float(parts[1]) if len(parts) > 1 else 60.0
 
 
 def metrics_port() -> int:
