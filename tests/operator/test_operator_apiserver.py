@@ -381,8 +381,6 @@ def test_status_reports_nodes_hit_ratio_and_readiness(start_operator, crd, kube,
     import http.server
     import threading
 
-    from opharness import free_port
-
     body = "\n".join(['promptcache_hit_tokens_total{rpc="Lookup",tier="device"} 750',
                       'promptcache_missed_tokens_total{rpc="Lookup"} 250',
                       'promptcache_stored_bytes{tier="device"} 123456']).encode()
@@ -397,17 +395,19 @@ def test_status_reports_nodes_hit_ratio_and_readiness(start_operator, crd, kube,
         def log_message(self, *args):
             pass
 
-    port = free_port()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = server.server_port
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        start_operator("--standalone", env={**FAST, "PROMPTCACHE_OPERATOR_SCRAPE_PORT": str(port)})
+        start_operator("--standalone", env=FAST)
         pc = apply_pc(kube, namespace, example())
         got = wait_for(lambda: all_present(kube, namespace, "llama-8b"), timeout=30, what="children")
         owner = Owner("llama-8b", namespace, pc["metadata"]["uid"])
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": "llama-8b-abcde", "namespace": namespace, "labels": builders.labels(owner)},
-               "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "sidecar", "image": "sidecar:test"}]}}
+               "spec": {"nodeName": "gpu-node-1", "containers": [{
+                   "name": "sidecar", "image": "sidecar:test",
+                   "ports": [{"name": "metrics", "containerPort": port}]}]}}   # where the operator scrapes
         kube.request("POST", f"/api/v1/namespaces/{namespace}/pods", body=pod)
         kube.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/llama-8b-abcde/status",
                      content_type="application/merge-patch+json",

@@ -12,8 +12,9 @@ from typing import Any, Callable
 
 import kopf
 
-from . import autoscale, metrics_source, telemetry
+from . import autoscale, telemetry
 from .builders import CACHE_LABEL, MANAGED_BY, OperatorDefaults
+from .fleet import Fleet, PrometheusSource
 from .kube import Kube
 from .model import GROUP, KIND, PLURAL, VERSION
 from .reconcile import reconcile
@@ -25,8 +26,11 @@ ANNOTATION_PREFIX = f"operator.{GROUP}"
 
 _kube: Kube | None = None
 AUTOSCALE = autoscale.Config.from_env()
-# Samples kept between ticks (rates over AUTOSCALE.window_s), or a Prometheus server's API when configured.
-_source = metrics_source.source_from_env(dict(os.environ), AUTOSCALE.window_s)
+# One observation of a cache's sidecars serves status and autoscaler for half the shorter timer period; the scrape
+# history gives the rates over AUTOSCALE.window_s, unless a Prometheus server's API is configured.
+_fleet = Fleet(window_s=AUTOSCALE.window_s, max_age_s=min(RESYNC_SECONDS, AUTOSCALE.interval_s) / 2)
+_source = (PrometheusSource(os.environ["PROMPTCACHE_OPERATOR_PROMETHEUS_URL"], AUTOSCALE.window_s)
+           if os.environ.get("PROMPTCACHE_OPERATOR_PROMETHEUS_URL") else _fleet)
 
 
 def kube() -> Kube:
@@ -56,7 +60,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 def _reconcile(body: kopf.Body, logger: logging.Logger, reason: str) -> None:
     # Objects of kopf are read-only views; reconcile wants plain dicts.
     obj = {"metadata": dict(body.metadata), "spec": dict(body.spec), "status": dict(body.status)}
-    out = reconcile(kube(), obj, OperatorDefaults.from_env())
+    out = reconcile(kube(), obj, OperatorDefaults.from_env(), _fleet, AUTOSCALE)
     md = obj["metadata"]
     telemetry.record_outcome(md["namespace"], md["name"], out)
     if out.invalid_spec:
@@ -71,6 +75,7 @@ def _reconcile(body: kopf.Body, logger: logging.Logger, reason: str) -> None:
 def on_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
     if event.get("type") == "DELETED":  # an event handler adds no finalizer, so deletion is never held up
         telemetry.forget(body.metadata.namespace, body.metadata.name)
+        _fleet.forget(body.metadata.namespace, body.metadata.name)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -106,7 +111,7 @@ def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
 def autoscale_timer(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """Hit-ratio-driven memory tuning (docs/autoscaling.md); decisions become Events and status.autoscaling."""
     obj = {"metadata": dict(body.metadata), "spec": dict(body.spec), "status": dict(body.status)}
-    out = autoscale.tick(kube(), obj, _source, AUTOSCALE, OperatorDefaults.from_env())
+    out = autoscale.tick(kube(), obj, _fleet, AUTOSCALE, OperatorDefaults.from_env(), source=_source)
     if out.decision and out.decision.action != "hold":
         logger.info("autoscaling: %s", out.decision.message)
     for err in out.errors:
@@ -160,7 +165,7 @@ def _repair(key: tuple[str, str]) -> None:
     if body is None or body["metadata"].get("deletionTimestamp"):
         return  # the PromptCache is gone or going: its children go with it (garbage collection)
     obj = {"metadata": body["metadata"], "spec": body.get("spec") or {}, "status": body.get("status") or {}}
-    out = reconcile(kube(), obj, OperatorDefaults.from_env())
+    out = reconcile(kube(), obj, OperatorDefaults.from_env(), _fleet, AUTOSCALE)
     telemetry.record_outcome(namespace, name, out)
     if out.errors:
         log.warning("repairing the children of %s/%s: %s", namespace, name, "; ".join(out.errors))
