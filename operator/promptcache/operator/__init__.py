@@ -6,6 +6,7 @@ kube      thin API-server client (server-side apply, status)
 reconcile one level-based reconcile
 fleet     a cache's sidecars (its pods), one scrape of each per tick, the hit ratios status and autoscaler read
 autoscale the memory autoscaler's actuation (tuning: its policy)
-handlers  kopf handlers (create/update/resume + resync timer, autoscaling timer, drift)
+config    the operator's configuration, built once in main
+handlers  kopf handlers (create/update/resume + resync timer, autoscaling timer, drift), bound to the configuration
 __main__  `python -m promptcache.operator` / `promptcache operator`: main(argv)
 """

@@ -47,8 +47,7 @@ class Config:
     credentials_dir: str | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "Config":
-        env = os.environ if env is None else env
+    def from_env(cls, env: Mapping[str, str]) -> "Config":
         d = cls()
         p = d.policy
 
@@ -97,7 +96,7 @@ def _stamp(t: float) -> str:
 
 # --- desired children with the tuned memory ---------------------------------------------------------------------
 def adjust_children(children: list[dict[str, Any]], spec: PromptCacheSpec, status: dict[str, Any] | None,
-                    config: Config | None = None) -> list[dict[str, Any]]:
+                    config: Config = Config()) -> list[dict[str, Any]]:
     """Apply the tuned memory (status.autoscaling.memoryBytes) to the desired children; unchanged when autoscaling
     is off or nothing was tuned yet. Pure.
 
@@ -108,7 +107,6 @@ def adjust_children(children: list[dict[str, Any]], spec: PromptCacheSpec, statu
     memory = tuned_memory(status)
     if not spec.autoscaling.enabled or memory is None:
         return children
-    config = config or Config.from_env()
     has_vpa = any(c["kind"] == builders.VPA[1] for c in children)
     budget = max(1, memory - config.overhead_bytes)
     out = []
@@ -263,15 +261,13 @@ class Outcome:
 Resizer = Callable[[str, int, float], dict[str, int]]
 
 
-def tick(kube: Kube, body: dict[str, Any], fleet: fleet_.Fleet, config: Config | None = None,
-         defaults: OperatorDefaults | None = None, resizer: Resizer | None = None, source: Any = None,
+def tick(kube: Kube, body: dict[str, Any], fleet: fleet_.Fleet, config: Config = Config(),
+         defaults: OperatorDefaults = OperatorDefaults(), resizer: Resizer | None = None, source: Any = None,
          now: Callable[[], float] = time.time) -> Outcome:
     """One autoscaling step for one PromptCache (body: the object as read from the API server). The sidecars and
     their budgets come from the fleet's observation (the one the status reads); the signal from `source`
     (`signal(observation) -> (Signal | None, {pod: Counters})`): the fleet itself unless a Prometheus source."""
     source = fleet if source is None else source
-    config = config or Config.from_env()
-    defaults = defaults or OperatorDefaults.from_env()
     out = Outcome()
     md = body["metadata"]
     owner = Owner(md["name"], md["namespace"], md["uid"])

@@ -120,10 +120,9 @@ def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilitie
     return conds, {"desiredNodes": desired, "readyNodes": ready}
 
 
-def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | None = None,
-              fleet: Fleet | None = None, autoscaling: autoscale.Config | None = None) -> Outcome:
+def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults = OperatorDefaults(),
+              fleet: Fleet | None = None, autoscaling: autoscale.Config = autoscale.Config()) -> Outcome:
     """`fleet`: where the status reads the sidecars from (shared with the autoscaler; a fresh one when None)."""
-    defaults = defaults or OperatorDefaults.from_env()
     md = body["metadata"]
     owner = Owner(name=md["name"], namespace=md["namespace"], uid=md["uid"])
     generation = int(md.get("generation") or 1)
