@@ -188,5 +188,15 @@ def test_a_refused_pod_listing_is_no_sidecars():
     class Refusing(StandInApiServer):
         def request(self, *a: Any, **k: Any) -> Any:
             raise ApiError(403, '{"message": "pods is forbidden"}')
-    obs = fleet.Fleet().observe(Refusing([]), OWNER)
+    now = [0.0]
+    fl = fleet.Fleet(window_s=10, max_age_s=0, clock=lambda: now[0],
+                     scrape=lambda url, timeout: fleet.Counters(tokens=fleet.Tokens(0, 0, 10 * now[0])))
+    api = StandInApiServer([pod("a")])
+    fl.observe(api, OWNER)
+    now[0] = 1.0
+    obs = fl.observe(Refusing([]), OWNER)
     assert obs.sidecars == () and obs.usage() == {} and obs.nodes() == []
+    assert fl.latest("ns", "c") is not obs            # the last answer stands
+    now[0] = 10.0
+    sig, _ = fl.signal(fl.observe(api, OWNER))
+    assert sig.lookup_tokens_per_s == 10.0            # the rate's history survived the refusal

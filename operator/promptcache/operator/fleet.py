@@ -324,7 +324,9 @@ class Fleet:
             last = self._latest.get(key)
         if last is not None and self.clock() - last.time < self.max_age_s:
             return last
-        sidecars = discover(kube, owner) or []
+        sidecars = discover(kube, owner)
+        if sidecars is None:   # the API server did not answer: nothing known, and the rates' history is kept
+            return Observation(owner.namespace, owner.name, self.clock(), (), {})
         ready = [s for s in sidecars if s.metrics_url]
         got: list[Counters | None] = []
         if ready:
