@@ -2,7 +2,7 @@
 # Build from the repository root:
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/promptcache/promptcache-operator:0.1.0 .
 # Only the operator's code and its dependencies go in (no torch; grpcio for the sidecars' Resize,
-# prometheus-client for its own /metrics):
+# prometheus-client for its own /metrics and for reading the sidecars'):
 # promptcache.operator is a PEP 420 namespace portion, runnable as `python -m promptcache.operator`.
 
 # Pinned base (by exact version; pin by digest as well in the release pipeline).

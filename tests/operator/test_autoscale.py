@@ -1,6 +1,6 @@
-"""Autoscaler pieces without an API server: metrics parsing and aggregation, the Prometheus source (against a
-stand-in HTTP server answering the query API), the tuned children, config from env, and Resize over raw gRPC
-against a real sidecar process."""
+"""Autoscaler pieces without an API server: metrics parsing and aggregation, the rates from the fleet's scrapes, the
+Prometheus source (against a stand-in HTTP server answering the query API), the tuned children, config from env,
+and Resize over raw gRPC against a real sidecar process."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from promptcache.operator import autoscale, builders, metrics_source
+from promptcache.operator import autoscale, builders, fleet
 from promptcache.operator.builders import Capabilities, Owner
-from promptcache.operator.metrics_source import Counters, PodRates
+from promptcache.operator.fleet import Counters, PodRates, Tokens
 from promptcache.operator.model import PromptCacheSpec
 
 Mi = 1 << 20
@@ -34,9 +34,11 @@ EXPOSITION = "\n".join([
 
 
 def test_parse_counts_disk_hits_as_memory_misses():
-    c = metrics_source.parse(EXPOSITION)
-    assert c == Counters(hit_tokens=300, missed_tokens=700, capacity_evictions=40, capacity_age_sum=400,
-                         capacity_age_count=40, stored_bytes=1024, budget_bytes=2048, committed_bytes=1500)
+    c = fleet.parse(EXPOSITION)
+    assert c == Counters(tokens=Tokens(memory_hits=300, any_tier_hits=400, lookups=1000), capacity_evictions=40,
+                         capacity_age_sum=400, capacity_age_count=40, stored_bytes=1024,
+                         all_tiers_stored_bytes=1024 + 999999, budget_bytes=2048, committed_bytes=1500)
+    assert c.tokens.memory_hit_ratio == 0.3
 
 
 MRC = "\n".join([
@@ -49,51 +51,66 @@ MRC = "\n".join([
 
 
 def test_parse_and_rate_the_miss_ratio_curve():
-    c = metrics_source.parse(EXPOSITION + "\n" + MRC)
+    c = fleet.parse(EXPOSITION + "\n" + MRC)
     assert c.mrc_hit_tokens == ((1 * Mi, 100.0), (4 * Mi, 700.0))
     assert c.mrc_lookup_tokens == ((1 * Mi, 1000.0), (4 * Mi, 1000.0))
-    assert c.hit_tokens == 300   # the curve's counters are not the cache's
-    later = metrics_source.parse(EXPOSITION + "\n" + MRC.replace("700.0", "1600.0").replace("1000.0", "2000.0"))
-    r = metrics_source._rates(c, later, 10.0)
+    assert c.tokens.memory_hits == 300   # the curve's counters are not the cache's
+    later = fleet.parse(EXPOSITION + "\n" + MRC.replace("700.0", "1600.0").replace("1000.0", "2000.0"))
+    r = fleet.rates(c, later, 10.0)
     assert r.mrc_hits_per_s == ((1 * Mi, 0.0), (4 * Mi, 90.0))
     assert r.mrc_lookups_per_s == ((1 * Mi, 100.0), (4 * Mi, 100.0))
-    assert metrics_source.aggregate([r]).curve == ((1 * Mi, 0.0), (4 * Mi, 0.9))
-    assert metrics_source.aggregate([metrics_source._rates(c, c, 10.0)]).curve is None   # nothing sampled
+    assert fleet.aggregate([r]).curve == ((1 * Mi, 0.0), (4 * Mi, 0.9))
+    assert fleet.aggregate([fleet.rates(c, c, 10.0)]).curve is None   # nothing sampled
 
 
 def test_curve_pools_the_nodes_at_the_sizes_they_share():
-    a = PodRates(90, 10, 2.0, 20.0, 2.0, 100, 200, ((1, 10.0), (2, 30.0), (3, 40.0)), ((1, 50.0), (2, 50.0), (3, 50.0)))
-    b = PodRates(10, 90, 0.0, 0.0, 0.0, 50, 200, ((2, 20.0), (3, 40.0)), ((2, 50.0), (3, 50.0)))
-    c = PodRates(10, 90, 0.0, 0.0, 0.0, 50, 200)   # runs no curve
-    assert metrics_source.aggregate([a, b, c]).curve == ((2, 0.5), (3, 0.8))
+    a = PodRates(Tokens(90, 90, 100), 2.0, 20.0, 2.0, 100, 200, ((1, 10.0), (2, 30.0), (3, 40.0)),
+                 ((1, 50.0), (2, 50.0), (3, 50.0)))
+    b = PodRates(Tokens(10, 10, 100), 0.0, 0.0, 0.0, 50, 200, ((2, 20.0), (3, 40.0)), ((2, 50.0), (3, 50.0)))
+    c = PodRates(Tokens(10, 10, 100), 0.0, 0.0, 0.0, 50, 200)   # runs no curve
+    assert fleet.aggregate([a, b, c]).curve == ((2, 0.5), (3, 0.8))
 
 
 def test_aggregate_over_nodes():
-    a = PodRates(90, 10, 2.0, 20.0, 2.0, 100, 200)
-    b = PodRates(10, 90, 0.0, 0.0, 0.0, 50, 200)
-    s = metrics_source.aggregate([a, b])
+    a = PodRates(Tokens(90, 95, 100), 2.0, 20.0, 2.0, 100, 200)
+    b = PodRates(Tokens(10, 10, 100), 0.0, 0.0, 0.0, 50, 200)
+    s = fleet.aggregate([a, b])
     assert s.hit_ratio == 0.5 and s.lookup_tokens_per_s == 100 and s.capacity_evictions_per_s == 2.0
     assert s.eviction_age_s == 10.0 and s.stored_bytes == 100
-    idle = metrics_source.aggregate([PodRates(0, 0, 0, 0, 0, 0, 0)])
+    idle = fleet.aggregate([PodRates(Tokens(), 0, 0, 0, 0, 0)])
     assert idle.hit_ratio is None and idle.eviction_age_s is None
-    assert metrics_source.aggregate([]) is None
+    assert fleet.aggregate([]) is None
 
 
-def test_scrape_source_rates_and_counter_reset(monkeypatch):
+class Pods:
+    """The API server's pod listing, as fleet.discover reads it."""
+
+    def __init__(self, *ready: bool):
+        self.ready = list(ready)
+
+    def request(self, method, path, query=None, **_):
+        return {"items": [{"metadata": {"name": f"p{i}"}, "spec": {"nodeName": f"n{i}"},
+                           "status": {"podIP": f"10.0.0.{i}", "conditions": [{"type": "Ready", "status": str(r)}]}}
+                          for i, r in enumerate(self.ready)]}
+
+
+def test_fleet_rates_and_counter_reset():
     now = [0.0]
-    src = metrics_source.ScrapeSource(window_s=10, clock=lambda: now[0])
     texts = iter([EXPOSITION, EXPOSITION.replace("300.0", "400.0").replace("600.0", "700.0"),
                   EXPOSITION.replace("300.0", "50.0")])   # third: the sidecar restarted (counter went down)
-    monkeypatch.setattr(metrics_source, "scrape", lambda url, timeout=2.0: metrics_source.parse(next(texts)))
-    ep = [metrics_source.Endpoint("p", "10.0.0.1", "http://x/metrics", "10.0.0.1:50051")]
-    assert src.signal("ns/c", ep)[0] is None          # one sample: no rate yet
+    src = fleet.Fleet(window_s=10, max_age_s=0, clock=lambda: now[0],
+                      scrape=lambda url, timeout: fleet.parse(next(texts)))
+    owner = Owner("c", "ns", "u")
+    pods = Pods(True)
+    assert src.signal(src.observe(pods, owner))[0] is None          # one sample: no rate yet
     now[0] = 10.0
-    s, latest = src.signal("ns/c", ep)
-    assert s.hit_ratio == 0.5 and s.lookup_tokens_per_s == 20.0 and latest["p"].budget_bytes == 2048
+    s, latest = src.signal(src.observe(pods, owner))
+    assert s.hit_ratio == 0.5 and s.lookup_tokens_per_s == 20.0 and latest["p0"].budget_bytes == 2048
     now[0] = 20.0
-    s, _ = src.signal("ns/c", ep)
+    s, _ = src.signal(src.observe(pods, owner))
     assert s.lookup_tokens_per_s >= 0   # a reset never yields a negative rate
-    assert src.signal("ns/c", [])[0] is None
+    now[0] = 30.0
+    assert src.signal(src.observe(Pods(False), owner))[0] is None   # not ready: not scraped
 
 
 class _Prom(BaseHTTPRequestHandler):
@@ -102,7 +119,6 @@ class _Prom(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         q = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)["query"][0]
         self.queries.append(q)
-        # (the miss query also names the disk-tier hits: match it first)
         if "promptcache_mrc_hit_tokens_total" in q:   # by pod and size
             result = [{"metric": {"pod": "p1", "capacity_bytes": str(size)}, "value": [0, str(v)]}
                       for size, v in ((8 * Mi, 20), (16 * Mi, 36))]
@@ -111,7 +127,9 @@ class _Prom(BaseHTTPRequestHandler):
                       for size in (8 * Mi, 16 * Mi)]
         else:
             result = None
-        value = {"promptcache_missed_tokens_total": 10, "promptcache_hit_tokens_total": 30,
+        value = {"promptcache_missed_tokens_total": 5,   # hits: 30 from memory, 35 in all tiers
+                 'promptcache_hit_tokens_total{namespace="ml",service="llama-metrics",tier="device"}': 30,
+                 "promptcache_hit_tokens_total{": 35,
                  "promptcache_evictions_total": 2, "_sum": 20, "_count": 2, "promptcache_stored_bytes": 5 * Mi,
                  "promptcache_budget_bytes": 8 * Mi}
         if result is None:
@@ -127,12 +145,15 @@ class _Prom(BaseHTTPRequestHandler):
         pass
 
 
+OBSERVED = fleet.Observation("ml", "llama", 0.0, (), {})
+
+
 def test_prometheus_source():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Prom)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        src = metrics_source.PrometheusSource(f"http://127.0.0.1:{srv.server_port}", window_s=120)
-        s, latest = src.signal("ml/llama", [])
+        src = fleet.PrometheusSource(f"http://127.0.0.1:{srv.server_port}", window_s=120)
+        s, latest = src.signal(OBSERVED)
         assert s.hit_ratio == 0.75 and s.capacity_evictions_per_s == 2 and s.eviction_age_s == 10
         assert s.curve == ((8 * Mi, 0.5), (16 * Mi, 0.9))
         assert latest["p1"].budget_bytes == 8 * Mi
@@ -140,7 +161,7 @@ def test_prometheus_source():
                    for q in _Prom.queries if "rate(" in q)
     finally:
         srv.shutdown()
-    assert metrics_source.PrometheusSource("http://127.0.0.1:9", timeout_s=0.5).signal("a/b", []) == (None, {})
+    assert fleet.PrometheusSource("http://127.0.0.1:9", timeout_s=0.5).signal(OBSERVED) == (None, {})
 
 
 SPEC = PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "4Gi"},

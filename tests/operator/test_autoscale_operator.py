@@ -1,23 +1,23 @@
 """The autoscaler as the operator runs it: `python -m promptcache.operator` (a subprocess with the chart's RBAC), its
 kopf timer, a real sidecar under load (working set larger than its budget). The operator grows the memory: status,
-Event, DaemonSet limit and the sidecar's own budget (Resize) all follow. As in test_closed_loop, the EndpointSlices
-are made by hand with a stand-in address the operator maps to 127.0.0.1 (PROMPTCACHE_AUTOSCALE_ADDRESS_MAP)."""
+Event, DaemonSet limit and the sidecar's own budget (Resize) all follow. As in test_closed_loop, the cache's Pod is
+made by hand, as a kubelet would report it (IP 127.0.0.1, Ready, the local sidecar's ports)."""
 from __future__ import annotations
 
 import pytest
 
 from opharness import wait_for
-from promptcache.operator import metrics_source
+from promptcache.operator import fleet
+from promptcache.operator.builders import Owner
 from promptcache.operator.kube import object_path
 from support import SidecarProcess
-from test_closed_loop import CHUNK_TOKENS, MIN, PC_API, SPEC, STAND_IN, Workload, ds_memory_limit, endpoint_slice
+from test_closed_loop import CHUNK_TOKENS, MIN, PC_API, SPEC, Workload, ds_memory_limit, sidecar_pod
 
 pytestmark = pytest.mark.apiserver
 
 ENV = {"PROMPTCACHE_OPERATOR_RESYNC_SECONDS": "2", "PROMPTCACHE_OPERATOR_CRD_CACHE_SECONDS": "1",
        "PROMPTCACHE_AUTOSCALE_INTERVAL_SECONDS": "1", "PROMPTCACHE_AUTOSCALE_WINDOW_SECONDS": "2",
-       "PROMPTCACHE_AUTOSCALE_GROW_COOLDOWN_SECONDS": "2", "PROMPTCACHE_AUTOSCALE_OVERHEAD_BYTES": "0",
-       "PROMPTCACHE_AUTOSCALE_ADDRESS_MAP": f"{STAND_IN}=127.0.0.1"}
+       "PROMPTCACHE_AUTOSCALE_GROW_COOLDOWN_SECONDS": "2", "PROMPTCACHE_AUTOSCALE_OVERHEAD_BYTES": "0"}
 
 
 def test_operator_grows_memory_under_load(start_operator, crd, kube, namespace, tmp_path):
@@ -31,14 +31,11 @@ def test_operator_grows_memory_under_load(start_operator, crd, kube, namespace, 
                         "cachePolicy": {"chunkTokens": CHUNK_TOKENS},
                         "autoscaling": {"enabled": True, "targetHitRatio": 0.8, "minMemory": "8Mi",
                                         "maxMemory": "64Mi"}}}
-        for svc, port_name, port in ((f"{name}-metrics", "metrics", sidecar.metrics_port),
-                                     (name, "grpc", sidecar.port)):
-            kube.request("POST", f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
-                         body=endpoint_slice(namespace, svc, port_name, port))
         workload.start()
         start_operator("--standalone", env=ENV)
-        kube.request("PATCH", object_path(PC_API, "PromptCache", namespace, name), body=doc,
-                     content_type="application/apply-patch+yaml", query=[("fieldManager", "kubectl")])
+        pc = kube.request("PATCH", object_path(PC_API, "PromptCache", namespace, name), body=doc,
+                          content_type="application/apply-patch+yaml", query=[("fieldManager", "kubectl")])
+        sidecar_pod(kube, Owner(name, namespace, pc["metadata"]["uid"]), sidecar)
 
         def grown():
             st = (kube.get(PC_API, "PromptCache", namespace, name).get("status") or {}).get("autoscaling") or {}
@@ -47,7 +44,7 @@ def test_operator_grows_memory_under_load(start_operator, crd, kube, namespace, 
         assert st["lastDecision"]["action"] == "grow" and st["lastDecision"]["reason"] == "HitRatioBelowTarget"
         wait_for(lambda: ds_memory_limit(kube, namespace, name) >= st["memoryBytes"], timeout=10,
                  what="DaemonSet limit raised")
-        wait_for(lambda: (metrics_source.scrape(f"http://127.0.0.1:{sidecar.metrics_port}/metrics").budget_bytes
+        wait_for(lambda: (fleet.scrape(f"http://127.0.0.1:{sidecar.metrics_port}/metrics").budget_bytes
                           > MIN), timeout=10, what="sidecar resized up")
 
         def grow_event():  # posted after the Resize, so it can trail what the waits above saw

@@ -1,5 +1,5 @@
 """The autoscaler's Prometheus source against a real Prometheus server (Debian's `prometheus` package, the same one
-that ships promtool) scraping a real sidecar under load: the PromQL of metrics_source.PrometheusSource returns
+that ships promtool) scraping a real sidecar under load: the PromQL of fleet.PrometheusSource returns
 what the sidecar's own counters say. The scrape job sets the target labels a ServiceMonitor would
 (namespace, service, pod)."""
 from __future__ import annotations
@@ -14,12 +14,26 @@ import pytest
 import yaml
 
 from opharness import free_port, wait_for
-from promptcache.operator import metrics_source
+from promptcache.operator import fleet
+from promptcache.operator.builders import CONTAINER, Owner
 from support import SidecarProcess
 from test_closed_loop import CHUNK_TOKENS, Workload
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 Mi = 1 << 20
+
+
+class Pod:
+    """The API server's listing of the one cache pod, the local sidecar (what fleet.discover reads)."""
+
+    def __init__(self, name: str, metrics_port: int):
+        self.pod = {"metadata": {"name": name},
+                    "spec": {"nodeName": "node-1", "containers": [
+                        {"name": CONTAINER, "ports": [{"name": "metrics", "containerPort": metrics_port}]}]},
+                    "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    def request(self, method, path, query=None, **_):
+        return {"items": [self.pod]}
 
 
 def test_prometheus_source_against_real_prometheus(tmp_path: Path):
@@ -43,10 +57,11 @@ def test_prometheus_source_against_real_prometheus(tmp_path: Path):
                  what="prometheus ready")
         workload.start()
         time.sleep(8)
-        src = metrics_source.PrometheusSource(url, window_s=5)
+        src = fleet.PrometheusSource(url, window_s=5)
+        observed = fleet.Observation("ml", "c", 0.0, (), {})   # Prometheus' own labels say which pods
 
         def answered():
-            s, latest = src.signal("ml/c", [])
+            s, latest = src.signal(observed)
             return (s, latest) if s is not None and s.hit_ratio is not None and s.capacity_evictions_per_s > 0 \
                 else None
         s, latest = wait_for(answered, timeout=20, interval=1, what="a signal from Prometheus")
@@ -55,11 +70,12 @@ def test_prometheus_source_against_real_prometheus(tmp_path: Path):
         assert s.eviction_age_s is not None and s.eviction_age_s < 60
         assert latest["c-abcde"].budget_bytes == 4 * Mi and 0 < s.stored_bytes <= 4 * Mi
         # Same window, read from the sidecar directly: the rates agree within scrape jitter.
-        scraped = metrics_source.ScrapeSource(window_s=3)
-        ep = [metrics_source.Endpoint("c-abcde", "127.0.0.1", f"http://127.0.0.1:{sidecar.metrics_port}/metrics")]
-        scraped.signal("ml/c", ep)
+        scraped = fleet.Fleet(window_s=3, max_age_s=0)
+        pods = Pod("c-abcde", sidecar.metrics_port)
+        owner = Owner("c", "ml", "uid")
+        scraped.observe(pods, owner)
         time.sleep(3)
-        direct, _ = scraped.signal("ml/c", ep)
+        direct, _ = scraped.signal(scraped.observe(pods, owner))
         assert abs(direct.hit_ratio - s.hit_ratio) < 0.25, (direct, s)
     finally:
         workload.stop.set()

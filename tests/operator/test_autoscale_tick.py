@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from promptcache.operator import autoscale, tuning
+from promptcache.operator import autoscale, fleet, tuning
 from promptcache.operator.builders import Capabilities, OperatorDefaults
-from promptcache.operator.metrics_source import Counters, Endpoint
+from promptcache.operator.fleet import Counters, Observation
 from promptcache.operator.model import quantity_bytes
 
 Mi = 1 << 20
@@ -48,14 +48,15 @@ class FakeKube:
         if method == "POST" and path.endswith("/events"):
             self.events.append(body)
             return body
-        if method == "GET" and path.endswith("/pods"):
-            return {"items": self.pods}
-        if method == "GET" and "endpointslices" in path:
-            service = dict(query)["labelSelector"].split("=", 1)[1]
-            port = ("metrics", 9400) if service.endswith("-metrics") else ("grpc", 50051)
-            return {"items": [{"ports": [{"name": port[0], "port": port[1]}], "endpoints": [
-                {"addresses": [f"10.0.0.{i}"], "conditions": {"ready": True},
-                 "targetRef": {"kind": "Pod", "name": f"pod-{i}"}} for i in (1, 2)]}]}
+        if method == "GET" and path.endswith("/pods"):   # two ready sidecars, with the limits set in self.pods
+            limits = {p["metadata"]["name"]: p for p in self.pods}
+            return {"items": [{"metadata": {"name": f"pod-{i}"},
+                               "spec": {"nodeName": f"node-{i}",
+                                        **({"containers": limits[f"pod-{i}"]["spec"]["containers"]}
+                                           if f"pod-{i}" in limits else {})},
+                               "status": {**(limits[f"pod-{i}"]["status"] if f"pod-{i}" in limits else {}),
+                                          "podIP": f"10.0.0.{i}", "conditions": [{"type": "Ready", "status": "True"}]}}
+                              for i in (1, 2)]}
         raise AssertionError(f"unexpected {method} {path}")
 
 
@@ -63,8 +64,13 @@ class FixedSource:
     def __init__(self, signal: tuning.Signal, budget: int):
         self.sig, self.budget = signal, budget
 
-    def signal(self, cache: str, eps: list[Endpoint]):
-        return self.sig, {e.pod: Counters(budget_bytes=self.budget) for e in eps}
+    def signal(self, obs: Observation):
+        return self.sig, {e.pod: Counters(budget_bytes=self.budget) for e in obs.ready}
+
+
+def unscraped() -> fleet.Fleet:
+    """The sidecars' signal and budgets come from FixedSource: nothing is dialled."""
+    return fleet.Fleet(scrape=lambda url, timeout: None)
 
 
 def resizer(fail: set[str] = frozenset()):
@@ -91,7 +97,8 @@ def body(memory: int | None = None) -> dict[str, Any]:
 
 def run(kube: FakeKube, b: dict, signal: tuning.Signal, budget: int, fail: set[str] = frozenset()):
     LOG.clear()
-    return autoscale.tick(kube, b, FixedSource(signal, budget), CFG, OperatorDefaults(), resizer(fail))
+    return autoscale.tick(kube, b, unscraped(), CFG, OperatorDefaults(), resizer(fail),
+                          source=FixedSource(signal, budget))
 
 
 def test_grow_with_vpa_raises_the_limit_before_resizing():
@@ -122,12 +129,12 @@ def test_grow_waits_while_the_applied_limit_is_below():
     b["status"]["autoscaling"]["lastChangeTime"] = kube.status["autoscaling"]["lastChangeTime"]
     hold = autoscale.Config(overhead_bytes=512 * Mi, policy=tuning.Policy(grow_cooldown_s=1e9))
     LOG.clear()
-    out = autoscale.tick(kube, b, FixedSource(LOW, 4 * Gi), hold, OperatorDefaults(), resizer())
+    out = autoscale.tick(kube, b, unscraped(), hold, OperatorDefaults(), resizer(), source=FixedSource(LOW, 4 * Gi))
     assert out.decision.reason == "Cooldown" and not any(x.startswith("resize") for x in LOG)
     assert out.steps[:2] == ["wait-limit pod-1", "wait-limit pod-2"]
     kube.hold_limit_at = None
     LOG.clear()
-    autoscale.tick(kube, b, FixedSource(LOW, 4 * Gi), hold, OperatorDefaults(), resizer())
+    autoscale.tick(kube, b, unscraped(), hold, OperatorDefaults(), resizer(), source=FixedSource(LOW, 4 * Gi))
     assert [x for x in LOG if x.startswith("resize")] == [f"resize 10.0.0.{i}:50051 {6400 * Mi}" for i in (1, 2)]
 
 

@@ -4,13 +4,11 @@ ServiceAccount against the real API server, with reconcile() in between as the o
 the sidecar's real /metrics, raises the memory until the hit ratio reaches the target, holds, and shrinks back to
 the minimum when the load stops. The sidecar never restarts and never holds more than its budget.
 
-No kubelet runs here, so no Pod and no EndpointSlice controller: the test creates the EndpointSlices of the cache's
-two Services BY HAND, pointing at the local sidecar's gRPC and metrics ports. The API server refuses loopback
-addresses in EndpointSlices, so they carry a documentation address (192.0.2.10, TEST-NET-1) that the autoscaler's
-test hook (autoscale.Config.address_map) maps to 127.0.0.1 before dialling. Everything else is the
-operator's code path: endpoint discovery through the API server, scraping, tuning.decide, Resize over gRPC, status,
-Events and the DaemonSet's limits (no VPA CRD here: the DaemonSet fallback). Cooldowns and windows are seconds
-instead of minutes (autoscale.Config).
+No kubelet or DaemonSet controller runs here, so no cache pod would ever exist: the test creates the cache's Pod BY
+HAND, as a kubelet would report it (bound to a node, IP 127.0.0.1, Ready), its sidecar container declaring the local
+sidecar's gRPC and metrics ports. Everything else is the operator's code path: discovery through the API server,
+scraping (fleet.Fleet), tuning.decide, Resize over gRPC, status, Events and the DaemonSet's limits (no VPA CRD here:
+the DaemonSet fallback). Cooldowns and windows are seconds instead of minutes (autoscale.Config).
 
 The sidecar runs the miss-ratio curve (--mrc-sample-rate 1: 48 prefixes are too few chain roots to sample from), so
 a grow jumps to the size the curve predicts reaches the target: fewer resizes than the x1.5 steps without it (three
@@ -27,8 +25,8 @@ import pytest
 from promptcache.client import PromptCacheClient
 from promptcache.contract.keys import ModelSpec
 from promptcache.contract.layout import chunk_nbytes
-from promptcache.operator import autoscale, metrics_source, tuning
-from promptcache.operator.builders import OperatorDefaults
+from promptcache.operator import autoscale, builders, fleet, tuning
+from promptcache.operator.builders import OperatorDefaults, Owner
 from promptcache.operator.kube import Kube, configuration_from_environment, object_path
 from promptcache.operator.model import quantity_bytes
 from promptcache.operator.reconcile import reconcile
@@ -44,7 +42,7 @@ MIN, MAX, TARGET = 8 * Mi, 64 * Mi, 0.8
 HOLD_TICKS = 8   # > 2 grow cooldowns
 MRC_RATE = "1"
 PC_API = "promptcache.io/v1alpha1"
-STAND_IN = "192.0.2.10"   # in the EndpointSlices; mapped to 127.0.0.1 (see the module docstring)
+POD = "sidecar-on-this-machine"
 
 
 class Workload(threading.Thread):
@@ -75,15 +73,19 @@ class Workload(threading.Thread):
                     time.sleep(0.05)
 
 
-def endpoint_slice(namespace: str, service: str, port_name: str, port: int) -> dict:
-    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": f"{service}-local", "namespace": namespace,
-                         "labels": {"kubernetes.io/service-name": service,
-                                    "endpointslice.kubernetes.io/managed-by": "promptcache-tests"}},
-            "addressType": "IPv4",
-            "endpoints": [{"addresses": [STAND_IN], "conditions": {"ready": True},
-                           "targetRef": {"kind": "Pod", "namespace": namespace, "name": "sidecar-on-this-machine"}}],
-            "ports": [{"name": port_name, "port": port, "protocol": "TCP"}]}
+def sidecar_pod(kube, owner: Owner, sidecar) -> None:
+    """The cache's Pod for the local sidecar, as the DaemonSet controller and a kubelet would make and report it."""
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": POD, "namespace": owner.namespace, "labels": builders.labels(owner)},
+           "spec": {"nodeName": "node-1", "containers": [{
+               "name": builders.CONTAINER, "image": "sidecar:test",
+               "ports": [{"name": "grpc", "containerPort": sidecar.port},
+                         {"name": "metrics", "containerPort": sidecar.metrics_port}]}]}}
+    kube.request("POST", f"/api/v1/namespaces/{owner.namespace}/pods", body=pod)
+    kube.request("PATCH", f"/api/v1/namespaces/{owner.namespace}/pods/{POD}/status",
+                 content_type="application/merge-patch+json",
+                 body={"status": {"phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
+                                  "conditions": [{"type": "Ready", "status": "True"}]}})
 
 
 def ds_memory_limit(kube, namespace: str, name: str) -> int:
@@ -132,37 +134,36 @@ def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path, secure
                                         "maxMemory": "64Mi"}}}
         if secured:
             doc["spec"]["security"] = {"tls": {"secretName": f"{name}-tls"}, "tokens": {"secretName": f"{name}-tokens"}}
-        kube.request("PATCH", object_path(PC_API, "PromptCache", namespace, name), body=doc,
-                     content_type="application/apply-patch+yaml", query=[("fieldManager", "kubectl")])
+        pc = kube.request("PATCH", object_path(PC_API, "PromptCache", namespace, name), body=doc,
+                          content_type="application/apply-patch+yaml", query=[("fieldManager", "kubectl")])
+        owner = Owner(name, namespace, pc["metadata"]["uid"])
         get = lambda: kube.get(PC_API, "PromptCache", namespace, name)  # noqa: E731
         defaults = OperatorDefaults()
         reconcile(op_kube, get(), defaults)
         if secured:  # the flag the hand-started sidecar got is what the operator configures its sidecars with
             cm = kube.get("v1", "ConfigMap", namespace, f"{name}-config")
             assert cm["data"]["PROMPTCACHE_ADMIN_TENANTS"] == defaults.operator_tenant
-        for svc, port_name, port in ((f"{name}-metrics", "metrics", sidecar.metrics_port),
-                                     (name, "grpc", sidecar.port)):
-            kube.request("POST", f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
-                         body=endpoint_slice(namespace, svc, port_name, port))
-        eps = metrics_source.endpoints(op_kube, namespace, name, {STAND_IN: "127.0.0.1"})
+        sidecar_pod(kube, owner, sidecar)
+        eps = fleet.discover(op_kube, owner)
         assert [(e.metrics_url, e.grpc_target) for e in eps] == [
             (f"http://127.0.0.1:{sidecar.metrics_port}/metrics", sidecar.address)]
 
         config = autoscale.Config(
             interval_s=1, window_s=3, overhead_bytes=0,   # memory == budget here (no container around the sidecar)
-            address_map={STAND_IN: "127.0.0.1"}, credentials_dir=creds,
+            credentials_dir=creds,
             policy=tuning.Policy(grow_cooldown_s=4, shrink_cooldown_s=3, shrink_factor=0.8))
-        source = metrics_source.ScrapeSource(window_s=config.window_s)
+        # As the operator makes it: one observation serves half the (autoscaling) timer period.
+        sidecars = fleet.Fleet(window_s=config.window_s, max_age_s=config.interval_s / 2)
         rows: list[tuple] = []
         steps: list[tuple[str, list[str]]] = []
         t0 = time.monotonic()
 
         def step(i: int) -> autoscale.Outcome:
-            out = autoscale.tick(op_kube, get(), source, config, defaults)
+            out = autoscale.tick(op_kube, get(), sidecars, config, defaults)
             assert not out.errors, out.errors
             if i % 3 == 0:   # the operator's resync timer runs reconcile() in between: it must keep the tuned limit
-                assert not reconcile(op_kube, get(), defaults).errors
-            c = source.last.get("sidecar-on-this-machine")
+                assert not reconcile(op_kube, get(), defaults, sidecars, config).errors
+            c = sidecars.latest(namespace, name).counters.get(POD)
             assert sidecar.proc.poll() is None and sidecar.proc.pid == pid, "the sidecar restarted"
             if c is not None:
                 assert c.committed_bytes <= c.budget_bytes, c

@@ -283,15 +283,29 @@ def test_operator_created_daemonset_passes_restricted(start_operator, crd, kube,
 
 
 def test_restart_mid_reconcile_converges(start_operator, crd, kube, namespace):
-    # The first operator stops for 60 s after applying 2 of the 5 children; it is killed there.
-    first = start_operator("--standalone", name="first",
-                           env={**FAST, "PROMPTCACHE_OPERATOR_FAULT_PAUSE": f"2:60:{namespace}/qwen-32b"})
+    # A fault from outside the operator: a ResourceQuota in the namespace that allows no DaemonSet and no Service,
+    # so the API server refuses 3 of the 5 core children (403, exceeded quota) and the first operator gets only
+    # 2 applied. It is killed (-9) in that state; the quota goes; a second operator starts.
+    hard = {"count/daemonsets.apps": "0", "services": "0"}
+    kube.request("POST", f"/api/v1/namespaces/{namespace}/resourcequotas",
+                 body={"apiVersion": "v1", "kind": "ResourceQuota",
+                       "metadata": {"name": "no-daemonsets-or-services", "namespace": namespace},
+                       "spec": {"hard": hard}})
+    # No quota controller runs here: the usage it would record (nothing yet), so admission compares against it.
+    kube.request("PATCH", f"/api/v1/namespaces/{namespace}/resourcequotas/no-daemonsets-or-services/status",
+                 content_type="application/merge-patch+json",
+                 body={"status": {"hard": hard, "used": {k: "0" for k in hard}}})
+    first = start_operator("--standalone", name="first", env=FAST)
     pc = apply_pc(kube, namespace, example("full"))
-    wait_for(lambda: f"fault injection: {namespace}/qwen-32b" in first.output(), timeout=60,
-             what="first operator paused mid-reconcile")
+
+    def refused():
+        degraded = conditions(get_pc(kube, namespace, "qwen-32b")).get("Degraded") or {}
+        return degraded.get("reason") == "ApplyFailed" and "exceeded quota" in degraded.get("message", "")
+    wait_for(refused, timeout=60, what="first operator refused some children")
     partial = children(kube, namespace, "qwen-32b")
     assert sum(v is not None for v in partial.values()) == 2, {k: v is not None for k, v in partial.items()}
     first.kill(signal.SIGKILL)
+    kube.delete("v1", "ResourceQuota", namespace, "no-daemonsets-or-services")
 
     start_operator("--standalone", env=FAST, name="second")
     got = wait_for(lambda: all_present(kube, namespace, "qwen-32b", CORE_CHILDREN + CLUSTER_CHILDREN), timeout=60,
@@ -367,8 +381,6 @@ def test_status_reports_nodes_hit_ratio_and_readiness(start_operator, crd, kube,
     import http.server
     import threading
 
-    from opharness import free_port
-
     body = "\n".join(['promptcache_hit_tokens_total{rpc="Lookup",tier="device"} 750',
                       'promptcache_missed_tokens_total{rpc="Lookup"} 250',
                       'promptcache_stored_bytes{tier="device"} 123456']).encode()
@@ -383,17 +395,19 @@ def test_status_reports_nodes_hit_ratio_and_readiness(start_operator, crd, kube,
         def log_message(self, *args):
             pass
 
-    port = free_port()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = server.server_port
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        start_operator("--standalone", env={**FAST, "PROMPTCACHE_OPERATOR_SCRAPE_PORT": str(port)})
+        start_operator("--standalone", env=FAST)
         pc = apply_pc(kube, namespace, example())
         got = wait_for(lambda: all_present(kube, namespace, "llama-8b"), timeout=30, what="children")
         owner = Owner("llama-8b", namespace, pc["metadata"]["uid"])
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": "llama-8b-abcde", "namespace": namespace, "labels": builders.labels(owner)},
-               "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "sidecar", "image": "sidecar:test"}]}}
+               "spec": {"nodeName": "gpu-node-1", "containers": [{
+                   "name": "sidecar", "image": "sidecar:test",
+                   "ports": [{"name": "metrics", "containerPort": port}]}]}}   # where the operator scrapes
         kube.request("POST", f"/api/v1/namespaces/{namespace}/pods", body=pod)
         kube.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/llama-8b-abcde/status",
                      content_type="application/merge-patch+json",

@@ -1,9 +1,10 @@
-"""The operator's reading of the sidecar's Prometheus endpoint (for status.hitRatio and status.memoryBytes)."""
+"""The operator's reading of the sidecar's Prometheus endpoint (fleet.parse; status.hitRatio, anyTierHitRatio and
+memoryBytes)."""
 from __future__ import annotations
 
 import pytest
 
-from promptcache.operator import metrics
+from promptcache.operator import fleet
 
 
 def test_parse_sums_over_labels():
@@ -18,11 +19,12 @@ def test_parse_sums_over_labels():
         'promptcache_stored_bytes{tier="disk"} 2048',
         "promptcache_stored_bytes_bogus NaN",
     ])
-    s = metrics.parse(text)
-    assert (s.hit_tokens, s.missed_tokens, s.stored_bytes) == (400, 600, 3072)
-    assert metrics.summarize([s, None]) == {"hitRatio": 0.4, "memoryBytes": 3072}
-    assert metrics.summarize([None]) == {}
-    assert metrics.summarize([metrics.Sample()]) == {"memoryBytes": 0}
+    s = fleet.parse(text)
+    assert s.tokens == fleet.Tokens(memory_hits=300, any_tier_hits=400, lookups=1000)
+    assert (s.stored_bytes, s.all_tiers_stored_bytes) == (1024, 3072)
+    assert fleet.status_usage([s]) == {"hitRatio": 0.3, "anyTierHitRatio": 0.4, "memoryBytes": 3072}
+    assert fleet.status_usage([]) == {}
+    assert fleet.status_usage([fleet.Counters()]) == {"memoryBytes": 0}
 
 
 def test_parse_the_real_sidecar_exposition():
@@ -40,10 +42,18 @@ def test_parse_the_real_sidecar_exposition():
     m = sidecar_metrics.Metrics()
     m.watch({"device": Tier(5000), "disk": Tier(7000)})
     m.hit_tokens.labels("Lookup", "device").inc(30)
-    m.missed_tokens.labels("Lookup").inc(70)
-    s = metrics.parse(prometheus_client.generate_latest(m.registry).decode())
-    assert (s.hit_tokens, s.missed_tokens, s.stored_bytes) == (30, 70, 12000)
+    m.hit_tokens.labels("Get", "cluster").inc(10)
+    m.missed_tokens.labels("Lookup").inc(60)
+    s = fleet.parse(prometheus_client.generate_latest(m.registry).decode())
+    assert s.tokens == fleet.Tokens(memory_hits=30, any_tier_hits=40, lookups=100)
+    assert (s.stored_bytes, s.all_tiers_stored_bytes, s.budget_bytes) == (5000, 12000, 1 << 20)
+    assert (s.tokens.memory_hit_ratio, s.tokens.any_tier_hit_ratio) == (0.3, 0.4)
+
+
+def test_malformed_exposition_is_refused():
+    with pytest.raises(ValueError):
+        fleet.parse("promptcache_hit_tokens_total not-a-number\n")
 
 
 def test_scrape_unreachable_is_none():
-    assert metrics.scrape("http://127.0.0.1:9/metrics", timeout=0.5) is None
+    assert fleet.scrape("http://127.0.0.1:9/metrics", timeout=0.5) is None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -152,7 +153,7 @@ def thresholds_from_spec(alerts_spec: Any) -> Thresholds:
                       for_=alerts_spec.for_)
 
 
-def monitoring_labels_from_env(env: dict[str, str]) -> dict[str, str]:
+def monitoring_labels_from_env(env: Mapping[str, str]) -> dict[str, str]:
     """Labels of the ServiceMonitors and PrometheusRules the operator creates:
     PROMPTCACHE_OPERATOR_MONITORING_LABELS="release=kube-prometheus-stack,team=ml" (empty string: none)."""
     raw = env.get("PROMPTCACHE_OPERATOR_MONITORING_LABELS")

@@ -21,10 +21,11 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from . import builders, metrics_source, tuning
+from . import builders, fleet as fleet_, tuning
 from .builders import Capabilities, OperatorDefaults, Owner
 from .kube import ApiError, Kube
 from .model import GROUP, KIND, VERSION, PromptCacheSpec, SpecError, quantity_bytes
@@ -41,14 +42,12 @@ class Config:
     vpa_update_mode: str = "InPlaceOrRecreate"   # Initial where the cluster has no in-place pod resize
     resize_timeout_s: float = 10.0
     policy: tuning.Policy = field(default_factory=tuning.Policy)
-    address_map: dict[str, str] = field(default_factory=dict)   # test hook, see metrics_source.endpoints
     # The operator's identity towards secured sidecars (Resize is an admin call): a folder with the files token,
     # ca.crt, tls.crt and tls.key, each optional (the chart mounts sidecarCredentials.secretName there).
     credentials_dir: str | None = None
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "Config":
-        env = os.environ if env is None else env
+    def from_env(cls, env: Mapping[str, str]) -> "Config":
         d = cls()
         p = d.policy
 
@@ -60,8 +59,6 @@ class Config:
         return cls(interval_s=f("INTERVAL_SECONDS", d.interval_s), window_s=f("WINDOW_SECONDS", d.window_s),
                    overhead_bytes=int(f("OVERHEAD_BYTES", d.overhead_bytes)), vpa_update_mode=mode,
                    resize_timeout_s=f("RESIZE_TIMEOUT_SECONDS", d.resize_timeout_s),
-                   address_map=dict(kv.split("=", 1) for kv in env.get("PROMPTCACHE_AUTOSCALE_ADDRESS_MAP", "")
-                                    .split(",") if "=" in kv),
                    credentials_dir=env.get("PROMPTCACHE_OPERATOR_SIDECAR_CREDENTIALS_DIR") or None,
                    policy=replace(p, grow_cooldown_s=f("GROW_COOLDOWN_SECONDS", p.grow_cooldown_s),
                                   shrink_cooldown_s=f("SHRINK_COOLDOWN_SECONDS", p.shrink_cooldown_s),
@@ -99,7 +96,7 @@ def _stamp(t: float) -> str:
 
 # --- desired children with the tuned memory ---------------------------------------------------------------------
 def adjust_children(children: list[dict[str, Any]], spec: PromptCacheSpec, status: dict[str, Any] | None,
-                    config: Config | None = None) -> list[dict[str, Any]]:
+                    config: Config = Config()) -> list[dict[str, Any]]:
     """Apply the tuned memory (status.autoscaling.memoryBytes) to the desired children; unchanged when autoscaling
     is off or nothing was tuned yet. Pure.
 
@@ -110,7 +107,6 @@ def adjust_children(children: list[dict[str, Any]], spec: PromptCacheSpec, statu
     memory = tuned_memory(status)
     if not spec.autoscaling.enabled or memory is None:
         return children
-    config = config or Config.from_env()
     has_vpa = any(c["kind"] == builders.VPA[1] for c in children)
     budget = max(1, memory - config.overhead_bytes)
     out = []
@@ -156,37 +152,12 @@ def applied_limit(kube: Kube, owner: Owner, caps: Capabilities) -> int | None:
     return None
 
 
-def pod_limits(kube: Kube, owner: Owner) -> dict[str, int]:
-    """The memory limit each cache pod runs with: the kubelet's report (status.containerStatuses[].resources, which
-    an in-place resize updates once applied), else the pod spec's."""
-    sel = ",".join(f"{k}={v}" for k, v in builders.selector(owner).items())
-    try:
-        pods = kube.request("GET", f"/api/v1/namespaces/{owner.namespace}/pods",
-                            query=[("labelSelector", sel), ("limit", "1000")])
-    except ApiError as exc:
-        log.warning("listing pods of %s/%s: %s", owner.namespace, owner.name, exc)
-        return {}
-    out = {}
-    for p in (pods or {}).get("items") or []:
-        lim = None
-        for cs in (p.get("status") or {}).get("containerStatuses") or []:
-            if cs.get("name") == builders.CONTAINER:
-                lim = (((cs.get("resources") or {}).get("limits")) or {}).get("memory")
-        if lim is None:
-            for ct in (p.get("spec") or {}).get("containers") or []:
-                if ct.get("name") == builders.CONTAINER:
-                    lim = ((ct.get("resources") or {}).get("limits") or {}).get("memory")
-        if lim:
-            out[p["metadata"]["name"]] = quantity_bytes(lim)
-    return out
-
-
 def effective_limits(kube: Kube, owner: Owner, caps: Capabilities,
-                     eps: list[metrics_source.Endpoint]) -> dict[str, int | None]:
-    """Per endpoint, the limit a Resize up must fit under: its pod's own limit when the pod is known (a VPA raise is
-    asynchronous: the VPA object says more before the pod has it), else what the API server holds for all of them
-    (the VPA's maxAllowed or the DaemonSet's limit)."""
-    pods = pod_limits(kube, owner)
+                     eps: list[fleet_.Sidecar]) -> dict[str, int | None]:
+    """Per sidecar, the limit a Resize up must fit under: its pod's own limit as the API server holds it now (read
+    again here: a VPA raise is asynchronous, the VPA object says more before the pod has it), else what the API
+    server holds for all of them (the VPA's maxAllowed or the DaemonSet's limit)."""
+    pods = {s.pod: s.memory_limit for s in fleet_.discover(kube, owner) or [] if s.memory_limit is not None}
     shared = applied_limit(kube, owner, caps)
     return {e.pod: pods.get(e.pod, shared) for e in eps}
 
@@ -290,12 +261,13 @@ class Outcome:
 Resizer = Callable[[str, int, float], dict[str, int]]
 
 
-def tick(kube: Kube, body: dict[str, Any], source: Any, config: Config | None = None,
-         defaults: OperatorDefaults | None = None, resizer: Resizer | None = None,
+def tick(kube: Kube, body: dict[str, Any], fleet: fleet_.Fleet, config: Config = Config(),
+         defaults: OperatorDefaults = OperatorDefaults(), resizer: Resizer | None = None, source: Any = None,
          now: Callable[[], float] = time.time) -> Outcome:
-    """One autoscaling step for one PromptCache (body: the object as read from the API server)."""
-    config = config or Config.from_env()
-    defaults = defaults or OperatorDefaults.from_env()
+    """One autoscaling step for one PromptCache (body: the object as read from the API server). The sidecars and
+    their budgets come from the fleet's observation (the one the status reads); the signal from `source`
+    (`signal(observation) -> (Signal | None, {pod: Counters})`): the fleet itself unless a Prometheus source."""
+    source = fleet if source is None else source
     out = Outcome()
     md = body["metadata"]
     owner = Owner(md["name"], md["namespace"], md["uid"])
@@ -316,8 +288,9 @@ def tick(kube: Kube, body: dict[str, Any], source: Any, config: Config | None = 
     out.memory_bytes = current
     caps = kube.capabilities()
 
-    eps = metrics_source.endpoints(kube, owner.namespace, owner.name, config.address_map)
-    signal, latest = source.signal(f"{owner.namespace}/{owner.name}", eps)
+    obs = fleet.observe(kube, owner)
+    eps = obs.ready
+    signal, latest = source.signal(obs)
     out.signal = signal
 
     # Level-based: bring every sidecar's budget to the recorded memory (a grow whose Resize was pending, a pod
@@ -383,7 +356,7 @@ def tick(kube: Kube, body: dict[str, Any], source: Any, config: Config | None = 
     return out
 
 
-def _resize(e: metrics_source.Endpoint, budget: int, config: Config, resizer: Resizer, out: Outcome) -> bool:
+def _resize(e: fleet_.Sidecar, budget: int, config: Config, resizer: Resizer, out: Outcome) -> bool:
     try:
         r = resizer(e.grpc_target, budget, config.resize_timeout_s)
         out.steps.append(f"resize {e.pod} {budget}")

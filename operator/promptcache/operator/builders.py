@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +66,7 @@ class OperatorDefaults:
     operator_tenant: str = "promptcache-operator"
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "OperatorDefaults":
-        env = os.environ if env is None else env
+    def from_env(cls, env: Mapping[str, str]) -> "OperatorDefaults":
         d = cls()
         return cls(
             image_repository=env.get("PROMPTCACHE_SIDECAR_IMAGE_REPOSITORY", d.image_repository),

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import autoscale, builders, metrics
+from . import autoscale, builders
 from .builders import OPTIONAL_CRDS, Capabilities, OperatorDefaults, Owner
+from .fleet import Fleet
 from .kube import ApiError, Kube
 from .model import PromptCacheSpec, SpecError
 
@@ -121,8 +120,9 @@ def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilitie
     return conds, {"desiredNodes": desired, "readyNodes": ready}
 
 
-def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | None = None) -> Outcome:
-    defaults = defaults or OperatorDefaults.from_env()
+def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults = OperatorDefaults(),
+              fleet: Fleet | None = None, autoscaling: autoscale.Config = autoscale.Config()) -> Outcome:
+    """`fleet`: where the status reads the sidecars from (shared with the autoscaler; a fresh one when None)."""
     md = body["metadata"]
     owner = Owner(name=md["name"], namespace=md["namespace"], uid=md["uid"])
     generation = int(md.get("generation") or 1)
@@ -146,14 +146,9 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
     caps = kube.capabilities()
     children = builders.desired_children(spec, owner, caps, defaults)
     # Memory tuned by the autoscaler (status.autoscaling) replaces the spec-derived limits and budget.
-    children = autoscale.adjust_children(children, spec, old_status)
+    children = autoscale.adjust_children(children, spec, old_status, autoscaling)
     ds = master = None
-    pause_after, pause_seconds = _fault_injection(owner)
-    for i, child in enumerate(children):
-        if i == pause_after:
-            log.warning("fault injection: %s/%s sleeping %ss after %d applies", owner.namespace, owner.name,
-                        pause_seconds, i)
-            time.sleep(pause_seconds)
+    for child in children:
         key = builders.child_key(child)
         try:
             res = kube.apply(child)
@@ -191,12 +186,14 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
                 out.errors.append(f"delete {key}: {exc.message}")
 
     ds_status = (ds or {}).get("status") or {}
-    if ds_status.get("desiredNumberScheduled") or ds_status.get("currentNumberScheduled"):
-        nodes, urls = _node_summary(kube, owner)
-    else:  # no pod scheduled anywhere: nothing to list or scrape
-        nodes, urls = [], []
     # Unknown (no ready sidecar answered): null removes stale values from the status.
-    usage = {"hitRatio": None, "memoryBytes": None, **metrics.summarize(metrics.scrape_all(urls))}
+    usage: dict[str, Any] = {"hitRatio": None, "anyTierHitRatio": None, "memoryBytes": None}
+    nodes: list[dict[str, Any]] = []
+    if ds_status.get("desiredNumberScheduled") or ds_status.get("currentNumberScheduled"):
+        obs = (fleet or Fleet()).observe(kube, owner)
+        nodes = obs.nodes()
+        usage.update(obs.usage())
+    # (no pod scheduled anywhere: nothing to list or scrape)
     pc_ok = kube.priority_class_exists(spec.placement.priorityClassName)
     conds, counts = compute_conditions(spec, generation, caps, ds, out.errors, pc_ok)
     out.status = {
@@ -214,50 +211,6 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults | Non
     log.info("reconciled %s/%s generation %d: %d applied, %d deleted, %d errors", owner.namespace, owner.name,
              generation, len(out.applied), len(out.deleted), len(out.errors))
     return out
-
-
-def _fault_injection(owner: Owner) -> tuple[int, float]:
-    """Test hook: PROMPTCACHE_OPERATOR_FAULT_PAUSE="N:SECONDS[:NAMESPACE/NAME]" sleeps after the N-th child apply
-    (of that PromptCache only, if named), so a test can kill the operator mid-reconcile. Unset in production."""
-    spec = os.environ.get("PROMPTCACHE_OPERATOR_FAULT_PAUSE")
-    if not spec:
-        return -1, 0.0
-    parts = spec.split(":")
-    if len(parts) > 2 and parts[2] != f"{owner.namespace}/{owner.name}":
-        return -1, 0.0
-    return int(parts[0]), float(parts[1]) if len(parts) > 1 else 60.0
-
-
-def metrics_port() -> int:
-    """Port the operator scrapes on each sidecar (the sidecar's metrics port; overridable for tests)."""
-    return int(os.environ.get("PROMPTCACHE_OPERATOR_SCRAPE_PORT", builders.METRICS_PORT))
-
-
-def _node_summary(kube: Kube, owner: Owner) -> tuple[list[dict[str, Any]], list[str]]:
-    """One entry per node running a cache pod (gRPC endpoint, readiness), and the metrics URLs of the ready ones."""
-    sel = ",".join(f"{k}={v}" for k, v in builders.selector(owner).items())
-    try:
-        pods = kube.request("GET", f"/api/v1/namespaces/{owner.namespace}/pods",
-                            query=[("labelSelector", sel), ("limit", "1000")])
-    except ApiError as exc:
-        log.warning("listing pods of %s/%s: %s", owner.namespace, owner.name, exc)
-        return [], []
-    nodes, urls = [], []
-    for pod in pods.get("items") or []:
-        node = (pod.get("spec") or {}).get("nodeName")
-        if not node:
-            continue
-        st = pod.get("status") or {}
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
-        entry: dict[str, Any] = {"nodeName": node, "ready": ready}
-        ip = st.get("podIP")
-        if ip:
-            host = f"[{ip}]" if ":" in ip else ip
-            entry["endpoint"] = f"{host}:{builders.GRPC_PORT}"
-            if ready:
-                urls.append(f"http://{host}:{metrics_port()}/metrics")
-        nodes.append(entry)
-    return sorted(nodes, key=lambda n: n["nodeName"]), urls
 
 
 def _write_status(kube: Kube, owner: Owner, old: dict[str, Any], new: dict[str, Any]) -> None:

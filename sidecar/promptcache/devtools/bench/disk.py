@@ -9,7 +9,7 @@ import time
 
 from promptcache.sidecar.disk import CODECS, DiskTier
 
-log = logging.getLogger("promptcache.bench.disk")
+log = logging.getLogger("promptcache.devtools.bench.disk")
 
 
 

@@ -1,0 +1,91 @@
+"""The operator's configuration: one object, built once in `main` from the command line and the environment (the
+chart sets the environment), then handed to the handlers. Nothing else in the operator reads the environment."""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .autoscale import Config as AutoscaleConfig
+from .builders import OperatorDefaults
+
+LOG_FORMATS = ("plain", "full", "json")
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    namespaces: tuple[str, ...] = ()            # empty: all namespaces
+    peering: str = "promptcache-operator"
+    standalone: bool = False
+    priority: int | None = None                 # None: random, distinct per replica
+    liveness: str | None = "http://0.0.0.0:8080/healthz"
+    metrics_port: int = 8081                    # 0: off
+    resync_seconds: float = 30.0
+    log_format: str = "full"
+    verbose: bool = False
+    debug: bool = False
+    crd_cache_seconds: float = 10.0
+    workers: int = 16
+    prometheus_url: str | None = None           # the autoscaler's signal from this Prometheus instead of scraping
+    defaults: OperatorDefaults = field(default_factory=OperatorDefaults)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+
+    @property
+    def observation_max_age_s(self) -> float:
+        """How long one scrape of a cache's sidecars serves status and autoscaler (fleet.Fleet.max_age_s): half the
+        shorter timer period, so a resync and an autoscaling tick that run close together read the same scrape."""
+        return min(self.resync_seconds, self.autoscale.interval_s) / 2
+
+    @classmethod
+    def from_args(cls, argv: list[str], env: Mapping[str, str], description: str = "") -> "OperatorConfig":
+        """Raises SystemExit (argparse) for a bad option, ValueError for a bad environment variable."""
+        args = build_parser(env, description).parse_args(argv)
+        namespaces = args.namespace or [n for n in env.get("PROMPTCACHE_OPERATOR_NAMESPACES", "").split(",") if n]
+        return cls(namespaces=tuple(namespaces), peering=args.peering, standalone=args.standalone,
+                   priority=args.priority, liveness=args.liveness or None, metrics_port=args.metrics_port,
+                   resync_seconds=args.resync_seconds, log_format=args.log_format, verbose=args.verbose,
+                   debug=args.debug,
+                   crd_cache_seconds=_number(env, "PROMPTCACHE_OPERATOR_CRD_CACHE_SECONDS", cls.crd_cache_seconds),
+                   workers=int(_number(env, "PROMPTCACHE_OPERATOR_WORKERS", cls.workers)),
+                   prometheus_url=env.get("PROMPTCACHE_OPERATOR_PROMETHEUS_URL") or None,
+                   defaults=OperatorDefaults.from_env(env), autoscale=AutoscaleConfig.from_env(env))
+
+
+def _number(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def build_parser(env: Mapping[str, str], description: str = "") -> argparse.ArgumentParser:
+    get = env.get
+    d = OperatorConfig
+    p = argparse.ArgumentParser(prog="promptcache operator", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--namespace", action="append", default=None,
+                   help="watch only this namespace (repeatable; env PROMPTCACHE_OPERATOR_NAMESPACES, comma-"
+                        "separated); default: all namespaces")
+    p.add_argument("--peering", default=get("PROMPTCACHE_OPERATOR_PEERING", d.peering),
+                   help="kopf peering object name (env PROMPTCACHE_OPERATOR_PEERING; default %(default)s)")
+    p.add_argument("--standalone", action="store_true",
+                   default=get("PROMPTCACHE_OPERATOR_STANDALONE", "") in ("1", "true"),
+                   help="no peering: for a single replica without the peering CRD")
+    p.add_argument("--priority", type=int, default=int(get("PROMPTCACHE_OPERATOR_PRIORITY", "0")) or None,
+                   help="peering priority (env PROMPTCACHE_OPERATOR_PRIORITY; default: random, distinct per "
+                        "replica)")
+    p.add_argument("--liveness", default=get("PROMPTCACHE_OPERATOR_LIVENESS", d.liveness),
+                   help="kopf liveness endpoint URL, '' for none (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=int(get("PROMPTCACHE_OPERATOR_METRICS_PORT", d.metrics_port)),
+                   help="port of the operator's Prometheus /metrics (cache conditions, reconciles); 0: off "
+                        "(env PROMPTCACHE_OPERATOR_METRICS_PORT; default %(default)s)")
+    p.add_argument("--resync-seconds", type=float,
+                   default=float(get("PROMPTCACHE_OPERATOR_RESYNC_SECONDS", d.resync_seconds)),
+                   help="interval of the level-based resync timer (default %(default)s)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=get("PROMPTCACHE_OPERATOR_LOG_FORMAT", d.log_format))
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-d", "--debug", action="store_true")
+    return p

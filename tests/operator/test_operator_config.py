@@ -1,0 +1,53 @@
+"""The operator's configuration: one object built in main from the command line and the environment; importing the
+operator reads and writes no environment and registers nothing."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from promptcache.operator import __main__ as operator_main
+from promptcache.operator.config import OperatorConfig
+
+
+def test_config_from_the_command_line_and_the_environment():
+    env = {"PROMPTCACHE_OPERATOR_NAMESPACES": "ml,serving", "PROMPTCACHE_OPERATOR_RESYNC_SECONDS": "5",
+           "PROMPTCACHE_OPERATOR_CRD_CACHE_SECONDS": "3", "PROMPTCACHE_OPERATOR_WORKERS": "4",
+           "PROMPTCACHE_OPERATOR_PROMETHEUS_URL": "http://prometheus:9090",
+           "PROMPTCACHE_OPERATOR_MONITORING_LABELS": "release=prom", "PROMPTCACHE_AUTOSCALE_INTERVAL_SECONDS": "8",
+           "PROMPTCACHE_OPERATOR_SIDECAR_CREDENTIALS_DIR": "/creds"}
+    c = OperatorConfig.from_args(["--standalone", "--resync-seconds", "6", "--liveness", ""], env)
+    assert c.namespaces == ("ml", "serving") and c.standalone and c.liveness is None
+    assert c.resync_seconds == 6          # the flag wins over PROMPTCACHE_OPERATOR_RESYNC_SECONDS
+    assert (c.crd_cache_seconds, c.workers, c.prometheus_url) == (3, 4, "http://prometheus:9090")
+    assert c.defaults.monitoring_labels == (("release", "prom"),)
+    assert c.autoscale.interval_s == 8 and c.autoscale.credentials_dir == "/creds"
+    assert c.observation_max_age_s == 3   # half the shorter timer period
+    assert OperatorConfig.from_args(["-n", "a"], env).namespaces == ("a",)
+    assert OperatorConfig.from_args([], {}) == OperatorConfig()
+
+
+@pytest.mark.parametrize("name, value", [("PROMPTCACHE_AUTOSCALE_VPA_UPDATE_MODE", "Sometimes"),
+                                         ("PROMPTCACHE_OPERATOR_CRD_CACHE_SECONDS", "ten")])
+def test_a_bad_environment_variable_exits_2_naming_it(monkeypatch, capsys, name, value):
+    monkeypatch.setenv(name, value)
+    assert operator_main.main(["--standalone"]) == 2
+    assert name in capsys.readouterr().err
+
+
+def test_importing_the_operator_reads_and_writes_no_environment():
+    """With a value the configuration refuses in the environment, every module still imports (only main reads the
+    environment; the handlers module used to build its settings at import and fail there) and none changes it."""
+    code = "\n".join([
+        "import os",
+        "before = dict(os.environ)",
+        "import promptcache.operator.handlers, promptcache.operator.reconcile, promptcache.operator.autoscale",
+        "import promptcache.operator.fleet, promptcache.operator.config, promptcache.operator.__main__",
+        "assert dict(os.environ) == before",
+        "print('imported')",
+    ])
+    env = {**os.environ, "PROMPTCACHE_AUTOSCALE_VPA_UPDATE_MODE": "Sometimes"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr
