@@ -410,7 +410,7 @@ MOONCAKE_TRACE = (pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" 
 @pytest.mark.slow
 def test_rate_beats_lru_on_the_tuning_half_of_the_mooncake_trace():
     """What it was chosen for (docs/eviction.md, "Held out"): 1.61x LRU at 5 % and 1.27x at 10 % on the first half."""
-    from promptcache.bench import replay, traces
+    from promptcache.devtools.bench import replay, traces
 
     first, _ = replay.split_halves(traces.read_trace(str(MOONCAKE_TRACE)))
     reqs, ws = replay.prepare(first)
