@@ -136,3 +136,23 @@ def test_refusals_are_the_projects_own_errors_with_their_status():
         e.resize(ALICE, 1 << 20, 0.0)  # alice is no admin
     with pytest.raises(CacheError, match="tokens is empty"):
         e.delete(ALICE, model_to_proto(SMALL), [])
+
+
+def test_a_put_checking_what_is_cached_is_not_a_request_the_eviction_policy_counts():
+    """A Put asks whether each chunk (and its parent) is stored before taking its bytes: that is no reuse, and
+    telling the policy so made a chunk written twice look hot (frequency) or recent (LRU)."""
+    e = engine()
+    requested = []
+    inner = e.tier.policy.requested
+    e.tier.policy.requested = lambda key: (requested.append(key), inner(key))[1]
+    sent = chunks(SMALL, 2)
+    for _ in range(2):  # the second Put finds both chunks stored and skips them
+        with e.put(ALICE, header(2)) as put:
+            for begin, blob in sent:
+                put.begin_chunk(begin)
+                put.add_data(blob)
+            result = put.commit()
+    assert (result.stored_chunks, result.skipped_chunks) == (0, 2)
+    assert requested == []
+    e.lookup(ALICE, model_to_proto(SMALL), list(range(2 * CHUNK)))
+    assert len(requested) == 2  # a lookup is a request for each chunk it finds

@@ -151,7 +151,8 @@ class CacheEngine:
         return itertools.islice(keyspec.iter_chunk_keys(fp, tokens, self.chunk_tokens, limit=stop), start, None)
 
     def _cached(self, key: bytes, fp: bytes) -> bool:
-        return self.tier.peek(key, fp) is not None or (
+        """Stored in either tier (a Put's check: not a request the eviction policy counts as a reuse)."""
+        return self.tier.holds(key, fp) or (
             self.spill is not None and self.spill.contains(key, fp) is not None)
 
     # --- lookups ----------------------------------------------------------------------------------------

@@ -307,6 +307,14 @@ class MemoryTier:
             return None
         return entry
 
+    def holds(self, key: bytes, fingerprint: bytes) -> bool:
+        """Whether a live entry for `key` is stored, as a Put asks before sending a chunk: not a request for it,
+        so the eviction policy is not told (a reuse signal it must not count)."""
+        now = self.clock()
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry.fingerprint == fingerprint and entry.expires > now
+
     def peek(self, key: bytes, fingerprint: bytes) -> Entry | None:
         """The live entry for `key` under `fingerprint`, without leasing it."""
         now = self.clock()
