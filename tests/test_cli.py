@@ -85,11 +85,22 @@ def test_flag_beats_environment_and_quantities_parse():
     (["--device", "tpu"], {}, "--device must be auto, cpu, cuda or cuda:N"),
     ([], {"PROMPTCACHE_ALLOW_INSECURE_REMOTE": "maybe"}, "PROMPTCACHE_ALLOW_INSECURE_REMOTE='maybe'"),
     (["--workers", "x"], {}, "--workers='x'"),
+    (["--cluster-master", "master"], {}, "--cluster-master 'master': 'master' is not HOST:PORT"),
+    (["--cluster-master", "etcd://10.0.0.1:2379;10.0.0.2"], {}, "'10.0.0.2' is not HOST:PORT"),
+    (["--cluster-master", "etcd://"], {}, "'' is not HOST:PORT"),
+    (["--cluster-master", "10.0.0.1:99999"], {}, "'10.0.0.1:99999' is not HOST:PORT"),
+    (["--cluster-id", "a/b"], {}, "--cluster-id must be letters, digits"),
 ])
 def test_bad_settings_name_the_flag_or_variable(argv, env, fragment):
     with pytest.raises(ValueError) as info:
         parse(argv, env)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("address", ["10.0.0.1:50051", "master.ns.svc:50051", "etcd://127.0.0.1:2379",
+                                     "etcd://etcd-0.etcd:2379;etcd-1.etcd:2379;etcd-2.etcd:2379"])
+def test_a_master_or_the_etcd_of_an_ha_master_set_is_a_cluster_master(address):
+    assert parse(["--cluster-master", address]).cluster_master == address
 
 
 def run_cli(*args, env=None, timeout=60):

@@ -116,6 +116,11 @@ def test_config_change_rolls_pods():
     ({"security": {"vault": {}}}, "spec.security"),
     ({"cluster": {"protocol": "udp"}}, "spec.cluster.protocol"),
     ({"cluster": {"segmentMemory": "0"}}, "spec.cluster.segmentMemory"),
+    ({"cluster": {"master": {"replicas": 2}}}, "spec.cluster.master.replicas above 1 needs"),
+    ({"cluster": {"master": {"replicas": 6, "etcdEndpoints": ["etcd:2379"]}}}, "spec.cluster.master.replicas"),
+    ({"cluster": {"master": {"replicas": 0}}}, "spec.cluster.master.replicas"),
+    ({"cluster": {"master": {"etcdEndpoints": ["etcd"]}}}, "spec.cluster.master.etcdEndpoints"),
+    ({"cluster": {"master": {"etcdEndpoints": ["http://etcd:2379"]}}}, "spec.cluster.master.etcdEndpoints"),
 ])
 def test_model_rejects_what_the_crd_rejects(patch, field):
     spec = {**example("minimal")["spec"], **patch}
@@ -348,3 +353,35 @@ def test_cluster_tier_adds_a_master_and_points_the_sidecars_at_it():
     assert "Deployment/c1-mooncake-master" not in plain
     mem = lambda d: quantity_bytes(d["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"])
     assert mem(ds) - mem(plain["DaemonSet/c1"]) == 2 << 30  # the contributed segment is in the sidecar's limit
+
+
+def test_ha_cluster_masters_elect_a_leader_through_etcd_and_the_sidecars_follow_it():
+    """spec.cluster.master with etcdEndpoints: Mooncake's HA mode, as tested on loopback in tests/test_cluster.py
+    (enable_ha, etcd_endpoints, cluster_id on the masters; etcd://... and the same cluster id on the sidecars)."""
+    from promptcache.operator.builders import desired_children
+
+    owner = Owner(name="c1", namespace="ns", uid="u")
+    spec = PromptCacheSpec.from_dict({**example("minimal")["spec"], "cluster": {
+        "enabled": True, "master": {"replicas": 3, "etcdEndpoints": ["etcd-0.etcd:2379", "etcd-1.etcd:2379"]}}})
+    children = {c["kind"] + "/" + c["metadata"]["name"]: c for c in desired_children(spec, owner, Capabilities())}
+    master = children["Deployment/c1-mooncake-master"]
+    assert master["spec"]["replicas"] == 3
+    assert master["spec"]["strategy"]["type"] == "RollingUpdate"  # the lease, not the operator, keeps one leader
+    container = master["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert {"-enable_ha=true", "-etcd_endpoints=etcd-0.etcd:2379;etcd-1.etcd:2379", "-cluster_id=promptcache.ns.c1",
+            "-rpc_address=$(POD_IP)"} <= set(args)
+    assert container["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    # A standby opens no RPC port: probing it would keep every standby unready and stall a rolling update.
+    assert container["readinessProbe"]["tcpSocket"]["port"] == builders.MASTER_METRICS_PORT
+    env = children["ConfigMap/c1-config"]["data"]
+    assert env["PROMPTCACHE_CLUSTER_MASTER"] == "etcd://etcd-0.etcd:2379;etcd-1.etcd:2379"
+    assert env["PROMPTCACHE_CLUSTER_ID"] == "promptcache.ns.c1"
+    _sidecar_takes({k: v for k, v in env.items() if k.startswith("PROMPTCACHE_")})
+
+    single = PromptCacheSpec.from_dict({**example("minimal")["spec"], "cluster": {"enabled": True}})
+    one = {c["kind"] + "/" + c["metadata"]["name"]: c for c in desired_children(single, owner, Capabilities())}
+    assert one["Deployment/c1-mooncake-master"]["spec"]["strategy"] == {"type": "Recreate"}
+    assert "-enable_ha=true" not in one["Deployment/c1-mooncake-master"]["spec"]["template"]["spec"]["containers"][0][
+        "args"]
+    assert "PROMPTCACHE_CLUSTER_ID" not in one["ConfigMap/c1-config"]["data"]

@@ -92,6 +92,12 @@ INVALID = [
      "spec.security.tenantSecret.secretName"),
     ("cluster protocol unknown", {"cluster": {"enabled": True, "protocol": "udp"}}, "spec.cluster.protocol"),
     ("cluster segment zero", {"cluster": {"enabled": True, "segmentMemory": "0"}}, "spec.cluster.segmentMemory"),
+    ("cluster masters without etcd", {"cluster": {"enabled": True, "master": {"replicas": 2}}},
+     "spec.cluster.master"),
+    ("cluster masters too many", {"cluster": {"master": {"replicas": 6, "etcdEndpoints": ["etcd:2379"]}}},
+     "spec.cluster.master.replicas"),
+    ("cluster etcd endpoint not HOST:PORT", {"cluster": {"master": {"etcdEndpoints": ["http://etcd:2379"]}}},
+     "spec.cluster.master.etcdEndpoints"),
 ]
 
 

@@ -240,7 +240,9 @@ def config_map(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults =
                "autoscaling": to_dict(spec.autoscaling)}
     env = sidecar_env(spec, defaults)
     if spec.cluster.enabled:
-        env["PROMPTCACHE_CLUSTER_MASTER"] = f"{master_name(owner)}.{owner.namespace}.svc:{MASTER_PORT}"
+        env["PROMPTCACHE_CLUSTER_MASTER"] = cluster_master_address(spec, owner)
+        if spec.cluster.master.ha:
+            env["PROMPTCACHE_CLUSTER_ID"] = cluster_id(owner)
         summary["cluster"] = to_dict(spec.cluster)
     data = {**dict(sorted(env.items())), "promptcache.yaml": yaml.safe_dump(summary, sort_keys=True)}
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(owner, f"{owner.name}-config"),
@@ -365,15 +367,32 @@ def _master_selector(owner: Owner) -> dict[str, str]:
     return {CACHE_LABEL: owner.name, "app.kubernetes.io/component": "cluster-master"}
 
 
+def cluster_id(owner: Owner) -> str:
+    """The HA masters' -cluster_id: their key prefix in etcd, so caches sharing one etcd stay apart."""
+    return f"promptcache.{owner.namespace}.{owner.name}"
+
+
+def cluster_master_address(spec: PromptCacheSpec, owner: Owner) -> str:
+    """The sidecars' --cluster-master: the master's Service, or with HA the etcd through which they find the
+    leader (Mooncake's client syntax etcd://HOST:PORT;HOST:PORT)."""
+    if spec.cluster.master.ha:
+        return "etcd://" + ";".join(spec.cluster.master.etcdEndpoints)
+    return f"{master_name(owner)}.{owner.namespace}.svc:{MASTER_PORT}"
+
+
 def mooncake_master(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults) -> dict[str, Any]:
     """The cluster tier's Mooncake master (docs/cluster.md): the binary ships in the sidecar image (the 'cluster'
-    extra). One replica, recreated on upgrade: two masters would split the index."""
+    extra). Without etcd: one replica, recreated on upgrade (two masters would split the index). With etcd:
+    Mooncake's HA mode, `replicas` masters of which the one holding the etcd lease leads; a standby does not open
+    its RPC port, so the probes use the metrics port, and a rolling update hands the lease over."""
+    master = spec.cluster.master
     image, pull = _image(spec, defaults)
     requests: dict[str, Any] = {"cpu": "100m", "memory": "256Mi"}
     limits: dict[str, Any] = {"memory": "256Mi"}
     requests.update({k: str(v) for k, v in spec.cluster.master.resources.requests.items()})
     limits.update({k: str(v) for k, v in spec.cluster.master.resources.limits.items()})
     component = {"app.kubernetes.io/component": "cluster-master"}
+    probe_port = MASTER_METRICS_PORT if master.ha else MASTER_PORT
     container = {
         "name": "mooncake-master",
         "image": image,
@@ -383,8 +402,8 @@ def mooncake_master(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefau
                  "-metrics_host=0.0.0.0", "-enable_http_metadata_server=false"],
         "ports": [{"name": "rpc", "containerPort": MASTER_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": MASTER_METRICS_PORT, "protocol": "TCP"}],
-        "readinessProbe": {"tcpSocket": {"port": MASTER_PORT}, "periodSeconds": 5},
-        "livenessProbe": {"tcpSocket": {"port": MASTER_PORT}, "periodSeconds": 10, "failureThreshold": 3},
+        "readinessProbe": {"tcpSocket": {"port": probe_port}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": probe_port}, "periodSeconds": 10, "failureThreshold": 3},
         "resources": {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items()))},
         "securityContext": restricted_container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -397,6 +416,17 @@ def mooncake_master(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefau
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
     }
+    strategy: dict[str, Any] = {"type": "Recreate"}
+    if master.ha:
+        # The address a master publishes in etcd when it leads: its pod IP.
+        container["args"] = [a.replace("-rpc_address=0.0.0.0", "-rpc_address=$(POD_IP)") for a in container["args"]]
+        container["args"] += ["-enable_ha=true", "-etcd_endpoints=" + ";".join(master.etcdEndpoints),
+                              f"-cluster_id={cluster_id(owner)}"]
+        container["env"] = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+        pod_spec["affinity"] = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                               "labelSelector": {"matchLabels": _master_selector(owner)}}}]}}
     if spec.pod.imagePullSecrets:
         pod_spec["imagePullSecrets"] = to_dict(spec.pod.imagePullSecrets)
     return {
@@ -404,8 +434,8 @@ def mooncake_master(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefau
         "kind": "Deployment",
         "metadata": _meta(owner, master_name(owner), component),
         "spec": {
-            "replicas": 1,
-            "strategy": {"type": "Recreate"},
+            "replicas": master.replicas,
+            "strategy": strategy,
             "selector": {"matchLabels": _master_selector(owner)},
             "template": {"metadata": {"labels": dict(sorted({**labels(owner), **component}.items()))},
                          "spec": pod_spec},

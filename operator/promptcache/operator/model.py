@@ -203,13 +203,28 @@ class Resources:
 
 
 CLUSTER_PROTOCOLS = ("tcp", "rdma")
+CLUSTER_HA_MESSAGE = ("spec.cluster.master.replicas above 1 needs spec.cluster.master.etcdEndpoints: "
+                      "Mooncake's HA masters elect their leader through etcd")
+
+
+CLUSTER_MASTER_MAX_REPLICAS = 5
+# HOST:PORT of an etcd member (the CRD's pattern says the same)
+_ETCD_ENDPOINT = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?:[0-9]{1,5}$")
 
 
 @dataclass(frozen=True)
 class ClusterMaster:
-    """The Mooncake master Deployment (one replica: the tier is a cache, and a restarted master only empties it)."""
+    """The Mooncake master Deployment. Without etcdEndpoints: one replica (a restarted master only empties the
+    tier). With them: Mooncake's HA mode, `replicas` masters electing a leader through that etcd, the sidecars
+    following the leader (docs/cluster.md)."""
 
+    replicas: int = 1
+    etcdEndpoints: tuple[str, ...] = ()
     resources: Resources = field(default_factory=Resources)
+
+    @property
+    def ha(self) -> bool:
+        return bool(self.etcdEndpoints)
 
 
 @dataclass(frozen=True)
@@ -255,6 +270,14 @@ class PromptCacheSpec:
         _positive_quantity("spec.cluster.segmentMemory", self.cluster.segmentMemory)
         if self.cluster.protocol not in CLUSTER_PROTOCOLS:
             raise SpecError(f"spec.cluster.protocol must be one of {', '.join(CLUSTER_PROTOCOLS)}")
+        master = self.cluster.master
+        if not 1 <= master.replicas <= CLUSTER_MASTER_MAX_REPLICAS:
+            raise SpecError(f"spec.cluster.master.replicas must be within 1..{CLUSTER_MASTER_MAX_REPLICAS}")
+        if master.replicas > 1 and not master.ha:
+            raise SpecError(CLUSTER_HA_MESSAGE)
+        for endpoint in master.etcdEndpoints:
+            if not _ETCD_ENDPOINT.match(endpoint):
+                raise SpecError(f"spec.cluster.master.etcdEndpoints: {endpoint!r} is not HOST:PORT")
         _positive_quantity("spec.autoscaling.minMemory", self.autoscaling.minMemory)
         _positive_quantity("spec.autoscaling.maxMemory", self.autoscaling.maxMemory)
         if self.cachePolicy.chunkTokens not in CHUNK_TOKENS_ALLOWED:

@@ -95,7 +95,7 @@ def cluster_tier(settings: Settings, metrics: Metrics):
     def connect() -> MooncakeStore:
         return MooncakeStore(settings.cluster_master, hostname, settings.cluster_protocol,
                              settings.cluster_segment_bytes, settings.cluster_buffer_bytes,
-                             settings.cluster_metadata_server, settings.cluster_rdma_devices)
+                             settings.cluster_metadata_server, settings.cluster_rdma_devices, settings.cluster_id)
 
     log.info("cluster tier on", extra={"master": settings.cluster_master, "local_hostname": hostname,
                                        "protocol": settings.cluster_protocol})

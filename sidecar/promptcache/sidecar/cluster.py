@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import queue
 import struct
 import threading
@@ -99,12 +100,17 @@ def verify(record: Record | None, fingerprint: bytes, now: float) -> str:
 
 class MooncakeStore:
     """ClusterStore on a Mooncake Store client (mooncake-transfer-engine): this sidecar joins the cluster and
-    contributes `segment_bytes` of its memory to it."""
+    contributes `segment_bytes` of its memory to it. `master` is HOST:PORT of one master, or
+    etcd://HOST:PORT[;HOST:PORT...] for an HA master set: the client then finds the leader in etcd and follows it
+    when a standby takes over (docs/cluster.md)."""
 
     NOT_FOUND = -704  # mooncake's OBJECT_NOT_FOUND
 
     def __init__(self, master: str, local_hostname: str, protocol: str, segment_bytes: int, buffer_bytes: int,
-                 metadata_server: str = "P2PHANDSHAKE", rdma_devices: str = ""):
+                 metadata_server: str = "P2PHANDSHAKE", rdma_devices: str = "", cluster_id: str = "mooncake_cluster"):
+        # With an etcd:// master the client follows the leader of the masters started with -cluster_id; Mooncake's
+        # client reads that id from its environment only.
+        os.environ["MC_STORE_CLUSTER_ID"] = cluster_id
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:

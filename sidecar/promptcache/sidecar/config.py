@@ -76,6 +76,7 @@ class Settings:
     access_log_max_bytes: int = 64 << 20
     access_log_files: int = 4
     cluster_master: str = ""
+    cluster_id: str = "mooncake_cluster"
     cluster_local_hostname: str = ""
     cluster_protocol: str = "tcp"
     cluster_rdma_devices: str = ""
@@ -186,8 +187,10 @@ class Settings:
             raise ValueError("--access-log-files must be at least 1")
         if self.cluster_protocol not in ("tcp", "rdma"):
             raise ValueError(f"--cluster-protocol must be tcp or rdma, got {self.cluster_protocol!r}")
-        if self.cluster_master and ":" not in self.cluster_master:
-            raise ValueError(f"--cluster-master must be HOST:PORT of the Mooncake master, got {self.cluster_master!r}")
+        if self.cluster_master and (why := cluster_master_error(self.cluster_master)):
+            raise ValueError(f"--cluster-master {self.cluster_master!r}: {why}")
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", self.cluster_id):
+            raise ValueError(f"--cluster-id must be letters, digits, '.', '_' or '-', got {self.cluster_id!r}")
         if self.cluster_segment_bytes <= 0 or self.cluster_buffer_bytes <= 0:
             raise ValueError("--cluster-segment-bytes and --cluster-buffer-bytes must be positive")
         if self.cluster_timeout_seconds <= 0 or self.cluster_retry_seconds <= 0:
@@ -361,8 +364,10 @@ HELP = {
     "access_log_sample_rate": "fraction of chain roots whose requests the access log records",
     "access_log_max_bytes": "the access log file is rotated before it grows past this",
     "access_log_files": "access log files kept, the current one included (disk use <= max bytes x files)",
-    "cluster_master": "HOST:PORT of a Mooncake master: join the cluster tier (docs/cluster.md), where local misses "
-                      "are looked up and committed chunks published; empty: single node",
+    "cluster_master": "HOST:PORT of a Mooncake master, or etcd://HOST:PORT[;HOST:PORT...] of the etcd behind an HA "
+                      "master set: join the cluster tier (docs/cluster.md), where local misses are looked up and "
+                      "committed chunks published; empty: single node",
+    "cluster_id": "the HA master set's -cluster_id (with an etcd:// --cluster-master: which masters' leader to follow)",
     "cluster_local_hostname": "address other sidecars reach this one's cluster segment at (the pod IP); empty: "
                               "this host's name resolved",
     "cluster_protocol": "Mooncake transfer protocol: tcp or rdma",
@@ -381,6 +386,18 @@ HELP = {
 _BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "disk_min_free_bytes", "frame_bytes",
                 "tenant_quota_bytes", "shm_max_bytes", "min_put_bytes_per_second", "access_log_max_bytes",
                 "cluster_segment_bytes", "cluster_buffer_bytes"}
+
+
+def cluster_master_error(address: str) -> str:
+    """Why `address` is not a Mooncake master address ("" when it is): HOST:PORT of one master, or
+    etcd://HOST:PORT[;HOST:PORT...] of the etcd through which the clients of an HA master set find its leader."""
+    endpoints = address.removeprefix("etcd://").split(";") if address.startswith("etcd://") else [address]
+    for endpoint in endpoints:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return (f"{endpoint!r} is not HOST:PORT (expected HOST:PORT of the master, "
+                    "or etcd://HOST:PORT[;HOST:PORT...])")
+    return ""
 
 
 def env_name(field_name: str) -> str:
