@@ -30,6 +30,20 @@ Key = Hashable  # bytes in the server (32-byte chained chunk keys); ints in the 
 ROOT_PARENT = bytes(32)  # promptcache.contract.keys.ROOT_PARENT; chunk 0 names it as parent
 
 
+
+def _detach(parent: dict, children: dict, size: dict, key):
+    """Unlink a removed `key` from its parent's children; the parent when it is stored and now has no children
+    left (a leaf again, evictable), else None."""
+    p = parent.pop(key)
+    if p is None:
+        return None
+    kids = children[p]
+    kids.discard(key)
+    if kids:
+        return None
+    del children[p]
+    return p if p in size else None
+
 class EvictionPolicy(Protocol):
     name: str
 
@@ -284,14 +298,9 @@ class _PrefixAware:
         self.prio.pop(key, None)
         self.stamp.pop(key, None)
         self._forget(key)
-        p = self.parent.pop(key)
-        if p is not None:
-            kids = self.children[p]
-            kids.discard(key)
-            if not kids:
-                del self.children[p]
-                if p in self.size:  # the parent is a leaf again
-                    self._push(p)
+        leaf = _detach(self.parent, self.children, self.size, key)
+        if leaf is not None:
+            self._push(leaf)
 
     def _forget(self, key: Key) -> None:
         """Subclass hook: drop per-key state on removal."""
@@ -727,14 +736,9 @@ class ReuseRate:
             return
         self.used -= self.size.pop(key)
         self._drop_leaf(key)
-        p = self.parent.pop(key)
-        if p is not None:
-            kids = self.children[p]
-            kids.discard(key)
-            if not kids:
-                del self.children[p]
-                if p in self.size:
-                    self._add_leaf(p)
+        leaf = _detach(self.parent, self.children, self.size, key)
+        if leaf is not None:
+            self._add_leaf(leaf)
         if key in self.stats:
             self._ghosts[key] = None
             self._trim_ghosts()
