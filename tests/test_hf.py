@@ -97,7 +97,7 @@ def test_half_precision_models(dtype, client):
         assert torch.equal(k[..., :2 * CT, :], rk[..., :2 * CT, :]) and torch.equal(v[..., :2 * CT, :], rv[..., :2 * CT, :])
 
 
-@pytest.mark.parametrize("mode", ["k8v8", "k8v4"])
+@pytest.mark.parametrize("mode", ["k8v8", "k8v4", "k6v4z"])
 def test_quantized_modes_reuse(mode, tiny, client):
     pc = PromptCacheHF(tiny, client, revision="t4", quantization=mode)
     ids = prompt(4 * CT + 8)

@@ -14,7 +14,7 @@ from promptcache.contract.keys import ModelSpec
 from promptcache.contract.layout import chunk_nbytes
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-MODES = ("k8v8", "k8v4")
+MODES = ("k8v8", "k8v4", "k6v4z")
 
 
 @st.composite
@@ -47,7 +47,7 @@ def _check_roundtrip(mode, x, dtype):
     assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
     L, _, H, T, D = x.shape
     mid = T - 1 - min(quant.V_RECENT, T - 1)  # k8v4's 4-bit tokens: 1 .. mid
-    if mode == "k8v4" and mid:
+    if mode in ("k8v4", "k6v4z") and mid:
         g = quant.v_group_size(D)
         e = (y.float() - x.float())[:, 1, :, 1:1 + mid].reshape(L, H, mid, D // g, g)
         slack = y.float()[:, 1, :, 1:1 + mid].abs().reshape(L, H, mid, D // g, g).amax(-1) * torch.finfo(x.dtype).eps * g
@@ -73,6 +73,8 @@ def test_zero_is_exact_and_constant_groups(mode):
 
 def test_compression_for_smollm2_geometry():
     shape = (30, 2, 3, 256, 64)
+    assert quant.packed_nbytes("k6v4z", shape, "bfloat16") == 5898240 * 2 // 7  # the fixed slot: fp16 bytes / 3.5
+    assert quant.compression_vs_fp16("k6v4z", shape) >= 3.5
     assert quant.compression_vs_fp16("k8v4", shape) >= 2.49  # format 2: 2.496x (format 1 was 2.602x)
     assert quant.compression_vs_fp16("k8v8", shape) >= 1.9
     spec = ModelSpec("m", "r", "float16", 30, 3, 64, quantization="k8v4")
@@ -247,3 +249,95 @@ def test_out_of_range_scales_and_zeros_rejected():
     bad[off:off + 2] = torch.tensor([60000.0], dtype=torch.float16).view(torch.uint8)
     with pytest.raises(quant.CorruptChunk, match="overflow"):
         quant.unpack("k8v4", _refresh_crc(bad), SHAPE, "float16")
+
+
+# ------------------------------------------------------------------------------------------------ k6v4z
+def test_old_format_bytes_unchanged():
+    """k8v8 and k8v4 (format 2, fingerprint k8v4.2) pack to the same bytes and decode to the same values as before
+    k6v4z was added: chunks stored earlier are still read correctly (CRC32 and digest recorded with the old code)."""
+    import hashlib
+
+    g = torch.Generator().manual_seed(16)
+    x = (torch.randn((2, 2, 3, 48, 64), generator=g) * 2).to(torch.bfloat16)
+    for mode, crc, digest in (("k8v8", 3948144445, "18d8263cb985f07b"), ("k8v4", 1361797077, "cea1cce95ac7a46b")):
+        blob = quant.pack(mode, x)
+        assert zlib.crc32(blob.numpy()) == crc, mode
+        y = quant.unpack(mode, blob, x.shape, "bfloat16")
+        assert hashlib.sha256(y.view(torch.int16).numpy().tobytes()).hexdigest()[:16] == digest, mode
+
+
+def _keys_like(T=256, L=2, H=2, D=64, seed=0):
+    """Heavy-tailed keys (each channel near its own offset, the first token far out, as at an attention sink): their
+    codes crowd around a few values and compress well; values Gaussian."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn((L, 1, H, 1, D), generator=g) * 2 + torch.randn((L, 1, H, T, D), generator=g) * 0.1
+    k[..., 0, :] += 10
+    v = torch.randn((L, 1, H, T, D), generator=g)
+    return torch.cat([k, v], dim=1)
+
+
+def test_k6v4z_rate_control_picks_the_finest_key_step_that_fits():
+    """Compressible keys get the finest key step; keys of white noise over a wide range need a coarser one to fit;
+    a chunk too small for zstd to pay falls back to raw 4-bit key codes. Every blob fills exactly the fixed slot and
+    stays within the error bound."""
+    smooth = _keys_like()
+    blob = quant.pack("k6v4z", smooth)
+    top, smooth_step = blob[quant.HEADER_BYTES].item(), blob[quant.HEADER_BYTES + 1].item()
+    assert top == 255 and smooth_step < len(quant.DENSE_KEY_STEPS)
+    _check_roundtrip("k6v4z", smooth, "float32")
+    noisy = smooth.clone()
+    noisy[:, 0] = torch.rand(noisy[:, 0].shape, generator=torch.Generator().manual_seed(1)) * 100 - 50
+    blob = quant.pack("k6v4z", noisy)
+    assert smooth_step < blob[quant.HEADER_BYTES + 1].item() < len(quant.DENSE_KEY_STEPS)
+    _check_roundtrip("k6v4z", noisy, "float32")
+    tiny = noisy[:1, :, :1, :8, :8].contiguous()  # too small for zstd to pay, too random to fit at 8 bits
+    blob = quant.pack("k6v4z", tiny)
+    assert (blob[quant.HEADER_BYTES].item(), blob[quant.HEADER_BYTES + 1].item()) == (15, len(quant.DENSE_KEY_STEPS))
+    _check_roundtrip("k6v4z", tiny, "float32")
+    # the values are k8v4's, bit for bit
+    y = quant.unpack("k6v4z", quant.pack("k6v4z", smooth), smooth.shape, "float32")
+    y8 = quant.unpack("k8v4", quant.pack("k8v4", smooth), smooth.shape, "float32")
+    assert torch.equal(y[:, 1], y8[:, 1])
+
+
+def _dense_parts(blob, shape=SHAPE, dtype="float16"):
+    off, _ = _section_offset("k6v4z", dtype, "z_header")
+    top, step, _, n_k, n_v8, n_v4 = quant.Z_HEADER.unpack(bytes(blob[off:off + quant.Z_HEADER.size].tolist()))
+    s_off, s_size = _section_offset("k6v4z", dtype, "streams")
+    return off, top, (n_k, n_v8, n_v4), s_off, s_size
+
+
+def _reseal_dense(blob, top, lengths, streams, dtype="float16"):
+    off, _, _, s_off, s_size = _dense_parts(blob, dtype=dtype)
+    bad = blob.clone()
+    bad[off:off + quant.Z_HEADER.size] = torch.frombuffer(bytearray(quant.Z_HEADER.pack(top, 0, 0, *lengths)),
+                                                          dtype=torch.uint8)
+    body = bytes(streams) + bytes(s_size - len(streams))
+    bad[s_off:s_off + s_size] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    return _refresh_crc(bad)
+
+
+def test_k6v4z_corrupt_streams_rejected():
+    import zstandard
+
+    blob = _blob("k6v4z")
+    _, top, lengths, s_off, s_size = _dense_parts(blob)
+    streams = bytes(blob[s_off:s_off + sum(lengths)].tolist())
+    assert quant.unpack("k6v4z", _reseal_dense(blob, top, lengths, streams), SHAPE, "float16") is not None
+    with pytest.raises(quant.CorruptChunk, match="key code top 17"):
+        quant.unpack("k6v4z", _reseal_dense(blob, 17, lengths, streams), SHAPE, "float16")
+    with pytest.raises(quant.CorruptChunk, match="exceed the slot"):
+        quant.unpack("k6v4z", _reseal_dense(blob, top, (s_size, *lengths[1:]), streams), SHAPE, "float16")
+    padded = blob.clone()
+    padded[s_off + s_size - 1] = 1  # padding must be zero
+    with pytest.raises(quant.CorruptChunk, match="padding"):
+        quant.unpack("k6v4z", _refresh_crc(padded), SHAPE, "float16")
+    garbage = bytes(range(256)) * (lengths[0] // 256) + bytes(lengths[0] % 256)
+    with pytest.raises(quant.CorruptChunk, match="k_codes stream does not decompress"):
+        quant.unpack("k6v4z", _reseal_dense(blob, top, lengths, garbage + streams[lengths[0]:]), SHAPE, "float16")
+    # a well-formed frame of the wrong size
+    n = SHAPE[0] * SHAPE[2] * SHAPE[3] * SHAPE[4]
+    z = zstandard.ZstdCompressor().compress(bytes(n - 1))
+    with pytest.raises(quant.CorruptChunk, match="holds"):
+        quant.unpack("k6v4z", _reseal_dense(blob, top, (len(z), *lengths[1:]), z + streams[lengths[0]:]),
+                     SHAPE, "float16")

@@ -1,4 +1,4 @@
-"""Quantized chunk formats (modes ``k8v8`` and ``k8v4``); spec and measurements in docs/quantization.md.
+"""Quantized chunk formats (modes ``k8v8``, ``k8v4`` and ``k6v4z``); spec and measurements in docs/quantization.md.
 
 In the spirit of KIVI (Liu et al., 2024): keys are quantized **per channel** (each (layer, head, channel) over the
 chunk's tokens has its own scale, because key outliers live in fixed channels), values **per token** (each
@@ -32,6 +32,18 @@ NG = D // G groups per token, NH = 1 + min(32, T-1) tokens with 8-bit values, M 
            V scale L*H*M*NG B: uint8 log code c, scale = 2**((c - 128) / 8);
            V zero  ceil(L*H*M*NG / 2) B: 4-bit zero points in 0..14, two per byte (low nibble first)
 
+k6v4z (issue 16, the dense mode): a fixed slot of 1/3.5 of the chunk's fp16 bytes. Values exactly as k8v4; keys
+per channel with 8-bit codes whose step is the larger of the channel's range / 254 and a floor alpha * RMS of the
+(layer, head)'s keys about each channel's median (one step for most channels of a head: what minimises the error at a
+given entropy), zero points centring each channel's codes; the code streams are zstd-compressed, and the encoder takes
+the finest alpha of DENSE_KEY_STEPS whose streams fit the slot (rate control), else 4-bit key codes stored raw::
+
+    header 16 B (mode 4) | sub-header 16 B: key code top u8 (255 or 15), key step index u8, reserved u16 = 0,
+    stream lengths u32 K, V8, V4 | K scale 2*L*H*D B float16 | K zero L*H*D B | the k8v4 value scales and zero points
+    (V8 scale, V8 zero, V scale, V zero) | streams: K codes [L, H, D, T] (uint8, or 4-bit pairs when top = 15),
+    V8 codes, V4 codes, each a zstd frame of exactly its raw size or those raw bytes (told apart by the length) |
+    zero padding to the slot
+
 Without clipping, scales are chosen so that every value is representable: with Q = 2**bits - 1 levels the scale
 is at least range / (Q - 1) (rounded *up* to the stored precision) and zero = ceil(-min / scale); the rounding
 error of every element is then at most scale / 2. :func:`error_bound` gives the bounds the tests check.
@@ -46,10 +58,10 @@ import zlib
 
 import torch
 
-MODES = ("k8v8", "k8v4")
+MODES = ("k8v8", "k8v4", "k6v4z")
 # Header mode ids. 2 was k8v4 format 1 (only the chunk's first token's values at 8 bits): retired by issue 16, its
 # chunks have other keys (keys.QUANT_FORMATS) and are refused here by id, never decoded as format 2.
-_MODE_IDS = {"k8v8": 1, "k8v4": 3}
+_MODE_IDS = {"k8v8": 1, "k8v4": 3, "k6v4z": 4}
 _MODE_NAMES = {v: k for k, v in _MODE_IDS.items()} | {2: "k8v4 format 1 (retired)"}
 # k8v4 (format 2): the first token and the last V_RECENT tokens of every chunk keep 8-bit values (the attention sink
 # and the tokens nearest to whatever follows the chunk); the others get 4-bit values.
@@ -57,6 +69,13 @@ V_RECENT = 32
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 _DTYPE_NAMES = {v: k for k, v in _DTYPE_IDS.items()}
+# k6v4z: the slot is 1/DENSE_RATIO of the chunk's fp16 bytes; key precision is the finest that fits (rate control)
+DENSE_RATIO = 3.5
+# Key step floors tried, finest first, in units of the (layer, head)'s key RMS (a channel's step is the larger of its
+# 8-bit range step and this floor); when none fits, 4-bit per-channel key codes stored raw (always fit the slot).
+DENSE_KEY_STEPS = (0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.10, 0.11, 0.12, 0.13, 0.14, 0.16, 0.18, 0.20, 0.25)
+Z_HEADER = struct.Struct("<BBHIII")  # key code top (255 or 15), key step index, reserved u16 = 0, stream lengths
+ZSTD_LEVEL = 3
 MAGIC = b"PCQ1"
 VERSION = 1
 HEADER = struct.Struct("<4sBBBBII")  # magic, version, mode, dtype, reserved, crc32, N
@@ -107,6 +126,15 @@ def _sections(mode: str, shape, kv_dtype: str) -> list[tuple[str, int]]:
         raise ValueError(f"{mode} needs an even head_dim, got {D}")
     nh, mid = _value_split(T)
     m = L * H * mid * ng
+    values = [("v8_scale", 2 * L * H * nh * ng), ("v8_zero", L * H * nh * ng), ("v_scale", m), ("v_zero", (m + 1) // 2)]
+    if mode == "k6v4z":
+        # fixed-size slot: sub-header, the scales and zero points raw, then the three code streams (zstd frames or
+        # raw), then zero padding up to the slot (never smaller than the raw layout at the coarsest key precision)
+        fixed = [("z_header", Z_HEADER.size), ("k_scale", 2 * L * H * D), ("k_zero", L * H * D)] + values
+        raw_floor = (n + 1) // 2 + L * H * nh * D + L * H * mid * D // 2
+        used = HEADER_BYTES + sum(b for _, b in fixed)
+        slot = max(int(n * 2 * 2 / DENSE_RATIO), used + raw_floor)
+        return secs + fixed + [("streams", slot - used)]
     secs += [("k_codes", n), ("k_scale", 2 * L * H * D), ("k_zero", L * H * D),
              ("v8_codes", L * H * nh * D), ("v8_scale", 2 * L * H * nh * ng), ("v8_zero", L * H * nh * ng),
              ("v_codes", L * H * mid * D // 2), ("v_scale", m), ("v_zero", (m + 1) // 2)]
@@ -126,7 +154,7 @@ def _value_order(tokens: int) -> list[int]:
 
 
 def packed_nbytes(mode: str, shape, kv_dtype: str) -> int:
-    """Exact byte length of a packed chunk of logical `shape` [L, 2, H, T, D]."""
+    """Exact byte length of a packed chunk of logical `shape` [L, 2, H, T, D] (for k6v4z: its fixed slot)."""
     return sum(n for _, n in _sections(mode, shape, kv_dtype))
 
 
@@ -261,18 +289,14 @@ def pack(mode: str, chunk: torch.Tensor) -> torch.Tensor:
         v_scale = _round_up_fp16(_needed_scale(vg, 4, 255))  # [L, H, T, ng, 1]
         v_codes, v_zero = _quant_groups(vg, 4, 255, v_scale.float())
         parts = [k_codes, _u8(k_scale), k_zero, v_codes, _u8(v_scale), v_zero]
-    else:
+    elif mode == "k8v4":
         # keys: per channel, over the chunk's tokens; 8 bits, float16 scale, uint8 zero point
         k_scale = _round_up_fp16(_needed_scale(k, 2, 255))
         k_codes, k_zero = _quant_groups(k, 2, 255, k_scale.float())
-        parts = [k_codes, _u8(k_scale), k_zero]
-        nh, mid = _value_split(T)
-        vo = v[:, :, _value_order(T)]
-        parts += list(_quant8_per_token(vo[:, :, :nh], g))  # first token (sink) and the recent tail: 8 bits
-        y = vo[:, :, nh:].reshape(L, H, mid, ng, g) @ _rotation(g, v.device)
-        code, v_codes, v_zero = _quant_low_mse(y, 4)
-        parts += [_pack_nibbles(v_codes), code, _pack_nibbles(v_zero)]
-
+        v8_codes, v8_scale, v8_zero, v_codes, v_scale, v_zero = _quant_values_v4(v, g)
+        parts = [k_codes, _u8(k_scale), k_zero, v8_codes, v8_scale, v8_zero, v_codes, v_scale, v_zero]
+    else:
+        parts = _pack_dense(k, v, g, secs)
     body = torch.cat([p.reshape(-1).to("cpu", torch.uint8) for p in parts])
     crc = zlib.crc32(body.numpy())
     n = L * H * T * D
@@ -283,6 +307,95 @@ def pack(mode: str, chunk: torch.Tensor) -> torch.Tensor:
 
 
 _DTYPE_IDS_BY_TORCH = {v: k for k, v in _DTYPES.items()}
+
+
+def _quant_values_v4(v: torch.Tensor, g: int):
+    """k8v4's values [L, H, T, D]: (8-bit codes, scales, zeros of the first and recent tokens; packed 4-bit codes,
+    log scale codes, packed zeros of the Hadamard-rotated middle tokens)."""
+    L, H, T, D = v.shape
+    nh, mid = _value_split(T)
+    vo = v[:, :, _value_order(T)]
+    v8 = _quant8_per_token(vo[:, :, :nh], g)  # first token (sink) and the recent tail: 8 bits
+    y = vo[:, :, nh:].reshape(L, H, mid, D // g, g) @ _rotation(g, v.device)
+    code, v_codes, v_zero = _quant_low_mse(y, 4)
+    return (*v8, _pack_nibbles(v_codes), code, _pack_nibbles(v_zero))
+
+
+def _zstd():
+    try:
+        import zstandard
+    except ImportError as exc:  # an optional dependency: only the k6v4z mode needs it
+        raise RuntimeError("quantization mode k6v4z needs the zstandard package (pip install 'promptcache[hf]')") from exc
+    return zstandard
+
+
+def _compress(raw: torch.Tensor) -> bytes:
+    """A zstd frame of raw's bytes, or the raw bytes when that is not shorter (the reader tells them by length)."""
+    data = raw.contiguous().reshape(-1).cpu().numpy().tobytes()
+    z = _zstd().ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True, write_checksum=False).compress(data)
+    return z if len(z) < len(data) else data
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    """RMS of x [L, H, T, D] about each channel's median over the tokens, per (layer, head): shape [L, H, 1, 1].
+    (About the median: a channel's constant offset, large in the outlier channels of keys, costs no bits.)"""
+    c = x - x.median(dim=2, keepdim=True).values
+    return c.square().mean(dim=(2, 3), keepdim=True).sqrt()
+
+
+def _quant8_floor(x: torch.Tensor, dim: int, floor: torch.Tensor, top: int = 255):
+    """Codes of x with a per-group scale (groups: everything but `dim`) that is the larger of the no-clipping step and
+    `floor`, and zero points that put each group's median near the middle code (so that the groups' code histograms
+    line up for the entropy coder). Returns (codes uint8, float16 scale, zero uint8); |error| <= scale / 2."""
+    lo = x.amin(dim=dim, keepdim=True).clamp(max=0)
+    hi = x.amax(dim=dim, keepdim=True).clamp(min=0)
+    scale = _round_up_fp16(torch.maximum((hi - lo) / (top - 1), floor.expand_as(hi)))
+    sf = scale.float()
+    zmin = torch.ceil(-lo / sf)
+    zmax = torch.maximum(zmin, top - torch.ceil(hi / sf))
+    want = (top + 1) // 2 - torch.round(x.median(dim=dim, keepdim=True).values / sf)
+    zero = torch.minimum(torch.maximum(want, zmin), zmax).clamp(0, top - 1)
+    q = (torch.round(x / sf) + zero).clamp(0, top)
+    return q.to(torch.uint8), scale, zero.to(torch.uint8)
+
+
+def _pack_dense(k: torch.Tensor, v: torch.Tensor, g: int, secs) -> list:
+    """k6v4z body parts: values exactly as k8v4, keys per channel with the finest step floor
+    of DENSE_KEY_STEPS whose entropy-coded codes fit the slot, code streams zstd-compressed, zero padding."""
+    v8_codes, v8_scale, v8_zero, v_codes, v_scale, v_zero = _quant_values_v4(v, g)
+    z_v8, z_v4 = _compress(v8_codes), _compress(v_codes)
+    room = dict(secs)["streams"] - len(z_v8) - len(z_v4)
+    rms = _rms(k)
+
+    def keys_at(step: int):
+        codes, scale, zero = _quant8_floor(k, 2, DENSE_KEY_STEPS[step] * rms)
+        return _compress(codes.transpose(2, 3)), scale, zero  # [L, H, D, T]: each channel's tokens together
+
+    # binary search for the finest step that fits (the size shrinks as the step grows; every answer is checked)
+    lo, hi, best = 0, len(DENSE_KEY_STEPS) - 1, None
+    while lo <= hi:
+        mid_step = (lo + hi) // 2
+        z_k, k_scale, k_zero = keys_at(mid_step)
+        if len(z_k) <= room:
+            best, hi = (mid_step, z_k, k_scale, k_zero), mid_step - 1
+        else:
+            lo = mid_step + 1
+    if best is not None:
+        top = 255
+        step, z_k, k_scale, k_zero = best
+        k_scale = _u8(k_scale)
+    else:  # the floor: 4-bit per-channel codes, stored raw (the slot is sized for them)
+        top, step = 15, len(DENSE_KEY_STEPS)
+        scale = _round_up_fp16(_needed_scale(k, 2, top))
+        k_codes, k_zero = _quant_groups(k, 2, top, scale.float())
+        k_scale = _u8(scale)
+        z_k = bytes(_pack_nibbles(k_codes.transpose(2, 3)).numpy())
+        assert len(z_k) <= room, "k6v4z slot smaller than its raw floor"
+    streams = z_k + z_v8 + z_v4
+    zh = Z_HEADER.pack(top, step, 0, len(z_k), len(z_v8), len(z_v4))
+    as_u8 = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
+    return [as_u8(zh), k_scale, k_zero, v8_scale, v8_zero, v_scale, v_zero,
+            as_u8(streams + bytes(dict(secs)["streams"] - len(streams)))]
 
 
 def _quant8_per_token(x: torch.Tensor, g: int):
@@ -342,6 +455,8 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
     for name, size in secs[1:]:
         views[name] = body[off:off + size]
         off += size
+    if mode == "k6v4z":
+        views = _dense_streams(views, L, H, T, D)
     if device is not None:
         views = {k: t.to(device) for k, t in views.items()}
 
@@ -353,8 +468,7 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
     elif tuple(out.shape) != (L, 2, H, T, D) or out.dtype != _DTYPES[kv_dtype]:
         raise ValueError(f"out must be {(L, 2, H, T, D)} {kv_dtype}, got {tuple(out.shape)} {out.dtype}")
 
-    def per_channel(prefix: str, tokens: int, bits: int) -> torch.Tensor:
-        top = (1 << bits) - 1
+    def per_channel(prefix: str, tokens: int, top: int) -> torch.Tensor:
         scale = views[f"{prefix}_scale"].view(torch.float16).float().reshape(L, H, 1, D)
         if not (torch.isfinite(scale).all() and (scale > 0).all()):
             raise CorruptChunk("key scales are not finite positive numbers")
@@ -380,10 +494,10 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
         return torch.addcmul(-zero.float() * scale, codes, scale).reshape(L, H, tokens, D)
 
     if mode == "k8v8":
-        out[:, 0].copy_(per_channel("k", T, 8))
+        out[:, 0].copy_(per_channel("k", T, 255))
         out[:, 1].copy_(dequant8("v", T))
         return out
-    out[:, 0].copy_(per_channel("k", T, 8))
+    out[:, 0].copy_(per_channel("k", T, int(views["key_top"]) if mode == "k6v4z" else 255))
     nh, mid = _value_split(T)
     v8 = dequant8("v8", nh)
     out[:, 1, :, :1].copy_(v8[:, :, :1])
@@ -405,6 +519,41 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
     return out
 
 
+def _dense_streams(views: dict, L: int, H: int, T: int, D: int) -> dict:
+    """k6v4z: the sub-header checked and the code streams decompressed into k8v4's views (CorruptChunk if not)."""
+    top, step, reserved, n_k, n_v8, n_v4 = Z_HEADER.unpack(bytes(views.pop("z_header").tolist()))
+    if top not in (15, 255) or step > len(DENSE_KEY_STEPS) or reserved:
+        raise CorruptChunk(f"k6v4z sub-header: key code top {top} (expected 15 or 255), key step {step}, "
+                           f"reserved {reserved}")
+    streams = views.pop("streams")
+    if n_k + n_v8 + n_v4 > streams.numel() or streams[n_k + n_v8 + n_v4:].any():
+        raise CorruptChunk("k6v4z stream lengths exceed the slot, or its padding is not zero")
+    nh, mid = _value_split(T)
+    n = L * H * T * D
+    k_raw = (n + 1) // 2 if top == 15 else n
+    want = {"k_codes": k_raw, "v8_codes": L * H * nh * D, "v_codes": L * H * mid * D // 2}
+    dctx = _zstd().ZstdDecompressor()
+    off = 0
+    for name, size in (("k_codes", n_k), ("v8_codes", n_v8), ("v_codes", n_v4)):
+        part = streams[off:off + size]
+        off += size
+        if size != want[name]:  # shorter: a zstd frame of exactly want[name] bytes
+            try:
+                data = dctx.decompress(part.numpy().tobytes(), max_output_size=want[name])
+            except Exception as exc:  # zstandard.ZstdError: not a frame, truncated, ...
+                raise CorruptChunk(f"k6v4z {name} stream does not decompress: {exc}") from None
+            if len(data) != want[name] or size > want[name]:
+                raise CorruptChunk(f"k6v4z {name} stream holds {len(data)} bytes, expected {want[name]}")
+            part = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        views[name] = part
+    k = views["k_codes"]
+    if top == 15:
+        k = _unpack_nibbles(k, n)
+    views["k_codes"] = k.reshape(L, H, D, T).transpose(2, 3).contiguous()
+    views["key_top"] = torch.tensor(top)
+    return views
+
+
 def error_bound(mode: str, chunk: torch.Tensor) -> torch.Tensor:
     """Per-element bound on |unpack(pack(chunk)) - chunk| (before rounding to the KV dtype), same shape as chunk.
 
@@ -418,13 +567,17 @@ def error_bound(mode: str, chunk: torch.Tensor) -> torch.Tensor:
     x = chunk.float()
     L, _, H, T, D = x.shape
     k, v = x[:, 0], x[:, 1]
-    kb = _needed_scale(k, 2, 255).clamp(min=_FP16_MIN_SCALE) * (1 + 2.0 ** -10) / 2
+    if mode == "k6v4z":  # the encoder's key step depends on how well the chunk compresses: bound by the coarsest
+        kb = torch.maximum(_needed_scale(k, 2, 15), DENSE_KEY_STEPS[-1] * _rms(k))
+    else:
+        kb = _needed_scale(k, 2, 255)
+    kb = kb.clamp(min=_FP16_MIN_SCALE) * (1 + 2.0 ** -10) / 2
     g = v_group_size(D)
     ng = D // g
     vg = v.reshape(L, H, T, ng, g)
     vb = (_needed_scale(vg, 4, 255).clamp(min=_FP16_MIN_SCALE) * (1 + 2.0 ** -10) / 2).expand(L, H, T, ng, g).clone()
     nh, mid = _value_split(T)
-    if mode == "k8v4" and mid:
+    if mode in ("k8v4", "k6v4z") and mid:
         vb[:, :, 1:1 + mid] = value_group_l2_bound(chunk).unsqueeze(-1).expand(L, H, mid, ng, g)
     return torch.stack([kb.expand(L, H, T, D), vb.reshape(L, H, T, D)], dim=1)
 

@@ -31,7 +31,7 @@ def system_prompt(words: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m promptcache.devtools.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quantization", default="none", choices=["none", "k8v8", "k8v4"])
+    p.add_argument("--quantization", default="none", choices=["none", "k8v8", "k8v4", "k6v4z"])
     p.add_argument("--system-words", type=int, default=750, help="words of the GPL-3 in the system prompt")
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--address", default="", help="use this running sidecar instead of starting one")

@@ -164,8 +164,8 @@ class Settings:
             raise ValueError("--max-calls-per-client must not be negative (0: no limit)")
         if self.stream_idle_seconds < 0 or self.max_call_seconds < 0:
             raise ValueError("--stream-idle-seconds and --max-call-seconds must not be negative (0: no limit)")
-        if self.quantization not in ("any", "none", "k8v8", "k8v4"):
-            raise ValueError(f"--quantization must be any, none, k8v8 or k8v4, got {self.quantization!r}")
+        if self.quantization not in ("any", "none", "k8v8", "k8v4", "k6v4z"):
+            raise ValueError(f"--quantization must be any, none, k8v8, k8v4 or k6v4z, got {self.quantization!r}")
         if self.tenancy not in ("auto", "isolated", "shared"):
             raise ValueError(f"--tenancy must be auto, isolated or shared, got {self.tenancy!r}")
         if not 0 <= self.mrc_sample_rate <= 1:
@@ -287,7 +287,7 @@ HELP = {
     "max_lifetime_seconds": "absolute cap: an entry never lives longer than this after it was first stored, "
                             "however often it is hit (on disk and across restarts too)",
     "eviction_policy": "which entry goes first when the budget is full",
-    "quantization": "the only KV quantization mode accepted (none, k8v8, k8v4; clients quantize, the mode is "
+    "quantization": "the only KV quantization mode accepted (none, k8v8, k8v4, k6v4z; clients quantize, the mode is "
                     "part of every key); other models get FAILED_PRECONDITION. any: accept every mode",
     "tenancy": "isolated: each tenant's chunks are keyed apart (needs --token-file or mTLS); shared: every "
                "caller shares one namespace even with authentication on; auto: isolated when authentication is on",

@@ -22,7 +22,7 @@ import time
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefixes", default="512,1024,2048,4096", help="comma-separated prefix lengths in tokens")
     p.add_argument("--suffix", type=int, default=64, help="tokens after the cached prefix")
-    p.add_argument("--modes", default="none,k8v8,k8v4", help="comma-separated quantization modes")
+    p.add_argument("--modes", default="none,k8v8,k8v4,k6v4z", help="comma-separated quantization modes")
     p.add_argument("--repeats", type=int, default=7, help="interleaved runs per reuse measurement (best is reported)")
     p.add_argument("--full-repeats", type=int, default=2, help="interleaved runs per full-prefill measurement")
     p.add_argument("--chunk-tokens", type=int, default=256)
