@@ -114,9 +114,11 @@ def test_crd_chunk_tokens_rule_matches_model():
 
 
 def test_sidecar_enums_match_the_sidecar():
-    """The CRD's eviction policies include every policy the sidecar implements (lru today)."""
+    """The CRD's eviction policies and quantization modes include every one the sidecar implements."""
     policies = pytest.importorskip("promptcache.sidecar.policies")
+    keys = pytest.importorskip("promptcache.contract.keys")
     assert set(policies.POLICIES) <= set(model.EVICTION_POLICIES)
+    assert set(keys.QUANT_MODES) <= set(model.QUANTIZATION_MODES)
 
 
 def test_values_yaml_validates_against_values_schema():

@@ -22,7 +22,7 @@ VERSION = "v1alpha1"
 KIND = "PromptCache"
 PLURAL = "promptcaches"
 
-QUANTIZATION_MODES = ("none", "k8v8", "k8v4")
+QUANTIZATION_MODES = ("none", "k8v8", "k8v4", "k6v4z")
 EVICTION_POLICIES = ("lru", "lru-prefix", "lfu", "wtinylfu", "rate")
 TENANCY_MODES = ("Shared", "Isolated")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -112,7 +112,7 @@ class CachePolicy:
     ttlSeconds: int = 14400          # sliding: extended by every hit
     maxLifetimeSeconds: int = 86400  # absolute cap after the first store
     evictionPolicy: Literal["lru", "lru-prefix", "lfu", "wtinylfu", "rate"] = "wtinylfu"  # the sidecar's, by trace replay
-    quantization: Literal["none", "k8v8", "k8v4"] = "none"
+    quantization: Literal["none", "k8v8", "k8v4", "k6v4z"] = "none"
     maxChunkBytes: str | None = None
 
 
