@@ -7,11 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import typing
 
 import pytest
 
 from support import REPO, SidecarProcess
 from promptcache.client import PromptCacheClient
+from promptcache.keys import QUANT_MODES
 from promptcache.sidecar import config
 
 
@@ -39,15 +41,20 @@ VALID_SAMPLES = {"memory_bytes": "8192", "max_chunk_bytes": "8192", "disk_bytes"
 
 
 def test_every_setting_is_a_flag_and_an_environment_variable():
+    hints = typing.get_type_hints(config.Settings)
     for f in dataclasses.fields(config.Settings):
-        if f.type in ("bool", bool):
+        typ = hints[f.name]
+        if typ is bool:
             flag_value, env_value, expected = [], "true", True
             argv = ["--" + f.name.replace("_", "-")]
         else:
-            value = {"int": "7", "float": "1.5", "str": "json"}[f.type]
+            if typing.get_origin(typ) is typing.Literal:  # the last word: never the default
+                value, typ = typing.get_args(typ)[-1], str
+            else:
+                value = {int: "7", float: "1.5", str: "json"}[typ]
             value = VALID_SAMPLES.get(f.name, value)
             argv, env_value = ["--" + f.name.replace("_", "-"), value], value
-            expected = {"int": int, "float": float, "str": str}[f.type](value)
+            expected = typ(value)
         from_flag = getattr(parse(argv), f.name)
         from_env = getattr(parse([], {config.env_name(f.name): env_value}), f.name)
         assert from_flag == from_env == expected, f.name
@@ -81,6 +88,23 @@ def test_bad_settings_name_the_flag_or_variable(argv, env, fragment):
     with pytest.raises(ValueError) as info:
         parse(argv, env)
     assert fragment in str(info.value)
+
+
+def test_word_settings_take_the_words_of_their_literal_and_name_them_when_wrong():
+    hints = typing.get_type_hints(config.Settings)
+    words = {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(config.Settings)
+             if typing.get_origin(hints[f.name]) is typing.Literal}
+    assert set(words) == {"quantization", "tenancy", "bulk_zero_copy", "log_level", "log_format", "cluster_protocol"}
+    for name, choices in words.items():
+        flag = "--" + name.replace("_", "-")
+        assert getattr(config.Settings(), name) in choices, name
+        for word in choices:
+            assert getattr(parse([flag, word]), name) == word
+        with pytest.raises(ValueError) as info:
+            parse([flag, "bogus"])
+        assert str(info.value) == f"{flag} must be {config.one_of(choices)}, got 'bogus'"
+    # --quantization accepts "any" and exactly the modes clients key chunks by
+    assert words["quantization"] == ("any",) + QUANT_MODES
 
 
 def run_cli(*args, env=None, timeout=60):
