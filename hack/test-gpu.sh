@@ -28,7 +28,7 @@ if ! "$PYTHON" -c "import promptcache.sidecar.server" 2> /dev/null; then
   # (pyproject.toml), the generated stubs included when they were carried.
   if compgen -G ".whl/*.whl" > /dev/null; then
     site=${TMPDIR:-/tmp}/promptcache-gpu-site
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    "$PYTHON" -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
       .whl/*.whl || { echo "test-gpu: installing .whl/ failed" >&2; exit 2; }
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
   fi
