@@ -118,7 +118,7 @@ def metrics_block(metrics: list[Metric]) -> str:
 def _cell(text: str) -> str:
     """Markdown table cell: pipes escaped, docs/*.md named in the text linked."""
     text = text.replace("|", "\\|")
-    return re.sub(r"(?<![\[(/])\b(docs/[\w.-]+\.md)", r"[\1](\1)", text)
+    return re.sub(r"(?<!\]\()(?<![\[/\w])(docs/[\w.-]+\.md)", r"[\1](\1)", text)
 
 
 def quantity(n: int) -> str:
