@@ -12,6 +12,7 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is installed by `make test` (hack/system-deps.sh)")
 
 
+@pytest.mark.slow  # a sidecar process per transport and a Redis server
 def test_throughput_bench_prints_every_transport_against_redis(tmp_path, capsys):
     out = tmp_path / "throughput.md"
     assert main(["bench", "throughput", "--sizes-mb", "1", "--repeats", "1", "--transports",

@@ -58,6 +58,7 @@ def metric(port: int, name: str) -> float:
     return 0.0
 
 
+@pytest.mark.slow  # a sidecar process filling a small filesystem; test_disk.py checks disk-full in process
 def test_disk_full_stops_spilling_and_memory_keeps_serving(small_fs):
     proc = SidecarProcess("--memory-bytes", str(8 * CHUNK_BYTES), "--chunk-tokens", str(CHUNK),
                           "--disk-bytes", "256Mi", "--disk-min-free-bytes", "0", "--data-dir", str(small_fs),

@@ -35,7 +35,7 @@ def busy_port():
         yield s.getsockname()[1]
 
 
-# Each case starts a sidecar process (a few seconds); make test-fast keeps one per kind of failure.
+# Each case starts a sidecar process (seconds each here): make test-fast keeps a port and a TLS case.
 SLOW = pytest.mark.slow
 
 
@@ -86,7 +86,7 @@ def pem(tmp_path_factory):
 
 
 @pytest.mark.parametrize("cert,key,ca,message", [
-    ("garbage", "key", None, "--tls-cert-file {garbage} holds no PEM certificate"),
+    pytest.param("garbage", "key", None, "--tls-cert-file {garbage} holds no PEM certificate", marks=SLOW),
     pytest.param("empty", "key", None, "--tls-cert-file {empty} holds no PEM certificate", marks=SLOW),
     pytest.param("key", "key", None, "--tls-cert-file {key} holds no PEM certificate", marks=SLOW),
     pytest.param("cert", "garbage", None, "--tls-key-file {garbage} holds no unencrypted PEM private key", marks=SLOW),
@@ -138,6 +138,7 @@ def disk_sidecar(data_dir) -> SidecarProcess:
                           "--disk-min-free-bytes", "0", "--data-dir", str(data_dir), "--log-format", "text")
 
 
+@pytest.mark.slow
 def test_sigterm_after_the_data_dir_was_removed_says_so_and_exits_1(tmp_path):
     proc = disk_sidecar(tmp_path / "data")
     try:
@@ -153,6 +154,7 @@ def test_sigterm_after_the_data_dir_was_removed_says_so_and_exits_1(tmp_path):
     assert code == 1
 
 
+@pytest.mark.slow
 def test_sigterm_with_a_healthy_disk_tier_exits_0(tmp_path):
     proc = disk_sidecar(tmp_path / "data")
     try:

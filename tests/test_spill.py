@@ -100,6 +100,7 @@ def test_ttl_applies_on_disk(tiered):
         assert c.get_blobs(SMALL, tokens) == []
 
 
+@pytest.mark.slow  # a sidecar process that must fail to start
 def test_unwritable_data_path_exits_naming_it(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
