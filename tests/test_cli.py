@@ -123,6 +123,7 @@ def test_bad_flag_exits_nonzero_with_a_message():
     assert result.returncode == 2 and "--memory-bytes must be positive" in result.stdout + result.stderr
 
 
+@pytest.mark.slow  # a process; test_auth.py checks the same refusal in process
 def test_plaintext_on_a_public_address_needs_an_explicit_flag():
     result = run_cli("serve", "--grpc-address", "0.0.0.0:0", "--metrics-port", "0")
     assert result.returncode == 2 and "--allow-insecure-remote" in result.stdout + result.stderr

@@ -51,7 +51,7 @@ class Restartable:
         stop_process(self.proc)
 
 
-@pytest.mark.slow  # kill -9 and a restart under load; tests/test_disk.py's kill -9 loop is in the fast lane
+@pytest.mark.slow  # kill -9 and a restart under load
 @pytest.mark.timeout(600)
 def test_kill_9_under_load_and_restart():
     sidecar = Restartable("--chunk-tokens", str(CHUNK), "--memory-bytes", "16Mi")
