@@ -135,7 +135,7 @@ def _spills_again(sidecar, client, seed0: int) -> None:
     assert cached == BIG_CHUNK and all(bool((a == b).all()) for (a, _), (b, _) in zip(kv, expected))
 
 
-@pytest.mark.slow  # fills a filesystem; the ENOSPC test above is the fast lane's
+@pytest.mark.slow  # fills a filesystem; the ENOSPC test below is the fast lane's
 def test_space_freed_by_purge_goes_back_to_the_volume_and_spilling_resumes(fs_64m, sidecar_factory):
     sidecar = sidecar_factory(memory_bytes=4 * BIG_BYTES, chunk_tokens=BIG_CHUNK, disk_bytes=1 << 30,
                               disk_min_free_bytes=16 << 20, data_dir=str(fs_64m), eviction_policy="lru")
