@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make run      start the sidecar on embedded defaults (CPU without a GPU, data in .data/, localhost)"
 	@echo "make test     create/update the virtualenv, install, build the test tools, run every test (then test-vllm)"
-	@echo "make test-fast the inner loop, under 3 minutes: every module's tests but those marked tools or slow"
+	@echo "make test-fast the inner loop: every module's tests but those marked tools or slow (no tool builds)"
 	@echo "make test-gpu the GPU lane: tests marked cuda and the TTFT benchmark on CUDA, in one call (docs/gpu-lane.md)"
 	@echo "make test-vllm vLLM (CPU) with the KV connector against a real sidecar, end to end (part of make test)"
 	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT); not part of make test"
