@@ -7,11 +7,13 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install run test test-vllm vllm-env bench bench-vllm plots demo fuzz loadtest tools system-deps clean
+.PHONY: help venv install run test test-fast test-gpu test-vllm vllm-env bench bench-vllm plots demo fuzz loadtest tools system-deps clean
 
 help:
 	@echo "make run      start the sidecar on embedded defaults (CPU without a GPU, data in .data/, localhost)"
 	@echo "make test     create/update the virtualenv, install, build the test tools, run every test (then test-vllm)"
+	@echo "make test-fast the inner loop: every module's tests but those marked tools or slow (no tool builds)"
+	@echo "make test-gpu the GPU lane: tests marked cuda and the TTFT benchmark on CUDA, in one call (docs/gpu-lane.md)"
 	@echo "make test-vllm vLLM (CPU) with the KV connector against a real sidecar, end to end (part of make test)"
 	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT); not part of make test"
 	@echo "make plots    regenerate the README's plots in docs/img/ (replay, throughput, TTFT, closed loop)"
@@ -52,6 +54,14 @@ tools:
 test: install system-deps tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-vllm
+
+# The inner loop: no tool builds, nothing marked tools (API server, helm, promtool) or slow (pyproject.toml's markers).
+test-fast: install
+	$(PY) -m pytest -m "not tools and not slow" $(PYTEST_ARGS)
+
+# Needs no `make install` where the package and its wheels are already importable (a borrowed GPU machine).
+test-gpu:
+	@hack/test-gpu.sh
 
 # vLLM's CPU backend in its own virtualenv outside the checkout (~6 GB, rebuilt only when hack/vllm-env.sh's pins
 # change), and the test model converted once to safetensors (promptcache.devtools.models, cached outside the checkout).

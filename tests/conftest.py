@@ -36,3 +36,21 @@ def sidecar(sidecar_factory) -> Sidecar:
 def client(sidecar):
     with PromptCacheClient(sidecar.address, timeout=10) as c:
         yield c
+
+
+# Fixtures that run a built or installed tool (tests/operator/opharness.py): a test using one must be marked tools,
+# so that `make test-fast` (-m "not tools and not slow") never waits for a tool build.
+TOOL_FIXTURES = {"control_plane", "kube", "kubectl", "helm", "helm_offline", "helm_release", "crd",
+                 "operator_kubeconfig", "start_operator"}
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = []
+    for item in items:
+        if item.get_closest_marker("apiserver") and not item.get_closest_marker("tools"):
+            item.add_marker(pytest.mark.tools)  # the API server is one of the tools
+        if TOOL_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("tools"):
+            unmarked.append(item.nodeid)
+    if unmarked:
+        raise pytest.UsageError("tests using a tool fixture (" + ", ".join(sorted(TOOL_FIXTURES)) + ") must be "
+                                "marked @pytest.mark.tools:\n  " + "\n  ".join(unmarked))

@@ -201,6 +201,7 @@ def test_plaintext_only_on_loopback_unless_allowed(pki):
     s.stop(0)
 
 
+@pytest.mark.slow  # sidecar processes; the tests above cover the same authentication in process
 def test_cli_flags_and_environment(tmp_path, token_dir, pki):
     proc = SidecarProcess("--memory-bytes", "4Mi", "--chunk-tokens", str(CHUNK), "--tls-cert-file", pki.server_cert,
                           "--tls-key-file", pki.server_key,

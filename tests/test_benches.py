@@ -12,6 +12,7 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is installed by `make test` (hack/system-deps.sh)")
 
 
+@pytest.mark.slow  # a sidecar process per transport and a Redis server
 def test_throughput_bench_prints_every_transport_against_redis(tmp_path, capsys):
     out = tmp_path / "throughput.md"
     assert main(["bench", "throughput", "--sizes-mb", "1", "--repeats", "1", "--transports",
@@ -32,6 +33,7 @@ def test_throughput_bench_prints_every_transport_against_redis(tmp_path, capsys)
         assert client > 0 and server > 0 and total == pytest.approx(client + server, abs=0.011)
 
 
+@pytest.mark.slow  # a benchmark run
 def test_latency_bench_reports_grpc_floor_and_bulk_share(capsys):
     assert main(["bench", "latency", "--rounds", "5"]) == 0
     text = capsys.readouterr().out

@@ -7,11 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import typing
 
 import pytest
 
 from support import REPO, SidecarProcess
 from promptcache.client import PromptCacheClient
+from promptcache.contract.keys import QUANT_MODES
 from promptcache.sidecar import config
 
 
@@ -43,15 +45,20 @@ COMPANIONS = {"tls_cert_file": ["--tls-key-file", "key.pem"], "tls_key_file": ["
 
 
 def test_every_setting_is_a_flag_and_an_environment_variable():
+    hints = typing.get_type_hints(config.Settings)
     for f in dataclasses.fields(config.Settings):
-        if f.type in ("bool", bool):
+        typ = hints[f.name]
+        if typ is bool:
             flag_value, env_value, expected = [], "true", True
             argv = ["--" + f.name.replace("_", "-")]
         else:
-            value = {"int": "7", "float": "1.5", "str": "json"}[f.type]
+            if typing.get_origin(typ) is typing.Literal:  # the last word: never the default
+                value, typ = typing.get_args(typ)[-1], str
+            else:
+                value = {int: "7", float: "1.5", str: "json"}[typ]
             value = VALID_SAMPLES.get(f.name, value)
             argv, env_value = ["--" + f.name.replace("_", "-"), value], value
-            expected = {"int": int, "float": float, "str": str}[f.type](value)
+            expected = typ(value)
         companions = COMPANIONS.get(f.name, [])
         from_flag = getattr(parse(argv + companions), f.name)
         from_env = getattr(parse(companions, {config.env_name(f.name): env_value}), f.name)
@@ -103,6 +110,23 @@ def test_a_master_or_the_etcd_of_an_ha_master_set_is_a_cluster_master(address):
     assert parse(["--cluster-master", address]).cluster_master == address
 
 
+def test_word_settings_take_the_words_of_their_literal_and_name_them_when_wrong():
+    hints = typing.get_type_hints(config.Settings)
+    words = {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(config.Settings)
+             if typing.get_origin(hints[f.name]) is typing.Literal}
+    assert set(words) == {"quantization", "tenancy", "bulk_zero_copy", "log_level", "log_format", "cluster_protocol"}
+    for name, choices in words.items():
+        flag = "--" + name.replace("_", "-")
+        assert getattr(config.Settings(), name) in choices, name
+        for word in choices:
+            assert getattr(parse([flag, word]), name) == word
+        with pytest.raises(ValueError) as info:
+            parse([flag, "bogus"])
+        assert str(info.value) == f"{flag} must be {config.one_of(choices)}, got 'bogus'"
+    # --quantization accepts "any" and exactly the modes clients key chunks by
+    assert words["quantization"] == ("any",) + QUANT_MODES
+
+
 def run_cli(*args, env=None, timeout=60):
     return subprocess.run([sys.executable, "-m", "promptcache.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
@@ -119,6 +143,7 @@ def test_bad_flag_exits_nonzero_with_a_message():
     assert result.returncode == 2 and "--memory-bytes must be positive" in result.stdout + result.stderr
 
 
+@pytest.mark.slow  # a process; test_auth.py checks the same refusal in process
 def test_plaintext_on_a_public_address_needs_an_explicit_flag():
     result = run_cli("serve", "--grpc-address", "0.0.0.0:0", "--metrics-port", "0")
     assert result.returncode == 2 and "--allow-insecure-remote" in result.stdout + result.stderr
@@ -147,9 +172,3 @@ def test_make_run_target_uses_embedded_defaults():
     """`make run` is the README's first command: check it asks for nothing but embedded defaults."""
     out = subprocess.run(["make", "-n", "run"], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
     assert "promptcache serve" in out and "127.0.0.1:50051" in out
-
-
-def test_readme_documents_every_setting():
-    readme = (REPO / "README.md").read_text()
-    for f in dataclasses.fields(config.Settings):
-        assert f"| `--{f.name.replace('_', '-')}` |" in readme, f"README's configuration table lacks {f.name}"

@@ -255,6 +255,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # processes killed and reopened in a loop
 def test_kill9_loop_never_serves_bad_chunks(tmp_path):
     path = str(tmp_path / "db")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))

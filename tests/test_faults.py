@@ -51,6 +51,7 @@ class Restartable:
         stop_process(self.proc)
 
 
+@pytest.mark.slow  # kill -9 and a restart under load
 @pytest.mark.timeout(600)
 def test_kill_9_under_load_and_restart():
     sidecar = Restartable("--chunk-tokens", str(CHUNK), "--memory-bytes", "16Mi")
@@ -124,6 +125,7 @@ def test_kill_9_under_load_and_restart():
     assert all(h > 0 for h in hits_per_life), hits_per_life
 
 
+@pytest.mark.slow  # a sidecar process and 64 clients; test_sidecar.py checks the budget under concurrency quickly
 @pytest.mark.timeout(600)
 def test_memory_budget_under_64_concurrent_clients():
     from promptcache.devtools.bench import loadtest

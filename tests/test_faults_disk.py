@@ -58,6 +58,7 @@ def metric(port: int, name: str) -> float:
     return 0.0
 
 
+@pytest.mark.slow  # a sidecar process filling a small filesystem; test_disk.py checks disk-full in process
 def test_disk_full_stops_spilling_and_memory_keeps_serving(small_fs):
     proc = SidecarProcess("--memory-bytes", str(8 * CHUNK_BYTES), "--chunk-tokens", str(CHUNK),
                           "--disk-bytes", "256Mi", "--disk-min-free-bytes", "0", "--data-dir", str(small_fs),
@@ -134,6 +135,7 @@ def _spills_again(sidecar, client, seed0: int) -> None:
     assert cached == BIG_CHUNK and all(bool((a == b).all()) for (a, _), (b, _) in zip(kv, expected))
 
 
+@pytest.mark.slow  # fills a filesystem; the ENOSPC test below is the fast lane's
 def test_space_freed_by_purge_goes_back_to_the_volume_and_spilling_resumes(fs_64m, sidecar_factory):
     sidecar = sidecar_factory(memory_bytes=4 * BIG_BYTES, chunk_tokens=BIG_CHUNK, disk_bytes=1 << 30,
                               disk_min_free_bytes=16 << 20, data_dir=str(fs_64m), eviction_policy="lru")

@@ -66,6 +66,7 @@ def test_load_text_builtins_and_files(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.parametrize("text", ["en", "zh"])
 def test_fidelity_thresholds_on_smollm2_slice(text):
     """The real model, the README's 3 windows (512 cached + 256 scored tokens) per text: none exact, k8v4 top-1 >= 99 %.

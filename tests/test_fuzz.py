@@ -24,6 +24,7 @@ def _assert_clean(report):
     assert not set(report["codes"]) & {"UNKNOWN", "INTERNAL", "DEADLINE_EXCEEDED"}
 
 
+@pytest.mark.slow  # a fuzz run with auth through the CLI
 @pytest.mark.timeout(240)
 def test_fuzz_cli_with_auth(tmp_path):
     out = tmp_path / "fuzz.json"
@@ -41,6 +42,7 @@ def test_fuzz_cli_with_auth(tmp_path):
     print(f"fuzzed {report['requests']} requests: {report['codes']}")
 
 
+@pytest.mark.slow  # thousands of requests; the two tests below are the fast lane's bad-input checks
 @pytest.mark.timeout(120)
 def test_fuzz_without_auth():
     report = fuzz.fuzz(100_000, seed=5, workers=2, auth=False, max_seconds=FUZZ_SECONDS / 3, progress=False)

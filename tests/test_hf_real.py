@@ -11,7 +11,7 @@ from promptcache.devtools import models
 from promptcache.client import PromptCacheClient
 from promptcache.client.hf import PromptCacheHF
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 PREFIX, SUFFIX = 512, 64
 

@@ -19,6 +19,7 @@ def args(**overrides) -> argparse.Namespace:
     return a
 
 
+@pytest.mark.slow  # concurrent clients for a bounded time
 @pytest.mark.timeout(300)
 def test_loadtest_runs_clean(tmp_path, capsys):
     out = tmp_path / "load.json"

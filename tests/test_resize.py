@@ -129,6 +129,7 @@ def test_grow_applies_at_once():
 
 
 # --- a real sidecar under load ---------------------------------------------------------------------------------
+@pytest.mark.slow  # timing under load; the shrink logic itself is tested above without threads
 def test_shrink_under_load_never_leaves_committed_bytes_above_the_budget(sidecar_factory):
     """Writers and readers hammer the sidecar; at each shrink, two Puts hold reservations (stalled half-way) and a
     reader holds a lease on a 512 KiB chunk (stalled: it stops reading a 24 MiB Get). Each holds more than the

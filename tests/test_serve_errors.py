@@ -35,7 +35,11 @@ def busy_port():
         yield s.getsockname()[1]
 
 
-@pytest.mark.parametrize("which", ["grpc", "metrics", "bulk"])
+# Each case starts a sidecar process (seconds each here): make test-fast keeps a port and a TLS case.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("which", ["grpc", pytest.param("metrics", marks=SLOW), pytest.param("bulk", marks=SLOW)])
 def test_a_port_in_use_is_named_and_exits_2(busy_port, which, tmp_path):
     grpc_port = busy_port if which == "grpc" else free_port()
     metrics_port = busy_port if which == "metrics" else 0
@@ -58,6 +62,7 @@ def test_a_port_in_use_is_named_and_exits_2(busy_port, which, tmp_path):
             s.bind(("127.0.0.1", grpc_port))
 
 
+@pytest.mark.slow
 def test_a_unix_socket_in_a_missing_folder_is_named(tmp_path):
     result = serve("--grpc-address", f"unix:{tmp_path}/missing/s.sock", "--metrics-port", "0")
     assert result.returncode == 2 and "Traceback" not in output(result)
@@ -81,13 +86,13 @@ def pem(tmp_path_factory):
 
 
 @pytest.mark.parametrize("cert,key,ca,message", [
-    ("garbage", "key", None, "--tls-cert-file {garbage} holds no PEM certificate"),
-    ("empty", "key", None, "--tls-cert-file {empty} holds no PEM certificate"),
-    ("key", "key", None, "--tls-cert-file {key} holds no PEM certificate"),
-    ("cert", "garbage", None, "--tls-key-file {garbage} holds no unencrypted PEM private key"),
-    ("cert", "cert", None, "--tls-key-file {cert} holds no unencrypted PEM private key"),
+    pytest.param("garbage", "key", None, "--tls-cert-file {garbage} holds no PEM certificate", marks=SLOW),
+    pytest.param("empty", "key", None, "--tls-cert-file {empty} holds no PEM certificate", marks=SLOW),
+    pytest.param("key", "key", None, "--tls-cert-file {key} holds no PEM certificate", marks=SLOW),
+    pytest.param("cert", "garbage", None, "--tls-key-file {garbage} holds no unencrypted PEM private key", marks=SLOW),
+    pytest.param("cert", "cert", None, "--tls-key-file {cert} holds no unencrypted PEM private key", marks=SLOW),
     ("cert", "other_key", None, "--tls-key-file {other_key} is not the private key of --tls-cert-file {cert}"),
-    ("cert", "key", "garbage", "--tls-client-ca-file {garbage} holds no PEM certificate"),
+    pytest.param("cert", "key", "garbage", "--tls-client-ca-file {garbage} holds no PEM certificate", marks=SLOW),
 ])
 def test_unusable_tls_files_are_named_and_exit_2(pem, cert, key, ca, message):
     args = ["--grpc-address", f"127.0.0.1:{free_port()}", "--metrics-port", "0", "--tls-cert-file", pem(cert),
@@ -102,6 +107,7 @@ def test_unusable_tls_files_are_named_and_exit_2(pem, cert, key, ca, message):
     assert "cannot start: " + message.format(**names) in text, text
 
 
+@pytest.mark.slow  # a TLS sidecar process; test_auth.py serves TLS in process in the fast lane
 def test_good_tls_files_still_serve(pem):
     proc = SidecarProcess("--tls-cert-file", pem("cert"), "--tls-key-file", pem("key"))
     try:
@@ -132,6 +138,7 @@ def disk_sidecar(data_dir) -> SidecarProcess:
                           "--disk-min-free-bytes", "0", "--data-dir", str(data_dir), "--log-format", "text")
 
 
+@pytest.mark.slow
 def test_sigterm_after_the_data_dir_was_removed_says_so_and_exits_1(tmp_path):
     proc = disk_sidecar(tmp_path / "data")
     try:
@@ -147,6 +154,7 @@ def test_sigterm_after_the_data_dir_was_removed_says_so_and_exits_1(tmp_path):
     assert code == 1
 
 
+@pytest.mark.slow
 def test_sigterm_with_a_healthy_disk_tier_exits_0(tmp_path):
     proc = disk_sidecar(tmp_path / "data")
     try:
@@ -172,6 +180,7 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.slow
 def test_sigterm_after_disk_write_errors_says_so_and_exits_1(small_fs):
     """The filesystem fills up under RocksDB (another writer took the space; --disk-min-free-bytes 0 lets it try),
     so its writes fail with ENOSPC, and closing it at shutdown fails too."""

@@ -100,6 +100,7 @@ def test_ttl_applies_on_disk(tiered):
         assert c.get_blobs(SMALL, tokens) == []
 
 
+@pytest.mark.slow  # a sidecar process that must fail to start
 def test_unwritable_data_path_exits_naming_it(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
@@ -111,6 +112,7 @@ def test_unwritable_data_path_exits_naming_it(tmp_path):
     assert str(path) in out.stdout + out.stderr
 
 
+@pytest.mark.slow  # sidecar processes killed and restarted over and over: minutes here under load
 def test_kill_9_during_puts_never_serves_a_bad_chunk(tmp_path):
     """20 rounds: stream puts, kill -9 mid-stream, restart on the same data, check everything served."""
     data = tmp_path / "data"

@@ -111,6 +111,7 @@ def test_sliding_ttl_through_a_real_sidecar(sidecar_factory):
         assert c.lookup(SMALL, hot).cached_tokens == 0
 
 
+@pytest.mark.slow  # a disk tier and a restart; the cap itself is tested above
 def test_cap_counts_from_the_first_store_across_disk_and_a_restart(sidecar_factory, tmp_path):
     """Stored, kept hot, demoted at a graceful stop, read back after a restart: still capped at its first store
     (not at its demotion or promotion)."""

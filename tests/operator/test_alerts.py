@@ -172,10 +172,12 @@ def check_and_test(groups: list[dict], tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.tools
 def test_operator_rule_promtool(tmp_path):
     check_and_test(operator_rule_groups(), tmp_path)
 
 
+@pytest.mark.tools
 def test_chart_rule_promtool(helm_offline, tmp_path):
     check_and_test(chart_rule_groups(helm_offline), tmp_path)
 
@@ -218,6 +220,7 @@ def _dashboard_exprs(dash: dict) -> list[str]:
     return exprs + [a["expr"] for a in dash["annotations"]["list"] if "expr" in a]
 
 
+@pytest.mark.tools
 def test_dashboard_configmap_and_promql(helm_offline, tmp_path):
     out = helm_offline("template", "x", str(CHART), "--show-only", "templates/grafana-dashboard.yaml")
     (cm,) = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -279,6 +282,7 @@ def test_alerts_use_only_sidecar_series():
     assert used and used <= sidecar_series(), used - sidecar_series()
 
 
+@pytest.mark.tools
 def test_chart_operator_rule_degraded_reads_the_operators_own_series(helm_offline, tmp_path):
     """PromptCacheDegraded reads promptcache_operator_cache_condition (tests/operator/test_operator_apiserver.py
     checks the operator exports it); a standby replica's missing series or a healthy cache stays silent."""

@@ -20,6 +20,7 @@ from support import SidecarProcess
 from test_closed_loop import CHUNK_TOKENS, Workload
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+pytestmark = pytest.mark.tools  # the Prometheus server (Debian, hack/system-deps.sh)
 Mi = 1 << 20
 
 

@@ -22,6 +22,7 @@ VALUE_SETS = {
 }
 
 
+@pytest.mark.tools
 @pytest.mark.parametrize("values", list(VALUE_SETS), ids=list(VALUE_SETS))
 def test_helm_lint_clean(helm_offline, values):
     out = helm_offline("lint", "--strict", str(CHART), *VALUE_SETS[values])
@@ -29,11 +30,13 @@ def test_helm_lint_clean(helm_offline, values):
     assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
 
 
+@pytest.mark.tools
 def test_values_schema_rejects_bad_values(helm_offline):
     out = helm_offline("template", "x", str(CHART), "--set", "logFormat=xml", check=False)
     assert out.returncode != 0 and "logFormat" in out.stderr
 
 
+@pytest.mark.tools
 @pytest.mark.parametrize("values", list(VALUE_SETS), ids=list(VALUE_SETS))
 def test_rendered_manifests_validate_strict(helm_offline, tmp_path, values):
     out = helm_offline("template", "promptcache", str(CHART), "--namespace", RELEASE_NS, "--include-crds",
@@ -52,6 +55,7 @@ def test_rendered_manifests_validate_strict(helm_offline, tmp_path, values):
     assert "ERROR" not in v.stdout, v.stdout
 
 
+@pytest.mark.tools
 def test_deployment_is_restricted_and_probed(helm_offline):
     out = helm_offline("template", "promptcache", str(CHART), "--namespace", RELEASE_NS)
     dep = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment")
@@ -104,6 +108,7 @@ def test_chart_deployment_draws_no_pod_security_warning(helm_release, helm_offli
     assert warnings == []
 
 
+@pytest.mark.tools
 def test_renders_as_a_dependency_of_an_umbrella_chart_with_global_values(helm_offline, tmp_path):
     """Helm hands an umbrella chart's `global` values to every subchart; the values schema must accept them."""
     import shutil
@@ -129,6 +134,7 @@ def test_renders_as_a_dependency_of_an_umbrella_chart_with_global_values(helm_of
     assert rule["metadata"]["labels"]["release"] == "prometheus"
 
 
+@pytest.mark.tools
 def test_monitoring_labels_reach_every_monitoring_object(helm_offline):
     """kube-prometheus-stack selects ServiceMonitors and PrometheusRules by its release label: by default the
     chart's own rules and (through the operator's environment) the operator's carry it."""

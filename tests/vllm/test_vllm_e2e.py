@@ -34,6 +34,7 @@ from support import SidecarProcess
 VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.model,
     pytest.mark.timeout(1200),
     pytest.mark.skipif(not VLLM_PYTHON, reason="needs the vLLM virtualenv: run `make test-vllm`"),
 ]

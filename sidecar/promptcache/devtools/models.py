@@ -6,6 +6,7 @@
   ``$PROMPTCACHE_MODEL_CACHE`` (default ``~/.cache/promptcache/models``); later calls reload that copy in about a second.
   Nothing is ever downloaded from a model hub (``HF_HUB_OFFLINE=1`` is forced for these loads).
 * :func:`tiny_llama` - a tiny randomly initialised Llama (GQA) for fast unit tests.
+* :func:`smollm2_random` - SmolLM2-135M's shape with random weights (benchmarks where the GGUF cannot go).
 * :func:`english_text` - English prose available offline (the licence texts Debian ships), several thousand tokens.
 """
 from __future__ import annotations
@@ -114,6 +115,22 @@ def tiny_llama(dtype: str = "float32", seed: int = 0, num_layers: int = 2, vocab
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                       rms_norm_eps=1e-5, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    model.eval()
+    return model
+
+
+def smollm2_random(dtype: str = "float32", seed: int = 0):
+    """A Llama of SmolLM2-135M-Instruct's shape (30 layers, 9 heads, 3 KV heads, head dim 64, vocabulary 49152) with
+    random weights: its compute and KV bytes are the real model's, with nothing to load (benchmarks on machines the
+    GGUF cannot reach)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     model.eval()

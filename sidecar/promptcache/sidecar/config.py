@@ -6,6 +6,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields
+from typing import Literal, get_args, get_origin, get_type_hints
 
 DESCRIPTION = """\
 Run the PromptCache sidecar: a node-local gRPC server (promptcache.v1.KVCache) that stores the attention
@@ -16,6 +17,21 @@ Byte sizes accept Kubernetes quantities: 512Mi, 4Gi, 1G, or plain integers.
 """
 
 from promptcache.contract.quantity import parse_bytes  # noqa: E402,F401 - byte flags are Kubernetes quantities
+
+# The settings that take one of a few words: the words are written once, here (validate() and the README's table
+# read them through typing.get_args).
+Quantization = Literal["any", "none", "k8v8", "k8v4", "k6v4z"]  # any, or one of promptcache.contract.keys.QUANT_MODES
+TenancyMode = Literal["auto", "isolated", "shared"]
+BulkZeroCopy = Literal["auto", "on", "off"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["json", "text"]
+ClusterProtocol = Literal["tcp", "rdma"]
+
+
+def one_of(choices) -> str:
+    """'a, b or c' from a Literal (or a tuple of words)."""
+    words = get_args(choices) or tuple(choices)
+    return ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
 
 
 @dataclass(frozen=True)
@@ -29,8 +45,8 @@ class Settings:
     ttl_seconds: float = 4 * 3600.0
     max_lifetime_seconds: float = 24 * 3600.0
     eviction_policy: str = "wtinylfu"  # chosen by trace replay: docs/eviction.md
-    quantization: str = "any"
-    tenancy: str = "auto"
+    quantization: Quantization = "any"
+    tenancy: TenancyMode = "auto"
     device: str = "auto"
     data_dir: str = "./promptcache-data"
     disk_bytes: int = 0
@@ -44,11 +60,11 @@ class Settings:
     bulk_max_connections: int = 64
     bulk_max_connections_per_peer: int = 16
     bulk_hello_seconds: float = 5.0
-    bulk_zero_copy: str = "auto"
+    bulk_zero_copy: BulkZeroCopy = "auto"
     workers: int = 32
     frame_bytes: int = 1 << 20
-    log_level: str = "info"
-    log_format: str = "json"
+    log_level: LogLevel = "info"
+    log_format: LogFormat = "json"
     allow_insecure_remote: bool = False
     tls_cert_file: str = ""
     tls_key_file: str = ""
@@ -78,7 +94,7 @@ class Settings:
     cluster_master: str = ""
     cluster_id: str = "mooncake_cluster"
     cluster_local_hostname: str = ""
-    cluster_protocol: str = "tcp"
+    cluster_protocol: ClusterProtocol = "tcp"
     cluster_rdma_devices: str = ""
     cluster_metadata_server: str = "P2PHANDSHAKE"
     cluster_segment_bytes: int = 1 << 30
@@ -144,16 +160,16 @@ class Settings:
             raise ValueError(f"--max-request-tokens must be in 1..{1 << 22}, got {self.max_request_tokens}")
         if self.max_large_requests < 1:
             raise ValueError("--max-large-requests must be at least 1")
-        if self.bulk_zero_copy not in ("auto", "on", "off"):
-            raise ValueError(f"--bulk-zero-copy must be auto, on or off, got {self.bulk_zero_copy!r}")
+        if self.bulk_zero_copy not in get_args(BulkZeroCopy):
+            raise ValueError(f"--bulk-zero-copy must be {one_of(BulkZeroCopy)}, got {self.bulk_zero_copy!r}")
         if self.workers < 1:
             raise ValueError("--workers must be at least 1")
         if not 4096 <= self.frame_bytes <= (3 << 20):
             raise ValueError("--frame-bytes must be between 4096 and 3Mi (gRPC's default message limit is 4 MiB)")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ValueError("--log-level must be one of debug, info, warning, error")
-        if self.log_format not in ("json", "text"):
-            raise ValueError("--log-format must be json or text")
+        if self.log_level not in get_args(LogLevel):
+            raise ValueError(f"--log-level must be {one_of(LogLevel)}, got {self.log_level!r}")
+        if self.log_format not in get_args(LogFormat):
+            raise ValueError(f"--log-format must be {one_of(LogFormat)}, got {self.log_format!r}")
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not self.grpc_address:
@@ -164,10 +180,10 @@ class Settings:
             raise ValueError("--max-calls-per-client must not be negative (0: no limit)")
         if self.stream_idle_seconds < 0 or self.max_call_seconds < 0:
             raise ValueError("--stream-idle-seconds and --max-call-seconds must not be negative (0: no limit)")
-        if self.quantization not in ("any", "none", "k8v8", "k8v4", "k6v4z"):
-            raise ValueError(f"--quantization must be any, none, k8v8, k8v4 or k6v4z, got {self.quantization!r}")
-        if self.tenancy not in ("auto", "isolated", "shared"):
-            raise ValueError(f"--tenancy must be auto, isolated or shared, got {self.tenancy!r}")
+        if self.quantization not in get_args(Quantization):
+            raise ValueError(f"--quantization must be {one_of(Quantization)}, got {self.quantization!r}")
+        if self.tenancy not in get_args(TenancyMode):
+            raise ValueError(f"--tenancy must be {one_of(TenancyMode)}, got {self.tenancy!r}")
         if not 0 <= self.mrc_sample_rate <= 1:
             raise ValueError(f"--mrc-sample-rate must be within 0..1 (0: no miss-ratio curve), "
                              f"got {self.mrc_sample_rate}")
@@ -185,8 +201,8 @@ class Settings:
             raise ValueError("--access-log-max-bytes must be at least 4096")
         if self.access_log_files < 1:
             raise ValueError("--access-log-files must be at least 1")
-        if self.cluster_protocol not in ("tcp", "rdma"):
-            raise ValueError(f"--cluster-protocol must be tcp or rdma, got {self.cluster_protocol!r}")
+        if self.cluster_protocol not in get_args(ClusterProtocol):
+            raise ValueError(f"--cluster-protocol must be {one_of(ClusterProtocol)}, got {self.cluster_protocol!r}")
         if self.cluster_master and (why := cluster_master_error(self.cluster_master)):
             raise ValueError(f"--cluster-master {self.cluster_master!r}: {why}")
         if not re.fullmatch(r"[A-Za-z0-9._-]+", self.cluster_id):
@@ -407,7 +423,8 @@ def env_name(field_name: str) -> str:
 def _converter(name: str, typ):
     if name in _BYTE_FIELDS:
         return parse_bytes
-    return {"int": int, "float": float, "str": str}[typ if isinstance(typ, str) else typ.__name__]
+    typ = get_type_hints(Settings)[name]
+    return str if get_origin(typ) is Literal else {int: int, float: float, str: str}[typ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

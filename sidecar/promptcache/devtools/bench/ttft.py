@@ -6,6 +6,10 @@ over gRPC (Lookup + Get + decode + checks + DynamicCache, then the suffix), per 
 in-process cache that holds the prefix's K/V tensors (no transfer, no decode: the floor; the tensors are still copied
 into a fresh DynamicCache, as every reuse must). The variants run interleaved, round by round; the best of the rounds
 is reported (this machine is shared; medians and every sample go to --json). Ratios: full/(b) and (b)/(c).
+
+--device cuda runs the model on the GPU and gives the sidecar a CUDA device tier. --model smollm2-random is a randomly
+initialised model of SmolLM2-135M's shape over seeded random tokens (nothing to load: for machines the GGUF cannot
+reach; its timings are the real model's, its text is noise); --model tiny is a 2-layer toy for smoke runs.
 """
 from __future__ import annotations
 
@@ -30,6 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: one core per model stream; 0: torch's default, all cores)")
+    p.add_argument("--device", default="cpu", help="where the model runs and the sidecar's tier lives: cpu, cuda, "
+                   "cuda:N")
+    p.add_argument("--model", default="smollm2", choices=list(MODELS),
+                   help="smollm2: the real weights and English text; smollm2-random: its shape, random weights and "
+                   "tokens; tiny: a 2-layer toy")
     p.add_argument("--plot", default="", help="write a PNG of TTFT vs prefix length here (needs matplotlib)")
     p.add_argument("--json", default="", help="also write the results as JSON to this file")
 
@@ -37,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class SidecarProcess:
     """`promptcache serve` in a child process (as in a pod: a separate process), on a unix socket or TCP port."""
 
-    def __init__(self, transport: str, chunk_tokens: int, memory_bytes: int):
+    def __init__(self, transport: str, chunk_tokens: int, memory_bytes: int, device: str = "cpu"):
         self.tmp = tempfile.mkdtemp(prefix="promptcache-ttft-")
         if transport == "unix":
             self.address = f"unix://{self.tmp}/sidecar.sock"
@@ -50,7 +59,7 @@ class SidecarProcess:
                 port = s.getsockname()[1]
             self.address = listen = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", listen, "--metrics-port", "0",
-               "--memory-bytes", str(memory_bytes), "--chunk-tokens", str(chunk_tokens), "--device", "cpu",
+               "--memory-bytes", str(memory_bytes), "--chunk-tokens", str(chunk_tokens), "--device", device,
                "--data-dir", self.tmp, "--log-level", "warning"]
         self.log = open(os.path.join(self.tmp, "sidecar.log"), "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
@@ -74,6 +83,8 @@ class SidecarProcess:
 
 def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_repeats, address, revision="",
             log=print) -> list[dict]:
+    """(On CUDA every variant ends in .argmax() read back to the host, which waits for the GPU: the times are
+    complete.)"""
     """TTFTs per prefix length. The variants are interleaved round by round (full, floor, each mode), so that load
     from other processes hits them alike; the best of the rounds is reported (the median is kept in the JSON)."""
     import torch
@@ -85,7 +96,7 @@ def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_
     hfs = {m: PromptCacheHF(model, client, quantization=m, revision=revision, fetch_timeout=120) for m in modes}
     rows = []
     for p in prefixes:
-        ids = torch.tensor([tokens[:p + suffix]])
+        ids = torch.tensor([tokens[:p + suffix]], device=model.device)
         with torch.inference_mode():  # the prefix K/V, stored in every mode (what a first request's store does)
             cache = output_cache(model(input_ids=ids[:, :p], use_cache=True, logits_to_keep=1))
         prefix_kv = [(k.clone(), v.clone()) for k, v in cache_kv(cache)]
@@ -155,10 +166,27 @@ def format_table(rows: list[dict], modes) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
+MODELS = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-random": "SmolLM2-135M's shape, random weights",
+          "tiny": "a tiny random Llama"}
+
+
+def load_model(name: str, dtype: str, n_tokens: int):
+    """(model in eval mode on the CPU, n_tokens prompt tokens, revision for the cache keys)."""
     import torch
 
     from promptcache.devtools import models
+
+    if name == "smollm2":
+        model, tok = models.load_smollm2(dtype)
+        return model, models.text_tokens(tok, n_tokens), models.model_revision()
+    model = models.smollm2_random(dtype) if name == "smollm2-random" else models.tiny_llama(dtype)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(model.config.vocab_size, (n_tokens,), generator=generator).tolist()
+    return model, tokens, f"random-{name}-seed0"
+
+
+def run(args) -> int:
+    import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -167,14 +195,23 @@ def run(args) -> int:
     for p in prefixes:
         if p % args.chunk_tokens:
             raise SystemExit(f"prefix {p} is not a multiple of --chunk-tokens {args.chunk_tokens}")
-    model, tok = models.load_smollm2(args.dtype)
-    tokens = models.text_tokens(tok, max(prefixes) + args.suffix)
-    sidecar = SidecarProcess(args.transport, args.chunk_tokens, memory_bytes=2 << 30).wait_ready()
-    print(f"SmolLM2-135M-Instruct ({args.dtype}, {torch.get_num_threads()} torch threads); sidecar process at "
-          f"{sidecar.address}; modes {', '.join(modes)}; suffix {args.suffix} tokens", flush=True)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        raise SystemExit(f"--device {args.device}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device is available")
+    model, tokens, revision = load_model(args.model, args.dtype, max(prefixes) + args.suffix)
+    model.to(device)
+    sidecar = SidecarProcess(args.transport, args.chunk_tokens, memory_bytes=2 << 30,
+                             device=str(device)).wait_ready()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"{MODELS[args.model]} ({args.dtype}, on {device}: {where}, {torch.get_num_threads()} torch threads); "
+          f"sidecar process at {sidecar.address} with its tier on {device}; modes {', '.join(modes)}; suffix "
+          f"{args.suffix} tokens", flush=True)
     try:
         rows = measure(model, tokens, prefixes=prefixes, suffix=args.suffix, modes=modes, repeats=args.repeats,
-                       full_repeats=args.full_repeats, address=sidecar.address, revision=models.model_revision(),
+                       full_repeats=args.full_repeats, address=sidecar.address, revision=revision,
                        log=lambda s: print(s, flush=True))
     finally:
         sidecar.stop()
@@ -182,7 +219,8 @@ def run(args) -> int:
     print(format_table(rows, modes))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "bench_run"}, "rows": rows}, f, indent=2)
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "bench_run"}, "device": str(device),
+                       "device_name": where, "torch": torch.__version__, "rows": rows}, f, indent=2)
     if args.plot:
         from promptcache.devtools.bench import plots
 

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The GPU lane (`make test-gpu`): the tests marked cuda (tests/test_cuda.py) and the TTFT benchmark with the model
+# and the sidecar's tier on CUDA, in one call that ends within about 8 minutes. Results go to $RESULTS (default:
+# $OUT when set, as on the device machine, else bench-results/gpu/): summary.json (what ran, on what, the outcome),
+# cuda-tests.xml and cuda-tests.log (pytest), ttft.json and ttft.log (the benchmark).
+#
+# Without a CUDA device it runs the same steps on the CPU, quickly (the cuda tests skip, naming why; the benchmark
+# runs a toy model), so that it cannot rot: tests/test_gpu_lane.py runs it that way in `make test`.
+#
+# On a machine with no network and no virtualenv (a borrowed GPU machine whose python3 has torch, grpcio, protobuf,
+# xxhash, transformers and prometheus-client): wheels of what is missing go in .whl/ (hack/gpu-wheels.sh fetches
+# them, here), and the package is imported from the source tree. docs/gpu-lane.md says how to run it there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+RESULTS=${RESULTS:-${OUT:-$ROOT/bench-results/gpu}}
+mkdir -p "$RESULTS"
+RESULTS=$(cd "$RESULTS" && pwd)
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-240}   # seconds for the cuda tests
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-210}   # seconds for the benchmark
+started=$(date +%s)
+
+if ! "$PYTHON" -c "import promptcache.sidecar.server" 2> /dev/null; then
+  # Not installed (a borrowed machine): the wheels carried in .whl/, and the namespace package's three source roots
+  # (pyproject.toml), the generated stubs included when they were carried.
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    site=${TMPDIR:-/tmp}/promptcache-gpu-site
+    "$PYTHON" -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+      .whl/*.whl || { echo "test-gpu: installing .whl/ failed" >&2; exit 2; }
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  export PYTHONPATH=$ROOT/sidecar:$ROOT/proto:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! "$PYTHON" -c "import promptcache.sidecar.server, promptcache.v1.kvcache_pb2_grpc" > "$RESULTS/import.log" 2>&1; then
+  echo "test-gpu: the package does not import (missing wheels, or proto stubs not generated/carried):" >&2
+  cat "$RESULTS/import.log" >&2
+  exit 2
+fi
+rm -f "$RESULTS/import.log"
+
+CUDA=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")
+if [ "$CUDA" = 1 ]; then
+  DEVICE=cuda
+  # SmolLM2-135M's shape with random weights: its GGUF (98 MB) cannot travel to a borrowed machine.
+  BENCH=(--model "${GPU_BENCH_MODEL:-smollm2-random}" --dtype bfloat16 --prefixes 512,1024,2048,4096 --repeats 5
+         --full-repeats 3 --threads 0)
+else
+  DEVICE=cpu
+  echo "test-gpu: no CUDA device: the cuda tests skip and the benchmark runs a toy model on the CPU"
+  BENCH=(--model tiny --prefixes 64 --chunk-tokens 64 --suffix 16 --modes none,k8v8 --repeats 1 --full-repeats 1)
+fi
+
+echo "== cuda tests ($PYTHON, device $DEVICE)"
+timeout -k 10 "$TESTS_TIMEOUT" "$PYTHON" -m pytest tests/test_cuda.py -m cuda -q -rs -p no:cacheprovider \
+  -p no:randomly --timeout 120 --junitxml "$RESULTS/cuda-tests.xml" 2>&1 | tee "$RESULTS/cuda-tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+echo "== TTFT benchmark on $DEVICE"
+timeout -k 10 "$BENCH_TIMEOUT" "$PYTHON" -m promptcache.cli bench ttft --device "$DEVICE" "${BENCH[@]}" \
+  --json "$RESULTS/ttft.json" 2>&1 | tee "$RESULTS/ttft.log"
+bench_rc=${PIPESTATUS[0]}
+
+"$PYTHON" - "$RESULTS" "$tests_rc" "$bench_rc" "$started" << 'EOF'
+import json, os, sys, time
+import xml.etree.ElementTree as ET
+
+import torch
+
+results, tests_rc, bench_rc, started = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+summary = {"cuda": torch.cuda.is_available(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+           "tests_exit": tests_rc, "bench_exit": bench_rc, "seconds": round(time.time() - started, 1)}
+try:
+    suite = ET.parse(os.path.join(results, "cuda-tests.xml")).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    summary["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    summary["skip_reasons"] = sorted({s.get("message", "") for s in suite.iter("skipped")})
+except (OSError, ET.ParseError) as exc:
+    summary["tests"] = f"no report: {exc}"
+try:
+    with open(os.path.join(results, "ttft.json")) as f:
+        bench = json.load(f)
+    summary["ttft"] = [{"prefix": r["prefix"], "full_s": r["full_s"], "floor_s": r["floor_s"],
+                        **{m: {k: r[m][k] for k in ("ttft_s", "speedup_vs_full", "first_token_same")}
+                           for m in r if isinstance(r[m], dict) and "ttft_s" in r[m]}} for r in bench["rows"]]
+except (OSError, ValueError, KeyError) as exc:
+    summary["ttft"] = f"no results: {exc}"
+with open(os.path.join(results, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+print(json.dumps(summary, indent=2))
+EOF
+echo "test-gpu: results in $RESULTS"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
