@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make run      start the sidecar on embedded defaults (CPU without a GPU, data in .data/, localhost)"
 	@echo "make test     create/update the virtualenv, install, build the test tools, run every test (then test-vllm)"
-	@echo "make test-fast the inner loop: every module's tests but those marked tools or slow (no tool builds)"
+	@echo "make test-fast the inner loop: every module's tests but those marked tools, slow or timing, on both cores"
 	@echo "make test-gpu the GPU lane: tests marked cuda and the TTFT benchmark on CUDA, in one call (docs/gpu-lane.md)"
 	@echo "make test-vllm vLLM (CPU) with the KV connector against a real sidecar, end to end (part of make test)"
 	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT); not part of make test"
@@ -57,7 +57,7 @@ test: install system-deps tools
 
 # The inner loop: no tool builds, nothing marked tools (API server, helm, promtool) or slow (pyproject.toml's markers).
 test-fast: install
-	$(PY) -m pytest -m "not tools and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 -m "not tools and not slow and not timing" $(PYTEST_ARGS)
 
 # Needs no `make install` where the package and its wheels are already importable (a borrowed GPU machine).
 test-gpu:

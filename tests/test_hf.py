@@ -141,6 +141,7 @@ def test_sidecar_down_falls_back(tiny, tmp_path):
     pc.close()
 
 
+@pytest.mark.timing
 def test_slow_sidecar_falls_back_within_deadline(tiny):
     # a TCP listener that accepts and never answers: every call runs into its deadline
     srv = socket.socket()

@@ -126,6 +126,7 @@ def test_trickling_puts_are_cut_off_and_an_honest_writer_gets_in(sidecar_factory
     assert metric(sidecar, 'promptcache_calls_cancelled_total{limit="rate",rpc="Put"}') == 4
 
 
+@pytest.mark.timing
 def test_a_put_sending_at_the_minimum_rate_is_not_cut(sidecar_factory):
     """The other side of the minimum: a Put that keeps sending above it completes, however long it takes."""
     sidecar = sidecar_factory(memory_bytes=4 * MIB, max_chunk_bytes=2 * MIB,
