@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from promptcache.sidecar.auth import Identity, check_tenant_name
+from promptcache.sidecar.identity import Identity, check_tenant_name
 
 log = logging.getLogger("promptcache.sidecar.tenancy")
 
