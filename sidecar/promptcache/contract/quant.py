@@ -343,12 +343,19 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
     return c.square().mean(dim=(2, 3), keepdim=True).sqrt()
 
 
+def _max_floor(top: int) -> float:
+    """The largest step floor whose float16 round-up, times `top` codes, stays within float16's range."""
+    return 65504 / top / (1 + 2.0 ** -9)
+
+
 def _quant8_floor(x: torch.Tensor, dim: int, floor: torch.Tensor, top: int = 255):
     """Codes of x with a per-group scale (groups: everything but `dim`) that is the larger of the no-clipping step and
     `floor`, and zero points that put each group's median near the middle code (so that the groups' code histograms
     line up for the entropy coder). Returns (codes uint8, float16 scale, zero uint8); |error| <= scale / 2."""
     lo = x.amin(dim=dim, keepdim=True).clamp(max=0)
     hi = x.amax(dim=dim, keepdim=True).clamp(min=0)
+    # The floor never makes a step the decoder would refuse (top codes of it must stay within float16's range).
+    floor = floor.clamp(max=_max_floor(top))
     scale = _round_up_fp16(torch.maximum((hi - lo) / (top - 1), floor.expand_as(hi)))
     sf = scale.float()
     zmin = torch.ceil(-lo / sf)
@@ -568,7 +575,7 @@ def error_bound(mode: str, chunk: torch.Tensor) -> torch.Tensor:
     L, _, H, T, D = x.shape
     k, v = x[:, 0], x[:, 1]
     if mode == "k6v4z":  # the encoder's key step depends on how well the chunk compresses: bound by the coarsest
-        kb = torch.maximum(_needed_scale(k, 2, 15), DENSE_KEY_STEPS[-1] * _rms(k))
+        kb = torch.maximum(_needed_scale(k, 2, 15), (DENSE_KEY_STEPS[-1] * _rms(k)).clamp(max=_max_floor(15)))
     else:
         kb = _needed_scale(k, 2, 255)
     kb = kb.clamp(min=_FP16_MIN_SCALE) * (1 + 2.0 ** -10) / 2
