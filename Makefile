@@ -13,7 +13,7 @@ help:
 	@echo "make run      start the sidecar on embedded defaults (CPU without a GPU, data in .data/, localhost)"
 	@echo "make test     create/update the virtualenv, install, build the test tools, run every test (then test-vllm)"
 	@echo "make test-vllm vLLM (CPU) with the KV connector against a real sidecar, end to end (part of make test)"
-	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT); not part of make test"
+	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT, load path); not part of make test"
 	@echo "make plots    regenerate the README's plots in docs/img/ (replay, throughput, TTFT, closed loop)"
 	@echo "make demo     real model over requests sharing a long system prompt, through a local sidecar"
 	@echo "make fuzz     100,000 generated and mutated requests against a real sidecar"
@@ -70,6 +70,7 @@ bench: install system-deps
 	$(PY) -m promptcache.sidecar.disk
 	$(VENV)/bin/promptcache bench fidelity
 	$(VENV)/bin/promptcache bench ttft
+	$(VENV)/bin/promptcache bench loadpath
 
 # vLLM with and without the connector, and with its own prefix cache (minutes; never beside make test: memory).
 bench-vllm: install vllm-env

@@ -15,6 +15,7 @@ BENCHES = {
     "ttft": "promptcache.bench.ttft",
     "loadtest": "promptcache.bench.loadtest",
     "vllm": "promptcache.bench.vllm",
+    "loadpath": "promptcache.bench.loadpath",
 }
 
 
