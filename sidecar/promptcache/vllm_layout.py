@@ -15,9 +15,6 @@ tokens is C/N consecutive blocks.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 
 LAYOUTS = ("cpu_vec", "cpu_amx", "token_major")
@@ -170,22 +167,6 @@ def _source_views(chunk: torch.Tensor, layout: str, N: int) -> list[torch.Tensor
         return [k.unflatten(3, (N // 16, 16)).unflatten(5, (D // 2, 2)),
                 v.unflatten(3, (N // 2, 2)).unflatten(5, (D // 16, 16))]
     return [k, v]
-
-
-@contextlib.contextmanager
-def single_threaded() -> Iterator[None]:
-    """torch on one intra-op thread meanwhile. The load's copies and checks are 0.1-0.4 MB pieces: splitting each over
-    OpenMP threads costs more than it saves, and when another process holds a core every copy waits for it (measured
-    on 2 busy cores: 2.07 GB/s on one thread, 0.16 GB/s on two; docs/vllm.md)."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def write_chunks(caches: list[torch.Tensor], chunks: list[torch.Tensor], skip: int, block_ids: list[int],

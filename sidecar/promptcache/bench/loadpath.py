@@ -15,7 +15,6 @@ with what was stored.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import subprocess
 import sys
@@ -34,9 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default="auto", help="cpu_vec, cpu_amx, token_major, or auto: what vLLM's CPU "
                                                     "backend uses here (cpu_amx for bf16 on an AMX CPU)")
     p.add_argument("--repeats", type=int, default=7, help="loads after the first (best is reported)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads of the process, as an engine sets them (0: "
-                                                          "torch's default); the load itself runs on one, as in "
-                                                          "the connector")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads, as the engine sets them (0: "
+                                                          "torch's default)")
     p.add_argument("--json", default="", help="write every sample here")
 
 
@@ -94,10 +92,9 @@ def run(args) -> int:
                     t0 = time.perf_counter()
                     blobs = client.get_blobs(spec, tokens, keep_sealed=True)
                     t1 = time.perf_counter()
-                    with vllm_layout.single_threaded():  # as the connector does
-                        chunks = checked_chunks(spec, blobs, ct)
-                        t2 = time.perf_counter()
-                        vllm_layout.write_chunks(caches, chunks, 0, ids, layout, N)
+                    chunks = checked_chunks(spec, blobs, ct)
+                    t2 = time.perf_counter()
+                    vllm_layout.write_chunks(caches, chunks, 0, ids, layout, N)
                     t3 = time.perf_counter()
                     if len(blobs) * ct != n:
                         raise RuntimeError(f"{len(blobs)} chunks of {n // ct} came back")
@@ -114,12 +111,10 @@ def run(args) -> int:
                 src = kv.reshape(-1).view(torch.uint8)
                 dst = torch.zeros_like(src)
                 copies = []
-                for _ in range(args.repeats + 1):  # the faster of torch's threads and one thread
-                    for one in (False, True):
-                        with vllm_layout.single_threaded() if one else contextlib.nullcontext():
-                            t = time.perf_counter()
-                            dst.copy_(src)
-                            copies.append(time.perf_counter() - t)
+                for _ in range(args.repeats + 1):
+                    t = time.perf_counter()
+                    dst.copy_(src)
+                    copies.append(time.perf_counter() - t)
                 memcpy = min(copies)
                 rows.append((dtype_name, layout, n, nbytes, first, best, memcpy))
                 samples.append({"dtype": dtype_name, "layout": layout, "tokens": n, "bytes": nbytes, "first": first,
@@ -131,8 +126,8 @@ def run(args) -> int:
         stop_process(sidecar)
 
     print(f"\nLoad path: Get (bulk channel, unix socket, lent chunks) + checks + layout conversion into vLLM-shaped "
-          f"CPU caches; {L} layers, {H} KV heads, head dim {D}, block size {N}, chunk {ct} tokens, the load on one "
-          f"torch thread, memcpy the faster of one and {torch.get_num_threads()}\n")
+          f"CPU caches; {L} layers, {H} KV heads, head dim {D}, block size {N}, chunk {ct} tokens, {torch.get_num_threads()} "
+          f"torch threads\n")
     print("| dtype | layout | tokens | MB | first load | fetch / check / write | repeat load | fetch / check / write "
           "| memcpy | repeat / memcpy |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

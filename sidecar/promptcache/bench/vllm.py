@@ -10,7 +10,7 @@ real English text, and a sidecar process (gRPC on a unix socket, bulk channel on
 TTFT: one request of prefix + a fresh `--suffix`-token suffix, max_tokens 1 (prompt in -> first token out), for
 each prefix length; variants interleaved round by round, best of `--repeats` reported (the machine is shared).
 The load path (Get over the bulk channel, checks, layout conversion into the blocks) is reported in GB/s next
-to a memcpy of the same bytes (into memory written before, the faster of one torch thread and the default).
+to a memcpy of the same bytes (into memory written before).
 `promptcache bench loadpath` measures the load path alone, without vLLM. Throughput: `--requests` requests over 4
 shared 1k-token prefixes with distinct suffixes, `--max-tokens` new tokens each, wall time per variant.
 """
@@ -47,7 +47,7 @@ def _metric(answer: dict, prefix: str) -> float:
 def run(args) -> int:
     import torch
 
-    from promptcache import models, vllm_layout
+    from promptcache import models
     from promptcache.procs import free_port, stop_process, wait_healthy
     from promptcache.vllm_engine import EngineProcess
 
@@ -145,9 +145,7 @@ def run(args) -> int:
         src = torch.empty(nbytes, dtype=torch.uint8)
         src.fill_(1)
         dst = torch.zeros_like(src)  # written before, as the engine's cache was
-        with vllm_layout.single_threaded():
-            best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
-        best = min([best] + [_timed(lambda: dst.copy_(src)) for _ in range(5)])
+        best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
         print(f"| {n} | {full * 1e3:.0f} ms | {conn_t * 1e3:.0f} ms | {apc * 1e3:.0f} ms | {full / conn_t:.1f}x "
               f"| {conn_t / apc:.2f}x | {gbps:.2f} GB/s | {nbytes / best / 1e9:.1f} GB/s |")
     tp = samples["throughput"]

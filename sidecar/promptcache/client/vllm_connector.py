@@ -287,8 +287,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
                                           timeout=self.load_timeout, copy=True, keep_sealed=True)
             if not blobs:
                 return None
-            with vllm_layout.single_threaded():
-                chunks = checked_chunks(spec, blobs, ct)
+            chunks = checked_chunks(spec, blobs, ct)
             if time.perf_counter() - t0 > self.load_timeout:
                 raise errors.DeadlineExceeded(f"fetch took longer than {self.load_timeout}s")
             stop = (first + len(blobs)) * ct
@@ -403,9 +402,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
                 self._load_errors.update(op.block_ids)  # write a guessed layout; vLLM recomputes these blocks
                 continue
             t0 = time.perf_counter()
-            with vllm_layout.single_threaded():
-                vllm_layout.write_chunks(self._kv_caches, op.chunks, op.skip, op.block_ids, self._layout,
-                                         self.block_size)
+            # On vLLM's intra-op threads as it bound them (its CPU worker refuses torch.set_num_threads).
+            vllm_layout.write_chunks(self._kv_caches, op.chunks, op.skip, op.block_ids, self._layout, self.block_size)
             LOAD_SECONDS.observe(time.perf_counter() - t0)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
