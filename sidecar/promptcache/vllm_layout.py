@@ -15,6 +15,7 @@ tokens is C/N consecutive blocks.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 LAYOUTS = ("cpu_vec", "cpu_amx", "token_major")
@@ -169,6 +170,17 @@ def _source_views(chunk: torch.Tensor, layout: str, N: int) -> list[torch.Tensor
     return [k, v]
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """The same memory as integers of the same width, as numpy: write_chunks copies with numpy, which never splits a
+    copy over threads. torch splits each 0.2-0.4 MB copy over its OpenMP threads, which on cores other processes use
+    waits for the busy core (2k tokens fp32 here: 0.13 GB/s on two threads, 2.16 GB/s on one), and vLLM's CPU worker
+    does not let the connector change the thread count (it replaces torch.set_num_threads)."""
+    return t.view(_BITS[t.element_size()]).numpy()
+
+
 def write_chunks(caches: list[torch.Tensor], chunks: list[torch.Tensor], skip: int, block_ids: list[int],
                  layout: str, block_size: int) -> None:
     """Copy canonical chunks [layers, 2, H, C, D] (consecutive; from token `skip` of the first on) into the blocks
@@ -188,7 +200,7 @@ def write_chunks(caches: list[torch.Tensor], chunks: list[torch.Tensor], skip: i
     if not block_ids:
         return
     D = chunks[0].shape[-1]
-    dests = [_destination_views(cache, layout, N, D) for cache in caches]
+    dests = [[_bits(v) for v in _destination_views(cache, layout, N, D)] for cache in caches]
     done = 0  # blocks written
     for chunk in chunks:
         if done == len(block_ids):
@@ -197,12 +209,12 @@ def write_chunks(caches: list[torch.Tensor], chunks: list[torch.Tensor], skip: i
         first = skip // N  # block of the chunk
         count = min(C // N - first, len(block_ids) - done)
         skip = 0
-        sources = _source_views(chunk, layout, N)
+        sources = [_bits(v) for v in _source_views(chunk, layout, N)]
         for at, start, run in block_runs(block_ids[done:done + count]):
             b = first + at
             for layer, views in enumerate(dests):
                 for dest, src in zip(views, sources, strict=True):
-                    dest[start:start + run].copy_(src[layer, b:b + run])
+                    np.copyto(dest[start:start + run], src[layer, b:b + run])
         done += count
 
 
