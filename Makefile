@@ -15,7 +15,7 @@ help:
 	@echo "make test-fast the inner loop: every module's tests but those marked tools, slow or timing, on both cores"
 	@echo "make test-gpu the GPU lane: tests marked cuda and the TTFT benchmark on CUDA, in one call (docs/gpu-lane.md)"
 	@echo "make test-vllm vLLM (CPU) with the KV connector against a real sidecar, end to end (part of make test)"
-	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT); not part of make test"
+	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT, load path); not part of make test"
 	@echo "make plots    regenerate the README's plots in docs/img/ (replay, throughput, TTFT, closed loop)"
 	@echo "make demo     real model over requests sharing a long system prompt, through a local sidecar"
 	@echo "make fuzz     100,000 generated and mutated requests against a real sidecar"
@@ -80,6 +80,7 @@ bench: install system-deps
 	$(PY) -m promptcache.devtools.bench.disk
 	$(VENV)/bin/promptcache bench fidelity
 	$(VENV)/bin/promptcache bench ttft
+	$(VENV)/bin/promptcache bench loadpath
 
 # vLLM with and without the connector, and with its own prefix cache (minutes; never beside make test: memory).
 bench-vllm: install vllm-env

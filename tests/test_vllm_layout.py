@@ -106,6 +106,41 @@ def test_strided_layer_copies_match_the_index_conversions(layout):
         assert torch.equal(out, kv[layer])
 
 
+@pytest.mark.parametrize("layout", vl.LAYOUTS)
+def test_16_bit_layer_copies_match_the_layout_description(layout):
+    """bf16 takes cpu_amx's own path (K as 32-bit pairs, V by halves): bit-exact, NaN payloads included."""
+    kv = canonical(nb=4, seed=5).bfloat16()
+    kv.view(torch.int16)[0, 1, 2, 77, 5] = 0x7FC1  # a NaN with a payload: bits must move, not values
+    blocks = build_blocks(kv, layout)
+    for layer in range(L):
+        region = torch.zeros(6, H, 2 * N * D, dtype=torch.bfloat16)
+        vl.write_layer(region[1:5], kv[layer], layout, N)
+        assert torch.equal(region[1:5].view(torch.int16), blocks[layer].view(torch.int16))
+        assert not region[0].any() and not region[5].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", vl.LAYOUTS)
+def test_write_chunks_fills_scattered_blocks_from_a_block_into_the_first_chunk(layout, dtype):
+    kv = canonical(nb=6, seed=7).to(dtype)  # 3 chunks of 2 blocks
+    chunks = [c.contiguous() for c in kv.split(2 * N, dim=3)]
+    blocks = build_blocks(kv, layout)  # [L, 6, H, 2ND]
+    caches = [torch.zeros(12, H, 2 * N * D, dtype=dtype) for _ in range(L)]
+    ids = [9, 3, 4, 5, 0]  # blocks 1..5 of the prefix (the first one is already in the engine)
+    vl.write_chunks(caches, chunks, N, ids, layout, N)
+    for layer in range(L):
+        for b, block_id in enumerate(ids, start=1):
+            assert torch.equal(caches[layer][block_id].view(torch.int16), blocks[layer, b].view(torch.int16))
+        untouched = [i for i in range(12) if i not in ids]
+        assert not caches[layer][untouched].any()
+    with pytest.raises(ValueError, match="not a whole block"):
+        vl.write_chunks(caches, chunks, N // 2, ids, layout, N)
+    with pytest.raises(ValueError, match="the chunks hold 5"):
+        vl.write_chunks(caches, chunks, N, ids + [7], layout, N)
+    with pytest.raises(ValueError, match="chunks into"):
+        vl.write_chunks(caches, [c.double() for c in chunks], N, ids, layout, N)
+
+
 def test_block_runs_group_consecutive_block_ids():
     assert vl.block_runs([]) == []
     assert vl.block_runs([7]) == [(0, 7, 1)]

@@ -15,6 +15,7 @@ BENCHES = {
     "ttft": "promptcache.devtools.bench.ttft",
     "loadtest": "promptcache.devtools.bench.loadtest",
     "vllm": "promptcache.devtools.bench.vllm",
+    "loadpath": "promptcache.devtools.bench.loadpath",
 }
 
 

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from typing import Iterator
 
 import numpy as np
@@ -354,6 +355,12 @@ class LentChunks:
 
 
 _warned = False  # torch's warning about non-writable buffers has been swallowed (it fires once per process)
+_sealed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # id -> lent tensor
+
+
+def is_sealed(blob: torch.Tensor) -> bool:
+    """Whether `blob` is a lent chunk's mapping: a sealed memfd, read-only, whose bytes never change."""
+    return _sealed.get(id(blob)) is blob
 
 
 def _map_lent(fd: int, st: os.stat_result, c: pb.ChunkBegin) -> torch.Tensor:
@@ -368,12 +375,15 @@ def _map_lent(fd: int, st: os.stat_result, c: pb.ChunkBegin) -> torch.Tensor:
                    **bulkwire.MMAP_OPTIONS)
     global _warned
     if _warned:
-        return torch.frombuffer(mm, dtype=torch.uint8)
-    # torch warns once per process that the buffer is not writable; that is the point here.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        _warned = True
-        return torch.frombuffer(mm, dtype=torch.uint8)
+        tensor = torch.frombuffer(mm, dtype=torch.uint8)
+    else:
+        # torch warns once per process that the buffer is not writable; that is the point here.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            _warned = True
+            tensor = torch.frombuffer(mm, dtype=torch.uint8)
+    _sealed[id(tensor)] = tensor
+    return tensor
 
 
 def _answer(conn: _Connection, start_chunk: int, blobs: list) -> Iterator[pb.ChunkBegin]:

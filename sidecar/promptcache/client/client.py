@@ -7,8 +7,10 @@ after they arrive. Every chunk received is checked against the checksum the serv
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
@@ -281,22 +283,32 @@ class PromptCacheClient:
             return None
 
     def get_blobs(self, spec: ModelSpec, tokens, start_chunk: int = 0, max_chunks: int = 0,
-                  timeout: float | None = None, copy: bool = True) -> list[torch.Tensor]:
+                  timeout: float | None = None, copy: bool = True, keep_sealed: bool = False) -> list[torch.Tensor]:
         """The longest run of cached chunk blobs from start_chunk on, each verified against its checksum.
 
         With shared memory and copy=False the blobs are zero-copy views of this thread's shared buffer, valid
-        until this thread's next call: decode them at once (as get() does)."""
+        until this thread's next call: decode them at once (as get() does). With copy and keep_sealed, chunks
+        the sidecar lent come back as the read-only mappings they are (bulk.is_sealed: they never change, so
+        they stay valid without a copy); writing into one is a segmentation fault."""
         blobs, owned = self._get_blobs(spec, tokens, start_chunk, max_chunks, timeout, owned=copy)
         if owned or not blobs or not copy:
             return blobs
+        from promptcache.client.bulk import is_sealed
+
+        copied = [i for i, b in enumerate(blobs) if not (keep_sealed and is_sealed(b))]
+        if not copied:
+            return blobs
         # Views of a reused buffer are copied out (one copy, one allocation) before the next call reuses it.
-        sizes = [b.numel() for b in blobs]
+        sizes = [blobs[i].numel() for i in copied]
         out = np.empty(sum(sizes), dtype=np.uint8)
         pos = 0
-        for b, n in zip(blobs, sizes):
-            out[pos:pos + n] = b.numpy()
+        for i, n in zip(copied, sizes):
+            out[pos:pos + n] = blobs[i].numpy()
             pos += n
-        return list(torch.from_numpy(out).split(sizes))
+        blobs = list(blobs)
+        for i, part in zip(copied, torch.from_numpy(out).split(sizes)):
+            blobs[i] = part
+        return blobs
 
     def _get_blobs(self, spec, tokens, start_chunk, max_chunks, timeout,
                    owned: bool = False) -> tuple[list[torch.Tensor], bool]:
@@ -475,6 +487,34 @@ def decode_chunk(spec: ModelSpec, index: int, blob: torch.Tensor, expected: int,
         return quant.unpack(spec.quantization, blob, shape, spec.kv_dtype)
     except quant.CorruptChunk as exc:
         raise errors.CorruptChunk(f"chunk {index}: {exc}") from None
+
+
+# Lent chunks (bulk.is_sealed) found finite once: their bytes never change, so they are not scanned again while
+# this process keeps their mapping. id -> the blob; an entry goes with its blob.
+_finite_sealed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def checked_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens: int) -> list[torch.Tensor]:
+    """Blobs of consecutive chunks -> their canonical tensors [layers, 2, kv_heads, chunk_tokens, head_dim] (views
+    of the blobs when unquantized: no copy), each checked: its length, then finite values (unquantized; one read
+    pass, min and max, skipped for a lent chunk already found finite) or the quantized format's checks.
+    CorruptChunk on the first bad one."""
+    from promptcache.client.bulk import is_sealed
+
+    shape = chunk_shape(spec, chunk_tokens)
+    expected = chunk_nbytes(spec, chunk_tokens)
+    dtype = TORCH_DTYPES[spec.kv_dtype]
+    chunks = []
+    for i, blob in enumerate(blobs):
+        chunk = decode_chunk(spec, i, blob, expected, shape, dtype)
+        if spec.quantization == "none" and _finite_sealed.get(id(blob)) is not blob:
+            low, high = torch.aminmax(chunk)  # NaN propagates to both; one pass, no temporary
+            if not (math.isfinite(low.item()) and math.isfinite(high.item())):
+                raise errors.CorruptChunk(f"chunk {i} has NaN or Inf values")
+            if is_sealed(blob):
+                _finite_sealed[id(blob)] = blob
+        chunks.append(chunk)
+    return chunks
 
 
 def decode_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens: int,

@@ -63,12 +63,12 @@ import torch
 
 from promptcache.client import vllm_layout
 from promptcache.client import errors
-from promptcache.client.client import decode_chunk
+from promptcache.client.client import checked_chunks
 from promptcache.client.hf import _warn, fallback_reason
 from promptcache.client.metrics import (FALLBACKS, FETCH_SECONDS, HITS, LOAD_SECONDS, REUSED_TOKENS,
                                         SAVE_COPY_SECONDS, SAVE_SECONDS, STORES)
 from promptcache.contract.keys import ModelSpec
-from promptcache.contract.layout import DTYPE_NAMES, TORCH_DTYPES, chunk_nbytes, chunk_shape
+from promptcache.contract.layout import DTYPE_NAMES, TORCH_DTYPES
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402 - vLLM is this module's host
     KVConnectorBase_V1,
@@ -121,18 +121,22 @@ def layer_index(name: str) -> int:
 
 @dataclass
 class _Load:
-    """A fetched prefix: canonical K/V [layers, 2, H, tokens, D] of tokens [start, stop) of the prompt."""
+    """A fetched prefix: checked canonical chunks [layers, 2, H, chunk_tokens, D] (views of the received blobs: lent
+    read-only mappings or the client's own copies), the first starting at prompt token `first`; vLLM may load
+    tokens [start, stop) of them."""
 
+    first: int
     start: int
     stop: int
-    kv: torch.Tensor
+    chunks: list[torch.Tensor]
 
 
 @dataclass
 class _LoadOp:
     req_id: str
-    block_ids: list[int]  # the blocks of tokens [start, stop)
-    kv: torch.Tensor  # [layers, 2, H, stop - start, D]
+    block_ids: list[int]  # the blocks of the tokens to load
+    chunks: list[torch.Tensor]  # canonical chunks holding them,
+    skip: int  # from this token of the first chunk on (whole blocks)
 
 
 @dataclass
@@ -277,21 +281,21 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if usable <= first:
                 return None
             spec = self._spec(request)
-            # views of this thread's receive buffer, decoded (copied) at once
+            # Lent chunks stay the read-only mappings they are (they never change); anything else is the client's
+            # own copy. The worker copies them into the blocks: the one pass over the bytes.
             blobs = self.client.get_blobs(spec, prompt[:usable * ct], start_chunk=first, max_chunks=usable - first,
-                                          timeout=self.load_timeout, copy=False)
+                                          timeout=self.load_timeout, copy=True, keep_sealed=True)
             if not blobs:
                 return None
-            kv = _decode(spec, blobs, ct)
+            chunks = checked_chunks(spec, blobs, ct)
             if time.perf_counter() - t0 > self.load_timeout:
                 raise errors.DeadlineExceeded(f"fetch took longer than {self.load_timeout}s")
-            start, stop = first * ct, (first + len(blobs)) * ct
-            # vLLM already holds tokens [start, num_computed_tokens) (a block-aligned local hit): skip them.
-            skip = num_computed_tokens - start
+            stop = (first + len(blobs)) * ct
             if stop <= num_computed_tokens:
                 return None
             FETCH_SECONDS.observe(time.perf_counter() - t0)
-            return _Load(num_computed_tokens, stop, kv[:, :, :, skip:])
+            # vLLM already holds tokens [first * ct, num_computed_tokens) (a block-aligned local hit): not loaded.
+            return _Load(first * ct, num_computed_tokens, stop, chunks)
         except Exception as exc:  # noqa: BLE001 - the cache must never fail a request
             reason = fallback_reason(exc)
             FALLBACKS.labels(reason).inc()
@@ -316,7 +320,10 @@ class PromptCacheConnector(KVConnectorBase_V1):
             return
         block_ids = blocks.get_block_ids()[0]
         ids = block_ids[start // self.block_size:stop // self.block_size]
-        self._pending_loads[req_id] = _LoadOp(req_id, list(ids), load.kv[:, :, :, start - load.start:])
+        ct = self.chunk_tokens
+        skipped = (start - load.first) // ct
+        self._pending_loads[req_id] = _LoadOp(req_id, list(ids), load.chunks[skipped:],
+                                              start - load.first - skipped * ct)
         tracked.loaded_chunks = stop // self.chunk_tokens
         REUSED_TOKENS.inc(num_external_tokens)
         HITS.inc()
@@ -395,11 +402,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
                 self._load_errors.update(op.block_ids)  # write a guessed layout; vLLM recomputes these blocks
                 continue
             t0 = time.perf_counter()
-            N = self.block_size
-            for first, start, count in vllm_layout.block_runs(op.block_ids):  # consecutive blocks: one strided copy each
-                tokens = slice(first * N, (first + count) * N)
-                for layer, cache in enumerate(self._kv_caches):
-                    vllm_layout.write_layer(cache[start:start + count], op.kv[layer, :, :, tokens], self._layout, N)
+            # On vLLM's intra-op threads as it bound them (its CPU worker refuses torch.set_num_threads).
+            vllm_layout.write_chunks(self._kv_caches, op.chunks, op.skip, op.block_ids, self._layout, self.block_size)
             LOAD_SECONDS.observe(time.perf_counter() - t0)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -459,20 +463,6 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self._pool.shutdown(wait=True)
         if self.client is not None:
             self.client.close()
-
-
-def _decode(spec: ModelSpec, blobs, chunk_tokens: int) -> torch.Tensor:
-    """Checked chunk blobs -> canonical [layers, 2, H, n * chunk_tokens, D]; CorruptChunk on any bad chunk."""
-    shape = chunk_shape(spec, chunk_tokens)
-    expected = chunk_nbytes(spec, chunk_tokens)
-    dtype = TORCH_DTYPES[spec.kv_dtype]
-    L, _, H, ct, D = shape
-    out = torch.empty((L, 2, H, len(blobs) * ct, D), dtype=dtype)
-    for i, blob in enumerate(blobs):
-        out[:, :, :, i * ct:(i + 1) * ct].copy_(decode_chunk(spec, i, blob, expected, shape, dtype))
-    if spec.quantization == "none" and not torch.isfinite(out).all():
-        raise errors.CorruptChunk("cached prefix has NaN or Inf")
-    return out
 
 
 def probe_cpu_layout(dtype: torch.dtype, block_size: int, num_kv_heads: int, head_dim: int, vllm_config) -> str | None:

@@ -15,6 +15,7 @@ tokens is C/N consecutive blocks.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 LAYOUTS = ("cpu_vec", "cpu_amx", "token_major")
@@ -126,14 +127,95 @@ def _split(t: torch.Tensor, layout: str, part: str, N: int, D: int) -> torch.Ten
 def write_layer(region: torch.Tensor, kv: torch.Tensor, layout: str, block_size: int) -> None:
     """Copy one layer's canonical K/V [2, H, nb*N, D] into region [nb, H, 2*N*D] (consecutive blocks, e.g. a slice
     of the engine's cache) in the engine's layout: one strided pass, no intermediate tensor."""
-    N = block_size
-    two, H, T, D = kv.shape
+    if region.dtype != kv.dtype:
+        raise ValueError(f"{kv.dtype} K/V into a {region.dtype} cache")
+    for dest, src in zip(_destination_views(region, layout, block_size, kv.shape[-1]),
+                         _source_views(kv[None], layout, block_size), strict=True):
+        dest.copy_(src[0])
+
+
+def _pairs(layout: str, t: torch.Tensor) -> bool:
+    """cpu_amx with 16-bit values whose head_dim is contiguous: moved as 32-bit pairs and halves (_source_views)."""
+    return layout == "cpu_amx" and t.element_size() == 2 and t.stride(-1) == 1
+
+
+def _destination_views(cache: torch.Tensor, layout: str, N: int, D: int) -> list[torch.Tensor]:
+    """Views of cache [blocks, H, 2*N*D] indexed by block first, each filled by one copy from the matching view of
+    _source_views."""
+    B, H = cache.shape[:2]
+    if _pairs(layout, cache):
+        v = cache[..., N * D:].view(B, H, D // 16, N // 2, 16, 2)
+        return [cache[..., :N * D].view(torch.int32).view(B, H, N // 16, D // 2, 16), v[..., 0], v[..., 1]]
+    return list(_block_views(cache, layout, N, D))
+
+
+def _source_views(chunk: torch.Tensor, layout: str, N: int) -> list[torch.Tensor]:
+    """Views of canonical K/V chunk [layers, 2, H, nb*N, D] indexed [layer, block, ...], matching _destination_views.
+    cpu_amx, 16 bits: a copy whose innermost run is the layout's pair of values (2) goes element by element; these
+    move runs of 16. K [N/16][D/2][16][2] pairs dims 2j and 2j+1, which sit side by side in canonical K too: as
+    32-bit units it is a [16, D/2] -> [D/2, 16] transpose per 16 tokens. V [D/16][N/2][16][2] pairs tokens 2i and
+    2i+1: the even tokens go to the low halves, the odd ones to the high halves, each a [N/2, 16] -> [16, N/2]
+    transpose per 16 dims."""
+    L, _, H, T, D = chunk.shape
     nb = T // N
-    kd, vd = _block_views(region, layout, N, D)
-    k = kv[0].view(H, nb, N, D).transpose(0, 1)
-    v = kv[1].view(H, nb, N, D).transpose(0, 1)
-    kd.copy_(_split(k, layout, "k", N, D))
-    vd.copy_(_split(v, layout, "v", N, D))
+    k = chunk[:, 0].view(L, H, nb, N, D).transpose(1, 2)  # [L, nb, H, N, D]
+    v = chunk[:, 1].view(L, H, nb, N, D).transpose(1, 2)
+    if _pairs(layout, chunk):
+        k32 = chunk[:, 0].view(torch.int32).view(L, H, nb, N // 16, 16, D // 2).transpose(1, 2).transpose(4, 5)
+        pairs = v.unflatten(3, (N // 2, 2)).unflatten(5, (D // 16, 16))  # [L, nb, H, N/2, 2, D/16, 16]
+        return [k32, pairs[:, :, :, :, 0].transpose(3, 4), pairs[:, :, :, :, 1].transpose(3, 4)]
+    if layout == "cpu_amx":  # n and d split as _block_views splits them
+        return [k.unflatten(3, (N // 16, 16)).unflatten(5, (D // 2, 2)),
+                v.unflatten(3, (N // 2, 2)).unflatten(5, (D // 16, 16))]
+    return [k, v]
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """The same memory as integers of the same width, as numpy: write_chunks copies with numpy, which never splits a
+    copy over threads. torch splits each 0.2-0.4 MB copy over its OpenMP threads, which on cores other processes use
+    waits for the busy core (2k tokens fp32 here: 0.13 GB/s on two threads, 2.16 GB/s on one), and vLLM's CPU worker
+    does not let the connector change the thread count (it replaces torch.set_num_threads)."""
+    return t.view(_BITS[t.element_size()]).numpy()
+
+
+def write_chunks(caches: list[torch.Tensor], chunks: list[torch.Tensor], skip: int, block_ids: list[int],
+                 layout: str, block_size: int) -> None:
+    """Copy canonical chunks [layers, 2, H, C, D] (consecutive; from token `skip` of the first on) into the blocks
+    `block_ids` of every layer's cache [blocks, H, 2*N*D], straight from the chunks' bytes: per chunk, layer and run of
+    consecutive block ids, one strided copy of K and one of V, no intermediate tensor."""
+    N = block_size
+    if skip % N:
+        raise ValueError(f"loading from token {skip} of a chunk: not a whole block of {N}")
+    for chunk in chunks:
+        if chunk.shape[3] % N:
+            raise ValueError(f"chunks of {chunk.shape[3]} tokens are not whole blocks of {N}")
+        if any(chunk.dtype != cache.dtype for cache in caches):
+            raise ValueError(f"{chunk.dtype} chunks into {caches[0].dtype} caches")
+    held = sum(chunk.shape[3] // N for chunk in chunks) - skip // N
+    if held < len(block_ids):
+        raise ValueError(f"{len(block_ids)} blocks to write, the chunks hold {held}")
+    if not block_ids:
+        return
+    D = chunks[0].shape[-1]
+    dests = [[_bits(v) for v in _destination_views(cache, layout, N, D)] for cache in caches]
+    done = 0  # blocks written
+    for chunk in chunks:
+        if done == len(block_ids):
+            break
+        C = chunk.shape[3]
+        first = skip // N  # block of the chunk
+        count = min(C // N - first, len(block_ids) - done)
+        skip = 0
+        sources = [_bits(v) for v in _source_views(chunk, layout, N)]
+        for at, start, run in block_runs(block_ids[done:done + count]):
+            b = first + at
+            for layer, views in enumerate(dests):
+                for dest, src in zip(views, sources, strict=True):
+                    np.copyto(dest[start:start + run], src[layer, b:b + run])
+        done += count
 
 
 def read_layer(region: torch.Tensor, out: torch.Tensor, layout: str, block_size: int) -> None:

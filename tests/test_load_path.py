@@ -1,0 +1,86 @@
+"""The vLLM connector's load path without vLLM: Get keeping lent chunks as they are (keep_sealed), the checks of
+client.checked_chunks, and write_chunks into caches shaped like vLLM's CPU backend, against a real sidecar on a real
+bulk channel. What must hold: lent chunks are not copied and owned ones are the caller's; whatever is loaded is
+bit-exact; a chunk with NaN or Inf is refused wherever it comes from, also after finite chunks were checked."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from promptcache.client import vllm_layout as vl
+from promptcache.client import PromptCacheClient, errors
+from promptcache.client.bulk import is_sealed
+from promptcache.client.client import checked_chunks
+from support import CHUNK, SMALL, make_kv
+
+TOKENS = list(range(3 * CHUNK))
+BAD_TOKENS = list(range(1000, 1000 + 3 * CHUNK))
+
+
+@pytest.fixture(params=["lent", "tcp"])
+def client(request, sidecar_factory, tmp_path):
+    if request.param == "lent":
+        sidecar = sidecar_factory(bulk_address=f"unix:{tmp_path}/bulk.sock", bulk_zero_copy="on")
+    else:
+        sidecar = sidecar_factory(bulk_address="127.0.0.1:0")
+    with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address) as c:
+        c.lent_expected = request.param == "lent"
+        yield c
+
+
+def _canonical(kv) -> torch.Tensor:
+    return torch.stack([torch.stack((k[0], v[0])) for k, v in kv])  # [L, 2, H, T, D]
+
+
+def test_kept_lent_chunks_load_bit_exact_into_paged_blocks(client):
+    kv = make_kv(SMALL, len(TOKENS), seed=3)
+    client.put(SMALL, TOKENS, kv)
+    blobs = client.get_blobs(SMALL, TOKENS, copy=True, keep_sealed=True)
+    views = client.get_blobs(SMALL, TOKENS, copy=False)
+    assert len(blobs) == 3 and all(is_sealed(b) == client.lent_expected for b in blobs)
+    if client.lent_expected:  # the very mappings, not copies
+        assert [b.data_ptr() for b in blobs] == [v.data_ptr() for v in views]
+    chunks = checked_chunks(SMALL, blobs, CHUNK)
+    assert [c.data_ptr() for c in chunks] == [b.data_ptr() for b in blobs]  # views: the check copies nothing
+    N, H, D = CHUNK // 2, SMALL.num_kv_heads, SMALL.head_dim
+    caches = [torch.zeros(9, H, 2 * N * D) for _ in range(SMALL.num_layers)]
+    ids = [4, 5, 1, 2, 3]  # tokens [N, 6N): the first block was a local hit
+    vl.write_chunks(caches, chunks, N, ids, "cpu_vec", N)
+    out = torch.empty(SMALL.num_layers, 2, H, 5 * N, D)
+    for layer in range(SMALL.num_layers):
+        vl.read_layer(caches[layer][ids], out[layer], "cpu_vec", N)
+    assert torch.equal(out, _canonical(kv)[:, :, :, N:])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_chunk_with_nan_or_inf_is_refused_also_after_finite_ones_passed(client, bad):
+    client.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS), seed=1))
+    for _ in range(2):  # the second time from the verified lent mappings
+        assert len(checked_chunks(SMALL, client.get_blobs(SMALL, TOKENS, keep_sealed=True), CHUNK)) == 3
+    kv = make_kv(SMALL, len(BAD_TOKENS), seed=2)
+    kv[1][1][0, 1, 2 * CHUNK + 5, 3] = bad  # layer 1's V, in the third chunk
+    client.put(SMALL, BAD_TOKENS, kv)
+    for _ in range(2):
+        blobs = client.get_blobs(SMALL, BAD_TOKENS, keep_sealed=True)
+        with pytest.raises(errors.CorruptChunk, match="chunk 2 has NaN or Inf"):
+            checked_chunks(SMALL, blobs, CHUNK)
+
+
+def test_a_chunk_of_the_wrong_length_is_refused():
+    blob = torch.zeros(100, dtype=torch.uint8)
+    with pytest.raises(errors.CorruptChunk, match="chunk 0 has 100 bytes"):
+        checked_chunks(SMALL, [blob], CHUNK)
+
+
+def test_loadpath_bench_loads_bit_exact_and_prints_its_table(capsys):
+    """A short run of `promptcache bench loadpath` (it raises when the blocks do not hold the stored bytes)."""
+    from promptcache.cli import main
+
+    assert main(["bench", "loadpath", "--tokens", "512", "--layers", "2", "--repeats", "1",
+                 "--layout", "cpu_amx"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "GB/s" in line]
+    assert [(r[1].strip(), r[2].strip(), r[3].strip()) for r in rows] == [("float32", "cpu_amx", "512"),
+                                                                      ("bfloat16", "cpu_amx", "512")]
+    for r in rows:
+        assert float(r[7].split()[0]) > 0 and r[10].strip().endswith("x")
