@@ -133,7 +133,7 @@ class EngineProcess:
         import subprocess
         from pathlib import Path
 
-        root = Path(__file__).resolve().parents[2]
+        root = Path(__file__).resolve().parents[3]  # the checkout: sidecar/promptcache/devtools/ up
         argv = [python, "-m", "promptcache.devtools.vllm_engine", "--model", model, "--dtype", dtype]
         if connector is not None:
             argv += ["--connector", json.dumps(connector)]

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]  # sidecar/promptcache/devtools/bench/ up
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
