@@ -14,7 +14,7 @@ import zmq
 
 from support import CHUNK, SMALL, make_kv
 from promptcache.client import PromptCacheClient
-from promptcache.sidecar.kvevents import all_blocks_cleared, block_removed, block_stored, encode_batch
+from promptcache.sidecar.kvevents import all_blocks_cleared, block_removed, block_stored, encode_batch, wire_hash
 from test_auth import write_secret_dir
 
 # msgspec.msgpack.encode(vllm.distributed.kv_events.KVEventBatch(ts=1700000000.25, events=[AllBlocksCleared(),
@@ -122,12 +122,12 @@ def test_a_sidecar_announces_what_it_stores_and_evicts_and_vllm_decodes_it(sidec
     events = [e for b in decoded for e in b["events"]]
     assert events[0]["type"] == "AllBlocksCleared"
     stored = [e for e in events if e["type"] == "BlockStored"]
-    assert [e["block_hashes"] for e in stored] == [[keys[0].hex()], [keys[1].hex()]]
-    assert [e["parent_block_hash"] for e in stored] == [None, keys[0].hex()]
+    assert [e["block_hashes"] for e in stored] == [[wire_hash(keys[0])], [wire_hash(keys[1])]]
+    assert [e["parent_block_hash"] for e in stored] == [None, wire_hash(keys[0])]
     assert [e["token_ids"] for e in stored] == [tokens[:CHUNK], tokens[CHUNK:]]
     assert {(e["block_size"], e["medium"]) for e in stored} == {(CHUNK, "CPU")}
     removed = sorted(h for e in events if e["type"] == "BlockRemoved" for h in e["block_hashes"])
-    assert removed == sorted(k.hex() for k in keys)
+    assert removed == sorted(wire_hash(k) for k in keys)
     sub.close()
 
 
