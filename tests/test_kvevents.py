@@ -14,7 +14,7 @@ import zmq
 
 from support import CHUNK, SMALL, make_kv
 from promptcache.client import PromptCacheClient
-from promptcache.sidecar.kvevents import all_blocks_cleared, block_removed, block_stored, encode_batch
+from promptcache.sidecar.kvevents import all_blocks_cleared, block_removed, block_stored, encode_batch, wire_hash
 from test_auth import write_secret_dir
 
 # msgspec.msgpack.encode(vllm.distributed.kv_events.KVEventBatch(ts=1700000000.25, events=[AllBlocksCleared(),
@@ -30,6 +30,17 @@ VLLM_BATCH = bytes.fromhex(
     "08aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3435055a96c6f72615f6e616d65c083a474797065ac42"
     "6c6f636b52656d6f766564ac626c6f636b5f68617368657392c420000102030405060708090a0b0c0d0e0f101112131415161718"
     "191a1b1c1d1e1fc420202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3fa66d656469756da3435055c0")
+
+# The same batch with the hashes as vLLM sends them by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), what a
+# sidecar sends: maybe_convert_block_hash(H) = int.from_bytes(H, "big") & (2**64 - 1), vLLM 0.32.0 likewise.
+VLLM_BATCH_INT_HASHES = bytes.fromhex(
+    "93cb41d954fc401000009481a474797065b0416c6c426c6f636b73436c656172656488a474797065ab426c6f636b53746f726564"
+    "ac626c6f636b5f68617368657391cf18191a1b1c1d1e1fb1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473"
+    "9401020304aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3435055a96c6f72615f6e616d65c088a47479"
+    "7065ab426c6f636b53746f726564ac626c6f636b5f68617368657391cf38393a3b3c3d3e3fb1706172656e745f626c6f636b5f68"
+    "617368cf18191a1b1c1d1e1fa9746f6b656e5f696473940506ce0001117008aa626c6f636b5f73697a6504a76c6f72615f6964c0"
+    "a66d656469756da3435055a96c6f72615f6e616d65c083a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368"
+    "657392cf18191a1b1c1d1e1fcf38393a3b3c3d3e3fa66d656469756da3435055c0")
 
 DECODE = """
 import json, sys
@@ -66,6 +77,11 @@ def test_the_encoding_is_byte_identical_to_vllms():
                                         block_stored([h2], h1, [5, 6, 70000, 8], 4, "CPU"),
                                         block_removed([h1, h2], "CPU")])
     assert ours == VLLM_BATCH
+    w1, w2 = wire_hash(h1), wire_hash(h2)
+    ours = encode_batch(1700000000.25, [all_blocks_cleared(), block_stored([w1], None, [1, 2, 3, 4], 4, "CPU"),
+                                        block_stored([w2], w1, [5, 6, 70000, 8], 4, "CPU"),
+                                        block_removed([w1, w2], "CPU")])
+    assert ours == VLLM_BATCH_INT_HASHES
 
 
 def _subscribe(address: str):
@@ -122,12 +138,12 @@ def test_a_sidecar_announces_what_it_stores_and_evicts_and_vllm_decodes_it(sidec
     events = [e for b in decoded for e in b["events"]]
     assert events[0]["type"] == "AllBlocksCleared"
     stored = [e for e in events if e["type"] == "BlockStored"]
-    assert [e["block_hashes"] for e in stored] == [[keys[0].hex()], [keys[1].hex()]]
-    assert [e["parent_block_hash"] for e in stored] == [None, keys[0].hex()]
+    assert [e["block_hashes"] for e in stored] == [[wire_hash(keys[0])], [wire_hash(keys[1])]]
+    assert [e["parent_block_hash"] for e in stored] == [None, wire_hash(keys[0])]
     assert [e["token_ids"] for e in stored] == [tokens[:CHUNK], tokens[CHUNK:]]
     assert {(e["block_size"], e["medium"]) for e in stored} == {(CHUNK, "CPU")}
     removed = sorted(h for e in events if e["type"] == "BlockRemoved" for h in e["block_hashes"])
-    assert removed == sorted(k.hex() for k in keys)
+    assert removed == sorted(wire_hash(k) for k in keys)
     sub.close()
 
 

@@ -6,8 +6,10 @@ Wire format, as vLLM's ZmqEventPublisher: a ZMQ PUB socket; each message is mult
 `[topic, 8-byte big-endian sequence number, msgpack EventBatch]`, topic `kv@<id>@<model>`, one sequence per topic
 from 0. EventBatch is msgspec's array_like encoding `[ts, [event, ...], data_parallel_rank (nil)]`; each event a
 msgspec tagged struct, i.e. a map `{"type": "BlockStored", field: value, ...}` with its required fields always
-present and defaulted ones omitted. A block is one chunk: block_hashes are our 32-byte chunk keys, block_size is
---chunk-tokens, token_ids the chunk's tokens; medium "CPU" (host memory) or "GPU" (a CUDA memory tier).
+present and defaulted ones omitted. A block is one chunk: block_hashes are our chunk keys as vLLM sends its own by
+default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): the key's low 64 bits, big-endian, as an unsigned int (Dynamo's
+indexer rejects 32-byte hashes); block_size is --chunk-tokens, token_ids the chunk's tokens; medium "CPU" (host
+memory) or "GPU" (a CUDA memory tier).
 
 What is announced: chunks entering the memory tier (Put, or a promotion from disk or the cluster) in the shared
 namespace (no tenancy) or a sharing group open to every tenant (GROUP=*); a chunk leaving the memory tier
@@ -40,18 +42,27 @@ MAX_BATCH = 1024
 MAX_PODS = 256  # per model
 
 
-def block_stored(block_hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
+def wire_hash(key: bytes) -> int:
+    """vllm.v1.core.kv_cache_utils.maybe_convert_block_hash with int block hashes (vLLM's default)."""
+    return int.from_bytes(key, "big") & ((1 << 64) - 1)
+
+
+def block_stored(block_hashes: list[bytes | int], parent: bytes | int | None, token_ids: list[int], block_size: int,
                  medium: str) -> dict:
     return {"type": "BlockStored", "block_hashes": block_hashes, "parent_block_hash": parent,
             "token_ids": token_ids, "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None}
 
 
-def block_removed(block_hashes: list[bytes], medium: str) -> dict:
+def block_removed(block_hashes: list[bytes | int], medium: str) -> dict:
     return {"type": "BlockRemoved", "block_hashes": block_hashes, "medium": medium}
 
 
 def all_blocks_cleared() -> dict:
     return {"type": "AllBlocksCleared"}
+
+
+def _stored(key: bytes, parent: bytes | None, token_ids: list[int], block_size: int, medium: str) -> dict:
+    return block_stored([wire_hash(key)], None if parent is None else wire_hash(parent), token_ids, block_size, medium)
 
 
 def encode_batch(ts: float, events: list[dict]) -> bytes:
@@ -99,7 +110,7 @@ class KVEvents:
             if key in self._held:
                 return
             self._held[key] = (model, parent, token_ids)
-        self._put(model, block_stored([key], parent, token_ids, self.block_size, self.medium))
+        self._put(model, _stored(key, parent, token_ids, self.block_size, self.medium))
 
     def inserted(self, entry) -> None:
         """The memory tier's insert hook: announced by the engine instead, which knows the chunk's tokens."""
@@ -109,7 +120,7 @@ class KVEvents:
         with self._lock:
             held = self._held.pop(entry.key, None)
         if held is not None:
-            self._put(held[0], block_removed([entry.key], self.medium))
+            self._put(held[0], block_removed([wire_hash(entry.key)], self.medium))
 
     def seen(self, pod: str, model: str) -> None:
         """A call from inference pod `pod` for `model`: from now on its topic gets this model's events."""
@@ -162,7 +173,7 @@ class KVEvents:
             self._pods.setdefault(model, set()).add(pod)
         events = by_topic.setdefault(topic(pod, model), [])
         for key, parent, tokens in held:
-            events.append(block_stored([key], parent, tokens, self.block_size, self.medium))
+            events.append(_stored(key, parent, tokens, self.block_size, self.medium))
 
     def _send(self, t: str, events: list[dict]) -> None:
         seq = self._sequence.get(t)
