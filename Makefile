@@ -39,10 +39,10 @@ $(DYNAMO_STAMP): $(STAMP)
 	$(PIP) install -q --no-deps ai-dynamo-runtime==1.6.1
 	@touch $@
 
-venv: $(STAMP) $(DYNAMO_STAMP)
+venv: $(STAMP)
 
 # The project itself: cheap, and always re-run so the stubs follow proto/ and new subpackages are mapped.
-install: $(STAMP) $(DYNAMO_STAMP)
+install: $(STAMP)
 	@$(PIP) install -q --no-build-isolation --no-deps -e . > .venv/install.log 2>&1 || { cat .venv/install.log; exit 1; }
 
 SHM_DIR ?= /dev/shm/promptcache-$(shell id -u)
@@ -59,7 +59,7 @@ system-deps:
 tools:
 	@if [ -x hack/tools/build.sh ]; then hack/tools/build.sh; fi
 
-test: install system-deps tools
+test: install $(DYNAMO_STAMP) system-deps tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-vllm
 

@@ -27,8 +27,8 @@ from promptcache.contract.keys import ModelSpec
 from promptcache.contract.layout import chunk_nbytes, chunk_shape
 from promptcache.contract.shm import SharedBufferError, SharedFile
 from promptcache.sidecar import cgroup
-from promptcache.sidecar.errors import (CacheError, DataLoss, InvalidRequest, NoCapacity, NotFound, NotServed,
-                                        PermissionDenied, TimedOut)
+from promptcache.sidecar.errors import (DataLoss, InvalidRequest, NoCapacity, NotFound, NotServed, PermissionDenied,
+                                        TimedOut)
 from promptcache.sidecar.identity import Caller
 from promptcache.sidecar.limits import LARGE_REQUEST_TOKENS, LargeRequests, ReservedBytes
 from promptcache.sidecar.shmbuffers import BufferLimit, SharedBuffers, UnknownBuffer
@@ -733,5 +733,3 @@ class PutSession:
         return InvalidRequest(f"chunk {current.begin.index} ended after {current.offset} of its "
                               f"{current.begin.nbytes} bytes; nothing of it was stored")
 
-
-__all__ = ["CacheEngine", "CacheError", "PutSession", "Scope"]

@@ -49,5 +49,3 @@ class Caller:
     def client(self) -> str:
         return client_key(self.identity, self.peer)
 
-
-ANONYMOUS_CALLER = Caller(ANONYMOUS)
