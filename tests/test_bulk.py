@@ -108,13 +108,15 @@ def test_bulk_longest_prefix_and_owned_copies(bulk_sidecar):
         assert all(torch.equal(a, b) for a, b in zip(views, kept))
 
 
-def test_bulk_corrupt_chunk_is_never_served(bulk_sidecar):
-    with PromptCacheClient(bulk_sidecar.address, bulk_address=bulk_sidecar.bulk_address) as c:
+def test_bulk_corrupt_chunk_is_never_served(sidecar_factory, tmp_path):
+    # Chunks in plain memory, copied to the client (lent chunks are immutable: tests/test_lent_chunks.py).
+    sidecar = sidecar_factory(bulk_address=f"unix:{tmp_path}/bulk.sock", bulk_zero_copy="off")
+    with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address) as c:
         c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
         keys = [ch.key for ch in c.lookup(SMALL, TOKENS).chunks]
-        bulk_sidecar.tier._entries[keys[1]].data[7] ^= 0x10
+        sidecar.tier._entries[keys[1]].data[7] ^= 0x10
         assert len(c.get_blobs(SMALL, TOKENS)) == 1  # chunk 0 only; the corrupt one ends the prefix
-    assert metric(bulk_sidecar, 'promptcache_checksum_failures_total{tier="device"}') == 1
+    assert metric(sidecar, 'promptcache_checksum_failures_total{tier="device"}') == 1
 
 
 @pytest.mark.parametrize("send, code, words", [

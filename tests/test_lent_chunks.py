@@ -125,11 +125,40 @@ def test_a_client_cannot_change_lent_memory(lending):
     assert len(after) == 3 and all(torch.equal(a, b) for a, b in zip(before, after))
 
 
-def test_a_corrupt_chunk_is_never_lent(lending):
+def _permissions(address: int) -> str:
+    """The permissions /proc/self/maps gives the mapping that holds `address` (e.g. "r--s")."""
+    for line in open("/proc/self/maps"):
+        span, perms = line.split()[:2]
+        low, high = (int(x, 16) for x in span.split("-"))
+        if low <= address < high:
+            return perms
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_the_sidecar_cannot_change_a_sealed_chunk_so_lending_needs_no_hash(lending):
+    """From the seal on, the sidecar's own mapping of a chunk is read-only too: nothing can change it, so the
+    checksum verified when it arrived holds and a lend does not hash it again."""
+    with _client(lending) as c:
+        c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
+        entries = [lending.tier._entries[ch.key] for ch in c.lookup(SMALL, TOKENS).chunks]
+        assert all(e.memfd.sealed and e.memfd.immutable for e in entries)
+        assert {_permissions(e.data.data_ptr()) for e in entries} == {"r--s"}
+        assert len(c.get_blobs(SMALL, TOKENS)) == 3
+    assert metric(lending, "promptcache_bulk_lent_chunks_total") == 3
+
+
+def test_a_corrupt_chunk_is_never_lent_where_its_mapping_stayed_writable(lending):
+    """Where the mapping could not be made read-only (mprotect refused), each lend verifies the chunk: one whose
+    bytes changed is dropped, never lent. The refusal is simulated by making the mapping writable again."""
+    libc = ctypes.CDLL(None, use_errno=True)
     with _client(lending) as c:
         c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
         keys = [ch.key for ch in c.lookup(SMALL, TOKENS).chunks]
-        lending.tier._entries[keys[1]].data[3] ^= 0x01  # the sidecar's own mapping is the one still writable
+        entry = lending.tier._entries[keys[1]]
+        page = entry.data.data_ptr()
+        assert libc.mprotect(ctypes.c_void_p(page), ctypes.c_size_t(4096), mmap.PROT_READ | mmap.PROT_WRITE) == 0
+        entry.memfd.immutable = False
+        entry.data[3] ^= 0x01
         assert len(c.get_blobs(SMALL, TOKENS)) == 1
     assert metric(lending, 'promptcache_checksum_failures_total{tier="device"}') == 1
     assert metric(lending, "promptcache_bulk_lent_chunks_total") == 1

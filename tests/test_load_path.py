@@ -84,3 +84,25 @@ def test_loadpath_bench_loads_bit_exact_and_prints_its_table(capsys):
                                                                       ("bfloat16", "cpu_amx", "512")]
     for r in rows:
         assert float(r[7].split()[0]) > 0 and r[10].strip().endswith("x")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite_agrees_with_isfinite_on_every_bit_pattern_class(dtype):
+    """The integer-view check of 16-bit floats against torch.isfinite: every 16-bit pattern one at a time (all
+    NaNs, both infinities, subnormals, -0), and random float32 patterns with specials planted."""
+    from promptcache.client.client import all_finite
+
+    if dtype != torch.float32:
+        patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+        base = torch.zeros(64, dtype=dtype)
+        for value in patterns[::7].tolist() + patterns[-200:].tolist() + patterns[32640:33000].tolist():
+            base[13] = value
+            assert all_finite(base) == bool(torch.isfinite(base).all()), (dtype, value)
+        assert not all_finite(patterns) and all_finite(patterns[torch.isfinite(patterns)])
+    g = torch.Generator().manual_seed(0)
+    for special in (float("nan"), float("inf"), float("-inf"), -float("nan"), None):
+        x = torch.randn(5, 300, generator=g).to(dtype) * 1e3
+        if special is not None:
+            x[3, 17] = special
+        assert all_finite(x) == (special is None)
+    assert all_finite(torch.empty(0, dtype=dtype))

@@ -365,8 +365,8 @@ def is_sealed(blob: torch.Tensor) -> bool:
 
 def _map_lent(fd: int, st: os.stat_result, c: pb.ChunkBegin) -> torch.Tensor:
     """Map a lent chunk's memfd read-only and pre-faulted, after checking it is what the protocol promises
-    (sealed, large enough: a short one would fault on read). The sidecar verified these very pages just before
-    lending them and the seals keep them as they were, so they are not hashed again here."""
+    (sealed, large enough: a short one would fault on read). The sidecar verified these bytes when they were
+    stored, and the seals (and its own read-only mapping) keep them as they were, so they are not hashed here."""
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if stat.S_ISREG(st.st_mode) else 0
     if seals & bulkwire.LENT_SEALS != bulkwire.LENT_SEALS or not 0 < c.nbytes <= min(st.st_size, _MAX_CHUNK_BYTES):
         raise errors.CorruptChunk(f"chunk {c.index}: what came with it is not a sealed memfd of at least "

@@ -494,6 +494,25 @@ def decode_chunk(spec: ModelSpec, index: int, blob: torch.Tensor, expected: int,
 _finite_sealed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
+# The smallest bit pattern of a non-finite value (exponent all ones) of each 16-bit float type, positive and negative.
+_NONFINITE_16 = {torch.bfloat16: (0x7F80, 0xFF80), torch.float16: (0x7C00, 0xFC00)}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a CPU tensor holds no NaN or Inf, in one or two reads and no temporary. 16-bit floats are read as
+    integers (2-3x faster than a float reduction, which widens every value): a value is non-finite exactly when its
+    exponent bits are all ones, i.e. its bits as int16 are >= the positive pattern or, as uint16, >= the negative
+    one. Wider floats: aminmax, which NaN propagates to."""
+    if t.dtype in _NONFINITE_16:
+        positive, negative = _NONFINITE_16[t.dtype]
+        bits = t.view(torch.int16).numpy()
+        return bits.size == 0 or (int(bits.max()) < positive and int(bits.view(np.uint16).max()) < negative)
+    if t.numel() == 0:
+        return True
+    low, high = torch.aminmax(t)
+    return math.isfinite(low.item()) and math.isfinite(high.item())
+
+
 def checked_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens: int) -> list[torch.Tensor]:
     """Blobs of consecutive chunks -> their canonical tensors [layers, 2, kv_heads, chunk_tokens, head_dim] (views
     of the blobs when unquantized: no copy), each checked: its length, then finite values (unquantized; one read
@@ -508,8 +527,7 @@ def checked_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens:
     for i, blob in enumerate(blobs):
         chunk = decode_chunk(spec, i, blob, expected, shape, dtype)
         if spec.quantization == "none" and _finite_sealed.get(id(blob)) is not blob:
-            low, high = torch.aminmax(chunk)  # NaN propagates to both; one pass, no temporary
-            if not (math.isfinite(low.item()) and math.isfinite(high.item())):
+            if not all_finite(chunk):
                 raise errors.CorruptChunk(f"chunk {i} has NaN or Inf values")
             if is_sealed(blob):
                 _finite_sealed[id(blob)] = blob

@@ -5,12 +5,16 @@ client maps it: no chunk byte is copied by anyone (docs/bulk-channel.md, "Lent c
 lent memory immutable: after F_SEAL_FUTURE_WRITE no new writable shared mapping and no write() is allowed
 (through any descriptor, a reopened one included), and F_SEAL_SHRINK/F_SEAL_GROW/F_SEAL_SEAL keep its size and
 seals fixed, so no client can change the bytes, punch holes or truncate it under the sidecar (which would make
-its reads fault). Only the sidecar's own mapping, made before sealing, stays writable.
+its reads fault). The sidecar's own mapping, made before sealing to receive the bytes, is then made read-only
+(mprotect): from the seal on nothing in any process can change the chunk, so its checksum, verified when it was
+received, holds for as long as it lives and a lend need not hash it again (a stray write in the sidecar faults
+instead of corrupting it).
 
 The host tier without lending (a CUDA device, an old kernel, or --bulk-zero-copy off) keeps plain tensors.
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import mmap
@@ -25,6 +29,7 @@ from promptcache.contract.bulkwire import LENT_SEALS as SEALS
 from promptcache.contract.bulkwire import MMAP_OPTIONS
 
 log = logging.getLogger("promptcache.sidecar.memfd")
+_libc = ctypes.CDLL(None, use_errno=True)
 
 FDS_PER_CHUNK = 1 if MMAP_OPTIONS else 2
 RESERVED_FDS = 2048  # left for sockets, RocksDB files and the rest of the process
@@ -34,18 +39,27 @@ class SealedChunk:
     """One chunk's memfd. Its descriptor is closed when the last reference goes (entry evicted and no Get still
     sending it); memory a client has mapped lives on until the client unmaps it."""
 
-    __slots__ = ("fd", "sealed", "_pool")
+    __slots__ = ("fd", "sealed", "immutable", "_pool", "_mapping")
 
     def __init__(self, fd: int, pool: "ChunkMemory"):
-        self.fd, self.sealed, self._pool = fd, False, pool
+        self.fd, self.sealed, self.immutable, self._pool = fd, False, False, pool
+        self._mapping: tuple[int, int] | None = None  # (address, length) of the sidecar's own mapping
 
     def seal(self) -> bool:
+        """Seal the memfd, then make the sidecar's mapping read-only; `immutable` says both held."""
         try:
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
         except OSError as exc:  # never expected after probe(); the chunk is then served by copying
             log.warning("could not seal a chunk memfd; it will not be lent: %s", exc)
             return False
         self.sealed = True
+        if self._mapping is not None:
+            address, length = self._mapping
+            if _libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(length), mmap.PROT_READ) == 0:
+                self.immutable = True
+            else:  # the chunk is still lent, and hashed again before each lend
+                log.warning("could not make a sealed chunk's mapping read-only: %s",
+                            os.strerror(ctypes.get_errno()))
         return True
 
     def __del__(self):
@@ -129,4 +143,6 @@ class ChunkMemory:
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, **MMAP_OPTIONS)
         except OSError:
             return torch.empty(nbytes, dtype=torch.uint8), None
-        return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)), chunk
+        array = np.frombuffer(mm, dtype=np.uint8)
+        chunk._mapping = array.ctypes.data, nbytes  # mmap maps whole pages from a page boundary
+        return torch.from_numpy(array), chunk
