@@ -457,8 +457,8 @@ def _grpc_put(sidecar, chunks, tokens=TOKENS, model: pb.Model | None = None) -> 
 
 
 def _blob(seed: int, nbytes: int = NBYTES) -> bytes:
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
-                         ).numpy().tobytes()
+    """A chunk's bytes: finite float32 values (the sidecar refuses NaN and Inf in unquantized chunks)."""
+    return torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
 
 
 def test_bulk_put_hello_says_puts_are_taken(bulk_sidecar):

@@ -82,7 +82,8 @@ def test_cuda_tensors_round_trip_bit_exact(cuda_sidecar, tmp_path, dtype, transp
     spec = ModelSpec("test/cuda", "r1", dtype, num_layers=3, num_kv_heads=2, head_dim=64)
     tokens = list(range(1000, 1000 + 4 * CHUNK + 7))
     kv = on_cuda(make_kv(spec, len(tokens), seed=5))
-    kv[0][0][0, 0, 0, :4] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf")])  # bits, not values
+    tiny = torch.finfo(getattr(torch, dtype)).smallest_normal / 4  # a subnormal: bits, not values (NaN and Inf
+    kv[0][0][0, 0, 0, :4] = torch.tensor([tiny, -0.0, -tiny, 0.0])  # are refused: test_load_path.py)
     options = {"grpc": {}, "shm": {"shm_dir": str(shm)}, "bulk": {"bulk_address": sidecar.bulk_address}}[transport]
     with PromptCacheClient(sidecar.address, **options) as c:
         assert c.put(spec, tokens, kv).stored_chunks == 4

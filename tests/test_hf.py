@@ -13,9 +13,10 @@ from prometheus_client import REGISTRY
 from promptcache.devtools import models
 
 from promptcache.contract import quant
-from promptcache.client import PromptCacheClient
+from promptcache.client import PromptCacheClient, errors
 from promptcache.client.client import encode_chunk
 from promptcache.client.hf import PromptCacheHF, cache_kv, cache_kwargs, output_cache
+from promptcache.sidecar.store import checksum
 
 CT = 16  # the conftest sidecar's chunk size
 
@@ -188,7 +189,9 @@ def _forge(pc: PromptCacheHF, ids, blob_fn):
     assert res.stored_chunks == 1
 
 
-def test_nan_chunk_rejected_before_the_model(tiny, client):
+def test_nan_chunk_rejected_before_the_model(tiny, sidecar, client):
+    """The sidecar refuses a chunk with NaN as it is stored; one that is stored anyway (by a sidecar that did not
+    check: simulated by changing the stored bytes and their checksum) is refused by the client before the model."""
     pc = PromptCacheHF(tiny, client, revision="t8")
     ids = prompt(CT + 4)
 
@@ -197,7 +200,12 @@ def test_nan_chunk_rejected_before_the_model(tiny, client):
         f[5] = float("nan")
         return b
 
-    _forge(pc, ids, nan_blob)
+    with pytest.raises(errors.InvalidArgument, match="chunk 0 has NaN or Inf"):
+        _forge(pc, ids, nan_blob)
+    _forge(pc, ids, lambda b: b)
+    entry = sidecar.tier._entries[client.lookup(pc.spec, ids[0].tolist()).chunks[0].key]
+    nan_blob(entry.data)
+    entry.checksum = checksum(entry.array)
     before = fallbacks("corrupt")
     res = pc.prefill(ids, logits_to_keep=4, store=False)
     assert res.fallback == "corrupt" and res.cached_tokens == 0

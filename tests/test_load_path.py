@@ -1,7 +1,8 @@
 """The vLLM connector's load path without vLLM: Get keeping lent chunks as they are (keep_sealed), the checks of
 client.checked_chunks, and write_chunks into caches shaped like vLLM's CPU backend, against a real sidecar on a real
 bulk channel. What must hold: lent chunks are not copied and owned ones are the caller's; whatever is loaded is
-bit-exact; a chunk with NaN or Inf is refused wherever it comes from, also after finite chunks were checked."""
+bit-exact; a chunk with NaN or Inf is refused: by the sidecar as it is stored, and by the client where no sidecar vouched
+for it."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from promptcache.client import vllm_layout as vl
 from promptcache.client import PromptCacheClient, errors
-from promptcache.client.bulk import is_sealed
+from promptcache.client.bulk import is_sealed, known_finite
 from promptcache.client.client import checked_chunks
 from support import CHUNK, SMALL, make_kv
 
@@ -53,15 +54,22 @@ def test_kept_lent_chunks_load_bit_exact_into_paged_blocks(client):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_a_chunk_with_nan_or_inf_is_refused_also_after_finite_ones_passed(client, bad):
+def test_a_chunk_with_nan_or_inf_is_refused_by_the_sidecar_and_by_the_client(client, bad):
     client.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS), seed=1))
-    for _ in range(2):  # the second time from the verified lent mappings
-        assert len(checked_chunks(SMALL, client.get_blobs(SMALL, TOKENS, keep_sealed=True), CHUNK)) == 3
+    for _ in range(2):  # the second time from the lent mappings already checked
+        good = client.get_blobs(SMALL, TOKENS, keep_sealed=True)
+        assert len(checked_chunks(SMALL, good, CHUNK)) == 3
+    # Lent chunks come flagged: the sidecar checked them as it stored them, so the client does not scan them.
+    assert [known_finite(b) for b in good] == [client.lent_expected] * 3
     kv = make_kv(SMALL, len(BAD_TOKENS), seed=2)
     kv[1][1][0, 1, 2 * CHUNK + 5, 3] = bad  # layer 1's V, in the third chunk
-    client.put(SMALL, BAD_TOKENS, kv)
+    with pytest.raises(errors.InvalidArgument, match="chunk 2 has NaN or Inf"):
+        client.put(SMALL, BAD_TOKENS, kv)
+    assert client.lookup(SMALL, BAD_TOKENS).cached_tokens == 2 * CHUNK  # the chunks before it are stored
+    # The client's own check, for chunks no sidecar vouched for (a disk tier's promotion, an older sidecar).
+    blobs = [b.clone() for b in good]
+    blobs[2].view(torch.float32)[45] = bad
     for _ in range(2):
-        blobs = client.get_blobs(SMALL, BAD_TOKENS, keep_sealed=True)
         with pytest.raises(errors.CorruptChunk, match="chunk 2 has NaN or Inf"):
             checked_chunks(SMALL, blobs, CHUNK)
 

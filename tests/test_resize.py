@@ -28,8 +28,8 @@ OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # each stalled call on
 
 
 def blob(seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (BIG_BYTES,), dtype=torch.uint8, generator=g)
+    g = torch.Generator().manual_seed(seed)  # finite float32 values: the sidecar refuses NaN and Inf
+    return torch.randn(BIG_BYTES // 4, generator=g).view(torch.uint8)
 
 
 def stalled_put(channel, tokens: list[int], release: threading.Event):

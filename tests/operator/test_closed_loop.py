@@ -21,6 +21,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from promptcache.client import PromptCacheClient
 from promptcache.contract.keys import ModelSpec
@@ -57,7 +58,9 @@ class Workload(threading.Thread):
         self.errors: list[str] = []
 
     def run(self) -> None:
-        blob = bytes(random.Random(1).randbytes(chunk_nbytes(SPEC, CHUNK_TOKENS)))
+        # Finite float16 values, as K/V are (the sidecar refuses NaN and Inf in unquantized chunks).
+        g = torch.Generator().manual_seed(1)
+        blob = torch.randn(chunk_nbytes(SPEC, CHUNK_TOKENS) // 2, generator=g).to(torch.float16).view(torch.uint8)
         rng = random.Random(2)
         with PromptCacheClient(self.address, timeout=5, **self.client_kwargs) as c:
             while not self.stop.is_set():

@@ -358,9 +358,27 @@ _warned = False  # torch's warning about non-writable buffers has been swallowed
 _sealed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # id -> lent tensor
 
 
+# Lent chunks known to hold finite values: the sidecar said so when it lent them (it checks unquantized chunks as
+# it stores them), or this process scanned them once. Their bytes never change, so they are not scanned again
+# while this process keeps their mapping. id -> the blob; an entry goes with its blob.
+_finite: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
 def is_sealed(blob: torch.Tensor) -> bool:
     """Whether `blob` is a lent chunk's mapping: a sealed memfd, read-only, whose bytes never change."""
     return _sealed.get(id(blob)) is blob
+
+
+def known_finite(blob: torch.Tensor) -> bool:
+    """Whether `blob` is a lent chunk known to hold no NaN or Inf (see _finite)."""
+    return _finite.get(id(blob)) is blob
+
+
+def mark_finite(blob: torch.Tensor) -> None:
+    """Remember that the lent chunk `blob` holds finite values (nothing to remember for other blobs: their
+    memory may be reused)."""
+    if is_sealed(blob):
+        _finite[id(blob)] = blob
 
 
 def _map_lent(fd: int, st: os.stat_result, c: pb.ChunkBegin) -> torch.Tensor:
@@ -383,6 +401,8 @@ def _map_lent(fd: int, st: os.stat_result, c: pb.ChunkBegin) -> torch.Tensor:
             _warned = True
             tensor = torch.frombuffer(mm, dtype=torch.uint8)
     _sealed[id(tensor)] = tensor
+    if c.values_finite:
+        _finite[id(tensor)] = tensor
     return tensor
 
 

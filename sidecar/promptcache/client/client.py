@@ -22,7 +22,7 @@ import xxhash
 from promptcache.contract import frames
 from promptcache.client import errors
 from promptcache.contract.keys import ModelSpec
-from promptcache.contract.layout import TORCH_DTYPES, chunk_nbytes, chunk_shape
+from promptcache.contract.layout import TORCH_DTYPES, all_finite, chunk_nbytes, chunk_shape
 from promptcache.contract.shm import ClientBuffers, SharedBufferError
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -489,36 +489,13 @@ def decode_chunk(spec: ModelSpec, index: int, blob: torch.Tensor, expected: int,
         raise errors.CorruptChunk(f"chunk {index}: {exc}") from None
 
 
-# Lent chunks (bulk.is_sealed) found finite once: their bytes never change, so they are not scanned again while
-# this process keeps their mapping. id -> the blob; an entry goes with its blob.
-_finite_sealed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
-
-# The smallest bit pattern of a non-finite value (exponent all ones) of each 16-bit float type, positive and negative.
-_NONFINITE_16 = {torch.bfloat16: (0x7F80, 0xFF80), torch.float16: (0x7C00, 0xFC00)}
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether a CPU tensor holds no NaN or Inf, in one or two reads and no temporary. 16-bit floats are read as
-    integers (2-3x faster than a float reduction, which widens every value): a value is non-finite exactly when its
-    exponent bits are all ones, i.e. its bits as int16 are >= the positive pattern or, as uint16, >= the negative
-    one. Wider floats: aminmax, which NaN propagates to."""
-    if t.dtype in _NONFINITE_16:
-        positive, negative = _NONFINITE_16[t.dtype]
-        bits = t.view(torch.int16).numpy()
-        return bits.size == 0 or (int(bits.max()) < positive and int(bits.view(np.uint16).max()) < negative)
-    if t.numel() == 0:
-        return True
-    low, high = torch.aminmax(t)
-    return math.isfinite(low.item()) and math.isfinite(high.item())
-
-
 def checked_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens: int) -> list[torch.Tensor]:
     """Blobs of consecutive chunks -> their canonical tensors [layers, 2, kv_heads, chunk_tokens, head_dim] (views
     of the blobs when unquantized: no copy), each checked: its length, then finite values (unquantized; one read
-    pass, min and max, skipped for a lent chunk already found finite) or the quantized format's checks.
+    pass, skipped for a lent chunk the sidecar vouched for or this process found finite before) or the quantized
+    format's checks.
     CorruptChunk on the first bad one."""
-    from promptcache.client.bulk import is_sealed
+    from promptcache.client.bulk import known_finite, mark_finite
 
     shape = chunk_shape(spec, chunk_tokens)
     expected = chunk_nbytes(spec, chunk_tokens)
@@ -526,11 +503,10 @@ def checked_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens:
     chunks = []
     for i, blob in enumerate(blobs):
         chunk = decode_chunk(spec, i, blob, expected, shape, dtype)
-        if spec.quantization == "none" and _finite_sealed.get(id(blob)) is not blob:
+        if spec.quantization == "none" and not known_finite(blob):
             if not all_finite(chunk):
                 raise errors.CorruptChunk(f"chunk {i} has NaN or Inf values")
-            if is_sealed(blob):
-                _finite_sealed[id(blob)] = blob
+            mark_finite(blob)
         chunks.append(chunk)
     return chunks
 

@@ -33,7 +33,7 @@ from promptcache.sidecar.identity import Caller
 from promptcache.sidecar.limits import LARGE_REQUEST_TOKENS, LargeRequests, ReservedBytes
 from promptcache.sidecar.shmbuffers import BufferLimit, SharedBuffers, UnknownBuffer
 from promptcache.sidecar.store import (AdmissionRejected, ChunkTooLarge, Entry, MemoryTier, NoRoom, Reservation,
-                                       ResizeOutcome, StoreError, checksum)
+                                       ResizeOutcome, StoreError, checksum, checksum_and_finite)
 from promptcache.sidecar.tenancy import Tenancy, TenancyError
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.contract.wire import NAME_TO_DTYPE, model_from_proto
@@ -305,18 +305,24 @@ class CacheEngine:
         the call, or None) is told what the session holds reserved and receives (--min-put-bytes-per-second)."""
         return PutSession(self, caller, header, watch)
 
-    def _store(self, incoming: "_Incoming", fp: bytes, owner: str, tokens) -> int:
+    def _store(self, incoming: "_Incoming", spec: ModelSpec, fp: bytes, owner: str, tokens) -> int:
         begin = incoming.begin
-        value = checksum(incoming.buffer)
+        unquantized = spec.quantization == "none"
+        if unquantized:  # checked once here, so no reader has to scan a lent chunk (it cannot change afterwards)
+            value, finite = checksum_and_finite(incoming.buffer, spec.kv_dtype)
+        else:  # opaque packed codes: the quantized format's own checks run where it is unpacked
+            value, finite = checksum(incoming.buffer), False
         if begin.xxh3_64 and begin.xxh3_64 != value:
             raise DataLoss(f"chunk {begin.index}: checksum of the received bytes does not match xxh3_64")
+        if unquantized and not finite:
+            raise InvalidRequest(f"chunk {begin.index} has NaN or Inf values: K/V must be finite")
         data = incoming.host if self.tier.device.type == "cpu" else incoming.host.to(self.tier.device)
         reservation, incoming.reservation = incoming.reservation, None
         charged, incoming.charged = incoming.charged, 0
         try:
             stored = self.tier.commit(reservation, key=incoming.key, fingerprint=fp, parent=incoming.parent,
                                       index=begin.index, data=data, checksum_value=value, shape=tuple(begin.shape),
-                                      dtype=begin.dtype, owner=owner)
+                                      dtype=begin.dtype, owner=owner, values_finite=finite)
         finally:
             self.tenancy.release(owner, charged)  # a stored chunk is charged by the store's insert hook
         if not stored:
@@ -678,8 +684,8 @@ class PutSession:
 
     def _complete(self, current: _Incoming) -> None:
         if current.reservation is not None:
-            self.stored_bytes += self.engine._store(current, self.scope.fingerprint, self.scope.owner,
-                                                    self.header.tokens)
+            self.stored_bytes += self.engine._store(current, self.scope.spec, self.scope.fingerprint,
+                                                    self.scope.owner, self.header.tokens)
             self.stored += 1
         self._unhold(current)
         self.current = None

@@ -22,6 +22,7 @@ import torch
 import xxhash
 
 from promptcache.contract import bulkwire
+from promptcache.contract.layout import values_finite
 from promptcache.sidecar.memfd import ChunkMemory, SealedChunk
 from promptcache.sidecar.policies import EvictionPolicy
 from promptcache.v1 import kvcache_pb2 as pb
@@ -80,6 +81,7 @@ class Entry:
     memfd: SealedChunk | None = None  # set when `data` is a sealed memfd's mapping: the chunk can be lent
     born: float | None = None  # first stored in any tier (memory clock; a promoted chunk keeps its age); None: created
     owner: str = ""  # whose quota it is charged to (promptcache.sidecar.tenancy)
+    values_finite: bool = False  # an unquantized chunk whose values the store found finite (PutSession)
     _array: np.ndarray | None = field(default=None, repr=False)
     _lent_frame: tuple[pb.ChunkBegin, bytes] | None = field(default=None, repr=False)
 
@@ -92,7 +94,7 @@ class Entry:
         so made once."""
         if self._lent_frame is None or self._lent_frame[0].index != index:
             begin = pb.ChunkBegin(index=index, nbytes=self.nbytes, shape=self.shape, dtype=self.dtype,
-                                  xxh3_64=self.checksum, sealed_memfd=True)
+                                  xxh3_64=self.checksum, sealed_memfd=True, values_finite=self.values_finite)
             self._lent_frame = begin, bulkwire.encode(pb.BulkFrame(chunk=begin))
         return self._lent_frame
 
@@ -129,6 +131,20 @@ class StoreListener:
 
 def checksum(buf) -> int:
     return xxhash.xxh3_64_intdigest(buf)
+
+
+_PIECE = 1 << 20  # checked piece by piece: the second read of each piece comes from the CPU's cache
+
+
+def checksum_and_finite(buf: np.ndarray, kv_dtype: str) -> tuple[int, bool]:
+    """xxh3_64 of `buf` (uint8) and whether, read as `kv_dtype` values, it holds no NaN or Inf: one pass over
+    memory."""
+    h, finite = xxhash.xxh3_64(), True
+    for at in range(0, buf.size, _PIECE):
+        piece = buf[at:at + _PIECE]
+        h.update(piece)
+        finite = finite and values_finite(piece, kv_dtype)
+    return h.intdigest(), finite
 
 
 class MemoryTier:
@@ -264,7 +280,8 @@ class MemoryTier:
 
     def commit(self, reservation: Reservation, *, key: bytes, fingerprint: bytes, parent: bytes, index: int,
                data: torch.Tensor, checksum_value: int, shape: tuple[int, ...], dtype: int,
-               ttl: float | None = None, born: float | None = None, owner: str = "") -> bool:
+               ttl: float | None = None, born: float | None = None, owner: str = "",
+               values_finite: bool = False) -> bool:
         """Insert a fully received, verified chunk (living `ttl` seconds, default the tier's TTL; a chunk
         promoted from disk keeps what it had left and its birth time `born`, so its maximum lifetime counts from
         its first store), charged to `owner`. False if an equal key won the race (bytes released).
@@ -287,7 +304,8 @@ class MemoryTier:
             born = now if born is None else born
             entry = Entry(key, fingerprint, parent, index, data, checksum_value, shape, dtype, now,
                           min(now + (self.ttl if ttl is None else ttl), born + self.max_lifetime),
-                          reservation.accounted, last_access=now, memfd=memfd, born=born, owner=owner)
+                          reservation.accounted, last_access=now, memfd=memfd, born=born, owner=owner,
+                          values_finite=values_finite)
             self._entries[key] = entry
             self._used += entry.accounted
             self.policy.inserted(key, entry.nbytes, parent)

@@ -92,7 +92,7 @@ def run(args) -> int:
         r = redis.Redis(unix_socket_path=f"{tmp}/redis.sock")
         wait_until(r.ping, "redis-server")
         spec = ModelSpec("bench/1mib-chunks", "v1", "float16", num_layers=4, num_kv_heads=4, head_dim=64)
-        blob = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+        blob = torch.randn(1 << 19).to(torch.float16).view(torch.uint8)  # finite K/V values: the sidecar checks
         tokens = list(range(256))
         client.put_blobs(spec, tokens, {0: blob})
         r.set("chunk", blob.numpy().tobytes())

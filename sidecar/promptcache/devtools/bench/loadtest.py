@@ -83,7 +83,9 @@ def _client_worker(cfg, client_id: int, deadline: float, out: dict, lock: thread
     import grpc
 
     from promptcache.client import PromptCacheClient, errors
-    from promptcache.contract.layout import chunk_nbytes
+    import torch
+
+    from promptcache.contract.layout import TORCH_DTYPES, chunk_nbytes
     from promptcache.client.credentials import client_channel
 
     rng = random.Random(cfg["seed"] * 100_003 + client_id)
@@ -137,10 +139,16 @@ def _process_main(cfg, client_ids, duration, ready, go, queue) -> None:
     import grpc  # noqa: F401 - import before the clock starts
 
     from promptcache.client import PromptCacheClient  # noqa: F401
-    from promptcache.contract.layout import chunk_nbytes
+    import torch
+
+    from promptcache.contract.layout import TORCH_DTYPES, chunk_nbytes
 
     nbytes = chunk_nbytes(_spec(cfg), cfg["chunk_tokens"])
-    blobs = [rng.randbytes(nbytes) for _ in range(8)]
+    # Finite values of the model's dtype, as K/V are (the sidecar refuses NaN and Inf in unquantized chunks).
+    dtype = TORCH_DTYPES[cfg["dtype"]]
+    g = torch.Generator().manual_seed(cfg["seed"])
+    blobs = [torch.randn(nbytes // dtype.itemsize, generator=g).to(dtype).view(torch.uint8).numpy().tobytes()
+             for _ in range(8)]
     out = {"latencies": {op: [] for op in OPS}, "errors": {}, "gets": 0, "hits": 0, "corrupt": 0}
     lock = threading.Lock()
     ready.put(os.getpid())

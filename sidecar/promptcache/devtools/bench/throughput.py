@@ -169,7 +169,8 @@ def run(args) -> int:
 
         rows, profile = [], []
         for size in sizes:
-            blobs = {i: torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8) for i in range(size)}
+            # Finite float16 values, as K/V are (the sidecar refuses NaN and Inf in unquantized chunks).
+            blobs = {i: torch.randn(chunk_bytes // 2).to(torch.float16).view(torch.uint8) for i in range(size)}
             payloads = [b.numpy().tobytes() for b in blobs.values()]
             src = torch.cat(list(blobs.values()))
             dst = torch.empty_like(src)
