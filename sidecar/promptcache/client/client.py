@@ -7,10 +7,8 @@ after they arrive. Every chunk received is checked against the checksum the serv
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 

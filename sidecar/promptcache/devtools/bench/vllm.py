@@ -1,18 +1,24 @@
 """vllm: vLLM (CPU backend) TTFT and throughput with and without PromptCacheConnector, and vLLM's own prefix cache.
 
-Three engine processes (promptcache.devtools.vllm_engine, run by the vLLM virtualenv of hack/vllm-env.sh) over SmolLM2-135M and
-real English text, and a sidecar process (gRPC on a unix socket, bulk channel on another):
+Four engine processes (promptcache.devtools.vllm_engine, run by the vLLM virtualenv of hack/vllm-env.sh) over
+SmolLM2-135M and real English text, and a sidecar process (gRPC on a unix socket, bulk channel on another):
 
 * full: no connector, vLLM's prefix caching off: every prompt is prefilled in full;
-* connector: PromptCacheConnector, vLLM's prefix caching off: the prefix comes from the sidecar;
-* apc (the floor): no connector, vLLM's automatic prefix caching on and warm: the prefix is in engine memory.
+* writer: PromptCacheConnector, prefix caching off: prefills each prefix once and stores it in the sidecar (what
+  another pod, or this one before a restart, did);
+* connector: PromptCacheConnector with vLLM's prefix caching on (vLLM's default, as in examples/): a prefix it has
+  never seen comes from the sidecar;
+* apc (the floor): no connector, prefix caching on and warm: the prefix is in engine memory.
 
-TTFT: one request of prefix + a fresh `--suffix`-token suffix, max_tokens 1 (prompt in -> first token out), for
-each prefix length; variants interleaved round by round, best of `--repeats` reported (the machine is shared).
-The load path (Get over the bulk channel, checks, layout conversion into the blocks) is reported in GB/s next
-to a memcpy of the same bytes (into memory written before).
+The connector and apc engines are configured alike, so the floor comparison is like for like: what the sidecar
+costs over holding the prefix in the engine's own memory. TTFT: one request of prefix + a fresh `--suffix`-token
+suffix, max_tokens 1 (prompt in -> first token out), for each prefix length; every round uses a prefix no engine
+has seen (the writer stores it and the apc engine is warmed with it first), variants interleaved round by round,
+best of `--repeats` reported (the machine is shared). The load path (Get over the bulk channel, checks, layout
+conversion into the blocks) is reported in GB/s next to a memcpy of the same bytes (into memory written before).
 `promptcache bench loadpath` measures the load path alone, without vLLM. Throughput: `--requests` requests over 4
-shared 1k-token prefixes with distinct suffixes, `--max-tokens` new tokens each, wall time per variant.
+shared 1k-token prefixes with distinct suffixes, `--max-tokens` new tokens each, wall time per variant (the
+writer stored the prefixes; the connector engine loads each once, then holds it).
 """
 from __future__ import annotations
 
@@ -68,38 +74,44 @@ def run(args) -> int:
     wait_healthy(address, sidecar, 60, lambda: "")
     conn = {"address": address, "bulk_address": bulk, "model_id": models.SMOLLM2_ID,
             "revision": models.model_revision(), "load_timeout": 10.0}
-    max_len = max(prefixes) + args.suffix + 64
+    max_len = max(*prefixes, 1024) + args.suffix + 64  # the throughput run's prompts: a 1k prefix + 64
     opts = dict(dtype=args.dtype, max_model_len=max_len, max_num_seqs=args.requests,
                 max_num_batched_tokens=max_len, kv_cache_gib=1)
     t0 = time.monotonic()
     engines = {
         "full": EngineProcess(python, model_dir, log_path=str(tmp / "full.log"), **opts),
-        "connector": EngineProcess(python, model_dir, connector=conn, log_path=str(tmp / "connector.log"), **opts),
+        "connector": EngineProcess(python, model_dir, connector=conn, log_path=str(tmp / "connector.log"),
+                                   prefix_caching=True, **opts),
         "apc": EngineProcess(python, model_dir, log_path=str(tmp / "apc.log"), prefix_caching=True, **opts),
     }
+    writer = EngineProcess(python, model_dir, connector=conn, log_path=str(tmp / "writer.log"), **opts)
     samples: dict = {"ttft": {}, "throughput": {}, "load": {}}
     try:
-        for e in engines.values():
+        for e in [*engines.values(), writer]:
             e.wait_ready(1800)
         print(f"engines ready in {time.monotonic() - t0:.0f}s (logs in {tmp})", flush=True)
-        offset = 0
         suffix_at = len(text) - 8000
+        # Each prefix starts at its own offset (a multiple of 61): no two share their first block, so none is
+        # cached anywhere before the writer stores it. The throughput run's prefixes start at other offsets.
+        used = len(prefixes) * args.repeats
+        if used * 61 + max(prefixes) > suffix_at or 9001 + 3 * 1100 + 1024 > suffix_at:
+            raise SystemExit(f"the offline text has {len(text)} tokens: too few for {used} prefixes")
+        lengths = (n for n in prefixes for _ in range(args.repeats))
+        fresh_prefixes = (text[k * 61:k * 61 + n] for k, n in enumerate(lengths))
         for n in prefixes:
-            prefix = text[offset:offset + n]
-            offset += n
-            fresh = lambda r: text[suffix_at + r * args.suffix:suffix_at + (r + 1) * args.suffix]  # noqa: E731
-            suffix_at += (args.repeats + 1) * args.suffix
-            # warm: the connector engine stores the prefix; the apc engine holds it in memory
-            engines["connector"].generate([prefix + fresh(args.repeats)], 1)
-            engines["connector"].call(op="flush")
-            engines["apc"].generate([prefix + fresh(args.repeats)], 1)
             rows = {k: [] for k in engines}
             load = []
             for r in range(args.repeats):
+                prefix = next(fresh_prefixes)
+                fresh = [text[suffix_at + i * args.suffix:suffix_at + (i + 1) * args.suffix] for i in range(3)]
+                suffix_at += 3 * args.suffix
+                writer.generate([prefix + fresh[0]], 1)  # the writer stores the prefix ...
+                writer.call(op="flush")
+                engines["apc"].generate([prefix + fresh[1]], 1)  # ... and the floor holds it in memory
                 for name, e in engines.items():
                     before = e.call(op="metrics") if name == "connector" else None
                     t = time.perf_counter()
-                    e.generate([prefix + fresh(r)], 1)
+                    e.generate([prefix + fresh[2]], 1)
                     rows[name].append(time.perf_counter() - t)
                     if before is not None:
                         after = e.call(op="metrics")
@@ -108,32 +120,48 @@ def run(args) -> int:
                         tokens = _metric(after, "promptcache_client_reused_tokens_total") - \
                             _metric(before, "promptcache_client_reused_tokens_total")
                         load.append((tokens, secs))
+                        if tokens < n:
+                            raise RuntimeError(f"the connector loaded {tokens:.0f} of the {n} cached tokens")
             samples["ttft"][n] = rows
             samples["load"][n] = load
             print(f"prefix {n}: " + ", ".join(f"{k} {min(v) * 1e3:.0f} ms" for k, v in rows.items())
                   + f"; loads (tokens, seconds) {load}", flush=True)
         # throughput: 4 shared 1k prefixes, distinct suffixes
-        shared = [text[i * 1024:(i + 1) * 1024] for i in range(4)]
+        shared = [text[9001 + i * 1100:9001 + i * 1100 + 1024] for i in range(4)]  # 9001 + i*1100: not k*61
         base = len(text) - 3000
         prompts = [shared[i % 4] + text[base + i * 64:base + (i + 1) * 64] for i in range(args.requests)]
-        for e in (engines["connector"], engines["apc"]):
-            e.generate([s + text[base - 100:base - 36] for s in shared], 1)
-        engines["connector"].call(op="flush")
+        writer.generate([s + text[base - 100:base - 36] for s in shared], 1)
+        writer.call(op="flush")
+        engines["apc"].generate([s + text[base - 100:base - 36] for s in shared], 1)
+        outputs = {}
         for name, e in engines.items():
+            before = e.call(op="metrics") if name == "connector" else None
             t = time.perf_counter()
             out = e.generate(prompts, args.max_tokens)
             samples["throughput"][name] = time.perf_counter() - t
             samples["throughput"][name + "_tokens"] = sum(len(o) for o in out["outputs"])
+            outputs[name] = out["outputs"]
             print(f"throughput {name}: {samples['throughput'][name]:.1f} s", flush=True)
+            if before is not None:
+                after = e.call(op="metrics")
+                grew = lambda m: _metric(after, m) - _metric(before, m)  # noqa: E731
+                loaded = grew("promptcache_client_reused_tokens_total")
+                samples["throughput"]["connector_loaded_tokens"] = loaded
+                print(f"throughput connector: {loaded:.0f} tokens loaded from the sidecar", flush=True)
+        same = outputs["connector"] == outputs["full"]
+        samples["throughput"]["connector_tokens_equal_full"] = same
+        print(f"throughput: the connector's greedy tokens {'equal' if same else 'DIFFER FROM'} the full prefill's",
+              flush=True)
     finally:
-        for e in engines.values():
+        for e in [*engines.values(), writer]:
             e.close()
         stop_process(sidecar)
 
     bytes_per_token = 2 * 30 * 3 * 64 * (4 if args.dtype == "float32" else 2)
     print(f"\nvLLM {args.dtype} CPU backend, SmolLM2-135M; TTFT = prefix + {args.suffix} new tokens -> first token "
           f"(best of {args.repeats})\n")
-    print("| cached prefix | full prefill | connector (sidecar) | vLLM prefix cache (floor) | full / connector "
+    print("| cached prefix | full prefill | connector (from the sidecar) | vLLM prefix cache (floor) "
+          "| full / connector "
           "| connector / floor | load path | memcpy |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in prefixes:
