@@ -148,10 +148,13 @@ def run(args) -> int:
                 loaded = grew("promptcache_client_reused_tokens_total")
                 samples["throughput"]["connector_loaded_tokens"] = loaded
                 print(f"throughput connector: {loaded:.0f} tokens loaded from the sidecar", flush=True)
-        same = outputs["connector"] == outputs["full"]
-        samples["throughput"]["connector_tokens_equal_full"] = same
-        print(f"throughput: the connector's greedy tokens {'equal' if same else 'DIFFER FROM'} the full prefill's",
-              flush=True)
+        differ = {name: sum(a != b for a, b in zip(outputs[name], outputs["full"])) for name in ("connector", "apc")}
+        samples["throughput"]["sequences_differing_from_full"] = differ
+        if not any(differ.values()):
+            print("throughput: the connector's greedy tokens equal the full prefill's", flush=True)
+        else:  # expected in bf16, where a prefill over a cached prefix rounds differently from one long prefill
+            print(f"throughput: greedy tokens differ from the full prefill's in {differ['connector']} of "
+                  f"{len(prompts)} sequences with the connector, {differ['apc']} with vLLM's prefix cache", flush=True)
     finally:
         for e in [*engines.values(), writer]:
             e.close()
