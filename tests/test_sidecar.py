@@ -376,3 +376,24 @@ def test_default_policy_is_the_one_chosen_by_replay(sidecar):
     from promptcache.sidecar.policies import DEFAULT_POLICY
 
     assert sidecar.tier.policy.name == DEFAULT_POLICY == sidecar.settings.eviction_policy
+
+
+def test_each_chunk_of_a_client_request_is_one_request_to_the_eviction_policy(sidecar_factory):
+    """The policy's reference stream is one `requested` per chunk of a client request, as the trace replay feeds it
+    (docs/eviction.md): a Lookup followed by the Get of the same prompt counts each chunk once, as a Get alone does;
+    a Put's existence check counts nothing."""
+    sidecar = sidecar_factory(eviction_policy="rate")
+    policy = sidecar.tier.policy
+    asked: list[bytes] = []
+    real = policy.requested
+    policy.requested = lambda key: (asked.append(key), real(key))[1]
+    tokens = list(range(3 * CHUNK))
+    with PromptCacheClient(sidecar.address) as c:
+        c.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+        assert asked == []
+        keys = [ch.key for ch in c.lookup(SMALL, tokens).chunks]
+        assert asked == keys
+        assert len(c.get_blobs(SMALL, tokens)) == 3
+        assert asked == keys  # the Get after the Lookup: not again
+        assert len(c.get_blobs(SMALL, tokens)) == 3
+        assert asked == keys + keys  # a Get on its own is a request

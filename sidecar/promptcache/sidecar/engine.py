@@ -11,6 +11,7 @@ served (every chunk is checksummed before its first byte leaves).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -52,6 +53,32 @@ class Scope:
     owner: str
 
 
+class LookedUp:
+    """Chunk keys a Lookup just asked for, so that the Get following it counts each chunk as requested once: the
+    eviction policies read `requested` as the reference stream (one per chunk of a client request, as the trace
+    replay feeds them), and a Lookup + Get pair would otherwise count every chunk twice a few ticks apart (which
+    the `rate` policy reads as a chunk coming back at once). Bounded; an entry lasts `window` seconds or until
+    the Get takes it."""
+
+    def __init__(self, window: float = 2.0, max_entries: int = 65536, clock=time.monotonic):
+        self.window, self.max_entries, self.clock = window, max_entries, clock
+        self._seen: collections.OrderedDict[tuple[str, bytes], float] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, owner: str, key: bytes) -> None:
+        with self._lock:
+            self._seen[(owner, key)] = self.clock()
+            self._seen.move_to_end((owner, key))
+            while len(self._seen) > self.max_entries:
+                self._seen.popitem(last=False)
+
+    def take(self, owner: str, key: bytes) -> bool:
+        """Whether `owner` looked `key` up within the window (forgotten from now on)."""
+        with self._lock:
+            at = self._seen.pop((owner, key), None)
+        return at is not None and self.clock() - at <= self.window
+
+
 class CacheEngine:
     def __init__(self, settings, tier: MemoryTier, metrics, tenancy: Tenancy, observer, *, spill=None,
                  cluster=None, events=None, buffers: SharedBuffers | None = None,
@@ -74,6 +101,7 @@ class CacheEngine:
         self._totals_lock = threading.Lock()
         self._scopes: dict = {}  # (Model bytes, identity) -> Scope; namespace() is pure
         self._event_models: dict[bytes, str | None] = {}  # fingerprint -> model announced in KV events, or None
+        self._looked_up = LookedUp()
 
     # --- requests, checked ------------------------------------------------------------------------------
     def scope(self, model: pb.Model | None, caller: Caller) -> Scope:
@@ -170,6 +198,7 @@ class CacheEngine:
         from_cluster = 0
         for i, key in enumerate(self._keys(fp, tokens)):
             entry = self.tier.peek(key, fp)
+            self._looked_up.add(scope.owner, key)
             if entry is not None:
                 chunks.append(pb.ChunkInfo(index=i, key=key, tier=pb.TIER_DEVICE, nbytes=entry.nbytes))
                 continue
@@ -231,7 +260,7 @@ class CacheEngine:
             self.observer.lookup(scope.spec, self._keys(fp, request.tokens), len(request.tokens))
         try:
             for i, key in enumerate(keys, start=request.start_chunk):
-                entry = self.tier.acquire(key, fp)
+                entry = self.tier.acquire(key, fp, requested=not self._looked_up.take(owner, key))
                 tier_name = "device"
                 if entry is None and self.spill is not None:
                     entry, tier_name = self.spill.promote(key, fp, owner), "disk"
@@ -382,7 +411,7 @@ class CacheEngine:
                              ttl=max(remaining, 0.001), born=born, owner=owner)
         finally:
             self.tenancy.release(owner, charged)
-        entry = self.tier.acquire(key, fp)
+        entry = self.tier.acquire(key, fp, requested=False)  # the miss before this promotion counted it
         return entry if entry is not None else uncached(host)  # evicted again at once: serve this copy
 
     # --- KV events --------------------------------------------------------------------------------------

@@ -133,7 +133,7 @@ class Spill(StoreListener):
         self.disk.delete(key)
         if self.metrics is not None:
             self.metrics.promotions.inc()
-        entry = self.memory.acquire(key, fp)
+        entry = self.memory.acquire(key, fp, requested=False)  # the miss before this promotion counted it
         if entry is None:  # evicted again at once by a concurrent writer: serve this copy
             now = time.monotonic()
             return Entry(key, fp, parent, index, data, value, shape, dtype, now, now, 0, leases=1, evicted=True)

@@ -314,9 +314,12 @@ class MemoryTier:
             return True
 
     # --- reads ------------------------------------------------------------------------------------------
-    def _live(self, key: bytes, fingerprint: bytes, now: float) -> Entry | None:
-        """Under the lock: the unexpired entry for `key` under `fingerprint` (an expired one is removed)."""
-        self.policy.requested(key)
+    def _live(self, key: bytes, fingerprint: bytes, now: float, requested: bool = True) -> Entry | None:
+        """Under the lock: the unexpired entry for `key` under `fingerprint` (an expired one is removed).
+        `requested`: tell the eviction policy a client asked for it (once per chunk of a client's request: the
+        policies read these as the reference stream, as the trace replay feeds them)."""
+        if requested:
+            self.policy.requested(key)
         entry = self._entries.get(key)
         if entry is None or entry.fingerprint != fingerprint:
             return None
@@ -333,17 +336,18 @@ class MemoryTier:
             entry = self._entries.get(key)
             return entry is not None and entry.fingerprint == fingerprint and entry.expires > now
 
-    def peek(self, key: bytes, fingerprint: bytes) -> Entry | None:
+    def peek(self, key: bytes, fingerprint: bytes, requested: bool = True) -> Entry | None:
         """The live entry for `key` under `fingerprint`, without leasing it."""
         now = self.clock()
         with self._lock:
-            return self._live(key, fingerprint, now)
+            return self._live(key, fingerprint, now, requested)
 
-    def acquire(self, key: bytes, fingerprint: bytes) -> Entry | None:
-        """Lease the entry for reading: its bytes stay accounted until release()."""
+    def acquire(self, key: bytes, fingerprint: bytes, requested: bool = True) -> Entry | None:
+        """Lease the entry for reading: its bytes stay accounted until release(). `requested` False: the client's
+        request for this chunk was counted already (a promotion after a miss, a Get after the caller's Lookup)."""
         now = self.clock()
         with self._lock:
-            entry = self._live(key, fingerprint, now)
+            entry = self._live(key, fingerprint, now, requested)
             if entry is None:
                 return None
             entry.leases += 1
