@@ -61,8 +61,9 @@ import torch
 MODES = ("k8v8", "k8v4", "k6v4z")
 # Header mode ids. 2 was k8v4 format 1 (only the chunk's first token's values at 8 bits): retired by issue 16, its
 # chunks have other keys (keys.QUANT_FORMATS) and are refused here by id, never decoded as format 2.
-_MODE_IDS = {"k8v8": 1, "k8v4": 3, "k6v4z": 4}
-_MODE_NAMES = {v: k for k, v in _MODE_IDS.items()} | {2: "k8v4 format 1 (retired)"}
+# 4 was k6v4z format 1 (keys coded as the model stored them, after RoPE): retired by format 2 likewise.
+_MODE_IDS = {"k8v8": 1, "k8v4": 3, "k6v4z": 5}
+_MODE_NAMES = {v: k for k, v in _MODE_IDS.items()} | {2: "k8v4 format 1 (retired)", 4: "k6v4z format 1 (retired)"}
 # k8v4 (format 2): the first token and the last V_RECENT tokens of every chunk keep 8-bit values (the attention sink
 # and the tokens nearest to whatever follows the chunk); the others get 4-bit values.
 V_RECENT = 32
@@ -71,10 +72,12 @@ _DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 _DTYPE_NAMES = {v: k for k, v in _DTYPE_IDS.items()}
 # k6v4z: the slot is 1/DENSE_RATIO of the chunk's fp16 bytes; key precision is the finest that fits (rate control)
 DENSE_RATIO = 3.5
-# Key step floors tried, finest first, in units of the (layer, head)'s key RMS (a channel's step is the larger of its
-# 8-bit range step and this floor); when none fits, 4-bit per-channel key codes stored raw (always fit the slot).
-DENSE_KEY_STEPS = (0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.10, 0.11, 0.12, 0.13, 0.14, 0.16, 0.18, 0.20, 0.25)
-Z_HEADER = struct.Struct("<BBHIII")  # key code top (255 or 15), key step index, reserved u16 = 0, stream lengths
+# Key step floors tried, finest first, in units of _dense_key_unit (a channel's step is the larger of its 8-bit range
+# step and this floor): 1/16-octave apart (format 1: 0.04 ... 0.25, 6-25 % apart: up to 12 % coarser steps than fit)
+# from 0.03 to 1.0 (keys with RoPE undone can have so small an RMS that 0.25 of it does not fit); when none fits,
+# 4-bit per-channel key codes stored raw (always fit the slot).
+DENSE_KEY_STEPS = tuple(0.03 * 2 ** (i / 16) for i in range(82))
+Z_HEADER = struct.Struct("<BBHIIIf")
 ZSTD_LEVEL = 3
 MAGIC = b"PCQ1"
 VERSION = 1
@@ -130,8 +133,11 @@ def _sections(mode: str, shape, kv_dtype: str) -> list[tuple[str, int]]:
     if mode == "k6v4z":
         # fixed-size slot: sub-header, the scales and zero points raw, then the three code streams (zstd frames or
         # raw), then zero padding up to the slot (never smaller than the raw layout at the coarsest key precision)
-        fixed = [("z_header", Z_HEADER.size), ("k_scale", 2 * L * H * D), ("k_zero", L * H * D)] + values
-        raw_floor = (n + 1) // 2 + L * H * nh * D + L * H * mid * D // 2
+        # token 0's keys (the attention sink at chunk 0) 8-bit per token and group, as the 8-bit value tokens (its
+        # zero points last: every float16 section stays 2-byte aligned)
+        fixed = [("z_header", Z_HEADER.size), ("k_scale", 2 * L * H * D), ("k_zero", L * H * D),
+                 ("k0_scale", 2 * L * H * ng), ("k0_codes", L * H * D)] + values + [("k0_zero", L * H * ng)]
+        raw_floor = (L * H * (T - 1) * D + 1) // 2 + L * H * nh * D + L * H * mid * D // 2
         used = HEADER_BYTES + sum(b for _, b in fixed)
         slot = max(int(n * 2 * 2 / DENSE_RATIO), used + raw_floor)
         return secs + fixed + [("streams", slot - used)]
@@ -264,9 +270,17 @@ def _quant_low_mse(y: torch.Tensor, bits: int):
     return best[1].to(torch.uint8), best[2].to(torch.uint8), best[3].to(torch.uint8)
 
 
-def pack(mode: str, chunk: torch.Tensor) -> torch.Tensor:
-    """Quantize one chunk [L, 2, H, T, D] (in the KV dtype) into a 1-D uint8 CPU tensor of packed_nbytes bytes."""
+def pack(mode: str, chunk: torch.Tensor, rope_theta: float = 0.0) -> torch.Tensor:
+    """Quantize one chunk [L, 2, H, T, D] (in the KV dtype) into a 1-D uint8 CPU tensor of packed_nbytes bytes.
+
+    rope_theta (k6v4z only; ignored by the other modes): the model's RoPE base when its keys are rotated the
+    rotate-half way over the whole head (Llama and most HF models with rope_type "default"; rope_theta_of(config)),
+    0 if unknown. k6v4z then codes the keys with the rotation of each token's offset in the chunk undone, which
+    restores their per-channel structure (docs/quantization.md); the base travels in the blob, so decoding never
+    depends on it, and a base that does not help (a wrong one) is not used."""
     _check_mode(mode)
+    if not (math.isfinite(rope_theta) and rope_theta >= 0):
+        raise ValueError(f"rope_theta must be a finite number >= 0, got {rope_theta!r}")
     if chunk.dtype not in _DTYPE_IDS_BY_TORCH:
         raise ValueError(f"chunk dtype {chunk.dtype} is not float32, float16 or bfloat16")
     if chunk.dim() != 5 or chunk.shape[1] != 2:
@@ -296,7 +310,7 @@ def pack(mode: str, chunk: torch.Tensor) -> torch.Tensor:
         v8_codes, v8_scale, v8_zero, v_codes, v_scale, v_zero = _quant_values_v4(v, g)
         parts = [k_codes, _u8(k_scale), k_zero, v8_codes, v8_scale, v8_zero, v_codes, v_scale, v_zero]
     else:
-        parts = _pack_dense(k, v, g, secs)
+        parts = _pack_dense(k, v, g, secs, rope_theta)
     body = torch.cat([p.reshape(-1).to("cpu", torch.uint8) for p in parts])
     crc = zlib.crc32(body.numpy())
     n = L * H * T * D
@@ -366,17 +380,105 @@ def _quant8_floor(x: torch.Tensor, dim: int, floor: torch.Tensor, top: int = 255
     return q.to(torch.uint8), scale, zero.to(torch.uint8)
 
 
-def _pack_dense(k: torch.Tensor, v: torch.Tensor, g: int, secs) -> list:
-    """k6v4z body parts: values exactly as k8v4, keys per channel with the finest step floor
-    of DENSE_KEY_STEPS whose entropy-coded codes fit the slot, code streams zstd-compressed, zero padding."""
+def rope_theta_of(config) -> float:
+    """The RoPE base of a transformers model config when k6v4z's key rotation applies (rope_type "default",
+    rotation over the whole head), else 0.0. (Other RoPE types scale some frequencies: not undone, no gain.)"""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    theta = theta if theta is not None else getattr(config, "rope_theta", None)
+    if rope_type != "default" or not theta or getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+        return 0.0
+    return float(theta)
+
+
+_ROPE_TABLES: dict = {}
+
+
+def _rope_table(theta: float, tokens: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [tokens, head_dim / 2] of the angles t * theta**(-2i / head_dim), t = 0..tokens-1 (float64
+    angles; the encoder and the decoder compute the same float32 tables from the blob's float32 theta)."""
+    key = (theta, tokens, head_dim, str(device))
+    if key not in _ROPE_TABLES:
+        if len(_ROPE_TABLES) > 64:
+            _ROPE_TABLES.clear()
+        inv = float(theta) ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        ang = torch.arange(tokens, dtype=torch.float64)[:, None] * inv[None]
+        _ROPE_TABLES[key] = (ang.cos().float().to(device), ang.sin().float().to(device))
+    return _ROPE_TABLES[key]
+
+
+def _rope(k: torch.Tensor, theta: float, sign: float) -> torch.Tensor:
+    """Rotate-half RoPE over keys [..., T, D] by each token's offset in the chunk: sign -1 undoes it, +1 applies it.
+    Each channel pair (i, i + D/2) turns by an orthogonal 2x2 rotation, so the L2 norm of every pair is kept."""
+    T, D = k.shape[-2], k.shape[-1]
+    cos, sin = _rope_table(theta, T, D, k.device)
+    h = D // 2
+    swapped = torch.cat([k[..., h:], k[..., :h]], dim=-1)  # (b, a): x * cos + swapped * (-sin, sin) rotates (a, b)
+    return torch.addcmul(k * torch.cat([cos, cos], -1), swapped, torch.cat([-sin, sin], -1) * sign)
+
+
+def _dense_key_frame(k: torch.Tensor, rope_theta: float) -> tuple[float, torch.Tensor]:
+    """(theta used, keys to code) for k6v4z: the keys with each token's in-chunk RoPE rotation undone when that
+    lowers their RMS about the channels' medians (what the key step scales with), else the keys as they are.
+    After RoPE a channel pair with a constant component oscillates with the token's position, and per-channel
+    steps can't take the oscillation out; undone, the pair is constant again (a fixed rotation by the chunk's start
+    position is left, which keeps it constant). With the model's base this cuts the key MSE at equal bytes by 44 %."""
+    theta = float(torch.tensor(rope_theta, dtype=torch.float32))  # what the sub-header keeps
+    if theta <= 0 or k.shape[-1] % 2:
+        return 0.0, k
+    kr = _rope(k, theta, -1.0)
+    return (theta, kr) if float(_rms(kr).sum()) < float(_rms(k).sum()) else (0.0, k)
+
+
+def _dense_key_unit(k: torch.Tensor) -> torch.Tensor:
+    """k6v4z's key step floor per (layer, head, channel) [L, H, 1, D], in units of DENSE_KEY_STEPS: the chunk's mean
+    key RMS (about the channels' medians) times (w / mean w) ** -1/2, w the channel pair's energy (mean square of
+    channels i and i + D/2 over the tokens, the same before and after RoPE).
+
+    Why: a key error moves the attention score by q . dk, and queries are large in the same RoPE pairs as keys
+    (SmolLM2, log pair energies over all layers and heads: correlation 0.86), so the pair's key energy stands in for
+    its query energy w; minimising the sum of w * step**2 at a given rate gives step ~ w ** -1/2 (reverse
+    water-filling). The decoder does not care: every channel's scale is stored."""
+    L, H, T, D = k.shape
+    e = k.square().mean(dim=2, keepdim=True)  # [L, H, 1, D]
+    if D % 2 == 0:
+        e = (e[..., :D // 2] + e[..., D // 2:]).repeat(1, 1, 1, 2)
+    mean = float(e.mean())
+    if mean == 0.0:
+        return torch.zeros_like(e)
+    return float(_rms(k).mean()) * (e / mean).clamp(min=1e-4).rsqrt()
+
+
+def _key_row_order(scale: torch.Tensor) -> torch.Tensor:
+    """k6v4z format 2: the order of the channels' code rows in the key stream, by their stored float16 step (the
+    decoder computes the same order from the same scales). Channels with like steps have like code spreads, so
+    zstd's Huffman tables, one per block, fit each block better: 4.54 -> 4.33 bits per key (SmolLM2, real chunks)."""
+    return torch.argsort(scale.reshape(-1).float(), stable=True)
+
+
+def _pack_dense(k: torch.Tensor, v: torch.Tensor, g: int, secs, rope_theta: float = 0.0) -> list:
+    """k6v4z body parts: values exactly as k8v4, keys (in-chunk RoPE undone, see _dense_key_frame) per channel with
+    the finest step floor of DENSE_KEY_STEPS whose entropy-coded codes fit the slot, code streams zstd-compressed,
+    zero padding."""
+    theta, k = _dense_key_frame(k, rope_theta)
+    k0 = _quant8_per_token(k[:, :, :1], g)
+    k = k[:, :, 1:]  # the per-channel coded tokens: 1..T-1
     v8_codes, v8_scale, v8_zero, v_codes, v_scale, v_zero = _quant_values_v4(v, g)
     z_v8, z_v4 = _compress(v8_codes), _compress(v_codes)
     room = dict(secs)["streams"] - len(z_v8) - len(z_v4)
-    rms = _rms(k)
+    if k.shape[2] == 0:  # a one-token chunk: nothing per channel (placeholder scales 1.0, zero points 0)
+        zh = Z_HEADER.pack(255, 0, 0, 0, len(z_v8), len(z_v4), theta)
+        L, H, _, D = k.shape
+        scale = _u8(torch.ones(L, H, 1, D, dtype=torch.float16))
+        return _dense_parts(zh, scale, torch.zeros(L * H * D, dtype=torch.uint8), k0, v8_scale, v8_zero, v_scale,
+                            v_zero, z_v8 + z_v4, dict(secs)["streams"])
+    unit = _dense_key_unit(k)
 
     def keys_at(step: int):
-        codes, scale, zero = _quant8_floor(k, 2, DENSE_KEY_STEPS[step] * rms)
-        return _compress(codes.transpose(2, 3)), scale, zero  # [L, H, D, T]: each channel's tokens together
+        codes, scale, zero = _quant8_floor(k, 2, DENSE_KEY_STEPS[step] * unit)
+        rows = codes.transpose(2, 3).reshape(-1, codes.shape[2])  # [L * H * D, T]: each channel's tokens together
+        return _compress(rows[_key_row_order(scale)]), scale, zero
 
     # binary search for the finest step that fits (the size shrinks as the step grows; every answer is checked)
     lo, hi, best = 0, len(DENSE_KEY_STEPS) - 1, None
@@ -398,11 +500,17 @@ def _pack_dense(k: torch.Tensor, v: torch.Tensor, g: int, secs) -> list:
         k_scale = _u8(scale)
         z_k = bytes(_pack_nibbles(k_codes.transpose(2, 3)).numpy())
         assert len(z_k) <= room, "k6v4z slot smaller than its raw floor"
-    streams = z_k + z_v8 + z_v4
-    zh = Z_HEADER.pack(top, step, 0, len(z_k), len(z_v8), len(z_v4))
+    zh = Z_HEADER.pack(top, step, 0, len(z_k), len(z_v8), len(z_v4), theta)
+    return _dense_parts(zh, k_scale, k_zero, k0, v8_scale, v8_zero, v_scale, v_zero, z_k + z_v8 + z_v4,
+                        dict(secs)["streams"])
+
+
+def _dense_parts(zh: bytes, k_scale, k_zero, k0, v8_scale, v8_zero, v_scale, v_zero, streams: bytes, slot: int):
+    """k6v4z body parts in layout order, the streams zero-padded to the slot."""
     as_u8 = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
-    return [as_u8(zh), k_scale, k_zero, v8_scale, v8_zero, v_scale, v_zero,
-            as_u8(streams + bytes(dict(secs)["streams"] - len(streams)))]
+    k0_codes, k0_scale, k0_zero = k0
+    return [as_u8(zh), k_scale, k_zero, k0_scale, k0_codes, v8_scale, v8_zero, v_scale, v_zero, k0_zero,
+            as_u8(streams + bytes(slot - len(streams)))]
 
 
 def _quant8_per_token(x: torch.Tensor, g: int):
@@ -488,15 +596,15 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
         # x = code * scale - zero * scale: one fused multiply-add per element
         return torch.addcmul(-zero.float() * scale, codes.reshape(L, H, tokens, D).float(), scale)
 
-    def dequant8(prefix: str, tokens: int) -> torch.Tensor:
+    def dequant8(prefix: str, tokens: int, what: str = "value") -> torch.Tensor:
         scale = views[f"{prefix}_scale"].view(torch.float16).float().reshape(L, H, tokens, ng, 1)
         if not (torch.isfinite(scale).all() and (scale > 0).all()):
-            raise CorruptChunk("value scales are not finite positive numbers")
+            raise CorruptChunk(f"{what} scales are not finite positive numbers")
         zero = views[f"{prefix}_zero"].reshape(L, H, tokens, ng, 1)
         if (zero > 254).any():
-            raise CorruptChunk("value zero points out of range (must be <= 254)")
+            raise CorruptChunk(f"{what} zero points out of range (must be <= 254)")
         if float(scale.max()) * 255 > limit:
-            raise CorruptChunk(f"value scales out of range: dequantized values would overflow {kv_dtype}")
+            raise CorruptChunk(f"{what} scales out of range: dequantized values would overflow {kv_dtype}")
         codes = views[f"{prefix}_codes"].reshape(L, H, tokens, ng, g).float()
         return torch.addcmul(-zero.float() * scale, codes, scale).reshape(L, H, tokens, D)
 
@@ -504,7 +612,12 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
         out[:, 0].copy_(per_channel("k", T, 255))
         out[:, 1].copy_(dequant8("v", T))
         return out
-    out[:, 0].copy_(per_channel("k", T, int(views["key_top"]) if mode == "k6v4z" else 255))
+    if mode == "k6v4z":
+        theta = float(views["rope_theta"])
+        keys = torch.cat([dequant8("k0", 1, "token 0 key"), per_channel("k", T - 1, int(views["key_top"]))], dim=2)
+        out[:, 0].copy_(_rope(keys, theta, 1.0) if theta else keys)  # the rotation keeps |key| within the bound
+    else:
+        out[:, 0].copy_(per_channel("k", T, 255))
     nh, mid = _value_split(T)
     v8 = dequant8("v8", nh)
     out[:, 1, :, :1].copy_(v8[:, :, :1])
@@ -528,15 +641,17 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
 
 def _dense_streams(views: dict, L: int, H: int, T: int, D: int) -> dict:
     """k6v4z: the sub-header checked and the code streams decompressed into k8v4's views (CorruptChunk if not)."""
-    top, step, reserved, n_k, n_v8, n_v4 = Z_HEADER.unpack(bytes(views.pop("z_header").tolist()))
-    if top not in (15, 255) or step > len(DENSE_KEY_STEPS) or reserved:
+    top, step, reserved, n_k, n_v8, n_v4, theta = Z_HEADER.unpack(bytes(views.pop("z_header").tolist()))
+    if top not in (15, 255) or step > len(DENSE_KEY_STEPS) or reserved or not (math.isfinite(theta) and theta >= 0):
         raise CorruptChunk(f"k6v4z sub-header: key code top {top} (expected 15 or 255), key step {step}, "
-                           f"reserved {reserved}")
+                           f"reserved {reserved}, RoPE base {theta} (expected finite, >= 0)")
+    if theta and D % 2:
+        raise CorruptChunk(f"k6v4z sub-header: RoPE base {theta} with an odd head_dim {D}")
     streams = views.pop("streams")
     if n_k + n_v8 + n_v4 > streams.numel() or streams[n_k + n_v8 + n_v4:].any():
         raise CorruptChunk("k6v4z stream lengths exceed the slot, or its padding is not zero")
     nh, mid = _value_split(T)
-    n = L * H * T * D
+    n = L * H * (T - 1) * D  # per-channel key codes: tokens 1..T-1 (token 0's are k0_codes)
     k_raw = (n + 1) // 2 if top == 15 else n
     want = {"k_codes": k_raw, "v8_codes": L * H * nh * D, "v_codes": L * H * mid * D // 2}
     dctx = _zstd().ZstdDecompressor()
@@ -556,12 +671,17 @@ def _dense_streams(views: dict, L: int, H: int, T: int, D: int) -> dict:
     k = views["k_codes"]
     if top == 15:
         k = _unpack_nibbles(k, n)
-    views["k_codes"] = k.reshape(L, H, D, T).transpose(2, 3).contiguous()
+    else:  # rows stored in _key_row_order (the scales are checked later; any float16 bits give a permutation)
+        rows = k.reshape(L * H * D, T - 1)
+        k = torch.empty_like(rows)
+        k[_key_row_order(views["k_scale"].view(torch.float16))] = rows
+    views["k_codes"] = k.reshape(L, H, D, T - 1).transpose(2, 3).contiguous()
     views["key_top"] = torch.tensor(top)
+    views["rope_theta"] = torch.tensor(theta, dtype=torch.float32)
     return views
 
 
-def error_bound(mode: str, chunk: torch.Tensor) -> torch.Tensor:
+def error_bound(mode: str, chunk: torch.Tensor, rope_theta: float = 0.0) -> torch.Tensor:
     """Per-element bound on |unpack(pack(chunk)) - chunk| (before rounding to the KV dtype), same shape as chunk.
 
     Keys, k8v8 values and the 8-bit values of k8v4 (first token, last V_RECENT tokens): half a step of the group's
@@ -569,18 +689,31 @@ def error_bound(mode: str, chunk: torch.Tensor) -> torch.Tensor:
     (middle) k8v4 values: the L2 error of a
     group is at most that of the no-clipping scale s1 (the encoder only picks a candidate with less squared error),
     so every element is within sqrt(G) * s1 / 2 (see value_group_l2_bound for the tighter per-group bound).
+    k6v4z keys coded with the in-chunk RoPE rotation undone (pack's rope_theta): the error of a channel pair
+    (i, i + D/2) is turned by the rotation, so each of its elements is within the L2 norm of the pair's two bounds
+    (plus float32 rounding of the two rotations).
     """
     _check_mode(mode)
     x = chunk.float()
     L, _, H, T, D = x.shape
     k, v = x[:, 0], x[:, 1]
+    theta = 0.0
+    g = v_group_size(D)
+    ng = D // g
     if mode == "k6v4z":  # the encoder's key step depends on how well the chunk compresses: bound by the coarsest
-        kb = torch.maximum(_needed_scale(k, 2, 15), (DENSE_KEY_STEPS[-1] * _rms(k)).clamp(max=_max_floor(15)))
+        theta, kc = _dense_key_frame(k, rope_theta)
+        k0 = _needed_scale(kc[:, :, :1].reshape(L, H, 1, ng, g), 4, 255).expand(L, H, 1, ng, g).reshape(L, H, 1, D)
+        kb = k0.expand(L, H, T, D).clone()  # token 0: 8-bit per group; the others per channel, coarsest floor
+        if T > 1:
+            kr = kc[:, :, 1:]
+            floor = (DENSE_KEY_STEPS[-1] * _dense_key_unit(kr)).clamp(max=_max_floor(15))
+            kb[:, :, 1:] = torch.maximum(_needed_scale(kr, 2, 15), floor)
     else:
         kb = _needed_scale(k, 2, 255)
     kb = kb.clamp(min=_FP16_MIN_SCALE) * (1 + 2.0 ** -10) / 2
-    g = v_group_size(D)
-    ng = D // g
+    if theta:
+        pair = (kb[..., :D // 2].square() + kb[..., D // 2:].square()).sqrt()
+        kb = torch.cat([pair, pair], dim=-1) + 1e-6 * k.abs().amax(dim=(2, 3), keepdim=True)
     vg = v.reshape(L, H, T, ng, g)
     vb = (_needed_scale(vg, 4, 255).clamp(min=_FP16_MIN_SCALE) * (1 + 2.0 ** -10) / 2).expand(L, H, T, ng, g).clone()
     nh, mid = _value_split(T)

@@ -141,7 +141,7 @@ def evaluate(model, tokens: list[int], *, modes, prefix: int, suffix: int, windo
             log(f"  window {w}: full prefill of {ids.shape[1]} tokens {time.perf_counter() - t0:.1f}s")
             for m in modes:
                 pc = hfs[m]
-                client.put(pc.spec, window[:prefix], kv)
+                client.put(pc.spec, window[:prefix], kv, rope_theta=pc.rope_theta)
                 t1 = time.perf_counter()
                 got = pc.fetch(ids[:, :prefix + 1])
                 if got.fallback or got.cached_tokens != prefix:
