@@ -32,17 +32,21 @@ NG = D // G groups per token, NH = 1 + min(32, T-1) tokens with 8-bit values, M 
            V scale L*H*M*NG B: uint8 log code c, scale = 2**((c - 128) / 8);
            V zero  ceil(L*H*M*NG / 2) B: 4-bit zero points in 0..14, two per byte (low nibble first)
 
-k6v4z (issue 16, the dense mode): a fixed slot of 1/3.5 of the chunk's fp16 bytes. Values exactly as k8v4; keys
-per channel with 8-bit codes whose step is the larger of the channel's range / 254 and a floor alpha * RMS of the
-(layer, head)'s keys about each channel's median (one step for most channels of a head: what minimises the error at a
-given entropy), zero points centring each channel's codes; the code streams are zstd-compressed, and the encoder takes
-the finest alpha of DENSE_KEY_STEPS whose streams fit the slot (rate control), else 4-bit key codes stored raw::
+k6v4z (issue 16, the dense mode; format 2, header mode 5, 4 was format 1): a fixed slot of 1/3.5 of the chunk's fp16
+bytes. Values exactly as k8v4. Keys: token 0's (the attention sink at chunk 0) 8-bit per token and group; tokens
+1..T-1 with each token's in-chunk RoPE rotation undone when the caller gives the RoPE base and that helps
+(_dense_key_frame), then per channel with 8-bit codes whose step is the larger of the channel's range / 254 and a
+floor alpha * _dense_key_unit (the chunk's key RMS weighted by the channel pair's energy ** -1/2: keys and queries are
+large in the same RoPE pairs), zero points centring each channel's codes; the code streams are zstd-compressed (key
+code rows ordered by their step), and the encoder takes the finest alpha of DENSE_KEY_STEPS whose streams fit the slot
+(rate control), else 4-bit key codes stored raw::
 
-    header 16 B (mode 4) | sub-header 16 B: key code top u8 (255 or 15), key step index u8, reserved u16 = 0,
-    stream lengths u32 K, V8, V4 | K scale 2*L*H*D B float16 | K zero L*H*D B | the k8v4 value scales and zero points
-    (V8 scale, V8 zero, V scale, V zero) | streams: K codes [L, H, D, T] (uint8, or 4-bit pairs when top = 15),
-    V8 codes, V4 codes, each a zstd frame of exactly its raw size or those raw bytes (told apart by the length) |
-    zero padding to the slot
+    header 16 B (mode 5) | sub-header 20 B: key code top u8 (255 or 15), key step index u8, reserved u16 = 0,
+    stream lengths u32 K, V8, V4, RoPE base f32 (0: none undone) | K scale 2*L*H*D B float16 | K zero L*H*D B |
+    K0 scale 2*L*H*NG B float16 | K0 codes L*H*D B | the k8v4 value scales and zero points (V8 scale, V8 zero,
+    V scale, V zero) | K0 zero L*H*NG B | streams: K codes of tokens 1..T-1, L*H*D rows of T-1 (uint8, rows in
+    _key_row_order) or [L, H, D, T-1] 4-bit pairs when top = 15, V8 codes, V4 codes, each a zstd frame of exactly its
+    raw size or those raw bytes (told apart by the length) | zero padding to the slot
 
 Without clipping, scales are chosen so that every value is representable: with Q = 2**bits - 1 levels the scale
 is at least range / (Q - 1) (rounded *up* to the stored precision) and zero = ceil(-min / scale); the rounding
