@@ -46,12 +46,13 @@ def _check_roundtrip(mode, x, dtype, rope_theta=0.0):
     bound = quant.error_bound(mode, x, rope_theta) * 1.0001 + y.float().abs() * torch.finfo(x.dtype).eps + 1e-30
     assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
     L, _, H, T, D = x.shape
-    mid = T - 1 - min(quant.V_RECENT, T - 1)  # k8v4's 4-bit tokens: 1 .. mid
-    if mode in ("k8v4", "k6v4z") and mid:
+    if mode in ("k8v4", "k6v4z"):  # the 4-bit coded tokens: each group's L2 error within its bound
         g = quant.v_group_size(D)
-        e = (y.float() - x.float())[:, 1, :, 1:1 + mid].reshape(L, H, mid, D // g, g)
-        slack = y.float()[:, 1, :, 1:1 + mid].abs().reshape(L, H, mid, D // g, g).amax(-1) * torch.finfo(x.dtype).eps * g
-        assert (e.norm(dim=-1) <= quant.value_group_l2_bound(x) + slack).all()
+        low = quant.low_bit_value_tokens(mode, x)
+        assert int(low.sum()) == L * H * max(0, T - 1 - min(quant.V_RECENT if mode == "k8v4" else 32, T - 1))
+        e = (y.float() - x.float())[:, 1].reshape(L, H, T, D // g, g)
+        slack = y.float()[:, 1].abs().reshape(L, H, T, D // g, g).amax(-1) * torch.finfo(x.dtype).eps * g
+        assert (e.norm(dim=-1) <= quant.value_group_l2_bound(x) + slack)[low].all()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -315,10 +316,13 @@ def test_k6v4z_rate_control_picks_the_finest_key_step_that_fits():
     blob = quant.pack("k6v4z", tiny)
     assert (blob[quant.HEADER_BYTES].item(), blob[quant.HEADER_BYTES + 1].item()) == (15, len(quant.DENSE_KEY_STEPS))
     _check_roundtrip("k6v4z", tiny, "float32")
-    # the values are k8v4's, bit for bit
+    # the values are coded per token as k8v4 codes them: equal bit for bit wherever both modes give a token the same
+    # precision (k6v4z keeps 16 recent tokens and 16 selected ones at 8 bits, k8v4 the last 32)
     y = quant.unpack("k6v4z", quant.pack("k6v4z", smooth), smooth.shape, "float32")
     y8 = quant.unpack("k8v4", quant.pack("k8v4", smooth), smooth.shape, "float32")
-    assert torch.equal(y[:, 1], y8[:, 1])
+    low6, low8 = quant.low_bit_value_tokens("k6v4z", smooth), quant.low_bit_value_tokens("k8v4", smooth)
+    same = (low6 == low8).unsqueeze(-1).expand_as(y[:, 1])
+    assert torch.equal(y[:, 1][same], y8[:, 1][same]) and (~same).any()
 
 
 def _dense_parts(blob, shape=SHAPE, dtype="float16"):
@@ -435,3 +439,47 @@ def test_k6v4z_format1_chunks_are_never_misread():
     forged = _refresh_crc(torch.cat([old, torch.zeros(n - old.numel(), dtype=torch.uint8)]))
     with pytest.raises(quant.CorruptChunk, match="k6v4z format 1 \\(retired\\), expected k6v4z"):
         quant.unpack("k6v4z", forged, shape, "float32")
+
+
+def test_k6v4z_keeps_the_values_of_tokens_whose_keys_oppose_the_mean_key_at_8_bits():
+    """Tokens whose keys point against the chunk's mean key (where attention heads put their sink-like mass) get 8-bit
+    values: 16 per (layer, head), stored as token indices; every other middle token is 4-bit."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn((2, 2, 3, 96, 64), generator=g)
+    x[:, 0] += 2.0  # a common key direction (the chunk's mean key)
+    chosen = torch.randperm(96 - 17, generator=g)[:16] + 1  # middle tokens 1..78
+    x[:, 0, :, chosen] = -3.0  # keys against it
+    blob = quant.pack("k6v4z", x)
+    sel_off, sel_size = _section_offset_for("k6v4z", x.shape, "float32", "v_sel")
+    stored = blob[sel_off:sel_off + sel_size].view(torch.int16).reshape(2, 3, 16)
+    assert torch.equal(stored.long(), chosen.sort().values.expand(2, 3, 16))
+    low = quant.low_bit_value_tokens("k6v4z", x)
+    assert not low[:, :, chosen].any() and int(low.sum()) == 2 * 3 * (96 - 1 - 16 - 16)
+    y = quant.unpack("k6v4z", blob, x.shape, "float32")
+    step8 = (x[:, 1].amax(-1) - x[:, 1].amin(-1)) / 254
+    assert ((y - x)[:, 1, :, chosen].abs().amax(-1) <= step8[:, :, chosen] * 0.5 * 1.01).all()
+    _check_roundtrip("k6v4z", x, "float32")
+
+
+def _section_offset_for(mode, shape, dtype, name):
+    off = 0
+    for sec, size in quant._sections(mode, tuple(shape), dtype):
+        if sec == name:
+            return off, size
+        off += size
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("sel", [[5, 3], [0, 3], [3, 3], [40, 41]])
+def test_k6v4z_bad_selected_value_tokens_rejected(sel):
+    """Selected tokens must be ascending, distinct middle tokens; anything else is CorruptChunk, never a wrong
+    scatter."""
+    shape = (1, 2, 1, 48, 64)  # recent 16, selected 16, middle tokens 1..31
+    blob = quant.pack("k6v4z", torch.randn(shape, generator=torch.Generator().manual_seed(2)))
+    off, size = _section_offset_for("k6v4z", shape, "float32", "v_sel")
+    bad = blob.clone()
+    bad[off:off + 4] = torch.tensor(sel, dtype=torch.int16).view(torch.uint8)
+    if sel == [40, 41]:  # beyond the middle: the last two slots
+        bad[off:off + size] = torch.tensor(list(range(1, 15)) + sel, dtype=torch.int16).view(torch.uint8)
+    with pytest.raises(quant.CorruptChunk, match="selected value tokens"):
+        quant.unpack("k6v4z", _refresh_crc(bad), shape, "float32")

@@ -125,13 +125,15 @@ def _sections(mode: str, shape, kv_dtype: str) -> list[tuple[str, int]]:
     if n >= 2**32:
         raise ValueError("chunk too large for the quantized format (more than 2**32 elements per K or V)")
     ng = D // v_group_size(D)
+    if mode == "k6v4z" and T >= 2**15:
+        raise ValueError(f"k6v4z chunks hold at most {2**15 - 1} tokens, got {T}")
     secs = [("header", HEADER_BYTES)]
     if mode == "k8v8":
         return secs + [("k_codes", n), ("k_scale", 2 * L * H * D), ("k_zero", L * H * D),
                        ("v_codes", n), ("v_scale", 2 * L * H * T * ng), ("v_zero", L * H * T * ng)]
     if D % 2:
         raise ValueError(f"{mode} needs an even head_dim, got {D}")
-    nh, mid = _value_split(T)
+    nh, mid = _dense_value_split(T)[2:] if mode == "k6v4z" else _value_split(T)
     m = L * H * mid * ng
     values = [("v8_scale", 2 * L * H * nh * ng), ("v8_zero", L * H * nh * ng), ("v_scale", m), ("v_zero", (m + 1) // 2)]
     if mode == "k6v4z":
@@ -139,7 +141,9 @@ def _sections(mode: str, shape, kv_dtype: str) -> list[tuple[str, int]]:
         # raw), then zero padding up to the slot (never smaller than the raw layout at the coarsest key precision)
         # token 0's keys (the attention sink at chunk 0) 8-bit per token and group, as the 8-bit value tokens (its
         # zero points last: every float16 section stays 2-byte aligned)
-        fixed = [("z_header", Z_HEADER.size), ("k_scale", 2 * L * H * D), ("k_zero", L * H * D),
+        # the selected 8-bit value tokens: u16 token indices [L, H, N] (_dense_value_tokens)
+        fixed = [("z_header", Z_HEADER.size), ("v_sel", 2 * L * H * _dense_value_split(T)[1]),
+                 ("k_scale", 2 * L * H * D), ("k_zero", L * H * D),
                  ("k0_scale", 2 * L * H * ng), ("k0_codes", L * H * D)] + values + [("k0_zero", L * H * ng)]
         raw_floor = (L * H * (T - 1) * D + 1) // 2 + L * H * nh * D + L * H * mid * D // 2
         used = HEADER_BYTES + sum(b for _, b in fixed)
@@ -155,6 +159,46 @@ def _value_split(tokens: int) -> tuple[int, int]:
     """(tokens with 8-bit values: the first and the last V_RECENT, tokens with low-bit values) for a chunk."""
     recent = min(V_RECENT, tokens - 1)
     return 1 + recent, tokens - 1 - recent
+
+
+# k6v4z: its 8-bit value tokens are token 0, the last DENSE_V_RECENT and DENSE_V_SELECT more per (layer, head) whose
+# keys point most against the chunk's mean key (see _dense_value_tokens).
+DENSE_V_RECENT = 16
+DENSE_V_SELECT = 16
+
+
+def _dense_value_split(tokens: int) -> tuple[int, int, int, int]:
+    """k6v4z: (recent, selected, 8-bit, low-bit) value token counts per (layer, head) for a chunk."""
+    recent = min(DENSE_V_RECENT, tokens - 1)
+    sel = min(DENSE_V_SELECT, tokens - 1 - recent)
+    return recent, sel, 1 + recent + sel, tokens - 1 - recent - sel
+
+
+def _dense_value_tokens(k: torch.Tensor) -> torch.Tensor:
+    """k6v4z: the DENSE_V_SELECT middle tokens per (layer, head) whose values are kept at 8 bits, ascending, [L, H, N].
+
+    Which tokens' value errors matter is which tokens later queries attend to (besides the sink and the most recent
+    ones, 8-bit anyway): 8-bit values for the 16 that the scored text attends to most would cut the values' KL by
+    60 % (SmolLM2). The chunk alone predicts them: keys pointing against the chunk's mean key (the attention-sink
+    direction) hold 88 % of those tokens' attention, random ones 10 % (docs/quantization.md)."""
+    L, H, T, D = k.shape
+    recent, sel = _dense_value_split(T)[:2]
+    score = -(k * k.mean(dim=2, keepdim=True)).sum(-1)[:, :, 1:T - recent]  # middle tokens 1..T-1-recent
+    return (score.topk(sel, dim=-1).indices + 1).sort(dim=-1).values
+
+
+def _value_plan(tokens: int, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k6v4z: (8-bit token indices [L, H, NH]: token 0, the recent tail, the selected; low-bit token indices
+    [L, H, M]: the other middle tokens, ascending) from the selected tokens sel [L, H, N] (ascending, distinct)."""
+    L, H, n = sel.shape
+    recent, _, nh, mid = _dense_value_split(tokens)
+    fixed = torch.tensor([0] + list(range(tokens - recent, tokens)), device=sel.device).expand(L, H, 1 + recent)
+    low = torch.ones(L, H, tokens, dtype=torch.bool, device=sel.device)
+    low[:, :, 0] = False
+    low[:, :, tokens - recent:] = False
+    low.scatter_(2, sel, False)
+    rest = torch.arange(tokens, device=sel.device).expand(L, H, tokens)[low].reshape(L, H, mid)
+    return torch.cat([fixed, sel], dim=2), rest
 
 
 def _value_order(tokens: int) -> list[int]:
@@ -327,12 +371,17 @@ def pack(mode: str, chunk: torch.Tensor, rope_theta: float = 0.0) -> torch.Tenso
 _DTYPE_IDS_BY_TORCH = {v: k for k, v in _DTYPES.items()}
 
 
-def _quant_values_v4(v: torch.Tensor, g: int):
+def _quant_values_v4(v: torch.Tensor, g: int, plan: tuple[torch.Tensor, torch.Tensor] | None = None):
     """k8v4's values [L, H, T, D]: (8-bit codes, scales, zeros of the first and recent tokens; packed 4-bit codes,
-    log scale codes, packed zeros of the Hadamard-rotated middle tokens)."""
+    log scale codes, packed zeros of the Hadamard-rotated middle tokens). plan (k6v4z): per-(layer, head) 8-bit and
+    low-bit token indices (_value_plan) instead of k8v4's fixed split."""
     L, H, T, D = v.shape
-    nh, mid = _value_split(T)
-    vo = v[:, :, _value_order(T)]
+    if plan is None:
+        nh, mid = _value_split(T)
+        vo = v[:, :, _value_order(T)]
+    else:
+        nh, mid = plan[0].shape[2], plan[1].shape[2]
+        vo = v.gather(2, torch.cat(plan, dim=2).unsqueeze(-1).expand(L, H, T, D))
     v8 = _quant8_per_token(vo[:, :, :nh], g)  # first token (sink) and the recent tail: 8 bits
     y = vo[:, :, nh:].reshape(L, H, mid, D // g, g) @ _rotation(g, v.device)
     code, v_codes, v_zero = _quant_low_mse(y, 4)
@@ -465,18 +514,20 @@ def _pack_dense(k: torch.Tensor, v: torch.Tensor, g: int, secs, rope_theta: floa
     """k6v4z body parts: values exactly as k8v4, keys (in-chunk RoPE undone, see _dense_key_frame) per channel with
     the finest step floor of DENSE_KEY_STEPS whose entropy-coded codes fit the slot, code streams zstd-compressed,
     zero padding."""
+    sel = _dense_value_tokens(k)
+    v8_codes, v8_scale, v8_zero, v_codes, v_scale, v_zero = _quant_values_v4(v, g, _value_plan(k.shape[2], sel))
+    v_sel = _u8(sel.to(torch.int16))  # token indices < 2**15 (chunks of more tokens are refused by _sections)
     theta, k = _dense_key_frame(k, rope_theta)
     k0 = _quant8_per_token(k[:, :, :1], g)
     k = k[:, :, 1:]  # the per-channel coded tokens: 1..T-1
-    v8_codes, v8_scale, v8_zero, v_codes, v_scale, v_zero = _quant_values_v4(v, g)
     z_v8, z_v4 = _compress(v8_codes), _compress(v_codes)
     room = dict(secs)["streams"] - len(z_v8) - len(z_v4)
     if k.shape[2] == 0:  # a one-token chunk: nothing per channel (placeholder scales 1.0, zero points 0)
         zh = Z_HEADER.pack(255, 0, 0, 0, len(z_v8), len(z_v4), theta)
         L, H, _, D = k.shape
         scale = _u8(torch.ones(L, H, 1, D, dtype=torch.float16))
-        return _dense_parts(zh, scale, torch.zeros(L * H * D, dtype=torch.uint8), k0, v8_scale, v8_zero, v_scale,
-                            v_zero, z_v8 + z_v4, dict(secs)["streams"])
+        return _dense_parts(zh, v_sel, scale, torch.zeros(L * H * D, dtype=torch.uint8), k0, v8_scale, v8_zero,
+                            v_scale, v_zero, z_v8 + z_v4, dict(secs)["streams"])
     unit = _dense_key_unit(k)
 
     def keys_at(step: int):
@@ -505,15 +556,16 @@ def _pack_dense(k: torch.Tensor, v: torch.Tensor, g: int, secs, rope_theta: floa
         z_k = bytes(_pack_nibbles(k_codes.transpose(2, 3)).numpy())
         assert len(z_k) <= room, "k6v4z slot smaller than its raw floor"
     zh = Z_HEADER.pack(top, step, 0, len(z_k), len(z_v8), len(z_v4), theta)
-    return _dense_parts(zh, k_scale, k_zero, k0, v8_scale, v8_zero, v_scale, v_zero, z_k + z_v8 + z_v4,
+    return _dense_parts(zh, v_sel, k_scale, k_zero, k0, v8_scale, v8_zero, v_scale, v_zero, z_k + z_v8 + z_v4,
                         dict(secs)["streams"])
 
 
-def _dense_parts(zh: bytes, k_scale, k_zero, k0, v8_scale, v8_zero, v_scale, v_zero, streams: bytes, slot: int):
+def _dense_parts(zh: bytes, v_sel, k_scale, k_zero, k0, v8_scale, v8_zero, v_scale, v_zero, streams: bytes,
+                 slot: int):
     """k6v4z body parts in layout order, the streams zero-padded to the slot."""
     as_u8 = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
     k0_codes, k0_scale, k0_zero = k0
-    return [as_u8(zh), k_scale, k_zero, k0_scale, k0_codes, v8_scale, v8_zero, v_scale, v_zero, k0_zero,
+    return [as_u8(zh), v_sel, k_scale, k_zero, k0_scale, k0_codes, v8_scale, v8_zero, v_scale, v_zero, k0_zero,
             as_u8(streams + bytes(slot - len(streams)))]
 
 
@@ -622,11 +674,16 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
         out[:, 0].copy_(_rope(keys, theta, 1.0) if theta else keys)  # the rotation keeps |key| within the bound
     else:
         out[:, 0].copy_(per_channel("k", T, 255))
-    nh, mid = _value_split(T)
-    v8 = dequant8("v8", nh)
-    out[:, 1, :, :1].copy_(v8[:, :, :1])
-    if nh > 1:
-        out[:, 1, :, T - (nh - 1):].copy_(v8[:, :, 1:])
+    if mode == "k6v4z":
+        eight, low = _value_plan(T, _dense_selected(views["v_sel"], L, H, T))
+        nh, mid = eight.shape[2], low.shape[2]
+        out[:, 1].scatter_(2, eight.unsqueeze(-1).expand(L, H, nh, D), dequant8("v8", nh).to(out.dtype))
+    else:
+        nh, mid = _value_split(T)
+        v8 = dequant8("v8", nh)
+        out[:, 1, :, :1].copy_(v8[:, :, :1])
+        if nh > 1:
+            out[:, 1, :, T - (nh - 1):].copy_(v8[:, :, 1:])
     if mid:
         top = 15
         m = L * H * mid * ng
@@ -639,8 +696,22 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
             raise CorruptChunk(f"value scales out of range: dequantized values would overflow {kv_dtype}")
         codes = _unpack_nibbles(views["v_codes"], L * H * mid * D).reshape(L, H, mid, ng, g).float()
         y = torch.addcmul(-zero.float() * scale, codes, scale)
-        out[:, 1, :, 1:1 + mid].copy_((y @ _rotation(g, out.device)).reshape(L, H, mid, D))
+        y = (y @ _rotation(g, out.device)).reshape(L, H, mid, D)
+        if mode == "k6v4z":
+            out[:, 1].scatter_(2, low.unsqueeze(-1).expand(L, H, mid, D), y.to(out.dtype))
+        else:
+            out[:, 1, :, 1:1 + mid].copy_(y)
     return out
+
+
+def _dense_selected(raw: torch.Tensor, L: int, H: int, T: int) -> torch.Tensor:
+    """k6v4z: the stored selected 8-bit value tokens [L, H, N], checked: middle tokens (1..T-1-recent), strictly
+    ascending per (layer, head); CorruptChunk if not."""
+    recent, n = _dense_value_split(T)[:2]
+    sel = raw.view(torch.int16).long().reshape(L, H, n)
+    if n and ((sel < 1).any() or (sel > T - 1 - recent).any() or (sel[..., 1:] <= sel[..., :-1]).any()):
+        raise CorruptChunk(f"k6v4z selected value tokens must be ascending middle tokens 1..{T - 1 - recent}")
+    return sel
 
 
 def _dense_streams(views: dict, L: int, H: int, T: int, D: int) -> dict:
@@ -654,7 +725,7 @@ def _dense_streams(views: dict, L: int, H: int, T: int, D: int) -> dict:
     streams = views.pop("streams")
     if n_k + n_v8 + n_v4 > streams.numel() or streams[n_k + n_v8 + n_v4:].any():
         raise CorruptChunk("k6v4z stream lengths exceed the slot, or its padding is not zero")
-    nh, mid = _value_split(T)
+    nh, mid = _dense_value_split(T)[2:]
     n = L * H * (T - 1) * D  # per-channel key codes: tokens 1..T-1 (token 0's are k0_codes)
     k_raw = (n + 1) // 2 if top == 15 else n
     want = {"k_codes": k_raw, "v8_codes": L * H * nh * D, "v_codes": L * H * mid * D // 2}
@@ -720,19 +791,30 @@ def error_bound(mode: str, chunk: torch.Tensor, rope_theta: float = 0.0) -> torc
         kb = torch.cat([pair, pair], dim=-1) + 1e-6 * k.abs().amax(dim=(2, 3), keepdim=True)
     vg = v.reshape(L, H, T, ng, g)
     vb = (_needed_scale(vg, 4, 255).clamp(min=_FP16_MIN_SCALE) * (1 + 2.0 ** -10) / 2).expand(L, H, T, ng, g).clone()
-    nh, mid = _value_split(T)
-    if mode in ("k8v4", "k6v4z") and mid:
-        vb[:, :, 1:1 + mid] = value_group_l2_bound(chunk).unsqueeze(-1).expand(L, H, mid, ng, g)
+    if mode in ("k8v4", "k6v4z"):
+        low = low_bit_value_tokens(mode, chunk)[..., None, None].expand(L, H, T, ng, g)
+        vb = torch.where(low, value_group_l2_bound(chunk).unsqueeze(-1).expand(L, H, T, ng, g), vb)
     return torch.stack([kb.expand(L, H, T, D), vb.reshape(L, H, T, D)], dim=1)
 
 
+def low_bit_value_tokens(mode: str, chunk: torch.Tensor) -> torch.Tensor:
+    """k8v4, k6v4z: which tokens' values are 4-bit coded, bool [L, H, T] (k8v4: tokens 1..T-1-V_RECENT; k6v4z: the
+    middle tokens but the selected ones, per (layer, head))."""
+    L, _, H, T, D = chunk.shape
+    low = torch.zeros(L, H, T, dtype=torch.bool, device=chunk.device)
+    if mode == "k6v4z":
+        rest = _value_plan(T, _dense_value_tokens(chunk[:, 0].float()))[1]
+        return low.scatter_(2, rest, True)
+    low[:, :, 1:1 + _value_split(T)[1]] = True
+    return low
+
+
 def value_group_l2_bound(chunk: torch.Tensor) -> torch.Tensor:
-    """k8v4: bound on the L2 norm of the value error of each group of the 4-bit tokens 1..T-1-V_RECENT (the middle
-    of the chunk), shape [L, H, M, NG]."""
+    """k8v4, k6v4z: bound on the L2 norm of the value error of each group of a 4-bit coded token (see
+    low_bit_value_tokens), computed for every token, shape [L, H, T, NG]."""
     x = chunk.float()
     L, _, H, T, D = x.shape
     g = v_group_size(D)
-    mid = _value_split(T)[1]
-    y = x[:, 1, :, 1:1 + mid].reshape(L, H, mid, D // g, g) @ _rotation(g, x.device)
+    y = x[:, 1].reshape(L, H, T, D // g, g) @ _rotation(g, x.device)
     s1 = _LOG_TABLE.to(x.device)[_log_code_up(_needed_scale(y, 4, 15)).long()]
     return (math.sqrt(g) * s1 / 2 * (1 + 1e-4) + 1e-6 * y.abs().amax(dim=-1, keepdim=True)).squeeze(-1)
