@@ -33,7 +33,9 @@ NG = D // G groups per token, NH = 1 + min(32, T-1) tokens with 8-bit values, M 
            V zero  ceil(L*H*M*NG / 2) B: 4-bit zero points in 0..14, two per byte (low nibble first)
 
 k6v4z (issue 16, the dense mode; format 2, header mode 5, 4 was format 1): a fixed slot of 1/3.5 of the chunk's fp16
-bytes. Values exactly as k8v4. Keys: token 0's (the attention sink at chunk 0) 8-bit per token and group; tokens
+bytes. Values coded as k8v4's, but the 8-bit tokens are token 0, the last DENSE_V_RECENT = 16 and DENSE_V_SELECT = 16
+per (layer, head) whose keys point most against the chunk's mean key (_dense_value_tokens; their indices stored).
+Keys: token 0's (the attention sink at chunk 0) 8-bit per token and group; tokens
 1..T-1 with each token's in-chunk RoPE rotation undone when the caller gives the RoPE base and that helps
 (_dense_key_frame), then per channel with 8-bit codes whose step is the larger of the channel's range / 254 and a
 floor alpha * _dense_key_unit (the chunk's key RMS weighted by the channel pair's energy ** -1/2: keys and queries are
@@ -42,9 +44,11 @@ code rows ordered by their step), and the encoder takes the finest alpha of DENS
 (rate control), else 4-bit key codes stored raw::
 
     header 16 B (mode 5) | sub-header 20 B: key code top u8 (255 or 15), key step index u8, reserved u16 = 0,
-    stream lengths u32 K, V8, V4, RoPE base f32 (0: none undone) | K scale 2*L*H*D B float16 | K zero L*H*D B |
-    K0 scale 2*L*H*NG B float16 | K0 codes L*H*D B | the k8v4 value scales and zero points (V8 scale, V8 zero,
-    V scale, V zero) | K0 zero L*H*NG B | streams: K codes of tokens 1..T-1, L*H*D rows of T-1 (uint8, rows in
+    stream lengths u32 K, V8, V4, RoPE base f32 (0: none undone) | selected value tokens 2*L*H*N B int16 [L, H, N],
+    ascending | K scale 2*L*H*D B float16 | K zero L*H*D B |
+    K0 scale 2*L*H*NG B float16 | K0 codes L*H*D B | the value scales and zero points as k8v4's (V8 scale, V8 zero,
+    V scale, V zero; V8 tokens per (layer, head): 0, the recent ones, the selected; V tokens: the other middle ones,
+    ascending) | K0 zero L*H*NG B | streams: K codes of tokens 1..T-1, L*H*D rows of T-1 (uint8, rows in
     _key_row_order) or [L, H, D, T-1] 4-bit pairs when top = 15, V8 codes, V4 codes, each a zstd frame of exactly its
     raw size or those raw bytes (told apart by the length) | zero padding to the slot
 
@@ -449,15 +453,16 @@ _ROPE_TABLES: dict = {}
 
 
 def _rope_table(theta: float, tokens: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [tokens, head_dim / 2] of the angles t * theta**(-2i / head_dim), t = 0..tokens-1 (float64
-    angles; the encoder and the decoder compute the same float32 tables from the blob's float32 theta)."""
+    """(cos, cos) and (-sin, sin) [tokens, head_dim] of the angles t * theta**(-2i / head_dim), t = 0..tokens-1
+    (float64 angles; the encoder and the decoder compute the same float32 tables from the blob's float32 theta)."""
     key = (theta, tokens, head_dim, str(device))
     if key not in _ROPE_TABLES:
         if len(_ROPE_TABLES) > 64:
             _ROPE_TABLES.clear()
         inv = float(theta) ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         ang = torch.arange(tokens, dtype=torch.float64)[:, None] * inv[None]
-        _ROPE_TABLES[key] = (ang.cos().float().to(device), ang.sin().float().to(device))
+        cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
+        _ROPE_TABLES[key] = (torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1))
     return _ROPE_TABLES[key]
 
 
@@ -468,7 +473,7 @@ def _rope(k: torch.Tensor, theta: float, sign: float) -> torch.Tensor:
     cos, sin = _rope_table(theta, T, D, k.device)
     h = D // 2
     swapped = torch.cat([k[..., h:], k[..., :h]], dim=-1)  # (b, a): x * cos + swapped * (-sin, sin) rotates (a, b)
-    return torch.addcmul(k * torch.cat([cos, cos], -1), swapped, torch.cat([-sin, sin], -1) * sign)
+    return torch.addcmul(k * cos, swapped, sin, value=sign)
 
 
 def _dense_key_frame(k: torch.Tensor, rope_theta: float) -> tuple[float, torch.Tensor]:
@@ -639,7 +644,7 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
     elif tuple(out.shape) != (L, 2, H, T, D) or out.dtype != _DTYPES[kv_dtype]:
         raise ValueError(f"out must be {(L, 2, H, T, D)} {kv_dtype}, got {tuple(out.shape)} {out.dtype}")
 
-    def per_channel(prefix: str, tokens: int, top: int) -> torch.Tensor:
+    def per_channel(prefix: str, tokens: int, top: int, into: torch.Tensor | None = None) -> torch.Tensor:
         scale = views[f"{prefix}_scale"].view(torch.float16).float().reshape(L, H, 1, D)
         if not (torch.isfinite(scale).all() and (scale > 0).all()):
             raise CorruptChunk("key scales are not finite positive numbers")
@@ -650,7 +655,7 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
             raise CorruptChunk(f"key scales out of range: dequantized values would overflow {kv_dtype}")
         codes = views[f"{prefix}_codes"]
         # x = code * scale - zero * scale: one fused multiply-add per element
-        return torch.addcmul(-zero.float() * scale, codes.reshape(L, H, tokens, D).float(), scale)
+        return torch.addcmul(-zero.float() * scale, codes.reshape(L, H, tokens, D).float(), scale, out=into)
 
     def dequant8(prefix: str, tokens: int, what: str = "value") -> torch.Tensor:
         scale = views[f"{prefix}_scale"].view(torch.float16).float().reshape(L, H, tokens, ng, 1)
@@ -670,14 +675,16 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
         return out
     if mode == "k6v4z":
         theta = float(views["rope_theta"])
-        keys = torch.cat([dequant8("k0", 1, "token 0 key"), per_channel("k", T - 1, int(views["key_top"]))], dim=2)
+        keys = torch.empty((L, H, T, D), device=out.device)
+        keys[:, :, :1] = dequant8("k0", 1, "token 0 key")
+        per_channel("k", T - 1, int(views["key_top"]), into=keys[:, :, 1:])
         out[:, 0].copy_(_rope(keys, theta, 1.0) if theta else keys)  # the rotation keeps |key| within the bound
     else:
         out[:, 0].copy_(per_channel("k", T, 255))
     if mode == "k6v4z":
         eight, low = _value_plan(T, _dense_selected(views["v_sel"], L, H, T))
         nh, mid = eight.shape[2], low.shape[2]
-        out[:, 1].scatter_(2, eight.unsqueeze(-1).expand(L, H, nh, D), dequant8("v8", nh).to(out.dtype))
+        parts = [dequant8("v8", nh)]  # stored order; put back in token order below
     else:
         nh, mid = _value_split(T)
         v8 = dequant8("v8", nh)
@@ -698,9 +705,13 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
         y = torch.addcmul(-zero.float() * scale, codes, scale)
         y = (y @ _rotation(g, out.device)).reshape(L, H, mid, D)
         if mode == "k6v4z":
-            out[:, 1].scatter_(2, low.unsqueeze(-1).expand(L, H, mid, D), y.to(out.dtype))
+            parts.append(y)
         else:
             out[:, 1, :, 1:1 + mid].copy_(y)
+    if mode == "k6v4z":  # one row gather: token t of (layer, head) is stored row inverse[t] of it
+        inverse = torch.argsort(torch.cat([eight, low], dim=2), dim=2)
+        rows = (inverse + torch.arange(L * H, device=out.device).view(L, H, 1) * T).reshape(-1)
+        out[:, 1].copy_(torch.cat(parts, dim=2).reshape(L * H * T, D).index_select(0, rows).reshape(L, H, T, D))
     return out
 
 
