@@ -403,6 +403,9 @@ def test_k6v4z_codes_keys_with_rope_undone():
     blob = quant.pack("k6v4z", x, theta)  # not rotated: undoing a rotation would smear it, so none is undone
     assert quant.Z_HEADER.unpack(bytes(blob[off:off + quant.Z_HEADER.size].tolist()))[-1] == 0.0
     _check_roundtrip("k6v4z", x, "float32", theta)
+    blob = quant.pack("k6v4z", rotated, 1e39)  # beyond float32: not used (the decoder would refuse an infinite base)
+    assert quant.Z_HEADER.unpack(bytes(blob[off:off + quant.Z_HEADER.size].tolist()))[-1] == 0.0
+    _check_roundtrip("k6v4z", rotated, "float32", 1e39)
 
 
 def test_rope_theta_of_model_configs():

@@ -483,7 +483,7 @@ def _dense_key_frame(k: torch.Tensor, rope_theta: float) -> tuple[float, torch.T
     steps can't take the oscillation out; undone, the pair is constant again (a fixed rotation by the chunk's start
     position is left, which keeps it constant). With the model's base this cuts the key MSE at equal bytes by 44 %."""
     theta = float(torch.tensor(rope_theta, dtype=torch.float32))  # what the sub-header keeps
-    if theta <= 0 or k.shape[-1] % 2:
+    if not 0 < theta < math.inf or k.shape[-1] % 2:  # (a base beyond float32 would be refused by the decoder)
         return 0.0, k
     kr = _rope(k, theta, -1.0)
     return (theta, kr) if float(_rms(kr).sum()) < float(_rms(k).sum()) else (0.0, k)
