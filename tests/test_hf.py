@@ -111,6 +111,15 @@ def test_quantized_modes_reuse(mode, tiny, client):
     assert (res.logits - ref).abs().max() < 0.5
     # a different mode is a different fingerprint: nothing shared
     assert PromptCacheHF(tiny, client, revision="t4", quantization="none").fetch(ids).cached_tokens == 0
+    if mode == "k6v4z":  # the model's RoPE base reaches the encoder: its keys are coded with RoPE undone
+        from promptcache.contract import quant
+
+        assert pc.rope_theta == tiny.config.rope_parameters["rope_theta"] == 10000.0
+        blobs = client.get_blobs(pc.spec, ids[0].tolist()[:4 * CT])
+        assert len(blobs) == 4
+        bases = {quant.Z_HEADER.unpack(bytes(b[quant.HEADER_BYTES:quant.HEADER_BYTES + quant.Z_HEADER.size].tolist()))[-1]
+                 for b in blobs}
+        assert bases == {10000.0}  # even this random model's keys have a smaller RMS with RoPE undone
 
 
 def test_generate_matches_plain_generate(tiny, client):

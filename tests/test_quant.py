@@ -34,8 +34,8 @@ def chunks(draw):
     return x.to(DTYPES[dtype]), dtype
 
 
-def _check_roundtrip(mode, x, dtype):
-    blob = quant.pack(mode, x)
+def _check_roundtrip(mode, x, dtype, rope_theta=0.0):
+    blob = quant.pack(mode, x, rope_theta)
     assert blob.dtype == torch.uint8 and blob.dim() == 1
     assert blob.numel() == quant.packed_nbytes(mode, tuple(x.shape), dtype)
     y = quant.unpack(mode, blob, tuple(x.shape), dtype)
@@ -43,15 +43,16 @@ def _check_roundtrip(mode, x, dtype):
     assert torch.isfinite(y).all()
     err = (y.float() - x.float()).abs()
     # quantization bound plus the final rounding to the KV dtype
-    bound = quant.error_bound(mode, x) * 1.0001 + y.float().abs() * torch.finfo(x.dtype).eps + 1e-30
+    bound = quant.error_bound(mode, x, rope_theta) * 1.0001 + y.float().abs() * torch.finfo(x.dtype).eps + 1e-30
     assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
     L, _, H, T, D = x.shape
-    mid = T - 1 - min(quant.V_RECENT, T - 1)  # k8v4's 4-bit tokens: 1 .. mid
-    if mode in ("k8v4", "k6v4z") and mid:
+    if mode in ("k8v4", "k6v4z"):  # the 4-bit coded tokens: each group's L2 error within its bound
         g = quant.v_group_size(D)
-        e = (y.float() - x.float())[:, 1, :, 1:1 + mid].reshape(L, H, mid, D // g, g)
-        slack = y.float()[:, 1, :, 1:1 + mid].abs().reshape(L, H, mid, D // g, g).amax(-1) * torch.finfo(x.dtype).eps * g
-        assert (e.norm(dim=-1) <= quant.value_group_l2_bound(x) + slack).all()
+        low = quant.low_bit_value_tokens(mode, x)
+        assert int(low.sum()) == L * H * max(0, T - 1 - min(quant.V_RECENT if mode == "k8v4" else 32, T - 1))
+        e = (y.float() - x.float())[:, 1].reshape(L, H, T, D // g, g)
+        slack = y.float()[:, 1].abs().reshape(L, H, T, D // g, g).amax(-1) * torch.finfo(x.dtype).eps * g
+        assert (e.norm(dim=-1) <= quant.value_group_l2_bound(x) + slack)[low].all()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -60,6 +61,19 @@ def _check_roundtrip(mode, x, dtype):
 def test_roundtrip_within_bound_and_exact_length(mode, data):
     x, dtype = data
     _check_roundtrip(mode, x, dtype)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=chunks(), theta=st.sampled_from([1e4, 1e5, 0.5]), rotated=st.booleans())
+def test_k6v4z_roundtrip_with_rope_undone_within_bound(data, theta, rotated):
+    """k6v4z with a RoPE base: keys that are RoPE-rotated (the base then helps and is used) or not (it may not help
+    and is dropped); either way the error stays within error_bound(..., rope_theta)."""
+    x, dtype = data
+    if rotated and x.shape[-1] % 2 == 0:
+        x = x.float()
+        x[:, 0] = quant._rope(x[:, 0], theta, 1.0)
+        x = x.to(DTYPES[dtype])
+    _check_roundtrip("k6v4z", x, dtype, theta)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -123,6 +137,7 @@ def test_format_header_mode_ids():
     x = torch.randn(1, 2, 1, 20, 64)
     assert quant.pack("k8v8", x)[5].item() == 1
     assert quant.pack("k8v4", x)[5].item() == 3  # format 2 (format 1 was id 2)
+    assert quant.pack("k6v4z", x)[5].item() == 5  # format 2 (format 1 was id 4)
 
 
 def test_bad_arguments():
@@ -136,6 +151,9 @@ def test_bad_arguments():
         quant.pack("k8v4", torch.tensor([float("nan")]).expand(1, 2, 1, 1, 64).contiguous())
     with pytest.raises(ValueError, match="dtype"):
         quant.pack("k8v4", torch.zeros(1, 2, 1, 1, 64, dtype=torch.float64))
+    for theta in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="rope_theta"):
+            quant.pack("k6v4z", torch.zeros(1, 2, 1, 1, 64), theta)
 
 
 # ------------------------------------------------------------------------------------------------ corrupt blobs
@@ -280,37 +298,44 @@ def test_k6v4z_rate_control_picks_the_finest_key_step_that_fits():
     """Compressible keys get the finest key step; keys of white noise over a wide range need a coarser one to fit;
     a chunk too small for zstd to pay falls back to raw 4-bit key codes. Every blob fills exactly the fixed slot and
     stays within the error bound."""
+    def relative_key_error(x):  # key RMS error over the keys' RMS about their channels' medians
+        y = quant.unpack("k6v4z", quant.pack("k6v4z", x), x.shape, "float32")
+        return float((y - x)[:, 0].square().mean().sqrt() / quant._rms(x[:, 0]).square().mean().sqrt())
+
     smooth = _keys_like()
     blob = quant.pack("k6v4z", smooth)
-    top, smooth_step = blob[quant.HEADER_BYTES].item(), blob[quant.HEADER_BYTES + 1].item()
-    assert top == 255 and smooth_step < len(quant.DENSE_KEY_STEPS)
+    assert blob[quant.HEADER_BYTES].item() == 255 and blob[quant.HEADER_BYTES + 1].item() < len(quant.DENSE_KEY_STEPS)
     _check_roundtrip("k6v4z", smooth, "float32")
     noisy = smooth.clone()
     noisy[:, 0] = torch.rand(noisy[:, 0].shape, generator=torch.Generator().manual_seed(1)) * 100 - 50
     blob = quant.pack("k6v4z", noisy)
-    assert smooth_step < blob[quant.HEADER_BYTES + 1].item() < len(quant.DENSE_KEY_STEPS)
+    assert blob[quant.HEADER_BYTES].item() == 255 and blob[quant.HEADER_BYTES + 1].item() < len(quant.DENSE_KEY_STEPS)
+    assert relative_key_error(smooth) < relative_key_error(noisy)  # the compressible keys: finer (0.032 vs 0.051)
     _check_roundtrip("k6v4z", noisy, "float32")
     tiny = noisy[:1, :, :1, :8, :8].contiguous()  # too small for zstd to pay, too random to fit at 8 bits
     blob = quant.pack("k6v4z", tiny)
     assert (blob[quant.HEADER_BYTES].item(), blob[quant.HEADER_BYTES + 1].item()) == (15, len(quant.DENSE_KEY_STEPS))
     _check_roundtrip("k6v4z", tiny, "float32")
-    # the values are k8v4's, bit for bit
+    # the values are coded per token as k8v4 codes them: equal bit for bit wherever both modes give a token the same
+    # precision (k6v4z keeps 16 recent tokens and 16 selected ones at 8 bits, k8v4 the last 32)
     y = quant.unpack("k6v4z", quant.pack("k6v4z", smooth), smooth.shape, "float32")
     y8 = quant.unpack("k8v4", quant.pack("k8v4", smooth), smooth.shape, "float32")
-    assert torch.equal(y[:, 1], y8[:, 1])
+    low6, low8 = quant.low_bit_value_tokens("k6v4z", smooth), quant.low_bit_value_tokens("k8v4", smooth)
+    same = (low6 == low8).unsqueeze(-1).expand_as(y[:, 1])
+    assert torch.equal(y[:, 1][same], y8[:, 1][same]) and (~same).any()
 
 
 def _dense_parts(blob, shape=SHAPE, dtype="float16"):
     off, _ = _section_offset("k6v4z", dtype, "z_header")
-    top, step, _, n_k, n_v8, n_v4 = quant.Z_HEADER.unpack(bytes(blob[off:off + quant.Z_HEADER.size].tolist()))
+    top, step, _, n_k, n_v8, n_v4, _ = quant.Z_HEADER.unpack(bytes(blob[off:off + quant.Z_HEADER.size].tolist()))
     s_off, s_size = _section_offset("k6v4z", dtype, "streams")
     return off, top, (n_k, n_v8, n_v4), s_off, s_size
 
 
-def _reseal_dense(blob, top, lengths, streams, dtype="float16"):
+def _reseal_dense(blob, top, lengths, streams, dtype="float16", theta=0.0):
     off, _, _, s_off, s_size = _dense_parts(blob, dtype=dtype)
     bad = blob.clone()
-    bad[off:off + quant.Z_HEADER.size] = torch.frombuffer(bytearray(quant.Z_HEADER.pack(top, 0, 0, *lengths)),
+    bad[off:off + quant.Z_HEADER.size] = torch.frombuffer(bytearray(quant.Z_HEADER.pack(top, 0, 0, *lengths, theta)),
                                                           dtype=torch.uint8)
     body = bytes(streams) + bytes(s_size - len(streams))
     bad[s_off:s_off + s_size] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
@@ -326,6 +351,9 @@ def test_k6v4z_corrupt_streams_rejected():
     assert quant.unpack("k6v4z", _reseal_dense(blob, top, lengths, streams), SHAPE, "float16") is not None
     with pytest.raises(quant.CorruptChunk, match="key code top 17"):
         quant.unpack("k6v4z", _reseal_dense(blob, 17, lengths, streams), SHAPE, "float16")
+    for theta in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(quant.CorruptChunk, match="RoPE base"):
+            quant.unpack("k6v4z", _reseal_dense(blob, top, lengths, streams, theta=theta), SHAPE, "float16")
     with pytest.raises(quant.CorruptChunk, match="exceed the slot"):
         quant.unpack("k6v4z", _reseal_dense(blob, top, (s_size, *lengths[1:]), streams), SHAPE, "float16")
     padded = blob.clone()
@@ -351,3 +379,110 @@ def test_large_float16_keys_round_trip(mode):
         x = torch.randn(2, 2, 3, 12, 2, generator=torch.Generator().manual_seed(seed)) * 300
         x[:, 0, :, :, 0] *= 20  # an outlier channel, as keys have
         _check_roundtrip(mode, x.to(torch.float16), "float16")
+
+
+def test_k6v4z_codes_keys_with_rope_undone():
+    """Keys whose channels hold constant components, rotated by RoPE as a model stores them: with the model's base the
+    encoder undoes each token's in-chunk rotation (the base is in the sub-header), and the key error at the same
+    slot is far lower than when coding the rotated keys; the decoder re-applies the rotation without being told the
+    base. Keys RoPE does not fit (constant channels, not rotated) keep the base out (0 in the sub-header)."""
+    theta = 1e5
+    x = _keys_like(T=256, seed=3)
+    x[:, 0, :, 0] -= 10  # no sink token here: the channels' constant components are what RoPE smears
+    rotated = x.clone()
+    rotated[:, 0] = quant._rope(x[:, 0], theta, 1.0)
+    off = quant.HEADER_BYTES  # the sub-header follows the header
+    key_mse = {}
+    for base in (0.0, theta):
+        blob = quant.pack("k6v4z", rotated, base)
+        assert quant.Z_HEADER.unpack(bytes(blob[off:off + quant.Z_HEADER.size].tolist()))[-1] == base
+        y = quant.unpack("k6v4z", blob, rotated.shape, "float32")
+        key_mse[base] = float((y - rotated)[:, 0].square().mean())
+        _check_roundtrip("k6v4z", rotated, "float32", base)
+    assert key_mse[theta] < 0.5 * key_mse[0.0], key_mse
+    blob = quant.pack("k6v4z", x, theta)  # not rotated: undoing a rotation would smear it, so none is undone
+    assert quant.Z_HEADER.unpack(bytes(blob[off:off + quant.Z_HEADER.size].tolist()))[-1] == 0.0
+    _check_roundtrip("k6v4z", x, "float32", theta)
+    blob = quant.pack("k6v4z", rotated, 1e39)  # beyond float32: not used (the decoder would refuse an infinite base)
+    assert quant.Z_HEADER.unpack(bytes(blob[off:off + quant.Z_HEADER.size].tolist()))[-1] == 0.0
+    _check_roundtrip("k6v4z", rotated, "float32", 1e39)
+
+
+def test_rope_theta_of_model_configs():
+    from transformers import LlamaConfig
+
+    assert quant.rope_theta_of(LlamaConfig(rope_theta=100000.0)) == 100000.0
+    assert quant.rope_theta_of(LlamaConfig()) == 10000.0
+    scaled = LlamaConfig(max_position_embeddings=131072, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    assert quant.rope_theta_of(scaled) == 0.0  # scaled frequencies: not the rotation k6v4z undoes
+
+
+# A k6v4z chunk in format 1 (keys coded as stored, after RoPE; 16-byte sub-header), packed by that code from
+# x = (arange(64).reshape(2, 2, 1, 4, 4) - 15) / 7 in float32.
+K6V4Z_FORMAT1 = bytes.fromhex(
+    "5043513101040000f87994ac200000000f0f0000100000002000000000000000e63093303f30d72fbd34e63410353a350e0e0e0e000000"
+    "009c189c1cea1e9c202f25c3255626ea26000000000000000040b740c840d950e9a8eca8eca9eca9ec3f7fbefe9fbedefebed4e9fecede"
+    "eefee9f0f7feebf1f8feedf2f8feeef3f9fe")
+
+
+def test_k6v4z_format1_chunks_are_never_misread():
+    """Format-1 chunks get other keys (fingerprint field 7 is "k6v4z.2") and, if one arrived anyway, are refused."""
+    from promptcache.contract.keys import QUANT_FORMATS
+
+    assert QUANT_FORMATS["k6v4z"] == "k6v4z.2"
+    old = torch.frombuffer(bytearray(K6V4Z_FORMAT1), dtype=torch.uint8)
+    assert quant.read_header(old)["mode"] == "k6v4z format 1 (retired)"
+    shape = (2, 2, 1, 4, 4)
+    n = quant.packed_nbytes("k6v4z", shape, "float32")
+    assert n != old.numel()
+    with pytest.raises(quant.CorruptChunk, match=f"must be {n} bytes, got {old.numel()}"):
+        quant.unpack("k6v4z", old, shape, "float32")
+    forged = _refresh_crc(torch.cat([old, torch.zeros(n - old.numel(), dtype=torch.uint8)]))
+    with pytest.raises(quant.CorruptChunk, match="k6v4z format 1 \\(retired\\), expected k6v4z"):
+        quant.unpack("k6v4z", forged, shape, "float32")
+
+
+def test_k6v4z_keeps_the_values_of_tokens_whose_keys_oppose_the_mean_key_at_8_bits():
+    """Tokens whose keys point against the chunk's mean key (where attention heads put their sink-like mass) get 8-bit
+    values: 16 per (layer, head), stored as token indices; every other middle token is 4-bit."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn((2, 2, 3, 96, 64), generator=g)
+    x[:, 0] += 2.0  # a common key direction (the chunk's mean key)
+    chosen = torch.randperm(96 - 17, generator=g)[:16] + 1  # middle tokens 1..78
+    x[:, 0, :, chosen] = -3.0  # keys against it
+    blob = quant.pack("k6v4z", x)
+    sel_off, sel_size = _section_offset_for("k6v4z", x.shape, "float32", "v_sel")
+    stored = blob[sel_off:sel_off + sel_size].view(torch.int16).reshape(2, 3, 16)
+    assert torch.equal(stored.long(), chosen.sort().values.expand(2, 3, 16))
+    low = quant.low_bit_value_tokens("k6v4z", x)
+    assert not low[:, :, chosen].any() and int(low.sum()) == 2 * 3 * (96 - 1 - 16 - 16)
+    y = quant.unpack("k6v4z", blob, x.shape, "float32")
+    step8 = (x[:, 1].amax(-1) - x[:, 1].amin(-1)) / 254
+    assert ((y - x)[:, 1, :, chosen].abs().amax(-1) <= step8[:, :, chosen] * 0.5 * 1.01).all()
+    _check_roundtrip("k6v4z", x, "float32")
+
+
+def _section_offset_for(mode, shape, dtype, name):
+    off = 0
+    for sec, size in quant._sections(mode, tuple(shape), dtype):
+        if sec == name:
+            return off, size
+        off += size
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("sel", [[5, 3], [0, 3], [3, 3], [40, 41]])
+def test_k6v4z_bad_selected_value_tokens_rejected(sel):
+    """Selected tokens must be ascending, distinct middle tokens; anything else is CorruptChunk, never a wrong
+    scatter."""
+    shape = (1, 2, 1, 48, 64)  # recent 16, selected 16, middle tokens 1..31
+    blob = quant.pack("k6v4z", torch.randn(shape, generator=torch.Generator().manual_seed(2)))
+    off, size = _section_offset_for("k6v4z", shape, "float32", "v_sel")
+    bad = blob.clone()
+    bad[off:off + 4] = torch.tensor(sel, dtype=torch.int16).view(torch.uint8)
+    if sel == [40, 41]:  # beyond the middle: the last two slots
+        bad[off:off + size] = torch.tensor(list(range(1, 15)) + sel, dtype=torch.int16).view(torch.uint8)
+    with pytest.raises(quant.CorruptChunk, match="selected value tokens"):
+        quant.unpack("k6v4z", _refresh_crc(bad), shape, "float32")

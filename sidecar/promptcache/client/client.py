@@ -358,11 +358,12 @@ class PromptCacheClient:
             return None
 
     # --- tensors ----------------------------------------------------------------------------------------
-    def put(self, spec: ModelSpec, tokens, kv: KV, start_chunk: int = 0, timeout: float | None = None) -> PutResult:
-        """Store every whole chunk of `kv` (covering `tokens`) from start_chunk on."""
+    def put(self, spec: ModelSpec, tokens, kv: KV, start_chunk: int = 0, timeout: float | None = None,
+            rope_theta: float = 0.0) -> PutResult:
+        """Store every whole chunk of `kv` (covering `tokens`) from start_chunk on. rope_theta: see encode_chunk."""
         ct = self.chunk_tokens
         n_chunks = min(len(_tokens(tokens)), _kv_tokens(kv)) // ct
-        blobs = {i: encode_chunk(spec, kv, i * ct, (i + 1) * ct) for i in range(start_chunk, n_chunks)}
+        blobs = {i: encode_chunk(spec, kv, i * ct, (i + 1) * ct, rope_theta) for i in range(start_chunk, n_chunks)}
         if not blobs:
             return PutResult(0, 0, 0, 0)
         return self.put_blobs(spec, tokens, blobs, timeout)
@@ -450,7 +451,7 @@ def _kv_tokens(kv: KV) -> int:
     return kv[0][0].shape[-2]
 
 
-def encode_chunk(spec: ModelSpec, kv: KV, start: int, stop: int) -> torch.Tensor:
+def encode_chunk(spec: ModelSpec, kv: KV, start: int, stop: int, rope_theta: float = 0.0) -> torch.Tensor:
     """Tokens [start, stop) of every layer's K and V as one stored blob (1-D uint8, on the CPU)."""
     if len(kv) != spec.num_layers:
         raise ValueError(f"kv has {len(kv)} layers, the model spec says {spec.num_layers}")
@@ -469,7 +470,7 @@ def encode_chunk(spec: ModelSpec, kv: KV, start: int, stop: int) -> torch.Tensor
         return chunk.contiguous().view(torch.uint8).reshape(-1)
     from promptcache.contract import quant
 
-    return quant.pack(spec.quantization, chunk)
+    return quant.pack(spec.quantization, chunk, rope_theta)
 
 
 def decode_chunk(spec: ModelSpec, index: int, blob: torch.Tensor, expected: int, shape, dtype) -> torch.Tensor:

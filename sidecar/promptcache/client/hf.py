@@ -209,6 +209,7 @@ class PromptCacheHF:
                  model_id: str | None = None, revision: str = "", tenant_salt: bytes = b"",
                  fetch_timeout: float = 1.0, store_timeout: float = 30.0, store: bool = True,
                  max_pending_stores: int = 8, verify_finite: bool = True):
+        from promptcache.contract import quant
         from promptcache.contract.layout import DTYPE_NAMES
 
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -220,6 +221,7 @@ class PromptCacheHF:
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             quantization=quantization, tenant_salt=tenant_salt).validate()
+        self.rope_theta = quant.rope_theta_of(cfg)  # k6v4z codes the keys with RoPE undone (quant.pack)
         self._owns_client = isinstance(client, str)
         self.client = PromptCacheClient(client, timeout=fetch_timeout, retries=1) if isinstance(client, str) else client
         self.fetch_timeout = fetch_timeout
@@ -380,7 +382,8 @@ class PromptCacheHF:
             first, last = a // ct, b // ct
             if last <= first:
                 return None
-            blobs = {i: encode_chunk(self.spec, snapshot, i * ct - a, (i + 1) * ct - a) for i in range(first, last)}
+            blobs = {i: encode_chunk(self.spec, snapshot, i * ct - a, (i + 1) * ct - a, self.rope_theta)
+                     for i in range(first, last)}
             res = self.client.put_blobs(self.spec, tokens[:last * ct], blobs, timeout=self.store_timeout)
             STORES.labels("ok").inc()
             return res

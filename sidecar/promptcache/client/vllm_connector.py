@@ -185,6 +185,9 @@ class PromptCacheConnector(KVConnectorBase_V1):
             self.disabled = "tensor or pipeline parallelism is not supported yet"
         hf = mc.hf_text_config
         heads = hf.num_attention_heads
+        from promptcache.contract import quant
+
+        self.rope_theta = quant.rope_theta_of(hf)  # k6v4z codes the keys with RoPE undone (quant.pack)
         self.base_spec = ModelSpec(
             model_id=str(_setting(extra, "model_id", mc.served_model_name or mc.model)),
             revision=str(_setting(extra, "revision", mc.revision or weights_digest(mc.model))),
@@ -442,7 +445,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if op.spec.quantization != "none":
                 from promptcache.contract import quant
 
-                chunks = [quant.pack(op.spec.quantization, c) for c in chunks]
+                chunks = [quant.pack(op.spec.quantization, c, self.rope_theta) for c in chunks]
             blobs = {op.first_chunk + i: c for i, c in enumerate(chunks)}
             self.client.put_blobs(op.spec, op.tokens, blobs, timeout=self.save_timeout)
             STORES.labels("ok").inc()

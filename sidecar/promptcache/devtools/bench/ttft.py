@@ -102,7 +102,7 @@ def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_
         prefix_kv = [(k.clone(), v.clone()) for k, v in cache_kv(cache)]
         del cache
         for m in modes:
-            client.put(hfs[m].spec, tokens[:p], prefix_kv)
+            client.put(hfs[m].spec, tokens[:p], prefix_kv, rope_theta=hfs[m].rope_theta)
 
         @torch.inference_mode()
         def full():
