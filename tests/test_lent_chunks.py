@@ -135,15 +135,20 @@ def _permissions(address: int) -> str:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def test_the_sidecar_cannot_change_a_sealed_chunk_so_lending_needs_no_hash(lending):
+def test_the_sidecar_cannot_change_a_sealed_chunk_so_lending_needs_no_hash(lending, monkeypatch):
     """From the seal on, the sidecar's own mapping of a chunk is read-only too: nothing can change it, so the
     checksum verified when it arrived holds and a lend does not hash it again."""
+    from promptcache.sidecar import engine
+
     with _client(lending) as c:
         c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
         entries = [lending.tier._entries[ch.key] for ch in c.lookup(SMALL, TOKENS).chunks]
         assert all(e.memfd.sealed and e.memfd.immutable for e in entries)
         assert {_permissions(e.data.data_ptr()) for e in entries} == {"r--s"}
+        hashed, real = [], engine.checksum
+        monkeypatch.setattr(engine, "checksum", lambda buf: hashed.append(buf) or real(buf))
         assert len(c.get_blobs(SMALL, TOKENS)) == 3
+        assert hashed == []
     assert metric(lending, "promptcache_bulk_lent_chunks_total") == 3
 
 

@@ -16,10 +16,11 @@ from promptcache.contract.keys import ModelSpec
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
-# Per KV dtype: its width, and the smallest bit pattern of a non-finite value (exponent bits all ones) when read as
-# a signed integer (positive values) and as an unsigned one (negative values).
-_NONFINITE = {"float32": (np.int32, 0x7F800000, 0xFF800000), "float16": (np.int16, 0x7C00, 0xFC00),
-              "bfloat16": (np.int16, 0x7F80, 0xFF80)}
+# Per KV dtype: the signed and unsigned integers of its width, and the smallest bit pattern of a non-finite value
+# (exponent bits all ones) read as the signed one (positive values) and as the unsigned one (negative values).
+_NONFINITE = {"float32": (np.int32, np.uint32, 0x7F800000, 0xFF800000),
+              "float16": (np.int16, np.uint16, 0x7C00, 0xFC00),
+              "bfloat16": (np.int16, np.uint16, 0x7F80, 0xFF80)}
 
 
 def values_finite(raw: np.ndarray, kv_dtype: str) -> bool:
@@ -27,10 +28,10 @@ def values_finite(raw: np.ndarray, kv_dtype: str) -> bool:
     reductions and no temporary (2-3x faster than a float reduction for 16-bit floats, which widens every value):
     a value is non-finite exactly when its bits as a signed integer are >= the positive pattern, or as an unsigned
     one >= the negative pattern."""
-    signed, positive, negative = _NONFINITE[kv_dtype]
-    bits = raw.view(signed)
-    return bits.size == 0 or (int(bits.max()) < positive and int(bits.view(bits.dtype.str.replace("i", "u")).max())
-                              < negative)
+    signed, unsigned, positive, negative = _NONFINITE[kv_dtype]
+    if raw.size == 0:
+        return True
+    return int(raw.view(signed).max()) < positive and int(raw.view(unsigned).max()) < negative
 
 
 def all_finite(t: torch.Tensor) -> bool:

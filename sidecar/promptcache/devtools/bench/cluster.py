@@ -18,6 +18,8 @@ import random
 import sys
 from collections import OrderedDict
 
+from promptcache.devtools.bench.traces import cached_run
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
@@ -44,10 +46,7 @@ class Node:
         self.used = 0
 
     def prefix(self, ids) -> int:
-        n = 0
-        while n < len(ids) and ids[n] in self.present:
-            n += 1
-        return n
+        return cached_run(ids, self.present)
 
     def store(self, ids, sizes, start: int) -> list:
         """Store ids[start:] in order (as the sidecar does after a Put or a promotion); the ones stored."""

@@ -83,9 +83,7 @@ def _client_worker(cfg, client_id: int, deadline: float, out: dict, lock: thread
     import grpc
 
     from promptcache.client import PromptCacheClient, errors
-    import torch
-
-    from promptcache.contract.layout import TORCH_DTYPES, chunk_nbytes
+    from promptcache.contract.layout import chunk_nbytes
     from promptcache.client.credentials import client_channel
 
     rng = random.Random(cfg["seed"] * 100_003 + client_id)
@@ -135,11 +133,10 @@ def _client_worker(cfg, client_id: int, deadline: float, out: dict, lock: thread
 def _process_main(cfg, client_ids, duration, ready, go, queue) -> None:
     """One client process: its share of the clients as threads; results to the queue. The clock starts when
     every process has done its imports (they take seconds on a loaded machine)."""
-    rng = random.Random(cfg["seed"])
     import grpc  # noqa: F401 - import before the clock starts
+    import torch
 
     from promptcache.client import PromptCacheClient  # noqa: F401
-    import torch
 
     from promptcache.contract.layout import TORCH_DTYPES, chunk_nbytes
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import heapq
 
+from promptcache.devtools.bench.traces import cached_run
+
 INF = float("inf")
 
 
@@ -46,9 +48,7 @@ def simulate_opt(reqs: list[tuple[list, list[int]]], capacity: int, measure_from
     hit = total = 0
     stamp = 0
     for i, (ids, sizes) in enumerate(reqs):
-        n = 0
-        while n < len(ids) and ids[n] in present:
-            n += 1
+        n = cached_run(ids, present)
         if i >= measure_from:
             hit += sum(sizes[:n])
             total += sum(sizes)
@@ -98,9 +98,7 @@ def simulate_infinite(reqs: list[tuple[list, list[int]]], measure_from: int = 0)
     seen: set = set()
     hit = total = 0
     for i, (ids, sizes) in enumerate(reqs):
-        n = 0
-        while n < len(ids) and ids[n] in seen:
-            n += 1
+        n = cached_run(ids, seen)
         if i >= measure_from:
             hit += sum(sizes[:n])
             total += sum(sizes)

@@ -19,6 +19,8 @@ import os
 import sys
 import time
 
+from promptcache.devtools.bench.traces import cached_run
+
 DEFAULT_FRACTIONS = (0.02, 0.05, 0.10, 0.25)
 
 
@@ -98,9 +100,7 @@ def simulate_policy(reqs, policy, capacity: int, measure_from: int = 0) -> dict:
     for i, (ids, sizes) in enumerate(reqs):
         for k in ids:
             req_hook(k)
-        n = 0
-        while n < len(ids) and ids[n] in present:
-            n += 1
+        n = cached_run(ids, present)
         if i >= measure_from:
             hit += sum(sizes[:n])
             total += sum(sizes)

@@ -70,6 +70,14 @@ def write_trace(path: str, reqs: Iterable[Request]) -> None:
             f.write(r.to_json() + "\n")
 
 
+def cached_run(ids, cached) -> int:
+    """How many leading blocks of a request are in `cached`: a request hits its longest cached prefix only."""
+    n = 0
+    while n < len(ids) and ids[n] in cached:
+        n += 1
+    return n
+
+
 def block_sizes(req: Request) -> list[int]:
     """Tokens covered by each of the request's blocks (the last may be partial)."""
     n = len(req.hash_ids)
