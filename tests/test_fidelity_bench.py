@@ -7,6 +7,7 @@ import torch
 
 from promptcache.devtools import models
 from promptcache.devtools.bench import fidelity, ttft
+from support import CHUNK
 
 
 def _tokens(n, seed=0):
@@ -37,14 +38,17 @@ def test_fidelity_evaluate_on_tiny_model(dtype):
 
 def test_ttft_measure_on_tiny_model(sidecar):
     model = models.tiny_llama("float32", num_layers=2)
-    rows = ttft.measure(model, _tokens(100), prefixes=[32, 64], suffix=8, modes=["none", "k8v4"], repeats=2,
-                        full_repeats=1, address=sidecar.address, revision="smoke", log=lambda s: None)
-    assert [r["prefix"] for r in rows] == [32, 64]
+    ct = CHUNK
+    rows = ttft.measure(model, _tokens(4 * ct + 8), prefixes=[ct, 2 * ct], suffix=8, modes=["none", "k8v4"],
+                        repeats=2, full_repeats=1, address=sidecar.address, revision="smoke", chunk_tokens=ct,
+                        log=lambda s: None)
+    assert [r["prefix"] for r in rows] == [ct, 2 * ct]
     for r in rows:
         assert r["full_s"] > 0 and r["floor_s"] > 0
         for m in ("none", "k8v4"):
             assert r[m]["ttft_s"] > 0 and r[m]["first_token_same"]
-    assert "| 64 + 8 |" in ttft.format_table(rows, ["none", "k8v4"])
+        assert 0 < r["k8v4"]["dequant_s"] < r["k8v4"]["ttft_s"] and "dequant_s" not in r["none"]
+    assert f"| {2 * ct} + 8 |" in ttft.format_table(rows, ["none", "k8v4"])
 
 
 def test_roff_to_text_keeps_prose_and_drops_markup():

@@ -28,7 +28,7 @@ def reference_keys(v):
     u = lambda x: x.to_bytes(4, "little")  # noqa: E731
     fp = hashlib.sha256(b"promptcache/fingerprint/v1\0" + f(1, m["model_id"].encode()) + f(2, m["revision"].encode())
                         + f(3, m["kv_dtype"].encode()) + f(4, u(m["num_layers"])) + f(5, u(m["num_kv_heads"]))
-                        + f(6, u(m["head_dim"])) + f(7, {"k8v4": b"k8v4.2", "k6v4z": b"k6v4z.2"}.get(m["quantization"], m["quantization"].encode()))
+                        + f(6, u(m["head_dim"])) + f(7, {"k8v4": b"k8v4.3", "k6v4z": b"k6v4z.2"}.get(m["quantization"], m["quantization"].encode()))
                         + f(8, bytes.fromhex(m["tenant_salt_hex"]))).digest()
     keys, parent, c = [], bytes(32), v["chunk_tokens"]
     for i in range(len(v["tokens"]) // c):

@@ -21,7 +21,7 @@ MODES = ("k8v8", "k8v4", "k6v4z")
 def chunks(draw):
     L = draw(st.integers(1, 3))
     H = draw(st.integers(1, 3))
-    T = draw(st.integers(1, 48))  # k8v4: up to 33 tokens are all 8-bit; more have a 4-bit middle
+    T = draw(st.integers(1, 48))  # k6v4z: up to 33 tokens are all 8-bit; more have a 4-bit middle
     D = draw(st.sampled_from([2, 4, 6, 16, 32, 48, 64, 80, 96, 128]))
     dtype = draw(st.sampled_from(sorted(DTYPES)))
     seed = draw(st.integers(0, 2**31 - 1))
@@ -46,10 +46,10 @@ def _check_roundtrip(mode, x, dtype, rope_theta=0.0):
     bound = quant.error_bound(mode, x, rope_theta) * 1.0001 + y.float().abs() * torch.finfo(x.dtype).eps + 1e-30
     assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
     L, _, H, T, D = x.shape
-    if mode in ("k8v4", "k6v4z"):  # the 4-bit coded tokens: each group's L2 error within its bound
+    if mode == "k6v4z":  # the 4-bit coded tokens: each group's L2 error within its bound
         g = quant.v_group_size(D)
-        low = quant.low_bit_value_tokens(mode, x)
-        assert int(low.sum()) == L * H * max(0, T - 1 - min(quant.V_RECENT if mode == "k8v4" else 32, T - 1))
+        low = quant.low_bit_value_tokens(x)
+        assert int(low.sum()) == L * H * max(0, T - 1 - min(32, T - 1))
         e = (y.float() - x.float())[:, 1].reshape(L, H, T, D // g, g)
         slack = y.float()[:, 1].abs().reshape(L, H, T, D // g, g).amax(-1) * torch.finfo(x.dtype).eps * g
         assert (e.norm(dim=-1) <= quant.value_group_l2_bound(x) + slack)[low].all()
@@ -89,22 +89,38 @@ def test_compression_for_smollm2_geometry():
     shape = (30, 2, 3, 256, 64)
     assert quant.packed_nbytes("k6v4z", shape, "bfloat16") == 5898240 * 2 // 7  # the fixed slot: fp16 bytes / 3.5
     assert quant.compression_vs_fp16("k6v4z", shape) >= 3.5
-    assert quant.compression_vs_fp16("k8v4", shape) >= 2.49  # format 2: 2.496x (format 1 was 2.602x)
+    assert quant.packed_nbytes("k8v4", shape, "bfloat16") == 5898240 * 2 // 5  # format 3's slot: fp16 bytes / 2.5
+    assert quant.compression_vs_fp16("k8v4", shape) >= 2.5  # format 2 was 2.496x, format 1 2.602x
     assert quant.compression_vs_fp16("k8v8", shape) >= 1.9
     spec = ModelSpec("m", "r", "float16", 30, 3, 64, quantization="k8v4")
     assert chunk_nbytes(spec, 256) == quant.packed_nbytes("k8v4", shape, "float16")
 
 
-def test_k8v4_keeps_first_and_recent_tokens_values_at_8_bits():
-    """Format 2: token 0 and the last V_RECENT tokens of a chunk are within half an 8-bit step; the middle is 4-bit."""
-    x = torch.randn(2, 2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
-    y = quant.unpack("k8v4", quant.pack("k8v4", x), x.shape, "float32")
-    err = (y - x)[:, 1].abs()
-    step8 = (x[:, 1].amax(-1) - x[:, 1].amin(-1)) / 254  # [L, H, T]: one group of 64 channels per token
-    eight_bit = [0] + list(range(64 - quant.V_RECENT, 64))
-    assert (err[:, :, eight_bit].amax(-1) <= step8[:, :, eight_bit] * 0.5 * 1.01).all()
-    middle = err[:, :, 1:64 - quant.V_RECENT].amax(-1)
-    assert (middle > step8[:, :, 1:64 - quant.V_RECENT]).float().mean() > 0.9  # 4-bit there: coarser
+def test_k8v4_spends_finer_value_steps_on_the_tokens_attention_favours():
+    """Format 3: token 0, the last 16 tokens and the 16 per (layer, head) whose keys oppose the chunk's mean key get a
+    value step floor V_FINE times the others'; every value group's error is within half its step (rotated back:
+    sqrt(G) times that), and the step index the encoder chose is the finest whose code streams fit the slot."""
+    x = _keys_like(T=256, L=2, H=2)
+    blob = quant.pack("k8v4", x)
+    top, step = blob[quant.HEADER_BYTES].item(), blob[quant.HEADER_BYTES + 1].item()
+    assert top == 255 and step < len(quant.CODED_STEPS)
+    y = quant.unpack("k8v4", blob, x.shape, "float32")
+    g = quant.v_group_size(64)
+    rot = quant._rotation(g, "cpu")
+    err = (((y - x)[:, 1].reshape(2, 2, 256, 1, g) @ rot)).abs().amax(-1).squeeze(-1)  # [L, H, T], rotated domain
+    fine = torch.zeros(2, 2, 256, dtype=torch.bool)
+    fine[:, :, 0] = True
+    fine[:, :, -quant.DENSE_V_RECENT:] = True
+    fine.scatter_(2, quant._dense_value_tokens(x[:, 0]), True)
+    assert int(fine.sum()) == 2 * 2 * (1 + quant.DENSE_V_RECENT + quant.DENSE_V_SELECT)
+    rms = (x[:, 1].reshape(2, 2, 256, 1, g) @ rot).square().mean(-1).sqrt().squeeze(-1)
+    assert (err / rms)[fine].mean() < 0.5 * (err / rms)[~fine].mean()  # V_FINE = 1/4 of the step: far finer
+    # one step coarser would have fit too? no: the encoder picked the finest that fits (its streams fill the slot)
+    off, size = _section_offset("k8v4", "float32", "streams", x.shape)
+    n_k, n_v = quant.Z_HEADER.unpack(bytes(blob[quant.HEADER_BYTES:quant.HEADER_BYTES + quant.Z_HEADER.size]
+                                           .tolist()))[3:5]
+    assert n_k + n_v <= size
+    _check_roundtrip("k8v4", x, "float32")
 
 
 # A k8v4 chunk in format 1 (before issue 16: only token 0's values at 8 bits), packed by that code from
@@ -112,31 +128,42 @@ def test_k8v4_keeps_first_and_recent_tokens_values_at_8_bits():
 K8V4_FORMAT1 = bytes.fromhex(
     "5043513101020000fb1130c5200000000000000044494e5587919ca9cbdaeafe95989c9fb8babcbedbdcdddefefefefe522009207d1fea"
     "1e2d24522477249c24fefefefe000000003f7fbefee9f0f7fe9c182f2500001e201f211f101e111e111e116a6f727e7f80221111")
-# docs/key-vectors.json "bf16-k8v4-tenant" fingerprint while k8v4 was format 1
+# The same x packed by format 2 (issue 16's first step: token 0 and the last 32 tokens' values at 8 bits).
+K8V4_FORMAT2 = bytes.fromhex(
+    "50435131010300001db30acc200000000000000044494e5587919ca9cbdaeafe95989c9fb8babcbedbdcdddefefefefe522009207d1fea"
+    "1e2d24522477249c24fefefefe000000003f7fbefe9fbedefebed4e9fecedeeefee9f0f7feebf1f8feedf2f8feeef3f9fe9c189c1cea1e"
+    "9c202f25c3255626ea260000000000000000")
+# docs/key-vectors.json "bf16-k8v4-tenant" fingerprint while k8v4 was format 1, and while it was format 2
 K8V4_FORMAT1_FINGERPRINT = "e9ce6d5f9d143432b4906783e2b6ffeb4c2af5a181d461e99a7ce10138ee2722"
+K8V4_FORMAT2_FINGERPRINT = "18e13c4952648fb07a39d65ec95ac61a3ad55e495262d11a45e14ca5e7fdb892"
 
 
-def test_k8v4_format1_chunks_are_never_misread():
-    """Format-1 chunks get other keys (fingerprint field 7 is "k8v4.2") and, if one arrived anyway, are refused."""
+@pytest.mark.parametrize("fmt, blob, retired", [(1, K8V4_FORMAT1, "k8v4 format 1 \\(retired\\)"),
+                                               (2, K8V4_FORMAT2, "k8v4 format 2 \\(retired\\)")])
+def test_k8v4_old_format_chunks_are_never_misread(fmt, blob, retired):
+    """Chunks of formats 1 and 2 get other keys (fingerprint field 7 is "k8v4.3") and, if one arrived anyway, are
+    refused: by length, and by the header's mode id when forged to the right length."""
     from promptcache.contract.keys import QUANT_FORMATS, fingerprint
 
     spec = ModelSpec("meta-llama/Llama-3.1-8B", "sha256:0123abcd", "bfloat16", 32, 8, 128, "k8v4", b"tenant-a")
-    assert QUANT_FORMATS["k8v4"] == "k8v4.2"
-    assert fingerprint(spec).hex() != K8V4_FORMAT1_FINGERPRINT
-    old = torch.frombuffer(bytearray(K8V4_FORMAT1), dtype=torch.uint8)
-    assert quant.read_header(old)["mode"] == "k8v4 format 1 (retired)"
-    with pytest.raises(quant.CorruptChunk, match="must be 128 bytes, got 107"):
-        quant.unpack("k8v4", old, (2, 2, 1, 4, 4), "float32")
-    # same length as format 2 (padded, CRC re-sealed): still refused by its header's mode id
-    forged = _refresh_crc(torch.cat([old, torch.zeros(128 - 107, dtype=torch.uint8)]))
-    with pytest.raises(quant.CorruptChunk, match="k8v4 format 1 \\(retired\\), expected k8v4"):
-        quant.unpack("k8v4", forged, (2, 2, 1, 4, 4), "float32")
+    assert QUANT_FORMATS["k8v4"] == "k8v4.3"
+    assert fingerprint(spec).hex() not in (K8V4_FORMAT1_FINGERPRINT, K8V4_FORMAT2_FINGERPRINT)
+    old = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    assert quant.read_header(old)["mode"] == f"k8v4 format {fmt} (retired)"
+    shape = (2, 2, 1, 4, 4)
+    n = quant.packed_nbytes("k8v4", shape, "float32")
+    assert n != old.numel()
+    with pytest.raises(quant.CorruptChunk, match=f"must be {n} bytes, got {old.numel()}"):
+        quant.unpack("k8v4", old, shape, "float32")
+    forged = _refresh_crc(torch.cat([old, torch.zeros(max(0, n - old.numel()), dtype=torch.uint8)])[:n])
+    with pytest.raises(quant.CorruptChunk, match=f"{retired}, expected k8v4"):
+        quant.unpack("k8v4", forged, shape, "float32")
 
 
 def test_format_header_mode_ids():
     x = torch.randn(1, 2, 1, 20, 64)
     assert quant.pack("k8v8", x)[5].item() == 1
-    assert quant.pack("k8v4", x)[5].item() == 3  # format 2 (format 1 was id 2)
+    assert quant.pack("k8v4", x)[5].item() == 6  # format 3 (format 2 was id 3, format 1 id 2)
     assert quant.pack("k6v4z", x)[5].item() == 5  # format 2 (format 1 was id 4)
 
 
@@ -157,7 +184,7 @@ def test_bad_arguments():
 
 
 # ------------------------------------------------------------------------------------------------ corrupt blobs
-SHAPE = (2, 2, 3, 48, 64)  # 48 tokens: k8v4 has 4-bit middle tokens (1..15)
+SHAPE = (2, 2, 3, 48, 64)  # 48 tokens: k6v4z has 4-bit middle tokens (1..15)
 
 
 def _blob(mode="k8v4", dtype="float16"):
@@ -165,9 +192,9 @@ def _blob(mode="k8v4", dtype="float16"):
     return quant.pack(mode, x)
 
 
-def _section_offset(mode, dtype, name):
+def _section_offset(mode, dtype, name, shape=SHAPE):
     off = 0
-    for sec, size in quant._sections(mode, SHAPE, dtype):
+    for sec, size in quant._sections(mode, shape, dtype):
         if sec == name:
             return off, size
         off += size
@@ -227,7 +254,7 @@ def test_bad_fp16_scales_rejected(mode, value):
     bad[off:off + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
     with pytest.raises(quant.CorruptChunk, match="key scales"):
         quant.unpack(mode, _refresh_crc(bad), SHAPE, "float16")
-    for sec in (["v_scale"] if mode == "k8v8" else ["v8_scale"]):
+    for sec in (["v8_scale"] if mode == "k6v4z" else ["v_scale"]):
         off, _ = _section_offset(mode, "float16", sec)
         bad = blob.clone()
         bad[off:off + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
@@ -236,20 +263,28 @@ def test_bad_fp16_scales_rejected(mode, value):
 
 
 def test_out_of_range_scales_and_zeros_rejected():
-    # k8v4 value scale code 255 = 2**15.9: 15 levels of it overflow float16 -> rejected, never Inf
-    blob = _blob("k8v4")
-    off, _ = _section_offset("k8v4", "float16", "v_scale")
+    # k6v4z 4-bit value scale code 255 = 2**15.9: 15 levels of it overflow float16 -> rejected, never Inf
+    blob = _blob("k6v4z")
+    off, _ = _section_offset("k6v4z", "float16", "v_scale")
     bad = blob.clone()
     bad[off] = 255
     with pytest.raises(quant.CorruptChunk, match="overflow float16"):
-        quant.unpack("k8v4", _refresh_crc(bad), SHAPE, "float16")
+        quant.unpack("k6v4z", _refresh_crc(bad), SHAPE, "float16")
     # the same code is fine for float32
     x = torch.randn(SHAPE)
-    b32 = quant.pack("k8v4", x)
+    b32 = quant.pack("k6v4z", x)
+    off32, _ = _section_offset("k6v4z", "float32", "v_scale")
     bad = b32.clone()
-    bad[off] = 255
-    y = quant.unpack("k8v4", _refresh_crc(bad), SHAPE, "float32")
+    bad[off32] = 255
+    y = quant.unpack("k6v4z", _refresh_crc(bad), SHAPE, "float32")
     assert torch.isfinite(y).all()
+    # k8v4: a float16 value scale whose 255 levels (sqrt(64) times, rotated back) overflow float16
+    blob = _blob("k8v4")
+    off, _ = _section_offset("k8v4", "float16", "v_scale")
+    bad = blob.clone()
+    bad[off:off + 2] = torch.tensor([60.0], dtype=torch.float16).view(torch.uint8)
+    with pytest.raises(quant.CorruptChunk, match="value scales out of range"):
+        quant.unpack("k8v4", _refresh_crc(bad), SHAPE, "float16")
     # zero points beyond the format's range
     off, _ = _section_offset("k8v4", "float16", "v_zero")
     bad = blob.clone()
@@ -271,13 +306,13 @@ def test_out_of_range_scales_and_zeros_rejected():
 
 # ------------------------------------------------------------------------------------------------ k6v4z
 def test_old_format_bytes_unchanged():
-    """k8v8 and k8v4 (format 2, fingerprint k8v4.2) pack to the same bytes and decode to the same values as before
-    k6v4z was added: chunks stored earlier are still read correctly (CRC32 and digest recorded with the old code)."""
+    """k8v8 packs to the same bytes and decodes to the same values as before k6v4z was added: chunks stored earlier
+    are still read correctly (CRC32 and digest recorded with the old code)."""
     import hashlib
 
     g = torch.Generator().manual_seed(16)
     x = (torch.randn((2, 2, 3, 48, 64), generator=g) * 2).to(torch.bfloat16)
-    for mode, crc, digest in (("k8v8", 3948144445, "18d8263cb985f07b"), ("k8v4", 1361797077, "cea1cce95ac7a46b")):
+    for mode, crc, digest in (("k8v8", 3948144445, "18d8263cb985f07b"),):
         blob = quant.pack(mode, x)
         assert zlib.crc32(blob.numpy()) == crc, mode
         y = quant.unpack(mode, blob, x.shape, "bfloat16")
@@ -316,13 +351,6 @@ def test_k6v4z_rate_control_picks_the_finest_key_step_that_fits():
     blob = quant.pack("k6v4z", tiny)
     assert (blob[quant.HEADER_BYTES].item(), blob[quant.HEADER_BYTES + 1].item()) == (15, len(quant.DENSE_KEY_STEPS))
     _check_roundtrip("k6v4z", tiny, "float32")
-    # the values are coded per token as k8v4 codes them: equal bit for bit wherever both modes give a token the same
-    # precision (k6v4z keeps 16 recent tokens and 16 selected ones at 8 bits, k8v4 the last 32)
-    y = quant.unpack("k6v4z", quant.pack("k6v4z", smooth), smooth.shape, "float32")
-    y8 = quant.unpack("k8v4", quant.pack("k8v4", smooth), smooth.shape, "float32")
-    low6, low8 = quant.low_bit_value_tokens("k6v4z", smooth), quant.low_bit_value_tokens("k8v4", smooth)
-    same = (low6 == low8).unsqueeze(-1).expand_as(y[:, 1])
-    assert torch.equal(y[:, 1][same], y8[:, 1][same]) and (~same).any()
 
 
 def _dense_parts(blob, shape=SHAPE, dtype="float16"):
@@ -369,6 +397,41 @@ def test_k6v4z_corrupt_streams_rejected():
     with pytest.raises(quant.CorruptChunk, match="holds"):
         quant.unpack("k6v4z", _reseal_dense(blob, top, (len(z), *lengths[1:]), z + streams[lengths[0]:]),
                      SHAPE, "float16")
+
+
+def test_k8v4_corrupt_sub_header_and_streams_rejected():
+    import zstandard
+
+    blob = _blob("k8v4")
+    h_off, _ = _section_offset("k8v4", "float16", "z_header")
+    s_off, s_size = _section_offset("k8v4", "float16", "streams")
+    top, step, _, n_k, n_v, _, theta = quant.Z_HEADER.unpack(bytes(blob[h_off:h_off + quant.Z_HEADER.size].tolist()))
+    streams = bytes(blob[s_off:s_off + n_k + n_v].tolist())
+
+    def resealed(top=top, lengths=(n_k, n_v, 0), body=streams, theta=theta, step=step):
+        bad = blob.clone()
+        bad[h_off:h_off + quant.Z_HEADER.size] = torch.frombuffer(
+            bytearray(quant.Z_HEADER.pack(top, step, 0, *lengths, theta)), dtype=torch.uint8)
+        bad[s_off:s_off + s_size] = torch.frombuffer(bytearray(body + bytes(s_size - len(body))), dtype=torch.uint8)
+        return _refresh_crc(bad)
+
+    assert torch.equal(quant.unpack("k8v4", resealed(), SHAPE, "float16"), quant.unpack("k8v4", blob, SHAPE, "float16"))
+    for bad, match in ((resealed(top=17), "code top 17"), (resealed(step=200), "step 200"),
+                       (resealed(lengths=(n_k, n_v, 1)), "reserved"), (resealed(theta=float("nan")), "RoPE base"),
+                       (resealed(lengths=(s_size, n_v, 0)), "exceed the slot")):
+        with pytest.raises(quant.CorruptChunk, match=match):
+            quant.unpack("k8v4", bad, SHAPE, "float16")
+    padded = blob.clone()
+    padded[s_off + s_size - 1] = 1  # padding must be zero
+    with pytest.raises(quant.CorruptChunk, match="padding"):
+        quant.unpack("k8v4", _refresh_crc(padded), SHAPE, "float16")
+    garbage = bytes(range(256)) * (n_k // 256) + bytes(n_k % 256)
+    with pytest.raises(quant.CorruptChunk, match="k_codes stream does not decompress"):
+        quant.unpack("k8v4", resealed(body=garbage + streams[n_k:]), SHAPE, "float16")
+    n_values = SHAPE[0] * SHAPE[2] * SHAPE[3] * SHAPE[4]
+    z = zstandard.ZstdCompressor().compress(bytes(n_values - 1))  # a well-formed frame of the wrong size
+    with pytest.raises(quant.CorruptChunk, match="v_codes stream holds"):
+        quant.unpack("k8v4", resealed(lengths=(n_k, len(z), 0), body=streams[:n_k] + z), SHAPE, "float16")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -456,7 +519,7 @@ def test_k6v4z_keeps_the_values_of_tokens_whose_keys_oppose_the_mean_key_at_8_bi
     sel_off, sel_size = _section_offset_for("k6v4z", x.shape, "float32", "v_sel")
     stored = blob[sel_off:sel_off + sel_size].view(torch.int16).reshape(2, 3, 16)
     assert torch.equal(stored.long(), chosen.sort().values.expand(2, 3, 16))
-    low = quant.low_bit_value_tokens("k6v4z", x)
+    low = quant.low_bit_value_tokens(x)
     assert not low[:, :, chosen].any() and int(low.sum()) == 2 * 3 * (96 - 1 - 16 - 16)
     y = quant.unpack("k6v4z", blob, x.shape, "float32")
     step8 = (x[:, 1].amax(-1) - x[:, 1].amin(-1)) / 254

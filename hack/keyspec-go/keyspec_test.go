@@ -35,9 +35,12 @@ func field(tag byte, payload []byte) []byte {
 	return append(out, payload...)
 }
 
-// quantFormat: fingerprint field 7 holds the mode's byte format (docs/keys.md); k8v4 and k6v4z are at format 2.
+// quantFormat: fingerprint field 7 holds the mode's byte format (docs/keys.md): k8v4 is at format 3, k6v4z at 2.
 func quantFormat(mode string) string {
-	if mode == "k8v4" || mode == "k6v4z" {
+	switch mode {
+	case "k8v4":
+		return mode + ".3"
+	case "k6v4z":
 		return mode + ".2"
 	}
 	return mode

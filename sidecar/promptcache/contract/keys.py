@@ -14,10 +14,11 @@ import numpy as np
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
 QUANT_MODES = ("none", "k8v8", "k8v4", "k6v4z")
-# What field 7 of the fingerprint holds: the mode's byte *format*. k8v4 changed format in issue 16 (format 2: more
-# 8-bit value tokens per chunk), so its chunks hash under "k8v4.2": a format-1 chunk is never found by a format-2
-# client, nor the reverse. k6v4z likewise since its format 2 (keys coded with RoPE undone): "k6v4z.2".
-QUANT_FORMATS = {"none": "none", "k8v8": "k8v8", "k8v4": "k8v4.2", "k6v4z": "k6v4z.2"}
+# What field 7 of the fingerprint holds: the mode's byte *format*. k8v4 changed format twice in issue 16 (format 2:
+# more 8-bit value tokens per chunk; format 3: keys and values entropy-coded into a fixed 2.5x slot), so its chunks
+# hash under "k8v4.3": a chunk of an older format is never found by a format-3 client, nor the reverse. k6v4z likewise
+# since its format 2 (keys coded with RoPE undone): "k6v4z.2".
+QUANT_FORMATS = {"none": "none", "k8v8": "k8v8", "k8v4": "k8v4.3", "k6v4z": "k6v4z.2"}
 DEFAULT_CHUNK_TOKENS = 256
 MAX_TOKEN_ID = 2**32 - 1
 

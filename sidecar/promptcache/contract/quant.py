@@ -5,36 +5,37 @@ chunk's tokens has its own scale, because key outliers live in fixed channels), 
 (layer, head, token) group of up to 64 channels has its own scale). Quantization is asymmetric with an integer
 zero point, ``x ~= scale * (q - zero)``, and the range of every group always contains 0, so zero is exact.
 
-k8v4 (format 2) adds three measured refinements for 4-bit values (docs/quantization.md has the numbers):
-* the first token and the last V_RECENT = 32 tokens of every chunk keep 8-bit values: at chunk 0 the first token is
-  the attention-sink token, whose value error reaches every later position (97.5 -> 98.8 % top-1 on SmolLM2), and
-  the last tokens of a chunk are the nearest context of whatever follows it (format 2, issue 16: on Chinese text
-  top-1 98.96 -> 99.48 % over 768 positions, against 16 tokens at 8 bits);
-* the other tokens' value groups are rotated by a normalised Hadamard matrix before quantization (spreads
-  outlier channels over the group; the inverse rotation is the same matrix), as in QuaRot/SpinQuant;
-* the encoder picks, per group, the scale among the 5 grid steps at and below the no-clipping scale that minimises
-  the squared error (clipping the extremes a little pays for finer steps). Decoding does not depend on the choice.
+k8v4 (format 3, issue 16; header mode 6, 3 was format 2 and 2 format 1) is k8v4's byte budget, 2.5x fewer bytes
+than fp16, spent where the error shows: a fixed slot of 1/2.5 of the chunk's fp16 bytes holding keys coded as k6v4z's
+(below) and values per token and group of G Hadamard-rotated channels (QuaRot: spreads outlier channels over the
+group; the inverse is the same matrix) with 8-bit codes whose step is the larger of the group's range / 254 and a
+floor V_STEP_RATIO * alpha * the group's RMS (V_FINE times that for token 0, the last DENSE_V_RECENT tokens and
+the DENSE_V_SELECT tokens per (layer, head) that attention favours, as k6v4z picks them); both code streams
+zstd-coded, alpha the finest of CODED_STEPS whose streams fit (rate control), else 4-bit codes stored raw. Format 2
+spent 62 % of its bytes on 8-bit keys whose error cost a sixth of its KL and left the 4-bit values the rest::
 
-Blob (little-endian, one 1-D uint8 tensor; logical chunk shape [L, 2, H, T, D], N = L*H*T*D, G = V group size,
-NG = D // G groups per token, NH = 1 + min(32, T-1) tokens with 8-bit values, M = T - NH the others)::
+    header 16 B (mode 6) | sub-header 20 B: code top u8 (255 or 15), step index u8, reserved u16 = 0, stream
+    lengths u32 K, V, reserved u32 = 0, RoPE base f32 (0: none undone) | K scale 2*L*H*D B float16 |
+    K0 scale 2*L*H*NG B float16 | V scale 2*L*H*T*NG B float16 | K zero L*H*D B | K0 codes L*H*D B |
+    K0 zero L*H*NG B | V zero L*H*T*NG B | streams: K codes as k6v4z's, V codes [L, H, T, NG, G] (uint8, or
+    two 4-bit codes per byte when top = 15), each a zstd frame of exactly its raw size or those raw bytes |
+    zero padding to the slot
 
-    header   16 B   magic b"PCQ1", version u8 = 1, mode u8 (1 k8v8, 3 k8v4 format 2; 2 was k8v4 format 1, refused),
+k8v8: keys 8-bit per channel, values 8-bit per token and group of G channels::
+
+    header   16 B   magic b"PCQ1", version u8 = 1, mode u8 (1 k8v8, 6 k8v4, 5 k6v4z; 2, 3 and 4 retired, refused),
                     kv dtype u8 (0 f32, 1 f16, 2 bf16),
                     reserved u8 = 0, crc32 u32 of everything after the header, N u32
     K codes  N B    uint8, layout [L, H, T, D]
     K scale  2*L*H*D B   float16, [L, H, D] (finite, > 0)
     K zero   L*H*D B     uint8 in 0..254
-    k8v8:  V codes N B uint8 [L, H, T, D]; V scale 2*L*H*T*NG B float16 (finite, > 0); V zero L*H*T*NG B uint8 0..254
-    k8v4:  tokens 0, T-NH+1..T-1 (in that order): V codes L*H*NH*D B uint8 [L, H, NH, D]; scale 2*L*H*NH*NG B
-           float16; zero L*H*NH*NG B 0..254
-           tokens 1..M: V codes L*H*M*D/2 B, two 4-bit codes per byte (even channel in the low nibble), of the values
-           rotated by H_G (normalised Sylvester Hadamard; identity when G is not a power of two), [L, H, M, D/2];
-           V scale L*H*M*NG B: uint8 log code c, scale = 2**((c - 128) / 8);
-           V zero  ceil(L*H*M*NG / 2) B: 4-bit zero points in 0..14, two per byte (low nibble first)
+    V codes N B uint8 [L, H, T, D]; V scale 2*L*H*T*NG B float16 (finite, > 0); V zero L*H*T*NG B uint8 0..254
 
 k6v4z (issue 16, the dense mode; format 2, header mode 5, 4 was format 1): a fixed slot of 1/3.5 of the chunk's fp16
-bytes. Values coded as k8v4's, but the 8-bit tokens are token 0, the last DENSE_V_RECENT = 16 and DENSE_V_SELECT = 16
-per (layer, head) whose keys point most against the chunk's mean key (_dense_value_tokens; their indices stored).
+bytes. Values 8-bit for token 0, the last DENSE_V_RECENT = 16 and DENSE_V_SELECT = 16
+per (layer, head) whose keys point most against the chunk's mean key (_dense_value_tokens; their indices stored),
+the others Hadamard-rotated 4-bit codes with a per-group scale (an 8-bit log code) picked for the least squared error
+among the no-clipping one and the 4 grid steps below it.
 Keys: token 0's (the attention sink at chunk 0) 8-bit per token and group; tokens
 1..T-1 with each token's in-chunk RoPE rotation undone when the caller gives the RoPE base and that helps
 (_dense_key_frame), then per channel with 8-bit codes whose step is the larger of the channel's range / 254 and a
@@ -55,8 +56,8 @@ code rows ordered by their step), and the encoder takes the finest alpha of DENS
 Without clipping, scales are chosen so that every value is representable: with Q = 2**bits - 1 levels the scale
 is at least range / (Q - 1) (rounded *up* to the stored precision) and zero = ceil(-min / scale); the rounding
 error of every element is then at most scale / 2. :func:`error_bound` gives the bounds the tests check.
-For SmolLM2-135M (L=30, H=3, D=64) at 256-token chunks, k8v4 stores 2.496x fewer bytes than fp16 (format 1:
-2.602x) and k8v8 1.94x.
+For SmolLM2-135M (L=30, H=3, D=64) at 256-token chunks, k6v4z stores 3.5x fewer bytes than fp16, k8v4 2.5x
+(format 2: 2.496x, format 1: 2.602x) and k8v8 1.94x.
 """
 from __future__ import annotations
 
@@ -67,14 +68,13 @@ import zlib
 import torch
 
 MODES = ("k8v8", "k8v4", "k6v4z")
-# Header mode ids. 2 was k8v4 format 1 (only the chunk's first token's values at 8 bits): retired by issue 16, its
-# chunks have other keys (keys.QUANT_FORMATS) and are refused here by id, never decoded as format 2.
+# Header mode ids. 2 was k8v4 format 1 (only the chunk's first token's values at 8 bits) and 3 k8v4 format 2 (fixed
+# 8-bit keys and 4-bit values): retired by issue 16, their chunks have other keys (keys.QUANT_FORMATS) and are
+# refused here by id, never decoded as format 3.
 # 4 was k6v4z format 1 (keys coded as the model stored them, after RoPE): retired by format 2 likewise.
-_MODE_IDS = {"k8v8": 1, "k8v4": 3, "k6v4z": 5}
-_MODE_NAMES = {v: k for k, v in _MODE_IDS.items()} | {2: "k8v4 format 1 (retired)", 4: "k6v4z format 1 (retired)"}
-# k8v4 (format 2): the first token and the last V_RECENT tokens of every chunk keep 8-bit values (the attention sink
-# and the tokens nearest to whatever follows the chunk); the others get 4-bit values.
-V_RECENT = 32
+_MODE_IDS = {"k8v8": 1, "k8v4": 6, "k6v4z": 5}
+_MODE_NAMES = {v: k for k, v in _MODE_IDS.items()} | {2: "k8v4 format 1 (retired)", 3: "k8v4 format 2 (retired)",
+                                                   4: "k6v4z format 1 (retired)"}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 _DTYPE_NAMES = {v: k for k, v in _DTYPE_IDS.items()}
@@ -85,8 +85,20 @@ DENSE_RATIO = 3.5
 # from 0.03 to 1.0 (keys with RoPE undone can have so small an RMS that 0.25 of it does not fit); when none fits,
 # 4-bit per-channel key codes stored raw (always fit the slot).
 DENSE_KEY_STEPS = tuple(0.03 * 2 ** (i / 16) for i in range(82))
+# k8v4 format 3: a fixed slot of 1/2.5 of the chunk's fp16 bytes; one step index i sets the key step floor
+# (CODED_STEPS[i] in _dense_key_unit's units) and the value step floor (V_STEP_RATIO * CODED_STEPS[i] * the value
+# group's RMS, V_FINE times that for the tokens attention favours). The ratio was chosen on the first fidelity
+# windows (SmolLM2, Chinese and English, fp32): 3 gave less KL than 5 at equal bytes.
+K8V4_RATIO = 2.5
+CODED_STEPS = tuple(0.0075 * 2 ** (i / 16) for i in range(128))
+V_STEP_RATIO = 3.0
+V_FINE = 0.25
 Z_HEADER = struct.Struct("<BBHIIIf")
-ZSTD_LEVEL = 3
+# zstd level 1, not the default 3: on these near-memoryless code streams the higher levels' match finding costs
+# more than it finds (SmolLM2, Chinese text: value codes 3.46 bits per code at level 1 against 3.92 at level 3, key
+# rows 4.56 against 4.71; the order-0 entropy is 3.57 / 4.81, level 1's per-block Huffman tables beat it). The
+# decoder does not depend on the level: chunks packed at either read the same.
+ZSTD_LEVEL = 1
 MAGIC = b"PCQ1"
 VERSION = 1
 HEADER = struct.Struct("<4sBBBBII")  # magic, version, mode, dtype, reserved, crc32, N
@@ -129,40 +141,40 @@ def _sections(mode: str, shape, kv_dtype: str) -> list[tuple[str, int]]:
     if n >= 2**32:
         raise ValueError("chunk too large for the quantized format (more than 2**32 elements per K or V)")
     ng = D // v_group_size(D)
-    if mode == "k6v4z" and T >= 2**15:
-        raise ValueError(f"k6v4z chunks hold at most {2**15 - 1} tokens, got {T}")
+    if mode in ("k6v4z", "k8v4") and T >= 2**15:
+        raise ValueError(f"{mode} chunks hold at most {2**15 - 1} tokens, got {T}")
     secs = [("header", HEADER_BYTES)]
     if mode == "k8v8":
         return secs + [("k_codes", n), ("k_scale", 2 * L * H * D), ("k_zero", L * H * D),
                        ("v_codes", n), ("v_scale", 2 * L * H * T * ng), ("v_zero", L * H * T * ng)]
     if D % 2:
         raise ValueError(f"{mode} needs an even head_dim, got {D}")
-    nh, mid = _dense_value_split(T)[2:] if mode == "k6v4z" else _value_split(T)
+    if mode == "k8v4":
+        # format 3, a fixed-size slot: sub-header, the float16 scales (2-byte aligned), the zero points and token 0's
+        # key codes raw, then the key and value code streams (zstd frames or raw), then zero padding up to the slot
+        # (never smaller than the raw layout of 4-bit codes)
+        fixed = [("z_header", Z_HEADER.size), ("k_scale", 2 * L * H * D), ("k0_scale", 2 * L * H * ng),
+                 ("v_scale", 2 * L * H * T * ng), ("k_zero", L * H * D), ("k0_codes", L * H * D),
+                 ("k0_zero", L * H * ng), ("v_zero", L * H * T * ng)]
+        raw_floor = (L * H * (T - 1) * D + 1) // 2 + (n + 1) // 2
+        used = HEADER_BYTES + sum(b for _, b in fixed)
+        slot = max(int(n * 2 * 2 / K8V4_RATIO), used + raw_floor)
+        return secs + fixed + [("streams", slot - used)]
+    nh, mid = _dense_value_split(T)[2:]
     m = L * H * mid * ng
     values = [("v8_scale", 2 * L * H * nh * ng), ("v8_zero", L * H * nh * ng), ("v_scale", m), ("v_zero", (m + 1) // 2)]
-    if mode == "k6v4z":
-        # fixed-size slot: sub-header, the scales and zero points raw, then the three code streams (zstd frames or
-        # raw), then zero padding up to the slot (never smaller than the raw layout at the coarsest key precision)
-        # token 0's keys (the attention sink at chunk 0) 8-bit per token and group, as the 8-bit value tokens (its
-        # zero points last: every float16 section stays 2-byte aligned)
-        # the selected 8-bit value tokens: u16 token indices [L, H, N] (_dense_value_tokens)
-        fixed = [("z_header", Z_HEADER.size), ("v_sel", 2 * L * H * _dense_value_split(T)[1]),
-                 ("k_scale", 2 * L * H * D), ("k_zero", L * H * D),
-                 ("k0_scale", 2 * L * H * ng), ("k0_codes", L * H * D)] + values + [("k0_zero", L * H * ng)]
-        raw_floor = (L * H * (T - 1) * D + 1) // 2 + L * H * nh * D + L * H * mid * D // 2
-        used = HEADER_BYTES + sum(b for _, b in fixed)
-        slot = max(int(n * 2 * 2 / DENSE_RATIO), used + raw_floor)
-        return secs + fixed + [("streams", slot - used)]
-    secs += [("k_codes", n), ("k_scale", 2 * L * H * D), ("k_zero", L * H * D),
-             ("v8_codes", L * H * nh * D), ("v8_scale", 2 * L * H * nh * ng), ("v8_zero", L * H * nh * ng),
-             ("v_codes", L * H * mid * D // 2), ("v_scale", m), ("v_zero", (m + 1) // 2)]
-    return secs
-
-
-def _value_split(tokens: int) -> tuple[int, int]:
-    """(tokens with 8-bit values: the first and the last V_RECENT, tokens with low-bit values) for a chunk."""
-    recent = min(V_RECENT, tokens - 1)
-    return 1 + recent, tokens - 1 - recent
+    # k6v4z, a fixed-size slot: sub-header, the scales and zero points raw, then the three code streams (zstd frames
+    # or raw), then zero padding up to the slot (never smaller than the raw layout at the coarsest key precision)
+    # token 0's keys (the attention sink at chunk 0) 8-bit per token and group, as the 8-bit value tokens (its
+    # zero points last: every float16 section stays 2-byte aligned)
+    # the selected 8-bit value tokens: u16 token indices [L, H, N] (_dense_value_tokens)
+    fixed = [("z_header", Z_HEADER.size), ("v_sel", 2 * L * H * _dense_value_split(T)[1]),
+             ("k_scale", 2 * L * H * D), ("k_zero", L * H * D),
+             ("k0_scale", 2 * L * H * ng), ("k0_codes", L * H * D)] + values + [("k0_zero", L * H * ng)]
+    raw_floor = (L * H * (T - 1) * D + 1) // 2 + L * H * nh * D + L * H * mid * D // 2
+    used = HEADER_BYTES + sum(b for _, b in fixed)
+    slot = max(int(n * 2 * 2 / DENSE_RATIO), used + raw_floor)
+    return secs + fixed + [("streams", slot - used)]
 
 
 # k6v4z: its 8-bit value tokens are token 0, the last DENSE_V_RECENT and DENSE_V_SELECT more per (layer, head) whose
@@ -203,12 +215,6 @@ def _value_plan(tokens: int, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     low.scatter_(2, sel, False)
     rest = torch.arange(tokens, device=sel.device).expand(L, H, tokens)[low].reshape(L, H, mid)
     return torch.cat([fixed, sel], dim=2), rest
-
-
-def _value_order(tokens: int) -> list[int]:
-    """Token indices in stored order: the 8-bit ones (first, then the recent tail), then the middle."""
-    nh, mid = _value_split(tokens)
-    return [0] + list(range(tokens - (nh - 1), tokens)) + list(range(1, 1 + mid))
 
 
 def packed_nbytes(mode: str, shape, kv_dtype: str) -> int:
@@ -356,11 +362,7 @@ def pack(mode: str, chunk: torch.Tensor, rope_theta: float = 0.0) -> torch.Tenso
         v_codes, v_zero = _quant_groups(vg, 4, 255, v_scale.float())
         parts = [k_codes, _u8(k_scale), k_zero, v_codes, _u8(v_scale), v_zero]
     elif mode == "k8v4":
-        # keys: per channel, over the chunk's tokens; 8 bits, float16 scale, uint8 zero point
-        k_scale = _round_up_fp16(_needed_scale(k, 2, 255))
-        k_codes, k_zero = _quant_groups(k, 2, 255, k_scale.float())
-        v8_codes, v8_scale, v8_zero, v_codes, v_scale, v_zero = _quant_values_v4(v, g)
-        parts = [k_codes, _u8(k_scale), k_zero, v8_codes, v8_scale, v8_zero, v_codes, v_scale, v_zero]
+        parts = _pack_coded(k, v, g, secs, rope_theta)
     else:
         parts = _pack_dense(k, v, g, secs, rope_theta)
     body = torch.cat([p.reshape(-1).to("cpu", torch.uint8) for p in parts])
@@ -375,18 +377,13 @@ def pack(mode: str, chunk: torch.Tensor, rope_theta: float = 0.0) -> torch.Tenso
 _DTYPE_IDS_BY_TORCH = {v: k for k, v in _DTYPES.items()}
 
 
-def _quant_values_v4(v: torch.Tensor, g: int, plan: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """k8v4's values [L, H, T, D]: (8-bit codes, scales, zeros of the first and recent tokens; packed 4-bit codes,
-    log scale codes, packed zeros of the Hadamard-rotated middle tokens). plan (k6v4z): per-(layer, head) 8-bit and
-    low-bit token indices (_value_plan) instead of k8v4's fixed split."""
+def _quant_values_v4(v: torch.Tensor, g: int, plan: tuple[torch.Tensor, torch.Tensor]):
+    """k6v4z's values [L, H, T, D]: (8-bit codes, scales, zeros of the 8-bit tokens; packed 4-bit codes, log scale
+    codes, packed zeros of the Hadamard-rotated others), the tokens per (layer, head) as `plan` (_value_plan) says."""
     L, H, T, D = v.shape
-    if plan is None:
-        nh, mid = _value_split(T)
-        vo = v[:, :, _value_order(T)]
-    else:
-        nh, mid = plan[0].shape[2], plan[1].shape[2]
-        vo = v.gather(2, torch.cat(plan, dim=2).unsqueeze(-1).expand(L, H, T, D))
-    v8 = _quant8_per_token(vo[:, :, :nh], g)  # first token (sink) and the recent tail: 8 bits
+    nh, mid = plan[0].shape[2], plan[1].shape[2]
+    vo = v.gather(2, torch.cat(plan, dim=2).unsqueeze(-1).expand(L, H, T, D))
+    v8 = _quant8_per_token(vo[:, :, :nh], g)  # token 0 (the sink), the recent tail and the selected: 8 bits
     y = vo[:, :, nh:].reshape(L, H, mid, D // g, g) @ _rotation(g, v.device)
     code, v_codes, v_zero = _quant_low_mse(y, 4)
     return (*v8, _pack_nibbles(v_codes), code, _pack_nibbles(v_zero))
@@ -574,6 +571,77 @@ def _dense_parts(zh: bytes, v_sel, k_scale, k_zero, k0, v8_scale, v8_zero, v_sca
             as_u8(streams + bytes(slot - len(streams)))]
 
 
+def _coded_value_floor(k: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """k8v4 format 3: each value group's step floor in units of CODED_STEPS, [L, H, T, NG, 1]: V_STEP_RATIO times the
+    group's RMS (the Hadamard-rotated group y), V_FINE times that for token 0, the last DENSE_V_RECENT tokens and the
+    DENSE_V_SELECT tokens per (layer, head) whose keys oppose the chunk's mean key: a value's error reaches the output
+    in proportion to the attention its token gets, and these are the tokens later queries attend to most (the sink,
+    the nearest context, and the sink-like directions: _dense_value_tokens)."""
+    L, H, T = y.shape[:3]
+    fine = torch.ones(L, H, T, device=y.device)
+    recent = min(DENSE_V_RECENT, T - 1)
+    fine[:, :, 0] = V_FINE
+    fine[:, :, T - recent:] = V_FINE
+    fine.scatter_(2, _dense_value_tokens(k), V_FINE)
+    return V_STEP_RATIO * y.square().mean(dim=-1, keepdim=True).sqrt() * fine[..., None, None]
+
+
+def _pack_coded(k: torch.Tensor, v: torch.Tensor, g: int, secs, rope_theta: float = 0.0) -> list:
+    """k8v4 format 3 body parts: keys as k6v4z's (in-chunk RoPE undone, token 0 8-bit per token, the others per
+    channel with energy-weighted step floors), values per token and group of g Hadamard-rotated channels with step
+    floors relative to the group's RMS (_coded_value_floor), 8-bit codes; both code streams zstd-coded; one step
+    index for both, the finest whose streams fit the slot (binary search); raw 4-bit codes if none does."""
+    L, H, T, D = k.shape
+    y = v.reshape(L, H, T, D // g, g) @ _rotation(g, v.device)
+    v_unit = _coded_value_floor(k, y)
+    theta, k = _dense_key_frame(k, rope_theta)
+    k0_codes, k0_scale, k0_zero = _quant8_per_token(k[:, :, :1], g)
+    k = k[:, :, 1:]  # the per-channel coded tokens: 1..T-1
+    k_unit = _dense_key_unit(k) if T > 1 else None
+    room = dict(secs)["streams"]
+    v_max = _max_floor(255) / math.sqrt(g)
+
+    def keys_at(step: int):
+        if T == 1:  # nothing per channel (placeholder scales 1.0, zero points 0)
+            return b"", torch.ones(L, H, 1, D, dtype=torch.float16), torch.zeros(L, H, 1, D, dtype=torch.uint8)
+        codes, scale, zero = _quant8_floor(k, 2, CODED_STEPS[step] * k_unit)
+        rows = codes.transpose(2, 3).reshape(-1, codes.shape[2])  # [L * H * D, T - 1]: each channel's tokens together
+        return _compress(rows[_key_row_order(scale)]), scale, zero
+
+    def at(step: int):
+        z_k, k_scale, k_zero = keys_at(step)
+        # (the floor never makes a step whose codes, rotated back, the decoder would refuse as overflowing float16)
+        v_codes, v_scale, v_zero = _quant8_floor(y, 4, (CODED_STEPS[step] * v_unit).clamp(max=v_max))
+        return z_k, _compress(v_codes), k_scale, k_zero, v_scale, v_zero
+
+    lo, hi, best = 0, len(CODED_STEPS) - 1, None
+    while lo <= hi:  # the streams shrink as the step grows; every answer is checked
+        mid_step = (lo + hi) // 2
+        coded = at(mid_step)
+        if len(coded[0]) + len(coded[1]) <= room:
+            best, hi = (mid_step, *coded), mid_step - 1
+        else:
+            lo = mid_step + 1
+    if best is not None:
+        top, (step, z_k, z_v, k_scale, k_zero, v_scale, v_zero) = 255, best
+    else:  # the floor: 4-bit codes of the whole range, stored raw (the slot is sized for them)
+        top, step = 15, len(CODED_STEPS)
+        z_k, k_scale, k_zero = keys_at(0)  # the placeholders of a one-token chunk
+        if T > 1:
+            k_scale = _round_up_fp16(_needed_scale(k, 2, top))
+            k_codes, k_zero = _quant_groups(k, 2, top, k_scale.float())
+            z_k = bytes(_pack_nibbles(k_codes.transpose(2, 3)).numpy())
+        v_scale = _round_up_fp16(_needed_scale(y, 4, top))
+        v_codes, v_zero = _quant_groups(y, 4, top, v_scale.float())
+        z_v = bytes(_pack_nibbles(v_codes).numpy())
+        assert len(z_k) + len(z_v) <= room, "k8v4 slot smaller than its raw floor"
+    zh = Z_HEADER.pack(top, step, 0, len(z_k), len(z_v), 0, theta)
+    streams = z_k + z_v
+    as_u8 = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)
+    return [as_u8(zh), _u8(k_scale), k0_scale, _u8(v_scale), k_zero, k0_codes, k0_zero, v_zero,
+            as_u8(streams + bytes(room - len(streams)))]
+
+
 def _quant8_per_token(x: torch.Tensor, g: int):
     """8-bit codes of x [L, H, t, D] per token and group of g channels: (codes, float16 scales as bytes, zeros)."""
     L, H, t, D = x.shape
@@ -633,6 +701,8 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
         off += size
     if mode == "k6v4z":
         views = _dense_streams(views, L, H, T, D)
+    elif mode == "k8v4":
+        views = _coded_streams(views, L, H, T, D)
     if device is not None:
         views = {k: t.to(device) for k, t in views.items()}
 
@@ -673,24 +743,28 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
         out[:, 0].copy_(per_channel("k", T, 255))
         out[:, 1].copy_(dequant8("v", T))
         return out
-    if mode == "k6v4z":
-        theta = float(views["rope_theta"])
-        keys = torch.empty((L, H, T, D), device=out.device)
-        keys[:, :, :1] = dequant8("k0", 1, "token 0 key")
-        per_channel("k", T - 1, int(views["key_top"]), into=keys[:, :, 1:])
-        out[:, 0].copy_(_rope(keys, theta, 1.0) if theta else keys)  # the rotation keeps |key| within the bound
-    else:
-        out[:, 0].copy_(per_channel("k", T, 255))
-    if mode == "k6v4z":
-        eight, low = _value_plan(T, _dense_selected(views["v_sel"], L, H, T))
-        nh, mid = eight.shape[2], low.shape[2]
-        parts = [dequant8("v8", nh)]  # stored order; put back in token order below
-    else:
-        nh, mid = _value_split(T)
-        v8 = dequant8("v8", nh)
-        out[:, 1, :, :1].copy_(v8[:, :, :1])
-        if nh > 1:
-            out[:, 1, :, T - (nh - 1):].copy_(v8[:, :, 1:])
+    theta = float(views["rope_theta"])  # k6v4z and k8v4 (format 3): keys coded with the in-chunk RoPE undone
+    keys = torch.empty((L, H, T, D), device=out.device)
+    keys[:, :, :1] = dequant8("k0", 1, "token 0 key")
+    per_channel("k", T - 1, int(views["code_top"]), into=keys[:, :, 1:])
+    out[:, 0].copy_(_rope(keys, theta, 1.0) if theta else keys)  # the rotation keeps |key| within the bound
+    if mode == "k8v4":
+        top = int(views["code_top"])
+        scale = views["v_scale"].view(torch.float16).float().reshape(L, H, T, ng, 1)
+        if not (torch.isfinite(scale).all() and (scale > 0).all()):
+            raise CorruptChunk("value scales are not finite positive numbers")
+        zero = views["v_zero"].reshape(L, H, T, ng, 1)
+        if (zero > top - 1).any():
+            raise CorruptChunk(f"value zero points out of range (must be <= {top - 1})")
+        # |rotated value| <= top * scale, and the rotation keeps the L2 norm of a group: |value| <= sqrt(g) * that
+        if float(scale.max()) * top * math.sqrt(g) > limit:
+            raise CorruptChunk(f"value scales out of range: dequantized values would overflow {kv_dtype}")
+        y = torch.addcmul(-zero.float() * scale, views["v_codes"].reshape(L, H, T, ng, g).float(), scale)
+        out[:, 1].copy_((y @ _rotation(g, out.device)).reshape(L, H, T, D))
+        return out
+    eight, low = _value_plan(T, _dense_selected(views["v_sel"], L, H, T))
+    nh, mid = eight.shape[2], low.shape[2]
+    parts = [dequant8("v8", nh)]  # stored order; put back in token order below
     if mid:
         top = 15
         m = L * H * mid * ng
@@ -703,15 +777,11 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
             raise CorruptChunk(f"value scales out of range: dequantized values would overflow {kv_dtype}")
         codes = _unpack_nibbles(views["v_codes"], L * H * mid * D).reshape(L, H, mid, ng, g).float()
         y = torch.addcmul(-zero.float() * scale, codes, scale)
-        y = (y @ _rotation(g, out.device)).reshape(L, H, mid, D)
-        if mode == "k6v4z":
-            parts.append(y)
-        else:
-            out[:, 1, :, 1:1 + mid].copy_(y)
-    if mode == "k6v4z":  # one row gather: token t of (layer, head) is stored row inverse[t] of it
-        inverse = torch.argsort(torch.cat([eight, low], dim=2), dim=2)
-        rows = (inverse + torch.arange(L * H, device=out.device).view(L, H, 1) * T).reshape(-1)
-        out[:, 1].copy_(torch.cat(parts, dim=2).reshape(L * H * T, D).index_select(0, rows).reshape(L, H, T, D))
+        parts.append((y @ _rotation(g, out.device)).reshape(L, H, mid, D))
+    # one row gather: token t of (layer, head) is stored row inverse[t] of it
+    inverse = torch.argsort(torch.cat([eight, low], dim=2), dim=2)
+    rows = (inverse + torch.arange(L * H, device=out.device).view(L, H, 1) * T).reshape(-1)
+    out[:, 1].copy_(torch.cat(parts, dim=2).reshape(L * H * T, D).index_select(0, rows).reshape(L, H, T, D))
     return out
 
 
@@ -739,30 +809,66 @@ def _dense_streams(views: dict, L: int, H: int, T: int, D: int) -> dict:
     nh, mid = _dense_value_split(T)[2:]
     n = L * H * (T - 1) * D  # per-channel key codes: tokens 1..T-1 (token 0's are k0_codes)
     k_raw = (n + 1) // 2 if top == 15 else n
-    want = {"k_codes": k_raw, "v8_codes": L * H * nh * D, "v_codes": L * H * mid * D // 2}
+    want = {"v8_codes": L * H * nh * D, "v_codes": L * H * mid * D // 2}
+    _read_streams("k6v4z", views, streams, (("k_codes", n_k, k_raw), ("v8_codes", n_v8, want["v8_codes"]),
+                                            ("v_codes", n_v4, want["v_codes"])))
+    views["k_codes"] = _key_codes(views, top, L, H, T, D)
+    views["code_top"] = torch.tensor(top)
+    views["rope_theta"] = torch.tensor(theta, dtype=torch.float32)
+    return views
+
+
+def _read_streams(mode: str, views: dict, streams: torch.Tensor, specs) -> None:
+    """Split `streams` into views[name] for each (name, stored length, raw length) in order: a stored length equal
+    to the raw one is the raw bytes, a shorter one a zstd frame of exactly the raw length (CorruptChunk if not)."""
     dctx = _zstd().ZstdDecompressor()
     off = 0
-    for name, size in (("k_codes", n_k), ("v8_codes", n_v8), ("v_codes", n_v4)):
+    for name, size, raw in specs:
         part = streams[off:off + size]
         off += size
-        if size != want[name]:  # shorter: a zstd frame of exactly want[name] bytes
+        if size != raw:
             try:
-                data = dctx.decompress(part.numpy().tobytes(), max_output_size=want[name])
+                data = dctx.decompress(part.numpy().tobytes(), max_output_size=raw)
             except Exception as exc:  # zstandard.ZstdError: not a frame, truncated, ...
-                raise CorruptChunk(f"k6v4z {name} stream does not decompress: {exc}") from None
-            if len(data) != want[name] or size > want[name]:
-                raise CorruptChunk(f"k6v4z {name} stream holds {len(data)} bytes, expected {want[name]}")
+                raise CorruptChunk(f"{mode} {name} stream does not decompress: {exc}") from None
+            if len(data) != raw or size > raw:
+                raise CorruptChunk(f"{mode} {name} stream holds {len(data)} bytes, expected {raw}")
             part = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         views[name] = part
+
+
+def _key_codes(views: dict, top: int, L: int, H: int, T: int, D: int) -> torch.Tensor:
+    """The per-channel key codes of tokens 1..T-1 as [L, H, T-1, D] from their stream: two 4-bit codes per byte
+    channel-major (top 15), or 8-bit rows stored in _key_row_order (the scales are checked later; any float16 bits
+    give a permutation)."""
     k = views["k_codes"]
     if top == 15:
-        k = _unpack_nibbles(k, n)
-    else:  # rows stored in _key_row_order (the scales are checked later; any float16 bits give a permutation)
+        k = _unpack_nibbles(k, L * H * (T - 1) * D)
+    else:
         rows = k.reshape(L * H * D, T - 1)
         k = torch.empty_like(rows)
         k[_key_row_order(views["k_scale"].view(torch.float16))] = rows
-    views["k_codes"] = k.reshape(L, H, D, T - 1).transpose(2, 3).contiguous()
-    views["key_top"] = torch.tensor(top)
+    return k.reshape(L, H, D, T - 1).transpose(2, 3).contiguous()
+
+
+def _coded_streams(views: dict, L: int, H: int, T: int, D: int) -> dict:
+    """k8v4 (format 3): the sub-header checked and the key and value code streams decompressed (CorruptChunk if not)."""
+    top, step, reserved, n_k, n_v, unused, theta = Z_HEADER.unpack(bytes(views.pop("z_header").tolist()))
+    if (top not in (15, 255) or step > len(CODED_STEPS) or reserved or unused
+            or not (math.isfinite(theta) and theta >= 0)):
+        raise CorruptChunk(f"k8v4 sub-header: code top {top} (expected 15 or 255), step {step}, reserved "
+                           f"{reserved}/{unused}, RoPE base {theta} (expected finite, >= 0)")
+    streams = views.pop("streams")
+    if n_k + n_v > streams.numel() or streams[n_k + n_v:].any():
+        raise CorruptChunk("k8v4 stream lengths exceed the slot, or its padding is not zero")
+    nk, nv = L * H * (T - 1) * D, L * H * T * D
+    if top == 15:
+        nk, nv = (nk + 1) // 2, (nv + 1) // 2
+    _read_streams("k8v4", views, streams, (("k_codes", n_k, nk), ("v_codes", n_v, nv)))
+    views["k_codes"] = _key_codes(views, top, L, H, T, D)
+    if top == 15:
+        views["v_codes"] = _unpack_nibbles(views["v_codes"], L * H * T * D)
+    views["code_top"] = torch.tensor(top)
     views["rope_theta"] = torch.tensor(theta, dtype=torch.float32)
     return views
 
@@ -770,14 +876,15 @@ def _dense_streams(views: dict, L: int, H: int, T: int, D: int) -> dict:
 def error_bound(mode: str, chunk: torch.Tensor, rope_theta: float = 0.0) -> torch.Tensor:
     """Per-element bound on |unpack(pack(chunk)) - chunk| (before rounding to the KV dtype), same shape as chunk.
 
-    Keys, k8v8 values and the 8-bit values of k8v4 (first token, last V_RECENT tokens): half a step of the group's
+    k8v8, and the 8-bit values of k6v4z (token 0, the recent and the selected tokens): half a step of the group's
     scale, the scale being the group's range (widened to include 0) over Q - 1 levels rounded up to float16. The other
-    (middle) k8v4 values: the L2 error of a
-    group is at most that of the no-clipping scale s1 (the encoder only picks a candidate with less squared error),
-    so every element is within sqrt(G) * s1 / 2 (see value_group_l2_bound for the tighter per-group bound).
-    k6v4z keys coded with the in-chunk RoPE rotation undone (pack's rope_theta): the error of a channel pair
-    (i, i + D/2) is turned by the rotation, so each of its elements is within the L2 norm of the pair's two bounds
-    (plus float32 rounding of the two rotations).
+    (4-bit) k6v4z values: the L2 error of a group is at most that of the no-clipping scale s1 (the encoder only picks a
+    candidate with less squared error), so every element is within sqrt(G) * s1 / 2 (see value_group_l2_bound for
+    the tighter per-group bound). k8v4 values: half the coarsest step the rate control can choose (the coarsest
+    floor, or the raw 4-bit range step), times sqrt(G) for the rotation back. Keys of k6v4z and k8v4: per channel
+    at the coarsest step likewise; coded with the in-chunk RoPE rotation undone (pack's rope_theta), the error of a
+    channel pair (i, i + D/2) is turned by the rotation, so each of its elements is within the L2 norm of the pair's
+    two bounds (plus float32 rounding of the two rotations).
     """
     _check_mode(mode)
     x = chunk.float()
@@ -786,13 +893,14 @@ def error_bound(mode: str, chunk: torch.Tensor, rope_theta: float = 0.0) -> torc
     theta = 0.0
     g = v_group_size(D)
     ng = D // g
-    if mode == "k6v4z":  # the encoder's key step depends on how well the chunk compresses: bound by the coarsest
+    if mode in ("k6v4z", "k8v4"):  # the key step depends on how well the chunk compresses: bound by the coarsest
         theta, kc = _dense_key_frame(k, rope_theta)
         k0 = _needed_scale(kc[:, :, :1].reshape(L, H, 1, ng, g), 4, 255).expand(L, H, 1, ng, g).reshape(L, H, 1, D)
         kb = k0.expand(L, H, T, D).clone()  # token 0: 8-bit per group; the others per channel, coarsest floor
         if T > 1:
             kr = kc[:, :, 1:]
-            floor = (DENSE_KEY_STEPS[-1] * _dense_key_unit(kr)).clamp(max=_max_floor(15))
+            coarsest = (DENSE_KEY_STEPS if mode == "k6v4z" else CODED_STEPS)[-1]
+            floor = (coarsest * _dense_key_unit(kr)).clamp(max=_max_floor(15))
             kb[:, :, 1:] = torch.maximum(_needed_scale(kr, 2, 15), floor)
     else:
         kb = _needed_scale(k, 2, 255)
@@ -802,26 +910,29 @@ def error_bound(mode: str, chunk: torch.Tensor, rope_theta: float = 0.0) -> torc
         kb = torch.cat([pair, pair], dim=-1) + 1e-6 * k.abs().amax(dim=(2, 3), keepdim=True)
     vg = v.reshape(L, H, T, ng, g)
     vb = (_needed_scale(vg, 4, 255).clamp(min=_FP16_MIN_SCALE) * (1 + 2.0 ** -10) / 2).expand(L, H, T, ng, g).clone()
-    if mode in ("k8v4", "k6v4z"):
-        low = low_bit_value_tokens(mode, chunk)[..., None, None].expand(L, H, T, ng, g)
+    if mode == "k6v4z":
+        low = low_bit_value_tokens(chunk)[..., None, None].expand(L, H, T, ng, g)
         vb = torch.where(low, value_group_l2_bound(chunk).unsqueeze(-1).expand(L, H, T, ng, g), vb)
+    elif mode == "k8v4":  # every group's rotated error within half its step (the coarsest floor or the raw 4-bit
+        # range step); rotated back, each element is within the group's L2 error: sqrt(g) times that
+        y = vg @ _rotation(g, x.device)
+        floor = (CODED_STEPS[-1] * _coded_value_floor(k, y)).clamp(max=_max_floor(255) / math.sqrt(g))
+        step = torch.maximum(_needed_scale(y, 4, 15), floor).clamp(min=_FP16_MIN_SCALE) * (1 + 2.0 ** -10)
+        vb = (math.sqrt(g) * step / 2 * (1 + 1e-4) + 1e-6 * y.abs().amax(dim=-1, keepdim=True)).expand(L, H, T, ng, g)
     return torch.stack([kb.expand(L, H, T, D), vb.reshape(L, H, T, D)], dim=1)
 
 
-def low_bit_value_tokens(mode: str, chunk: torch.Tensor) -> torch.Tensor:
-    """k8v4, k6v4z: which tokens' values are 4-bit coded, bool [L, H, T] (k8v4: tokens 1..T-1-V_RECENT; k6v4z: the
-    middle tokens but the selected ones, per (layer, head))."""
+def low_bit_value_tokens(chunk: torch.Tensor) -> torch.Tensor:
+    """k6v4z: which tokens' values are 4-bit coded, bool [L, H, T]: the middle tokens but the selected ones, per
+    (layer, head)."""
     L, _, H, T, D = chunk.shape
     low = torch.zeros(L, H, T, dtype=torch.bool, device=chunk.device)
-    if mode == "k6v4z":
-        rest = _value_plan(T, _dense_value_tokens(chunk[:, 0].float()))[1]
-        return low.scatter_(2, rest, True)
-    low[:, :, 1:1 + _value_split(T)[1]] = True
-    return low
+    rest = _value_plan(T, _dense_value_tokens(chunk[:, 0].float()))[1]
+    return low.scatter_(2, rest, True)
 
 
 def value_group_l2_bound(chunk: torch.Tensor) -> torch.Tensor:
-    """k8v4, k6v4z: bound on the L2 norm of the value error of each group of a 4-bit coded token (see
+    """k6v4z: bound on the L2 norm of the value error of each group of a 4-bit coded token (see
     low_bit_value_tokens), computed for every token, shape [L, H, T, NG]."""
     x = chunk.float()
     L, _, H, T, D = x.shape

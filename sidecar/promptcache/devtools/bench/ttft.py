@@ -82,7 +82,7 @@ class SidecarProcess:
 
 
 def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_repeats, address, revision="",
-            log=print) -> list[dict]:
+            chunk_tokens: int = 256, log=print) -> list[dict]:
     """(On CUDA every variant ends in .argmax() read back to the host, which waits for the GPU: the times are
     complete.)"""
     """TTFTs per prefix length. The variants are interleaved round by round (full, floor, each mode), so that load
@@ -140,6 +140,8 @@ def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_
                "samples": {k: [x[0] for x in v] for k, v in samples.items()},
                "median": {k: statistics.median(x[0] for x in v) for k, v in samples.items()}}
         log(f"prefix {p}: full prefill {row['full_s']:.3f}s, in-process floor {row['floor_s']:.3f}s")
+        quantized = [m for m in modes if m != "none"]
+        dequant = dequantize_seconds(hfs, prefix_kv, p, chunk_tokens, quantized, repeats) if quantized else {}
         for m in modes:
             t, fetch, _ = best[m]
             same = all(x[2] == first_token for x in samples[m])
@@ -147,10 +149,33 @@ def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_
                       "speedup_vs_full": row["full_s"] / t, "vs_floor": t / row["floor_s"]}
             log(f"  sidecar {m}: {t:.3f}s (fetch+decode {fetch:.3f}s) -> {row['full_s'] / t:.1f}x faster than full, "
                 f"{t / row['floor_s']:.2f}x the floor; first token {'same' if same else 'DIFFERENT'}")
+            if m in dequant:
+                row[m]["dequant_s"] = dequant[m]
+                log(f"    dequantizing its {p} tokens: {dequant[m] * 1e3:.1f} ms, {dequant[m] / t:.0%} of its TTFT")
             client.delete(hfs[m].spec, tokens[:p])
         rows.append(row)
     client.close()
     return rows
+
+
+def dequantize_seconds(hfs, prefix_kv, tokens: int, chunk_tokens: int, modes, repeats: int) -> dict:
+    """Per quantized mode: the best time to dequantize the chunks of a `tokens`-token prefix (quant.unpack of each
+    chunk as the client packed it, nothing else; the modes interleaved round by round)."""
+    from promptcache.client.client import encode_chunk
+    from promptcache.contract import quant
+
+    blobs = {m: [encode_chunk(hfs[m].spec, prefix_kv, i, i + chunk_tokens, hfs[m].rope_theta)
+                 for i in range(0, tokens - chunk_tokens + 1, chunk_tokens)] for m in modes}
+    best = {}
+    for r in range(repeats):
+        for m in modes[r % len(modes):] + modes[:r % len(modes)]:
+            spec = hfs[m].spec
+            shape = (spec.num_layers, 2, spec.num_kv_heads, chunk_tokens, spec.head_dim)
+            t = time.perf_counter()
+            for b in blobs[m]:
+                quant.unpack(m, b, shape, spec.kv_dtype)
+            best[m] = min(best.get(m, float("inf")), time.perf_counter() - t)
+    return best
 
 
 def format_table(rows: list[dict], modes) -> str:
@@ -212,7 +237,7 @@ def run(args) -> int:
     try:
         rows = measure(model, tokens, prefixes=prefixes, suffix=args.suffix, modes=modes, repeats=args.repeats,
                        full_repeats=args.full_repeats, address=sidecar.address, revision=revision,
-                       log=lambda s: print(s, flush=True))
+                       chunk_tokens=args.chunk_tokens, log=lambda s: print(s, flush=True))
     finally:
         sidecar.stop()
     print()
