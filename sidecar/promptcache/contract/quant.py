@@ -416,19 +416,26 @@ def _max_floor(top: int) -> float:
     return 65504 / top / (1 + 2.0 ** -9)
 
 
-def _quant8_floor(x: torch.Tensor, dim: int, floor: torch.Tensor, top: int = 255):
+def _group_stats(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(min clamped to <= 0, max clamped to >= 0, median) of x over `dim`: what _quant8_floor needs of each group,
+    computed once for all the steps a rate control tries (the median is most of a try's time)."""
+    return (x.amin(dim=dim, keepdim=True).clamp(max=0), x.amax(dim=dim, keepdim=True).clamp(min=0),
+            x.median(dim=dim, keepdim=True).values)
+
+
+def _quant8_floor(x: torch.Tensor, dim: int, floor: torch.Tensor, top: int = 255, stats=None):
     """Codes of x with a per-group scale (groups: everything but `dim`) that is the larger of the no-clipping step and
     `floor`, and zero points that put each group's median near the middle code (so that the groups' code histograms
-    line up for the entropy coder). Returns (codes uint8, float16 scale, zero uint8); |error| <= scale / 2."""
-    lo = x.amin(dim=dim, keepdim=True).clamp(max=0)
-    hi = x.amax(dim=dim, keepdim=True).clamp(min=0)
+    line up for the entropy coder). stats: _group_stats(x, dim), if already known. Returns (codes uint8, float16
+    scale, zero uint8); |error| <= scale / 2."""
+    lo, hi, med = stats if stats is not None else _group_stats(x, dim)
     # The floor never makes a step the decoder would refuse (top codes of it must stay within float16's range).
     floor = floor.clamp(max=_max_floor(top))
     scale = _round_up_fp16(torch.maximum((hi - lo) / (top - 1), floor.expand_as(hi)))
     sf = scale.float()
     zmin = torch.ceil(-lo / sf)
     zmax = torch.maximum(zmin, top - torch.ceil(hi / sf))
-    want = (top + 1) // 2 - torch.round(x.median(dim=dim, keepdim=True).values / sf)
+    want = (top + 1) // 2 - torch.round(med / sf)
     zero = torch.minimum(torch.maximum(want, zmin), zmax).clamp(0, top - 1)
     q = (torch.round(x / sf) + zero).clamp(0, top)
     return q.to(torch.uint8), scale, zero.to(torch.uint8)
@@ -531,9 +538,10 @@ def _pack_dense(k: torch.Tensor, v: torch.Tensor, g: int, secs, rope_theta: floa
         return _dense_parts(zh, v_sel, scale, torch.zeros(L * H * D, dtype=torch.uint8), k0, v8_scale, v8_zero,
                             v_scale, v_zero, z_v8 + z_v4, dict(secs)["streams"])
     unit = _dense_key_unit(k)
+    stats = _group_stats(k, 2)
 
     def keys_at(step: int):
-        codes, scale, zero = _quant8_floor(k, 2, DENSE_KEY_STEPS[step] * unit)
+        codes, scale, zero = _quant8_floor(k, 2, DENSE_KEY_STEPS[step] * unit, stats=stats)
         rows = codes.transpose(2, 3).reshape(-1, codes.shape[2])  # [L * H * D, T]: each channel's tokens together
         return _compress(rows[_key_row_order(scale)]), scale, zero
 
@@ -598,20 +606,22 @@ def _pack_coded(k: torch.Tensor, v: torch.Tensor, g: int, secs, rope_theta: floa
     k0_codes, k0_scale, k0_zero = _quant8_per_token(k[:, :, :1], g)
     k = k[:, :, 1:]  # the per-channel coded tokens: 1..T-1
     k_unit = _dense_key_unit(k) if T > 1 else None
+    k_stats = _group_stats(k, 2) if T > 1 else None
+    v_stats = _group_stats(y, 4)
     room = dict(secs)["streams"]
     v_max = _max_floor(255) / math.sqrt(g)
 
     def keys_at(step: int):
         if T == 1:  # nothing per channel (placeholder scales 1.0, zero points 0)
             return b"", torch.ones(L, H, 1, D, dtype=torch.float16), torch.zeros(L, H, 1, D, dtype=torch.uint8)
-        codes, scale, zero = _quant8_floor(k, 2, CODED_STEPS[step] * k_unit)
+        codes, scale, zero = _quant8_floor(k, 2, CODED_STEPS[step] * k_unit, stats=k_stats)
         rows = codes.transpose(2, 3).reshape(-1, codes.shape[2])  # [L * H * D, T - 1]: each channel's tokens together
         return _compress(rows[_key_row_order(scale)]), scale, zero
 
     def at(step: int):
         z_k, k_scale, k_zero = keys_at(step)
         # (the floor never makes a step whose codes, rotated back, the decoder would refuse as overflowing float16)
-        v_codes, v_scale, v_zero = _quant8_floor(y, 4, (CODED_STEPS[step] * v_unit).clamp(max=v_max))
+        v_codes, v_scale, v_zero = _quant8_floor(y, 4, (CODED_STEPS[step] * v_unit).clamp(max=v_max), stats=v_stats)
         return z_k, _compress(v_codes), k_scale, k_zero, v_scale, v_zero
 
     lo, hi, best = 0, len(CODED_STEPS) - 1, None
