@@ -47,7 +47,8 @@ def test_ttft_measure_on_tiny_model(sidecar):
         assert r["full_s"] > 0 and r["floor_s"] > 0
         for m in ("none", "k8v4"):
             assert r[m]["ttft_s"] > 0 and r[m]["first_token_same"]
-        assert 0 < r["k8v4"]["dequant_s"] < r["k8v4"]["ttft_s"] and "dequant_s" not in r["none"]
+        assert 0 < r["k8v4"]["dequant_s"] < r["k8v4"]["ttft_s"] and r["k8v4"]["pack_s"] > 0
+        assert "dequant_s" not in r["none"]
     assert f"| {2 * ct} + 8 |" in ttft.format_table(rows, ["none", "k8v4"])
 
 

@@ -141,7 +141,7 @@ def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_
                "median": {k: statistics.median(x[0] for x in v) for k, v in samples.items()}}
         log(f"prefix {p}: full prefill {row['full_s']:.3f}s, in-process floor {row['floor_s']:.3f}s")
         quantized = [m for m in modes if m != "none"]
-        dequant = dequantize_seconds(hfs, prefix_kv, p, chunk_tokens, quantized, repeats) if quantized else {}
+        codec = codec_seconds(hfs, prefix_kv, p, chunk_tokens, quantized, repeats) if quantized else {}
         for m in modes:
             t, fetch, _ = best[m]
             same = all(x[2] == first_token for x in samples[m])
@@ -149,23 +149,29 @@ def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_
                       "speedup_vs_full": row["full_s"] / t, "vs_floor": t / row["floor_s"]}
             log(f"  sidecar {m}: {t:.3f}s (fetch+decode {fetch:.3f}s) -> {row['full_s'] / t:.1f}x faster than full, "
                 f"{t / row['floor_s']:.2f}x the floor; first token {'same' if same else 'DIFFERENT'}")
-            if m in dequant:
-                row[m]["dequant_s"] = dequant[m]
-                log(f"    dequantizing its {p} tokens: {dequant[m] * 1e3:.1f} ms, {dequant[m] / t:.0%} of its TTFT")
+            if m in codec:
+                row[m]["dequant_s"], row[m]["pack_s"] = codec[m]["unpack"], codec[m]["pack"]
+                log(f"    dequantizing its {p} tokens: {codec[m]['unpack'] * 1e3:.1f} ms, {codec[m]['unpack'] / t:.0%} "
+                    f"of its TTFT (packing them, on the store path: {codec[m]['pack'] * 1e3:.0f} ms)")
             client.delete(hfs[m].spec, tokens[:p])
         rows.append(row)
     client.close()
     return rows
 
 
-def dequantize_seconds(hfs, prefix_kv, tokens: int, chunk_tokens: int, modes, repeats: int) -> dict:
-    """Per quantized mode: the best time to dequantize the chunks of a `tokens`-token prefix (quant.unpack of each
-    chunk as the client packed it, nothing else; the modes interleaved round by round)."""
+def codec_seconds(hfs, prefix_kv, tokens: int, chunk_tokens: int, modes, repeats: int) -> dict:
+    """Per quantized mode: {"pack": seconds to pack the chunks of a `tokens`-token prefix as the client does (once:
+    on the store path, off the TTFT), "unpack": the best time to dequantize them (quant.unpack of each chunk,
+    nothing else; the modes interleaved round by round)}."""
     from promptcache.client.client import encode_chunk
     from promptcache.contract import quant
 
-    blobs = {m: [encode_chunk(hfs[m].spec, prefix_kv, i, i + chunk_tokens, hfs[m].rope_theta)
-                 for i in range(0, tokens - chunk_tokens + 1, chunk_tokens)] for m in modes}
+    blobs, packed = {}, {}
+    for m in modes:
+        t = time.perf_counter()
+        blobs[m] = [encode_chunk(hfs[m].spec, prefix_kv, i, i + chunk_tokens, hfs[m].rope_theta)
+                    for i in range(0, tokens - chunk_tokens + 1, chunk_tokens)]
+        packed[m] = time.perf_counter() - t
     best = {}
     for r in range(repeats):
         for m in modes[r % len(modes):] + modes[:r % len(modes)]:
@@ -175,7 +181,7 @@ def dequantize_seconds(hfs, prefix_kv, tokens: int, chunk_tokens: int, modes, re
             for b in blobs[m]:
                 quant.unpack(m, b, shape, spec.kv_dtype)
             best[m] = min(best.get(m, float("inf")), time.perf_counter() - t)
-    return best
+    return {m: {"pack": packed[m], "unpack": best[m]} for m in modes}
 
 
 def format_table(rows: list[dict], modes) -> str:
