@@ -372,6 +372,26 @@ def test_orphan_chunk_is_not_stored(client):
     assert client.put(SMALL, tokens, make_kv(SMALL, len(tokens))).stored_chunks == 3
 
 
+def test_a_full_cache_admits_a_new_prompt_on_its_second_put(sidecar_factory):
+    """The default policy's chain-root doorkeeper through a real sidecar: with the memory full, the first Put of a
+    prompt no one asked for is refused (counted as an admission rejection; the cached chunks stay), the second is
+    stored."""
+    chunk = 2 * SMALL.num_layers * SMALL.num_kv_heads * CHUNK * SMALL.head_dim * 4
+    probe = sidecar_factory()
+    budget = 4 * probe.tier._accounted(chunk)
+    sidecar = sidecar_factory(memory_bytes=budget)
+    prompts = [list(range(i * CHUNK, (i + 1) * CHUNK)) for i in range(5)]
+    with PromptCacheClient(sidecar.address) as c:
+        for p in prompts[:4]:
+            assert c.put(SMALL, p, make_kv(SMALL, CHUNK)).stored_chunks == 1
+        first = c.put(SMALL, prompts[4], make_kv(SMALL, CHUNK))
+        assert (first.stored_chunks, first.rejected_chunks) == (0, 1)
+        assert all(c.lookup(SMALL, p).cached_tokens == CHUNK for p in prompts[:4])
+        assert c.put(SMALL, prompts[4], make_kv(SMALL, CHUNK)).stored_chunks == 1
+        assert c.lookup(SMALL, prompts[4]).cached_tokens == CHUNK
+    assert sidecar.metrics.admission_rejections.labels("device")._value.get() == 1
+
+
 def test_default_policy_is_the_one_chosen_by_replay(sidecar):
     from promptcache.sidecar.policies import DEFAULT_POLICY
 

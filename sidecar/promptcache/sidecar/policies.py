@@ -9,7 +9,8 @@ Policies:
   lru-prefix  LRU restricted to the leaves of the cached prefix forest.
   lfu         LFU with dynamic ageing (LFU-DA), leaves only.
   wtinylfu    W-TinyLFU as in Caffeine (count-min sketch + doorkeeper + periodic halving, LRU window in front of
-              a segmented-LRU main space, hill-climbed window size), size-aware and prefix-aware. The default.
+              a segmented-LRU main space, hill-climbed window size), size-aware and prefix-aware, with a chain-root
+              doorkeeper: a full cache admits a new chain only on its root's second appearance. The default.
   rate        lowest estimated reuse rate (per-chunk mean gap between requests, decayed by silence) among
               sampled leaves; strong on first-turn-heavy traffic, not on the held-out Mooncake half.
 
@@ -384,6 +385,15 @@ class WTinyLFU(_PrefixAware):
 
     Size-aware: budgets are in bytes, an entry larger than the whole capacity is refused, and a candidate that
     displaces several smaller victims has to out-score each one in turn. Prefix-aware: victims are leaves.
+
+    Chain-root doorkeeper (`root_door`, on by default): when room must be made, chunk 0 of a chain is admitted only
+    if the sketch has seen it at least twice (this request and an earlier one) or it was refused here before; a
+    refused root takes its whole chain with it (the store refuses orphans). Most chains in production traffic are
+    never reused (58 % of the Mooncake trace's blocks appear once), and a one-off 40k-token document would otherwise
+    push out the window's reused prefixes; TinyLFU's own filter only guards the main space. Chunks under a cached
+    parent are not filtered: the Get of a continued conversation already vouched for the chain. The memory of "seen"
+    is the sketch's (ageing halves it every 10 x capacity requests), so a root returns after a long silence as new.
+    Replay (docs/eviction.md): 1.21x LRU at 5 % on the held-out Mooncake half (1.02x without it).
     """
 
     name = "wtinylfu"
@@ -393,8 +403,11 @@ class WTinyLFU(_PrefixAware):
                  adaptive: bool = True, climb_period: float = 10.0, tie_admit: bool = False,
                  inherit: bool = False, sample_factor: float = 10.0, max_window: float = 0.9,
                  adapt: str = "climb", min_window: float = 0.0, climb_decay: float = 0.9,
-                 climb_restart: float = 0.1) -> None:
+                 climb_restart: float = 0.1, root_door: bool = True) -> None:
         super().__init__(capacity)
+        self.root_door = root_door
+        self._roots: OrderedDict[int, None] = OrderedDict()  # hashes of chain roots stored or refused, oldest first
+        self.roots_refused = 0
         self.adapt = adapt if adaptive else "none"
         self.min_window = min_window
         self.climb_decay = climb_decay
@@ -449,9 +462,34 @@ class WTinyLFU(_PrefixAware):
         if self.capacity is not None and size > self.capacity:
             self.admissions_rejected += 1
             return False
+        if self.root_door and (parent is None or parent == ROOT_PARENT) and not self._root_seen(key):
+            self.admissions_rejected += 1
+            self.roots_refused += 1
+            return False
         return True
 
+    def _root_seen(self, key: Key) -> bool:
+        """The chain-root doorkeeper: has this chain root (chunk 0) been seen before this appearance? Seen = requested
+        before (the sketch counts this request too, hence 2), or stored or refused before (`_remember_root`), so a
+        conversation that returns after its chunks were evicted gets in again, and a client that only Puts (no
+        Lookup) gets its chain in on the second Put."""
+        h = key_hash64(key)
+        if self.sketch.frequency(key) >= 2 or h in self._roots:
+            return True
+        self._remember_root(h)
+        return False
+
+    def _remember_root(self, h: int) -> None:
+        """Bounded: the most recent max(1024, sketch width) roots (chain roots are a small share of the entries)."""
+        roots = self._roots
+        roots[h] = None
+        roots.move_to_end(h)
+        while len(roots) > max(1024, self.sketch.entries):
+            roots.popitem(last=False)
+
     def inserted(self, key: Key, size: int, parent: Key | None) -> None:
+        if self.root_door and (parent is None or parent == ROOT_PARENT):
+            self._remember_root(key_hash64(key))
         self._n_sizes += 1
         self._mean_size += (size - self._mean_size) / self._n_sizes
         self._add(key, size, parent, WINDOW, self._clock + 1)
