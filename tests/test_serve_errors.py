@@ -121,10 +121,12 @@ def test_good_tls_files_still_serve(pem):
 
 
 def fill_disk_tier(proc: SidecarProcess, prompts: int = 16) -> None:
-    """Puts that overflow the 512 KiB memory tier, so chunks are demoted to the disk tier."""
+    """Puts that overflow the 512 KiB memory tier, so chunks are demoted to the disk tier. Each prompt twice: a full
+    memory tier admits a new prompt on its second Put (the default policy's chain-root doorkeeper)."""
     with PromptCacheClient(proc.address, timeout=20) as c:
         for p in range(prompts):
-            c.put(SMALL, [p * 100_000 + t for t in range(256)], make_kv(SMALL, 256, seed=p))
+            for _ in range(2):
+                c.put(SMALL, [p * 100_000 + t for t in range(256)], make_kv(SMALL, 256, seed=p))
 
 
 def stop_with_sigterm(proc: SidecarProcess) -> tuple[int, str]:
