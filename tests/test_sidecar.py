@@ -376,9 +376,8 @@ def test_a_full_cache_admits_a_new_prompt_on_its_second_put(sidecar_factory):
     """The default policy's chain-root doorkeeper through a real sidecar: with the memory full, the first Put of a
     prompt no one asked for is refused (counted as an admission rejection; the cached chunks stay), the second is
     stored."""
-    chunk = 2 * SMALL.num_layers * SMALL.num_kv_heads * CHUNK * SMALL.head_dim * 4
-    probe = sidecar_factory()
-    budget = 4 * probe.tier._accounted(chunk)
+    probe = sidecar_factory()  # the tier's accounting of one chunk (CUDA rounds it up to its allocation block)
+    budget = 4 * probe.tier._accounted(chunk_nbytes(SMALL, CHUNK))
     sidecar = sidecar_factory(memory_bytes=budget)
     prompts = [list(range(i * CHUNK, (i + 1) * CHUNK)) for i in range(5)]
     with PromptCacheClient(sidecar.address) as c:
@@ -389,7 +388,7 @@ def test_a_full_cache_admits_a_new_prompt_on_its_second_put(sidecar_factory):
         assert all(c.lookup(SMALL, p).cached_tokens == CHUNK for p in prompts[:4])
         assert c.put(SMALL, prompts[4], make_kv(SMALL, CHUNK)).stored_chunks == 1
         assert c.lookup(SMALL, prompts[4]).cached_tokens == CHUNK
-    assert sidecar.metrics.admission_rejections.labels("device")._value.get() == 1
+    assert metric(sidecar, 'promptcache_admission_rejections_total{tier="device"}') == 1
 
 
 def test_default_policy_is_the_one_chosen_by_replay(sidecar):

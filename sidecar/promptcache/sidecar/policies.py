@@ -31,6 +31,10 @@ Key = Hashable  # bytes in the server (32-byte chained chunk keys); ints in the 
 ROOT_PARENT = bytes(32)  # promptcache.contract.keys.ROOT_PARENT; chunk 0 names it as parent
 
 
+def _is_root(parent: Key | None) -> bool:
+    """Is an entry with this parent chunk 0 of its chain? The server names ROOT_PARENT, the trace replay None."""
+    return parent is None or parent == ROOT_PARENT
+
 
 def _detach(parent: dict, children: dict, size: dict, key):
     """Unlink a removed `key` from its parent's children; the parent when it is stored and now has no children
@@ -463,7 +467,7 @@ class WTinyLFU(_PrefixAware):
         if self.capacity is not None and size > self.capacity:
             self.admissions_rejected += 1
             return False
-        if self.root_door and (parent is None or parent == ROOT_PARENT) and not self._root_seen(key):
+        if self.root_door and _is_root(parent) and not self._root_seen(key):
             self.admissions_rejected += 1
             self.roots_refused += 1
             return False
@@ -489,7 +493,7 @@ class WTinyLFU(_PrefixAware):
             roots.popitem(last=False)
 
     def inserted(self, key: Key, size: int, parent: Key | None) -> None:
-        if self.root_door and (parent is None or parent == ROOT_PARENT):
+        if self.root_door and _is_root(parent):
             self._remember_root(key_hash64(key))
         self._n_sizes += 1
         self._mean_size += (size - self._mean_size) / self._n_sizes
