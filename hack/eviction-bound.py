@@ -79,18 +79,17 @@ def drift(reqs) -> tuple[list[int], float]:
     """New conversations per tenth of the trace, and where the later requests of conversations that begin in its
     first 30 % with six or more requests fall within the time left after their first (0.5 if evenly spread)."""
     tenth = max(1, len(reqs) // 10)
-    seen: set = set()
     new = [0] * 10
+    start_of: dict = {}  # root -> index of its first request
     arrivals = defaultdict(list)
     for i, r in enumerate(reqs):
         root = r.hash_ids[0]
-        if root not in seen:
-            seen.add(root)
+        if root not in start_of:
+            start_of[root] = i
             new[min(9, i // tenth)] += 1
         arrivals[root].append(r.timestamp / 1000)
     end = reqs[-1].timestamp / 1000
     early = len(reqs) * 0.3
-    start_of = {r.hash_ids[0]: i for i, r in reversed(list(enumerate(reqs)))}
     where = [(t - ts[0]) / (end - ts[0]) for root, ts in arrivals.items()
              if len(ts) >= 6 and start_of[root] < early for t in ts[1:]]
     return new, float(np.median(where)) if where else float("nan")
@@ -107,16 +106,11 @@ class LearnedRanking(ReuseRate):
         self.history: dict = defaultdict(list)
         self.clock = 0.0
         self._memo: dict = {}
-        self._last_tick: dict = {}
 
     def arrive(self, root, now: float, blocks: int) -> None:
         self.clock = now
         self.history[root].append((now, blocks))
         self._memo.clear()
-
-    def requested(self, key) -> None:
-        super().requested(key)
-        self._last_tick[key] = self.now
 
     def _log_score(self, key) -> float:
         root = self.root_of[key]
@@ -124,7 +118,7 @@ class LearnedRanking(ReuseRate):
         if p is None:
             model = self.model_for(root)
             p = self._memo[root] = float(model.predict_proba(np.array([features(self.history[root], self.clock)]))[0, 1])
-        return p * 1e9 + self._last_tick.get(key, 0)
+        return p * 1e9 + self.stats[key][0]  # ties: the tick of the last request, which ReuseRate keeps
 
 
 class Clocked:
@@ -186,7 +180,8 @@ def main() -> int:
         r = replay.simulate_policy(prepared, LRU(int(working_set * f)), int(working_set * f))
         lru[f] = r["hit"] / r["total"]
     # LRU ranks by silence alone: its AUC is the reference a model has to beat
-    print(f"| LRU | {roc_auc_score(yB, -XB[:, 1]):.3f} | " + " | ".join(f"{lru[f]:.3f}" for f in fractions) + " |")
+    silence = -XB[:, FEATURES.index("silence_s")]
+    print(f"| LRU | {roc_auc_score(yB, silence):.3f} | " + " | ".join(f"{lru[f]:.3f}" for f in fractions) + " |")
     for name, model_for in models.items():
         cells = []
         for f in fractions:

@@ -36,9 +36,9 @@ def test_labels_say_whether_the_conversation_returns_within_the_horizon():
 
 def test_the_folds_split_conversations_deterministically():
     bound = load()
-    folds = [bound.fold_of(root) for root in range(1000)]
-    assert folds == [bound.fold_of(root) for root in range(1000)]
-    assert 400 < sum(folds) < 600
+    # pinned: docs/eviction.md's 2-fold figures were measured with this split (splitmix64 of the root, not hash())
+    assert [bound.fold_of(root) for root in range(16)] == [0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 1, 1, 1]
+    assert 400 < sum(bound.fold_of(root) for root in range(1000)) < 600
 
 
 def test_drift_counts_new_conversations_and_where_their_turns_fall():
