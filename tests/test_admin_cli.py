@@ -3,6 +3,7 @@ without bearer tokens; the formatting functions on their own."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -110,3 +111,36 @@ def test_top_row_rates_and_restart():
     assert row[:4] == ["12:00:00", "0.750", "150", "50"]
     restarted = admin.top_row(cur, {**prev, "hit_tokens": 10, "missed_tokens": 30}, 1.0, "t").split()
     assert restarted[1] == "0.250"
+
+
+def _credential_cases(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    huge = tmp_path / "huge"
+    huge.write_bytes(b"x" * (2 << 20))
+    return [("--token-file", str(tmp_path / "missing"), "No such file"), ("--token-file", str(tmp_path), "a directory"),
+            ("--token-file", "/dev/zero", "not a regular file"), ("--token-file", str(fifo), "not a regular file"),
+            ("--token-file", str(empty), "holds no token"), ("--token-file", str(huge), "larger than"),
+            ("--tls-ca", str(tmp_path / "missing"), "No such file"), ("--tls-ca", "/dev/zero", "not a regular file"),
+            ("--tls-cert", str(tmp_path), "a directory"), ("--tls-key", str(fifo), "not a regular file")]
+
+
+def test_credential_file_errors_are_one_line_naming_flag_and_file(tmp_path):
+    """Issue 27 #6: a missing or directory --token-file was a traceback, /dev/zero was read until MemoryError.
+    Each bad credential file is now one line naming the flag and the path, read bounded and without blocking
+    (a FIFO with no writer), in a real CLI process with a 5 GiB address-space limit."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (5 << 30, 5 << 30))  # torch maps ~3.5 GiB
+
+    for flag, path, why in _credential_cases(tmp_path):
+        out = subprocess.run([sys.executable, "-m", "promptcache.cli", "stats", "--address", "127.0.0.1:1",
+                              "--timeout", "0.5", flag, path], capture_output=True, text=True, timeout=60,
+                             preexec_fn=limit)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (flag, path, out.stderr[-1500:])
+        assert lines[0] == f"promptcache stats: {flag} {path}: {lines[0].split(': ', 2)[2]}" and why in lines[0], \
+            lines[0]

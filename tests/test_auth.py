@@ -120,7 +120,7 @@ def test_token_file_of_lines_and_a_client_token_file_that_rotates(tmp_path):
     assert (store.tenant("a-1"), store.tenant("b-1"), store.tenant("a-")) == ("alice", "bob", None)
     path.write_text("this line is malformed\n")
     store.maybe_reload()
-    assert store.tenant("a-1") == "alice" and store.reload_errors == 1  # a bad reload keeps the old tokens
+    assert store.tenant("a-1") is None and store.reload_errors == 1  # fail closed: a bad file accepts nothing
     path.write_text("alice:a-2\n")
     os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
     assert store.tenant("a-2") == "alice" and store.tenant("a-1") is None
@@ -255,3 +255,72 @@ def test_server_certificate_is_reloaded_when_rotated(sidecar_factory, tmp_path):
     with PromptCacheClient(sidecar.address, tls_ca=pki.ca_file, retries=0, timeout=3) as c, \
             pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
         c.stats()
+
+
+@pytest.mark.parametrize("layout", ["file", "folder"])
+def test_token_file_fails_closed_when_emptied_deleted_or_garbage(sidecar_factory, tmp_path, layout, caplog):
+    """Issue 27 #7: an emptied token file revoked every tenant while a deleted or garbage one kept the old
+    tokens. One rule now (docs/security.md, "Token file semantics"): the tokens accepted are exactly what the
+    file says; emptied, deleted, unreadable or malformed, no token is accepted until it is valid again."""
+    path = tmp_path / ("tokens.txt" if layout == "file" else "tokens")
+
+    def valid():
+        if layout == "file":
+            path.write_text("alice:alice-token-1\n")
+        else:
+            write_secret_dir(path, {"alice": "alice-token-1"})
+
+    def bump():
+        t = time.time_ns() + 10**9 * (1 + bump.n)
+        bump.n += 1
+        for p in ([path] if layout == "file" else [path, path / "..data"]):
+            if p.exists():
+                os.utime(p, ns=(t, t), follow_symlinks=False)
+    bump.n = 0
+
+    def emptied():
+        if layout == "file":
+            path.write_text("")
+        else:
+            write_secret_dir(path, {"alice": ""})
+
+    def deleted():
+        if layout == "file":
+            path.unlink()
+        else:
+            import shutil
+            shutil.rmtree(path)
+
+    def garbage():
+        if layout == "file":
+            path.write_text("no colon here\n")
+        else:
+            write_secret_dir(path, {"not a tenant!": "x"})
+
+    valid()
+    sidecar = sidecar_factory(token_file=str(path), token_reload_seconds=0.05)
+    with PromptCacheClient(sidecar.address, retries=0, token="alice-token-1") as c:
+        def accepted() -> bool:
+            try:
+                c.stats()
+                return True
+            except errors.Unauthenticated:
+                return False
+
+        def settle(want: bool, what: str):
+            deadline = time.monotonic() + 10
+            while accepted() != want:
+                assert time.monotonic() < deadline, f"token file {what}: still {'refused' if want else 'accepted'}"
+                time.sleep(0.05)
+
+        assert accepted()
+        for what, change in (("emptied", emptied), ("deleted", deleted), ("garbage", garbage)):
+            change()
+            bump()
+            settle(False, what)
+            time.sleep(0.3)  # and it stays refused (no later reload brings the old tokens back)
+            assert not accepted(), what
+            valid()
+            bump()
+            settle(True, f"restored after {what}")
+    assert sidecar.authenticator.tokens.reload_errors >= 3

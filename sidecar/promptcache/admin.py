@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from promptcache.client.credentials import CredentialError
 from promptcache.client.errors import PromptCacheError
 
 COMMANDS = ("stats", "lookup", "purge", "resize", "top")
@@ -176,6 +177,7 @@ def run(args) -> int:
             from promptcache.sidecar.config import parse_bytes
 
             memory = parse_bytes(args.memory)
+        _check_credentials(args)
     except (OSError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
@@ -207,7 +209,22 @@ def run(args) -> int:
     except PromptCacheError as exc:  # its message starts with the gRPC code: UNAUTHENTICATED: ...
         print(f"{prog}: {args.address}: {exc}", file=sys.stderr)
         return 1
+    except CredentialError as exc:  # a credential file changed under a running command (top)
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _check_credentials(args) -> None:
+    """Every credential file named is readable, bounded, a regular file, and (the token) not empty: else one
+    line naming the flag and the file (CredentialError), before any call."""
+    from promptcache.client.credentials import read_credential, read_token
+
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path:
+            read_credential(path, flag)
+    if args.token_file:
+        read_token(args.token_file, "--token-file")
 
 
 def _top(args, client) -> int:

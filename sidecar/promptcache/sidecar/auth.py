@@ -36,6 +36,22 @@ def identity_of(context) -> Identity:
     return getattr(context, _IDENTITY_ATTR, ANONYMOUS)
 
 
+MAX_TOKEN_FILE_BYTES = 1 << 20  # per file; a token file is a few hundred bytes
+MAX_TOKEN_FILES = 10_000  # tenants in a token folder
+
+
+def _text(path: Path) -> str:
+    """A token file's text: a regular file, read without blocking and bounded (ValueError naming it else)."""
+    from promptcache.client.credentials import CredentialError, read_credential
+
+    try:
+        return read_credential(path, "--token-file", MAX_TOKEN_FILE_BYTES).decode("utf-8")
+    except CredentialError as exc:
+        raise ValueError(str(exc)) from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--token-file {path}: not UTF-8 text") from None
+
+
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8")).digest()
 
@@ -44,8 +60,13 @@ class TokenStore:
     """Bearer tokens -> tenant, from a file or a folder; re-read when a file's (inode, size, mtime) changes.
 
     Only SHA-256 digests of the tokens are kept, and a presented token is looked up by its digest, so the
-    time a lookup takes does not depend on how many leading characters of a real token it shares. A reload
-    that fails (file missing, malformed) keeps the previous tokens and logs why.
+    time a lookup takes does not depend on how many leading characters of a real token it shares.
+
+    One rule, fail closed (docs/security.md, "Token file semantics"): the tokens accepted are exactly those the
+    file says now. Emptied, deleted, unreadable (a directory, a FIFO, over MAX_TOKEN_FILE_BYTES) or malformed:
+    no token is accepted (every call UNAUTHENTICATED) until it is valid again; one log line per change says why
+    and `reload_errors` counts it. At start the file must be valid (the start fails naming it). Reads are
+    bounded and never block.
     """
 
     def __init__(self, path: str, reload_seconds: float = 1.0, clock=time.monotonic):
@@ -64,6 +85,9 @@ class TokenStore:
 
     def _files(self) -> list[Path]:
         if self.path.is_dir():
+            entries = [p for p in self.path.iterdir() if not p.name.startswith(".")]
+            if len(entries) > MAX_TOKEN_FILES:
+                raise ValueError(f"token folder {self.path} holds more than {MAX_TOKEN_FILES} files")
             # Kubernetes Secret mounts hold the real files in ..data/ behind symlinks; skip dotted entries.
             return sorted(p for p in self.path.iterdir() if not p.name.startswith(".") and p.is_file())
         return [self.path]
@@ -84,11 +108,11 @@ class TokenStore:
         if self.path.is_dir():
             for p in self._files():
                 tenant = check_tenant_name(p.name, str(p))
-                for line in p.read_text().splitlines():
+                for line in _text(p).splitlines():
                     if line.strip():
                         tokens[_digest(line.strip())] = tenant
         else:
-            for n, line in enumerate(self.path.read_text().splitlines(), 1):
+            for n, line in enumerate(_text(self.path).splitlines(), 1):
                 line = line.strip()
                 if not line or line.startswith("#"):
                     continue
@@ -98,6 +122,8 @@ class TokenStore:
                 tokens[_digest(token.strip())] = check_tenant_name(tenant.strip(), f"{self.path}:{n}")
         if any(len(t) == 0 for t in tokens):
             raise ValueError(f"{self.path}: empty token")
+        if not tokens:
+            raise ValueError(f"{self.path} holds no token")
         return tokens, signature
 
     def maybe_reload(self) -> None:
@@ -108,16 +134,22 @@ class TokenStore:
             if now - self._checked < self.reload_seconds:
                 return
             self._checked = now
+            current = None
             try:
                 current = self._stat_signature()
                 if current == self._signature:
                     return
                 tokens, signature = self._read()
             except (OSError, ValueError) as exc:
-                # Logged once per change of the files, not on every check.
-                self._signature = locals().get("current", self._signature)
-                self.reload_errors += 1
-                log.error("cannot reload bearer tokens, keeping the previous ones: %s", exc)
+                # Fail closed: no token is accepted until the file is valid again. Logged once per change of
+                # the files (or of the error), not on every check.
+                why = str(exc) if not isinstance(exc, OSError) else f"{self.path}: {exc.strerror or exc}"
+                changed = (current, why) != self._signature
+                self._signature = (current, why)
+                self._tokens = {}
+                if changed:
+                    self.reload_errors += 1
+                    log.error("bearer tokens unusable, every call is refused until the file is fixed: %s", why)
                 return
             self._tokens, self._signature = tokens, signature
             self.reloads += 1
