@@ -132,3 +132,83 @@ def test_sampling_logs_whole_chains(sidecar_factory, tmp_path):
     logged = traces.read_trace(str(path))
     assert 0 < len(chosen) < len(reqs)
     assert [r.input_length for r in logged] == [len(r.hash_ids) * CHUNK_TOKENS for r in chosen]
+
+
+def _refused_at_start(path, *, timeout: float = 60) -> str:
+    """A real `promptcache serve` with --access-log-path `path`: it must exit 2 (never hang) with one line naming
+    the flag and the path, and no traceback."""
+    from support import SidecarProcess
+
+    proc = SidecarProcess("--access-log-path", str(path), "--log-format", "text")
+    try:
+        out, _ = proc.proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.proc.kill()
+        proc.proc.communicate()
+        raise AssertionError(f"start-up hung with --access-log-path {path}") from None
+    assert proc.proc.returncode == 2, out[-2000:]
+    assert "Traceback" not in out and f"--access-log-path {path}" in out, out[-2000:]
+    return out
+
+
+def test_the_log_file_is_opened_safely_and_refusals_name_the_flag(tmp_path):
+    """Issue 27 #4: a symlink was followed, a FIFO without a reader hung start-up in open(), a FIFO with a reader,
+    /proc/self/status or a folder failed without naming the flag, and the file was created 0644."""
+    target = tmp_path / "victim"
+    target.write_text("precious\n")
+    link = tmp_path / "link.jsonl"
+    os.symlink(target, link)
+    assert "symbolic link" in _refused_at_start(link)
+    assert target.read_text() == "precious\n"
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    assert "FIFO" in _refused_at_start(fifo)  # no reader: O_NONBLOCK, no hang
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert "FIFO" in _refused_at_start(fifo)
+    finally:
+        os.close(reader)
+    _refused_at_start(tmp_path)
+    _refused_at_start("/proc/self/status")
+    # A new file is created 0600, and an existing one is made 0600.
+    fresh = AccessLog(str(tmp_path / "new" / "a.jsonl"), 4096, 2)
+    fresh.close()
+    assert oct(os.stat(tmp_path / "new" / "a.jsonl").st_mode & 0o777) == "0o600"
+    loose = tmp_path / "loose.jsonl"
+    loose.write_text("")
+    os.chmod(loose, 0o644)
+    AccessLog(str(loose), 4096, 2).close()
+    assert oct(os.stat(loose).st_mode & 0o777) == "0o600"
+
+
+def test_the_log_comes_back_when_its_folder_reappears(sidecar_factory, tmp_path, caplog):
+    """Issue 27 #4: removing the log's folder while running made rotation raise tracebacks and the log stopped
+    for good. Now lines are dropped (one log line says why, no traceback), and it writes again, 0600, once the
+    folder is back."""
+    import shutil
+    import time
+
+    folder = tmp_path / "logs"
+    path = folder / "access.jsonl"
+    sidecar = sidecar_factory(**log_settings(path, access_log_max_bytes=4096, access_log_files=2))
+    reqs = traces.generate("chat", seed=5, scale=0.05)
+    assert len(reqs) >= 44
+    drive(sidecar, reqs[:10])
+    sidecar.observer.wait_idle()
+    assert path.exists()
+    shutil.rmtree(folder)
+    drive(sidecar, reqs[10:40])  # rotations due while the folder is gone
+    sidecar.observer.wait_idle()
+    assert not folder.exists()  # not recreated behind the operator's back
+    folder.mkdir()
+    deadline = time.monotonic() + 20
+    while not (path.exists() and path.stat().st_size > 0):
+        assert time.monotonic() < deadline, "the access log never came back after its folder reappeared"
+        drive(sidecar, reqs[40:44])
+        sidecar.observer.wait_idle()
+        time.sleep(0.2)
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert sidecar.observer.failures == 0
+    assert "Traceback" not in caplog.text
+    assert all(r.exc_info is None for r in caplog.records)
+    assert any("access log stopped" in r.getMessage() for r in caplog.records)

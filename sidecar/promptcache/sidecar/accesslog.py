@@ -18,13 +18,27 @@ and a replay of the sample keeps the prefix structure. Rotation: when the next l
 --access-log-max-bytes, FILE becomes FILE.1 (FILE.1 becomes FILE.2, ...), and at most --access-log-files files are
 kept (FILE included): the log never takes more than max-bytes x files on disk. A line longer than max-bytes is
 dropped (and counted). Replay rotated files oldest first: `cat FILE.3 FILE.2 FILE.1 FILE > all.jsonl`.
+
+The file (docs/security.md): opened O_NOFOLLOW|O_NONBLOCK (a symlink is refused, not followed; a FIFO never
+hangs start-up), only a regular file is accepted, created (and kept) 0600. Every refusal at start names
+--access-log-path and the path (the start fails). When the file cannot be written while running (its folder
+removed, the disk full) lines are dropped and counted, one log line says why, and the file is opened again once
+its folder is back.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import secrets
+import stat
+import time
+
+from promptcache.contract.shm import kind_of
+
+log = logging.getLogger("promptcache.sidecar.accesslog")
 
 _U64 = 1 << 64
 
@@ -34,21 +48,63 @@ def log_sampled(root: bytes, rate: float) -> bool:
     return rate >= 1.0 or int.from_bytes(root[:8], "little") < rate * _U64
 
 
+FLAG = "--access-log-path"
+REOPEN_SECONDS = 1.0  # while the file cannot be written (its folder removed), try again at most this often
+
+
+def open_log_file(path: str) -> int:
+    """The log file's descriptor, opened for appending without following a link (O_NOFOLLOW) or blocking
+    (O_NONBLOCK: a FIFO without a reader would hang the open forever), created 0600 and set to 0600 if it was
+    not (it tells request timing, lengths and prefix sharing); only a regular file is accepted. ValueError
+    naming the flag and the path otherwise."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{FLAG} {path} is a symbolic link; it is not followed (name the file itself)") \
+                from None
+        if exc.errno == errno.ENXIO:  # O_NONBLOCK|O_WRONLY on a FIFO without a reader
+            raise ValueError(f"{FLAG} {path} is a FIFO, not a regular file") from None
+        raise ValueError(f"{FLAG} {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{FLAG} {path} is {kind_of(st.st_mode)}, not a regular file")
+        if stat.S_IMODE(st.st_mode) & 0o077 and st.st_uid == os.geteuid():
+            os.fchmod(fd, 0o600)
+    except OSError as exc:
+        os.close(fd)
+        raise ValueError(f"{FLAG} {path}: {exc.strerror or exc}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class AccessLog:
-    def __init__(self, path: str, max_bytes: int, files: int, secret: bytes | None = None) -> None:
+    def __init__(self, path: str, max_bytes: int, files: int, secret: bytes | None = None,
+                 clock=time.monotonic) -> None:
         if max_bytes <= 0 or files < 1:
             raise ValueError("access log: max_bytes must be positive and files at least 1")
         self.path = path
         self.max_bytes = max_bytes
         self.files = files
+        self.clock = clock
         self._secret = secret or secrets.token_bytes(32)
         self.records = 0
         self.dropped = 0
         self.rotations = 0
+        self.write_errors = 0
+        self._failed_at = 0.0
+        self._problem = ""  # what stopped the last write: logged once per kind
         folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        self._file = open(path, "ab")
-        self._size = self._file.tell()
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"{FLAG} {path}: cannot create its folder {folder}: {exc.strerror or exc}") from None
+        self._fd: int | None = open_log_file(path)
+        self._size = os.fstat(self._fd).st_size
 
     def hash_id(self, key: bytes) -> int:
         h = hashlib.blake2b(key, key=self._secret, digest_size=8).digest()
@@ -61,25 +117,70 @@ class AccessLog:
         if len(line) > self.max_bytes:
             self.dropped += 1
             return
-        if self._size + len(line) > self.max_bytes:
-            self._rotate()
-        self._file.write(line)
-        self._file.flush()  # a crash loses at most the line being written
+        if self._fd is None and not self._reopen():
+            self.dropped += 1
+            return
+        try:
+            if self._size + len(line) > self.max_bytes:
+                self._rotate()
+            os.write(self._fd, line)  # unbuffered: a crash loses at most the line being written
+        except (OSError, ValueError) as exc:
+            self._fail(exc)
+            self.dropped += 1
+            return
         self._size += len(line)
         self.records += 1
 
+    def _fail(self, exc: Exception) -> None:
+        """The file cannot be written (its folder removed, the disk full, replaced by something else): stop
+        writing, say so once, and reopen once the folder is back (record tries every REOPEN_SECONDS)."""
+        self.write_errors += 1
+        self._failed_at = self.clock()
+        why = str(exc) if isinstance(exc, ValueError) else f"{FLAG} {self.path}: {exc.strerror or exc}"
+        if why != self._problem:
+            self._problem = why
+            log.error("access log stopped (%s); lines are dropped until it can be written again", why)
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+    def _reopen(self) -> bool:
+        if self.clock() - self._failed_at < REOPEN_SECONDS:
+            return False
+        if not os.path.isdir(os.path.dirname(os.path.abspath(self.path))):  # not recreated by us: an operator's
+            self._failed_at = self.clock()
+            return False
+        try:
+            self._fd = open_log_file(self.path)
+            self._size = os.fstat(self._fd).st_size
+        except (OSError, ValueError) as exc:
+            self._fail(exc)
+            return False
+        log.warning("access log %s is written again", self.path)
+        self._problem = ""
+        return True
+
     def _rotate(self) -> None:
-        self._file.close()
+        os.close(self._fd)
+        self._fd = None
         if self.files == 1:
-            os.remove(self.path)
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
         else:
             for i in range(self.files - 1, 0, -1):
                 src = self.path if i == 1 else f"{self.path}.{i - 1}"
-                if os.path.exists(src):
+                if os.path.lexists(src):
                     os.replace(src, f"{self.path}.{i}")  # the oldest is overwritten: files stay bounded
-        self._file = open(self.path, "ab")
+        self._fd = open_log_file(self.path)
         self._size = 0
         self.rotations += 1
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
