@@ -319,3 +319,76 @@ def test_a_buffer_closed_during_a_call_keeps_its_descriptor_until_the_call_ends(
     assert idle.closed and not busy.closed
     assert os.listdir(tmp_path) == []
     buffers.close_all()
+
+
+_FALLBACK_CLIENT = r"""
+import sys, torch
+from promptcache.client import PromptCacheClient
+from promptcache.contract.keys import ModelSpec
+spec = ModelSpec("test/shm-full", "rev-1", "float32", num_layers=4, num_kv_heads=8, head_dim=64)
+address, shm, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tokens = [seed * 1000 + t for t in range(8 * 16)]  # 8 chunks of 256 KiB: 2 MiB, more than the 1 MiB tmpfs
+g = torch.Generator().manual_seed(seed)
+kv = [(torch.randn(1, 8, len(tokens), 64, generator=g), torch.randn(1, 8, len(tokens), 64, generator=g))
+      for _ in range(4)]
+with PromptCacheClient(address, shm_dir=shm, timeout=30) as c:
+    assert c.put(spec, tokens, kv).stored_chunks == 8
+    cached, got = c.get(spec, tokens)
+    assert cached == len(tokens), cached
+    assert all(bool((a == x).all()) and bool((b == y).all()) for (a, b), (x, y) in zip(got, kv))
+print("survived")
+"""
+
+
+def test_a_full_shm_dir_makes_clients_stream_instead_of_dying_of_sigbus(tmp_path):
+    """Issue 27 #2: OpenSharedBuffer granted buffers it had not backed (15 GiB on a 1 MiB tmpfs); a client that
+    wrote into its mapping died of SIGBUS, and GetShared answered INTERNAL: OSError. Now a buffer is allocated
+    (posix_fallocate) before it is lent, a folder without room answers RESOURCE_EXHAUSTED naming --shm-dir,
+    and a client in its own process on a 1 MiB tmpfs streams instead and survives, also after another client
+    has filled the folder with its own buffers."""
+    import subprocess
+    import sys
+
+    from support import SidecarProcess
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(shm)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a 1 MiB tmpfs (the test needs root): {mounted.stderr.strip()}")
+    sock = tmp_path / "s.sock"
+    proc = None
+    try:
+        proc = SidecarProcess("--grpc-address", f"unix:{sock}", "--shm-dir", str(shm), "--chunk-tokens", "16",
+                              "--memory-bytes", "64Mi", "--log-format", "text")
+        proc.address = f"unix:{sock}"
+        proc.wait_ready()
+        with client_channel(proc.address) as ch:
+            stub = pb_grpc.KVCacheStub(ch)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.OpenSharedBuffer(pb.OpenSharedBufferRequest(length=15 << 30), timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+            assert "--shm-dir" in info.value.details() and "no room" in info.value.details()
+            client = [sys.executable, "-c", _FALLBACK_CLIENT, proc.address, str(shm)]
+            out = subprocess.run(client + ["1"], capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0 and "survived" in out.stdout, (out.returncode, out.stderr[-2000:])
+            # Another client holds buffers filling the folder: the next one streams too, and survives.
+            held = []
+            while True:
+                try:
+                    held.append(stub.OpenSharedBuffer(pb.OpenSharedBufferRequest(length=128 << 10), timeout=10))
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+                    break
+                assert len(held) < 64, "buffers beyond the 1 MiB folder were granted"
+            out = subprocess.run(client + ["2"], capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0 and "survived" in out.stdout, (out.returncode, out.stderr[-2000:])
+            for h in held:
+                stub.CloseSharedBuffer(pb.CloseSharedBufferRequest(handle=h.handle), timeout=10)
+    finally:
+        if proc is not None:
+            proc.stop()
+            log = proc.proc.stdout.read()
+        subprocess.run(["umount", "-l", str(shm)], check=False)
+    assert "Traceback" not in log and "INTERNAL" not in log, log[-3000:]

@@ -56,7 +56,11 @@ class SharedFile:
         view = memoryview(data).cast("B")
         done = 0
         while done < view.nbytes:
-            done += os.pwritev(self.fd, [view[done:]], offset + done)
+            try:
+                done += os.pwritev(self.fd, [view[done:]], offset + done)
+            except OSError as exc:  # ENOSPC: the client truncated its (allocated) buffer and the folder is full
+                raise SharedBufferError(f"cannot write {view.nbytes} bytes at offset {offset} of shared_buffer "
+                                        f"{self.name[:64]!r}: {exc.strerror or exc}; stream instead") from None
 
     def close(self) -> None:
         release, self._release = self._release, None
@@ -161,6 +165,14 @@ class _Buffer:
                 raise SharedBufferError(f"{granted.file_name!r} in {directory} is not the buffer the sidecar "
                                         f"created (inode {st.st_ino}, {st.st_size} bytes; expected inode "
                                         f"{granted.inode}, {granted.length} bytes)")
+            # Writing into a mapping of a sparse file on a full tmpfs is a SIGBUS that kills this process: the
+            # pages must exist before the mapping is touched. The sidecar allocates them when it creates the
+            # buffer; allocate again here (a no-op then), so a sidecar that did not cannot crash us either.
+            try:
+                os.posix_fallocate(fd, 0, granted.length)
+            except OSError as exc:
+                raise SharedBufferError(f"no room for a {granted.length}-byte shared buffer in {directory}: "
+                                        f"{exc.strerror or exc}") from None
             self.mm = mmap.mmap(fd, granted.length, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)  # the mapping keeps the file; the sidecar has its own descriptor

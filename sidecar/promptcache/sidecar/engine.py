@@ -325,6 +325,8 @@ class CacheEngine:
         shared = self.shared_file(caller, request.shared_buffer.name, request.shared_buffer.length)
         try:
             return pb.ChunkBatch(chunks=[begin for begin, _ in self.read_chunks(caller, request, shared)])
+        except SharedBufferError as exc:  # the buffer's filesystem is full (a client truncated it): stream instead
+            raise NoCapacity(str(exc)) from None
         finally:
             shared.close()
 

@@ -12,11 +12,15 @@ open() forever. So (docs/security.md, "Shared-memory and bulk paths: threat mode
   creation: no path is opened per call, so nothing can be swapped in under the name and nothing can block.
 * The file name is unlinked at the buffer's first use (the client has opened it by then), so nobody can open
   the file afterwards.
+* Backed before it is lent: the file's pages are allocated (posix_fallocate) when it is created, so they count
+  against the filesystem's free space then, and a client writing into its mapping can never meet a SIGBUS; a
+  folder without room answers RESOURCE_EXHAUSTED (the client streams instead).
 * Bounded per identity: at most `max_buffers` buffers and `max_bytes` bytes; a buffer unused for
   `idle_seconds` is closed (a client that died without CloseSharedBuffer), and its handle stops working.
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -90,6 +94,9 @@ class SharedBuffers:
             why = refusal(len(mine), sum(g.length for g in mine), length, self.max_buffers, self.max_bytes)
             if why:
                 raise BufferLimit(why)
+            if length > self._free():
+                raise BufferLimit(f"--shm-dir {self.directory} has no room for a shared buffer of {length} bytes "
+                                  f"({self._free()} bytes free); stream instead")
             file_name = f"pc-{secrets.token_hex(16)}"
             try:
                 fd = os.open(file_name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -99,10 +106,16 @@ class SharedBuffers:
                                         f"{exc.strerror}") from None
             try:
                 os.ftruncate(fd, length)
+                # Backed before it is lent: a sparse file on a full tmpfs is a SIGBUS for the client that
+                # writes into its mapping. Allocated pages count against the filesystem's free space.
+                os.posix_fallocate(fd, 0, length)
                 st = os.fstat(fd)
             except OSError as exc:
                 os.close(fd)
                 self._unlink(file_name, None)
+                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    raise BufferLimit(f"--shm-dir {self.directory} has no room for a shared buffer of {length} "
+                                      f"bytes ({self._free()} bytes free); stream instead") from None
                 raise SharedBufferError(f"cannot size a buffer of {length} bytes in --shm-dir {self.directory}: "
                                         f"{exc.strerror}") from None
             grant = Grant(secrets.token_urlsafe(24), owner, file_name, fd, length, st.st_ino, self.clock())
@@ -160,6 +173,13 @@ class SharedBuffers:
             return len(mine), sum(g.length for g in mine)
 
     # --- internals --------------------------------------------------------------------------------------
+    def _free(self) -> int:
+        try:
+            st = os.fstatvfs(self._dir_fd)
+            return st.f_bavail * st.f_frsize
+        except OSError:
+            return 0
+
     def _release(self, grant: Grant) -> None:
         with self._lock:
             grant.users -= 1
