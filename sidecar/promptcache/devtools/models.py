@@ -138,7 +138,7 @@ def smollm2_random(dtype: str = "float32", seed: int = 0):
 
 
 def random_lora(out: Path, model_dir: Path, seed: int, rank: int = 8, targets=("q_proj", "k_proj", "v_proj"),
-                scale: float = 0.05) -> Path:
+                scale: float = 0.2) -> Path:
     """A PEFT LoRA adapter for the Llama in `model_dir` with random A and non-zero random B on `targets` (so it
     changes K and V, unlike a freshly initialised adapter whose B is zero), saved as `out` (adapter_config.json and
     adapter_model.safetensors)."""
