@@ -9,16 +9,46 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from support import REPO
-from promptcache.contract.keys import ModelSpec, chunk_keys, fingerprint
+from promptcache.contract.keys import (Adapter, ModelSpec, MultiModalItem, Shard, chunk_keys, fingerprint,
+                                       request_salt, shard_spec)
 
 VECTORS = json.loads((REPO / "docs/key-vectors.json").read_text())
 BASE = ModelSpec("m", "r", "float16", 4, 2, 8)
 
 
 def spec_of(v) -> ModelSpec:
+    """The vector's hashed spec: its salt derived with request_salt when it has a request (v2)."""
     m = v["model"]
+    salt = bytes.fromhex(m["tenant_salt_hex"])
+    r = v.get("request")
+    if r is not None:
+        adapter = Adapter(r["adapter"]["name"], bytes.fromhex(r["adapter"]["digest_hex"])) if "adapter" in r else None
+        items = [MultiModalItem(i["modality"], i["content_hash"], i["offset"], i["length"]) for i in r.get("mm_items", [])]
+        salt = request_salt(salt, adapter=adapter, mm_items=items,
+                            embeds_digest=bytes.fromhex(r.get("embeds_digest_hex", "")),
+                            shard=Shard(*r["shard"]) if "shard" in r else None)
+        assert salt.hex() == v["request_salt_hex"]
     return ModelSpec(m["model_id"], m["revision"], m["kv_dtype"], m["num_layers"], m["num_kv_heads"],
-                     m["head_dim"], m["quantization"], bytes.fromhex(m["tenant_salt_hex"]))
+                     m["head_dim"], m["quantization"], salt)
+
+
+def reference_salt(v) -> bytes:
+    """docs/keys.md's request salt (v2), written from the page alone."""
+    salt = bytes.fromhex(v["model"]["tenant_salt_hex"])
+    r = v.get("request")
+    if r is None:
+        return salt
+    f = lambda tag, p: bytes([tag]) + len(p).to_bytes(4, "little") + p  # noqa: E731
+    msg = b"promptcache/request/v2\0" + f(1, salt)
+    if "adapter" in r:
+        msg += f(2, r["adapter"]["name"].encode()) + f(3, bytes.fromhex(r["adapter"]["digest_hex"]))
+    for i in r.get("mm_items", []):
+        msg += f(4, i["modality"].encode()) + f(5, i["content_hash"].encode()) + f(6, struct.pack("<2I", i["offset"], i["length"]))
+    if r.get("embeds_digest_hex"):
+        msg += f(7, bytes.fromhex(r["embeds_digest_hex"]))
+    if "shard" in r:
+        msg += f(8, struct.pack("<6I", *r["shard"]))
+    return hashlib.sha256(msg).digest()
 
 
 def reference_keys(v):
@@ -29,7 +59,7 @@ def reference_keys(v):
     fp = hashlib.sha256(b"promptcache/fingerprint/v1\0" + f(1, m["model_id"].encode()) + f(2, m["revision"].encode())
                         + f(3, m["kv_dtype"].encode()) + f(4, u(m["num_layers"])) + f(5, u(m["num_kv_heads"]))
                         + f(6, u(m["head_dim"])) + f(7, {"k8v4": b"k8v4.3", "k6v4z": b"k6v4z.2"}.get(m["quantization"], m["quantization"].encode()))
-                        + f(8, bytes.fromhex(m["tenant_salt_hex"]))).digest()
+                        + f(8, reference_salt(v))).digest()
     keys, parent, c = [], bytes(32), v["chunk_tokens"]
     for i in range(len(v["tokens"]) // c):
         toks = struct.pack(f"<{c}I", *v["tokens"][i * c:(i + 1) * c])
@@ -104,3 +134,65 @@ def test_malformed_spec_names_the_field(change, field):
 
     with pytest.raises(ValueError, match=field):
         fingerprint(dataclasses.replace(BASE, **change))
+
+
+IMAGE = MultiModalItem("image", "abc123", 3, 4)
+ADAPTER = Adapter("a", hashlib.sha256(b"a").digest())
+
+
+def test_request_salt_without_parts_is_the_v1_salt():
+    """Backwards-clear: a plain request (and a whole-model shard) keeps the v1 salt, so its keys are unchanged."""
+    assert request_salt(b"") == b"" and request_salt(b"tenant") == b"tenant"
+    assert request_salt(b"t", shard=Shard(0, 2, 2, 0, 4, 4)) == b"t"
+
+
+@pytest.mark.parametrize("parts", [
+    dict(adapter=ADAPTER), dict(adapter=Adapter("b", ADAPTER.digest)), dict(adapter=Adapter("a", bytes(32))),
+    dict(mm_items=[IMAGE]), dict(mm_items=[MultiModalItem("image", "abc124", 3, 4)]),
+    dict(mm_items=[MultiModalItem("image", "abc123", 4, 4)]), dict(mm_items=[MultiModalItem("audio", "abc123", 3, 4)]),
+    dict(mm_items=[IMAGE, IMAGE]), dict(embeds_digest=bytes(32)), dict(shard=Shard(0, 1, 2, 0, 4, 4)),
+    dict(shard=Shard(1, 2, 2, 0, 4, 4)), dict(shard=Shard(0, 2, 2, 0, 2, 4)), dict(adapter=ADAPTER, mm_items=[IMAGE]),
+])
+def test_every_request_part_separates_keys(parts):
+    """Every part of a request's identity gives keys disjoint from the plain request's and from every other case's."""
+    salts = {request_salt(b"t", **parts)}
+    assert request_salt(b"t", **parts) == request_salt(b"t", **parts)  # deterministic
+    assert request_salt(b"t", **parts) not in (b"t", request_salt(b"u", **parts))
+    tokens = list(range(32))
+    other = ModelSpec(BASE.model_id, BASE.revision, BASE.kv_dtype, BASE.num_layers, BASE.num_kv_heads, BASE.head_dim,
+                      tenant_salt=salts.pop())
+    assert not set(chunk_keys(fingerprint(other), tokens, 8)) & set(chunk_keys(fingerprint(BASE), tokens, 8))
+
+
+def test_request_parts_are_pairwise_distinct():
+    cases = [dict(adapter=ADAPTER), dict(mm_items=[IMAGE]), dict(embeds_digest=ADAPTER.digest),
+             dict(adapter=ADAPTER, mm_items=[IMAGE]), dict(mm_items=[IMAGE, MultiModalItem("image", "x", 9, 1)]),
+             dict(shard=Shard(0, 1, 2, 0, 4, 4)), dict(shard=Shard(1, 2, 2, 0, 4, 4)),
+             dict(shard=Shard(0, 1, 2, 0, 4, 4), adapter=ADAPTER)]
+    salts = [request_salt(b"", **c) for c in cases]
+    assert len(set(salts)) == len(salts)
+
+
+def test_shard_spec_holds_the_rank_slice():
+    whole = ModelSpec("m", "r", "float16", 4, 4, 8)
+    r0, r1 = (shard_spec(whole, Shard(2 * r, 2 * r + 2, 4, 0, 4, 4)) for r in (0, 1))
+    assert (r0.num_kv_heads, r0.num_layers) == (2, 4) and r0.tenant_salt != r1.tenant_salt
+    assert fingerprint(r0) != fingerprint(r1)
+    # Negative control: the rank's head count alone (what the spec would say without the shard) is one fingerprint
+    # for both ranks, so rank 1 would be served rank 0's heads.
+    import dataclasses
+
+    assert dataclasses.replace(r0, tenant_salt=b"") == dataclasses.replace(r1, tenant_salt=b"")
+    with pytest.raises(ValueError, match="shard of a model"):
+        shard_spec(whole, Shard(0, 1, 2, 0, 4, 4))
+
+
+@pytest.mark.parametrize("parts,what", [
+    (dict(adapter=Adapter("", bytes(32))), "adapter.name"), (dict(adapter=Adapter("a", b"x")), "adapter.digest"),
+    (dict(mm_items=[MultiModalItem("image", "", 0, 1)]), "multimodal item 0"),
+    (dict(mm_items=[MultiModalItem("image", "h", 0, 0)]), "multimodal item 0"),
+    (dict(shard=Shard(1, 1, 2, 0, 1, 1)), "shard heads"), (dict(shard=Shard(0, 1, 2, 0, 3, 2)), "shard layers"),
+])
+def test_malformed_request_parts_name_what(parts, what):
+    with pytest.raises(ValueError, match=what):
+        request_salt(b"", **parts)

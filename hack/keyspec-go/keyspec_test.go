@@ -23,10 +23,25 @@ type vector struct {
 		Quantization string `json:"quantization"`
 		TenantSalt   string `json:"tenant_salt_hex"`
 	} `json:"model"`
-	Fingerprint string   `json:"fingerprint"`
-	ChunkTokens int      `json:"chunk_tokens"`
-	Tokens      []uint32 `json:"tokens"`
-	ChunkKeys   []string `json:"chunk_keys"`
+	Request *struct {
+		Adapter *struct {
+			Name      string `json:"name"`
+			DigestHex string `json:"digest_hex"`
+		} `json:"adapter"`
+		MMItems []struct {
+			Modality    string `json:"modality"`
+			ContentHash string `json:"content_hash"`
+			Offset      uint32 `json:"offset"`
+			Length      uint32 `json:"length"`
+		} `json:"mm_items"`
+		EmbedsDigestHex string   `json:"embeds_digest_hex"`
+		Shard           []uint32 `json:"shard"`
+	} `json:"request"`
+	RequestSaltHex string   `json:"request_salt_hex"`
+	Fingerprint    string   `json:"fingerprint"`
+	ChunkTokens    int      `json:"chunk_tokens"`
+	Tokens         []uint32 `json:"tokens"`
+	ChunkKeys      []string `json:"chunk_keys"`
 }
 
 func field(tag byte, payload []byte) []byte {
@@ -52,6 +67,36 @@ func u32(v uint32) []byte {
 	return b
 }
 
+// requestSalt: docs/keys.md, "Request salt (v2)".
+func requestSalt(v vector, salt []byte) []byte {
+	r := v.Request
+	msg := []byte("promptcache/request/v2\x00")
+	msg = append(msg, field(1, salt)...)
+	if r.Adapter != nil {
+		d, _ := hex.DecodeString(r.Adapter.DigestHex)
+		msg = append(msg, field(2, []byte(r.Adapter.Name))...)
+		msg = append(msg, field(3, d)...)
+	}
+	for _, m := range r.MMItems {
+		msg = append(msg, field(4, []byte(m.Modality))...)
+		msg = append(msg, field(5, []byte(m.ContentHash))...)
+		msg = append(msg, field(6, append(u32(m.Offset), u32(m.Length)...))...)
+	}
+	if r.EmbedsDigestHex != "" {
+		d, _ := hex.DecodeString(r.EmbedsDigestHex)
+		msg = append(msg, field(7, d)...)
+	}
+	if len(r.Shard) == 6 {
+		var b []byte
+		for _, x := range r.Shard {
+			b = append(b, u32(x)...)
+		}
+		msg = append(msg, field(8, b)...)
+	}
+	h := sha256.Sum256(msg)
+	return h[:]
+}
+
 func TestVectors(t *testing.T) {
 	raw, err := os.ReadFile("../../docs/key-vectors.json")
 	if err != nil {
@@ -66,6 +111,12 @@ func TestVectors(t *testing.T) {
 	}
 	for _, v := range vectors {
 		salt, _ := hex.DecodeString(v.Model.TenantSalt)
+		if v.Request != nil {
+			salt = requestSalt(v, salt)
+			if hex.EncodeToString(salt) != v.RequestSaltHex {
+				t.Errorf("%s: request salt %x, want %s", v.Name, salt, v.RequestSaltHex)
+			}
+		}
 		msg := []byte("promptcache/fingerprint/v1\x00")
 		msg = append(msg, field(1, []byte(v.Model.ModelID))...)
 		msg = append(msg, field(2, []byte(v.Model.Revision))...)

@@ -24,3 +24,6 @@ SAVE_SECONDS = Histogram("promptcache_client_save_seconds",
 SAVE_COPY_SECONDS = Histogram("promptcache_client_save_copy_seconds",
                               "vLLM connector: time on the engine's step to copy new chunks out of their blocks",
                               buckets=(0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
+UNIDENTIFIED = Counter("promptcache_client_unidentified_requests_total",
+                       "vLLM requests neither loaded nor stored: they carry an input the connector cannot identify "
+                       "(so cannot key), by reason", ["reason"])

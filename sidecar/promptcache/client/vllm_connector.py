@@ -66,8 +66,8 @@ from promptcache.client import errors
 from promptcache.client.client import checked_chunks
 from promptcache.client.hf import _warn, fallback_reason
 from promptcache.client.metrics import (FALLBACKS, FETCH_SECONDS, HITS, LOAD_SECONDS, REUSED_TOKENS,
-                                        SAVE_COPY_SECONDS, SAVE_SECONDS, STORES)
-from promptcache.contract.keys import ModelSpec
+                                        SAVE_COPY_SECONDS, SAVE_SECONDS, STORES, UNIDENTIFIED)
+from promptcache.contract.keys import Adapter, ModelSpec, MultiModalItem, request_salt
 from promptcache.contract.layout import DTYPE_NAMES, TORCH_DTYPES
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402 - vLLM is this module's host
@@ -117,6 +117,110 @@ def layer_index(name: str) -> int:
     if not found:
         raise ValueError(f"no layer index in KV cache name {name!r}")
     return int(found[0])
+
+
+class Unidentifiable(Exception):
+    """A request carries an input whose identity the connector cannot establish: it is neither loaded nor stored.
+    `reason` is the metric label."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+_ADAPTER_DIGESTS: dict[tuple, bytes] = {}
+_ADAPTER_LOCK = threading.Lock()
+
+
+def adapter_digest(path: str) -> bytes:
+    """SHA-256 over an adapter's files (relative names, sizes and all bytes), cached per (path, names, sizes, mtimes):
+    computed once per adapter and process. Raises Unidentifiable when there are no files to read."""
+    root = Path(path)
+    try:
+        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else ([root] if root.is_file() else [])
+        stamp = (str(root), tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    except OSError as exc:
+        raise Unidentifiable("lora", f"cannot read LoRA adapter {path!r}: {exc}") from None
+    if not files:
+        raise Unidentifiable("lora", f"LoRA adapter path {path!r} has no files to digest")
+    with _ADAPTER_LOCK:
+        digest = _ADAPTER_DIGESTS.get(stamp)
+    if digest is None:
+        h = hashlib.sha256(b"promptcache/adapter/v1\0")
+        try:
+            for p in files:
+                name = str(p.relative_to(root)) if root.is_dir() else p.name
+                h.update(f"{len(name)}:{name}:{p.stat().st_size}:".encode())
+                with open(p, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+        except OSError as exc:
+            raise Unidentifiable("lora", f"cannot read LoRA adapter {path!r}: {exc}") from None
+        digest = h.digest()
+        with _ADAPTER_LOCK:
+            _ADAPTER_DIGESTS[stamp] = digest
+    return digest
+
+
+def embeds_digest(embeds, mask=None) -> bytes:
+    """SHA-256 over prompt embeddings (dtype, shape, bytes) and the token/embedding position mask, if any."""
+    if not isinstance(embeds, torch.Tensor):
+        raise Unidentifiable("prompt_embeds", f"prompt embeddings of type {type(embeds).__name__} cannot be digested")
+    t = embeds.detach().cpu().contiguous()
+    h = hashlib.sha256(b"promptcache/embeds/v1\0")
+    h.update(f"{t.dtype}:{tuple(t.shape)}:".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    if mask is not None:
+        h.update(b"mask:" + bytes(bool(x) for x in mask))
+    return h.digest()
+
+
+def request_spec(base: ModelSpec, request) -> ModelSpec:
+    """The spec of a vLLM request's chunks: the engine's model spec with the request's own salt: its cache_salt (v1,
+    as before), then (v2, docs/keys.md "Request salt") its LoRA adapter (name and weights digest), its multimodal
+    items (vLLM's per-item hash and placeholder range, in prompt order) and its prompt embeddings. Raises
+    Unidentifiable for an input it cannot identify. Pure but for the adapter files it reads once."""
+    from dataclasses import replace
+
+    salt = base.tenant_salt
+    cache_salt = getattr(request, "cache_salt", None)
+    if cache_salt:
+        salt = hashlib.sha256(salt + b"\0" + str(cache_salt).encode()).digest()
+    adapter = None
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        name, path = getattr(lora, "lora_name", None), getattr(lora, "lora_path", None)
+        if not name or not path:
+            raise Unidentifiable("lora", f"LoRA request {lora!r} has no name or no path")
+        adapter = Adapter(str(name), adapter_digest(str(path)))
+    items = []
+    for i, f in enumerate(getattr(request, "mm_features", None) or ()):
+        ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
+        pos = getattr(f, "mm_position", None)
+        offset, length = getattr(pos, "offset", None), getattr(pos, "length", None)
+        if not ident or not isinstance(offset, int) or not isinstance(length, int) or length <= 0:
+            raise Unidentifiable("multimodal", f"multimodal item {i} has no hash or no placeholder range")
+        items.append(MultiModalItem(str(getattr(f, "modality", "") or "unknown"), str(ident), offset, length))
+    items.sort(key=lambda m: (m.offset, m.length))
+    digest = b""
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is not None:
+        digest = embeds_digest(embeds, getattr(request, "prompt_is_token_ids", None))
+    try:
+        salt = request_salt(salt, adapter=adapter, mm_items=items, embeds_digest=digest)
+    except ValueError as exc:
+        raise Unidentifiable("invalid", str(exc)) from None
+    return base if salt == base.tenant_salt else replace(base, tenant_salt=salt)
+
+
+def prompt_tokens(request) -> list[int]:
+    """The token ids the chunk keys are computed over: the prompt's, or (prompt embeddings only) vLLM's placeholder
+    zeros, whose identity is in the salt."""
+    ids = getattr(request, "prompt_token_ids", None)
+    if ids is not None:
+        return list(ids)
+    n = int(getattr(request, "num_prompt_tokens", 0) or 0)
+    return [0] * n
 
 
 @dataclass
@@ -213,6 +317,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
         # scheduler side
         self._fetched: dict[str, tuple[int, _Load | None]] = {}  # req_id -> (num_computed_tokens asked, result)
         self._tracked: dict[str, _Tracked] = {}
+        self._specs: dict[str, ModelSpec | None] = {}
         self._pending_loads: dict[str, _LoadOp] = {}
         # worker side
         self._kv_caches: list[torch.Tensor] = []
@@ -242,14 +347,20 @@ class PromptCacheConnector(KVConnectorBase_V1):
         except Exception as exc:  # noqa: BLE001 - unknown means inert
             return f"cannot probe the KV layout: {exc}"
 
-    def _spec(self, request) -> ModelSpec:
-        salt = getattr(request, "cache_salt", None)
-        if not salt:
-            return self.base_spec
-        from dataclasses import replace
-
-        salted = hashlib.sha256(self.base_spec.tenant_salt + b"\0" + salt.encode()).digest()
-        return replace(self.base_spec, tenant_salt=salted)
+    def _spec(self, request) -> ModelSpec | None:
+        """The request's chunk spec (request_spec), None when it carries an input that cannot be identified: then
+        it is neither loaded nor stored, counted once per request."""
+        req_id = request.request_id
+        if req_id in self._specs:
+            return self._specs[req_id]
+        try:
+            spec = request_spec(self.base_spec, request)
+        except Unidentifiable as exc:
+            UNIDENTIFIED.labels(exc.reason).inc()
+            _warn.warning(f"unidentified-{exc.reason}", "promptcache: request neither loaded nor stored: %s", exc)
+            spec = None
+        self._specs[req_id] = spec
+        return spec
 
     def _chunk_tokens(self) -> int:
         if not self.chunk_tokens:
@@ -278,12 +389,14 @@ class PromptCacheConnector(KVConnectorBase_V1):
             ct = self._chunk_tokens()
             if self.disabled:
                 return None
-            prompt = list(request.prompt_token_ids or [])
+            spec = self._spec(request)
+            if spec is None:
+                return None
+            prompt = prompt_tokens(request)
             usable = (len(prompt) - 1) // ct  # whole chunks, leaving at least one token to compute
             first = num_computed_tokens // ct
             if usable <= first:
                 return None
-            spec = self._spec(request)
             # Lent chunks stay the read-only mappings they are (they never change); anything else is the client's
             # own copy. The worker copies them into the blocks: the one pass over the bytes.
             blobs = self.client.get_blobs(spec, prompt[:usable * ct], start_chunk=first, max_chunks=usable - first,
@@ -311,7 +424,10 @@ class PromptCacheConnector(KVConnectorBase_V1):
         req_id = request.request_id
         tracked = self._tracked.get(req_id)
         if tracked is None:
-            tracked = self._tracked[req_id] = _Tracked(request, self._spec(request))
+            spec = self._spec(request)
+            if spec is None:
+                return  # unidentifiable: not tracked, so never saved
+            tracked = self._tracked[req_id] = _Tracked(request, spec)
         fetched = self._fetched.pop(req_id, None)
         if num_external_tokens <= 0 or fetched is None or fetched[1] is None:
             return
@@ -345,7 +461,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if tracked is None or tracked.saved:
                 continue
             request = tracked.request
-            n_prompt = len(request.prompt_token_ids or [])
+            prompt = prompt_tokens(request)
+            n_prompt = len(prompt)
             after = before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             if after < n_prompt:
                 continue  # the prompt is not all computed yet (chunked prefill): save when it is
@@ -359,12 +476,13 @@ class PromptCacheConnector(KVConnectorBase_V1):
             ids = block_ids[tracked.loaded_chunks * per_chunk:n_chunks * per_chunk]
             if len(ids) != (n_chunks - tracked.loaded_chunks) * per_chunk:
                 continue
-            meta.saves.append(_SaveOp(req_id, tracked.spec, list(request.prompt_token_ids[:n_chunks * ct]),
+            meta.saves.append(_SaveOp(req_id, tracked.spec, prompt[:n_chunks * ct],
                                       list(ids), tracked.loaded_chunks, ct))
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
+        self._specs.pop(request.request_id, None)
         self._fetched.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
         return False, None

@@ -128,3 +128,108 @@ def iter_chunk_keys(fp: bytes, tokens, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     for i in range(n):
         parent = chunk_key(fp, parent, raw[i * step:(i + 1) * step])
         yield parent
+
+
+# ---------------------------------------------------------------------------------------------- request salt (v2)
+# What else a request's K/V depends on besides the model and the tokens: a LoRA adapter, multimodal inputs at their
+# placeholder positions, prompt embeddings, the slice of the model's KV heads and layers one tensor/pipeline-parallel
+# rank holds. None of it needs a field of the fingerprint: it is folded into the salt (fingerprint field 8), so the
+# wire format, the server and every existing key stay as they are, and a request without any of it keeps the v1 salt
+# (its keys are unchanged, shared with every other client). Spec: docs/keys.md, "Request salt (v2)".
+_REQUEST_DOMAIN = b"promptcache/request/v2\x00"
+MAX_MM_ITEMS = 4096
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA (or other) adapter: its name and a digest of its weights (both: a renamed adapter or one whose files
+    changed under the same name gives different keys)."""
+
+    name: str
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class MultiModalItem:
+    """One multimodal input: modality, the engine's content hash of it, and where its placeholder tokens are."""
+
+    modality: str
+    content_hash: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The slice of the model's KV a chunk holds: KV heads [head_start, head_stop) of num_kv_heads, layers
+    [layer_start, layer_stop) of num_layers. The whole model is no shard (request_salt leaves it out)."""
+
+    head_start: int
+    head_stop: int
+    num_kv_heads: int
+    layer_start: int
+    layer_stop: int
+    num_layers: int
+
+    def validate(self) -> "Shard":
+        if not 0 <= self.head_start < self.head_stop <= self.num_kv_heads:
+            raise ValueError(f"shard heads [{self.head_start}, {self.head_stop}) are not inside 0..{self.num_kv_heads}")
+        if not 0 <= self.layer_start < self.layer_stop <= self.num_layers:
+            raise ValueError(f"shard layers [{self.layer_start}, {self.layer_stop}) are not inside "
+                             f"0..{self.num_layers}")
+        return self
+
+    @property
+    def whole(self) -> bool:
+        return (self.head_start, self.head_stop, self.layer_start, self.layer_stop) == (
+            0, self.num_kv_heads, 0, self.num_layers)
+
+
+def request_salt(salt: bytes, *, adapter: Adapter | None = None, mm_items: Sequence[MultiModalItem] = (),
+                 embeds_digest: bytes = b"", shard: Shard | None = None) -> bytes:
+    """The fingerprint's salt for a request: `salt` itself (v1, any tenant salt) when nothing else is given, else
+    SHA-256(request domain v2 || F(1, salt) || [F(2, adapter name) F(3, adapter digest)]
+            || per multimodal item, in prompt order: F(4, modality) F(5, content hash) F(6, u32 offset u32 length)
+            || [F(7, embeds digest)] || [F(8, u32 head_start head_stop num_kv_heads layer_start layer_stop num_layers)])
+    (32 bytes). Raises ValueError naming what is malformed."""
+    if len(salt) > 64:
+        raise ValueError("salt is longer than 64 bytes")
+    if len(mm_items) > MAX_MM_ITEMS:
+        raise ValueError(f"more than {MAX_MM_ITEMS} multimodal items")
+    u32 = lambda *vs: struct.pack(f"<{len(vs)}I", *vs)  # noqa: E731
+    parts = []
+    if adapter is not None:
+        if not adapter.name:
+            raise ValueError("adapter.name is empty")
+        if len(adapter.digest) < 16:
+            raise ValueError("adapter.digest is shorter than 16 bytes")
+        parts += [_field(2, adapter.name.encode("utf-8")), _field(3, adapter.digest)]
+    for i, item in enumerate(mm_items):
+        if not item.modality or not item.content_hash:
+            raise ValueError(f"multimodal item {i} has no modality or no content hash")
+        if not (0 <= item.offset <= MAX_TOKEN_ID and 0 < item.length <= MAX_TOKEN_ID):
+            raise ValueError(f"multimodal item {i}: placeholder offset {item.offset} length {item.length} out of range")
+        parts += [_field(4, item.modality.encode("utf-8")), _field(5, item.content_hash.encode("utf-8")),
+                  _field(6, u32(item.offset, item.length))]
+    if embeds_digest:
+        parts.append(_field(7, embeds_digest))
+    if shard is not None and not shard.validate().whole:
+        s = shard
+        parts.append(_field(8, u32(s.head_start, s.head_stop, s.num_kv_heads, s.layer_start, s.layer_stop,
+                                   s.num_layers)))
+    if not parts:
+        return salt
+    return hashlib.sha256(_REQUEST_DOMAIN + _field(1, salt) + b"".join(parts)).digest()
+
+
+def shard_spec(spec: ModelSpec, shard: Shard, **salt_parts) -> ModelSpec:
+    """The spec of the chunks one rank holds: the shard's own head and layer counts (the blob's shape), the shard
+    (and anything else of request_salt's) in the salt. `spec` is the whole model's."""
+    from dataclasses import replace
+
+    if (shard.num_kv_heads, shard.num_layers) != (spec.num_kv_heads, spec.num_layers):
+        raise ValueError(f"shard of a model with {shard.num_kv_heads} KV heads and {shard.num_layers} layers, "
+                         f"spec has {spec.num_kv_heads} and {spec.num_layers}")
+    return replace(spec, num_kv_heads=shard.head_stop - shard.head_start,
+                   num_layers=shard.layer_stop - shard.layer_start,
+                   tenant_salt=request_salt(spec.tenant_salt, shard=shard, **salt_parts)).validate()

@@ -137,6 +137,39 @@ def smollm2_random(dtype: str = "float32", seed: int = 0):
     return model
 
 
+def random_lora(out: Path, model_dir: Path, seed: int, rank: int = 8, targets=("q_proj", "k_proj", "v_proj"),
+                scale: float = 0.2) -> Path:
+    """A PEFT LoRA adapter for the Llama in `model_dir` with random A and non-zero random B on `targets` (so it
+    changes K and V, unlike a freshly initialised adapter whose B is zero), saved as `out` (adapter_config.json and
+    adapter_model.safetensors)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    out_dims = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim,
+                "o_proj": hidden}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for t in targets:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{t}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, hidden, generator=g) * scale).contiguous()
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_dims[t], rank, generator=g) * scale).contiguous()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": list(targets), "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+        "use_rslora": False, "use_dora": False, "base_model_name_or_path": str(model_dir)}))
+    return out
+
+
 LICENSE_DIR = Path("/usr/share/common-licenses")
 LICENSE_FILES = ("GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "GFDL-1.3", "Artistic")
 

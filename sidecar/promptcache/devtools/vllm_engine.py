@@ -6,7 +6,8 @@ Run with the vLLM virtualenv's python and the checkout's source roots on PYTHONP
 
 Requests, one JSON object per line; each answer is one line starting with ``@@`` (vLLM's own logging also goes to
 stdout/stderr):
-    {"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8, "cache_salts": [null, ...]}
+    {"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8, "cache_salts": [null, ...],
+     "loras": [null | adapter name of --lora-modules, ...]}
         -> {"outputs": [[ids...], ...], "seconds": s, "metrics": {name: value}}
     {"op": "flush"}    wait for the connector's background saves -> {"ok": true, "metrics": {...}}
     {"op": "metrics"}  -> {"metrics": {...}} (promptcache_client_* samples of this process)
@@ -57,6 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
     p.add_argument("--prefix-caching", action="store_true", help="vLLM's own automatic prefix caching")
     p.add_argument("--kv-cache-gib", default="1")
+    p.add_argument("--lora-modules", default="", help='LoRA adapters as JSON {"name": "path"}: enables LoRA')
+    p.add_argument("--max-lora-rank", type=int, default=16)
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
@@ -73,7 +76,11 @@ def main(argv=None) -> int:
             "kv_connector": "PromptCacheConnector", "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": json.loads(args.connector)}
+    loras = json.loads(args.lora_modules) if args.lora_modules else {}
+    if loras:
+        kwargs.update(enable_lora=True, max_loras=len(loras), max_lora_rank=args.max_lora_rank)
     llm = LLM(**kwargs)
+    llm._promptcache_loras = loras
     connector = _connector(llm) if args.connector else None
     out = sys.stdout
 
@@ -116,8 +123,15 @@ def _handle(llm, connector, reply, req) -> None:
             prompts.append(prompt)
         params = SamplingParams(max_tokens=req.get("max_tokens", 8), temperature=0.0,
                                 ignore_eos=req.get("ignore_eos", True))
+        lora_requests = None
+        if any(req.get("loras") or ()):
+            from vllm.lora.request import LoRARequest
+
+            known = getattr(llm, "_promptcache_loras", {})
+            names = sorted(known)
+            lora_requests = [None if not n else LoRARequest(n, names.index(n) + 1, known[n]) for n in req["loras"]]
         t0 = time.perf_counter()
-        results = llm.generate(prompts, params, use_tqdm=False)
+        results = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
         seconds = time.perf_counter() - t0
         reply({"outputs": [list(r.outputs[0].token_ids) for r in results], "seconds": seconds,
                "metrics": metrics()})
@@ -189,9 +203,9 @@ class EngineProcess:
             raise RuntimeError(answer["error"])
         return answer
 
-    def generate(self, prompts, max_tokens: int = 8, cache_salts=None, timeout: float = 600) -> dict:
+    def generate(self, prompts, max_tokens: int = 8, cache_salts=None, timeout: float = 600, loras=None) -> dict:
         return self.call(timeout, op="generate", prompts=[list(map(int, p)) for p in prompts],
-                         max_tokens=max_tokens, cache_salts=cache_salts)
+                         max_tokens=max_tokens, cache_salts=cache_salts, loras=loras)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -1,0 +1,128 @@
+"""Run by tests/vllm/test_vllm_request_keys.py with the vLLM virtualenv's python: vLLM's real Request objects (LoRA,
+multimodal features, prompt embeddings) through the connector's key derivation and a real connector (scheduler
+role) against a real sidecar. Prints one JSON line starting with @@."""
+import json
+import sys
+import time
+
+import torch
+
+args = json.loads(sys.argv[1])
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from promptcache.client import PromptCacheClient  # noqa: E402
+from promptcache.client import vllm_connector as vc  # noqa: E402
+from promptcache.client.metrics import UNIDENTIFIED  # noqa: E402
+from promptcache.contract.keys import chunk_keys, fingerprint  # noqa: E402
+
+CT = 256
+tokens = list(range(1000, 1600))
+params = SamplingParams(max_tokens=1)
+n = [0]
+
+
+def req(toks=tokens, **kw):
+    n[0] += 1
+    return Request(f"r{n[0]}", toks, params, None, **kw)
+
+
+def image(ident, offset=10, length=64, modality="image"):
+    return MultiModalFeatureSpec(data=None, modality=modality, identifier=ident,
+                                 mm_position=PlaceholderRange(offset=offset, length=length))
+
+
+loras = args["loras"]
+embeds_a = torch.randn(600, 576, generator=torch.Generator().manual_seed(1))
+embeds_b = embeds_a.clone()
+embeds_b[599, 0] += 1.0
+requests = {
+    "plain": req(),
+    "salted": req(cache_salt="tenant-x"),
+    "lora_a": req(lora_request=LoRARequest("A", 1, loras["A"])),
+    "lora_b": req(lora_request=LoRARequest("B", 2, loras["B"])),
+    "lora_a_renamed": req(lora_request=LoRARequest("A2", 3, loras["A"])),
+    "lora_a_other_weights": req(lora_request=LoRARequest("A", 1, loras["A_changed"])),
+    "image_1": req(mm_features=[image("img-1")]),
+    "image_2": req(mm_features=[image("img-2")]),
+    "image_1_moved": req(mm_features=[image("img-1", offset=11)]),
+    "image_1_then_2": req(mm_features=[image("img-1"), image("img-2", offset=300)]),
+    "audio_1": req(mm_features=[image("img-1", modality="audio")]),
+    "lora_a_image_1": req(lora_request=LoRARequest("A", 1, loras["A"]), mm_features=[image("img-1")]),
+    "embeds_a": req(None, prompt_embeds=embeds_a),
+    "embeds_b": req(None, prompt_embeds=embeds_b),
+}
+
+
+def legacy_spec(base, r):
+    """The derivation before issue 26 (cache_salt only): the negative control."""
+    import hashlib
+    from dataclasses import replace
+
+    salt = getattr(r, "cache_salt", None)
+    if not salt:
+        return base
+    return replace(base, tenant_salt=hashlib.sha256(base.tenant_salt + b"\0" + salt.encode()).digest())
+
+
+t0 = time.monotonic()
+mc = ModelConfig(model=args["model_dir"], dtype="float32", max_model_len=2048, enforce_eager=True)
+kt = KVTransferConfig(kv_connector="PromptCacheConnector", kv_connector_module_path="promptcache.client.vllm_connector",
+                      kv_role="kv_both", kv_connector_extra_config={"address": args["address"], "load_timeout": 5.0})
+cfg = VllmConfig(model_config=mc, kv_transfer_config=kt, cache_config=CacheConfig(block_size=128))
+conn = vc.PromptCacheConnector(cfg, KVConnectorRole.SCHEDULER)
+base = conn.base_spec
+out = {"disabled": conn.disabled, "keys": {}, "legacy_keys": {}}
+for name, r in requests.items():
+    toks = vc.prompt_tokens(r)
+    out["keys"][name] = [k.hex() for k in chunk_keys(fingerprint(vc.request_spec(base, r)), toks, CT)]
+    out["legacy_keys"][name] = [k.hex() for k in chunk_keys(fingerprint(legacy_spec(base, r)), list(r.prompt_token_ids or [0] * r.num_prompt_tokens), CT)]
+
+bad = {
+    "mm_without_hash": req(mm_features=[image("")]),
+    "lora_without_files": req(lora_request=LoRARequest("C", 4, args["empty_dir"])),
+    "embeds_not_a_tensor": req(None, prompt_embeds=torch.zeros(600, 4)),
+}
+bad["embeds_not_a_tensor"].prompt_embeds = [[0.0] * 4] * 600
+out["bad"] = {}
+for name, r in bad.items():
+    try:
+        vc.request_spec(base, r)
+        out["bad"][name] = "identified"
+    except vc.Unidentifiable as exc:
+        out["bad"][name] = exc.reason
+
+# A real connector against a real sidecar: chunks stored under the base spec (what every one of these requests
+# would have been keyed with before) for `tokens`; which requests does the connector load them for?
+client = PromptCacheClient(args["address"], timeout=10)
+L, H, D = base.num_layers, base.num_kv_heads, base.head_dim
+blobs = {i: torch.randn(L, 2, H, CT, D) for i in range(2)}
+client.put_blobs(base, tokens[:2 * CT], blobs, timeout=30)
+
+
+def matched(r, deadline=60.0):
+    end = time.monotonic() + deadline
+    while True:
+        got, _ = conn.get_num_new_matched_tokens(r, 0)
+        if got is not None or time.monotonic() > end:
+            return got
+        time.sleep(0.02)
+
+
+def unidentified():
+    return sum(s.value for f in UNIDENTIFIED.collect() for s in f.samples if s.name.endswith("_total"))
+
+
+out["matched"] = {name: matched(requests[name]) for name in ("plain", "lora_a", "image_1", "salted")}
+before = unidentified()
+r = req(mm_features=[image("")])
+out["matched"]["mm_without_hash"] = matched(r)
+conn.update_state_after_alloc(r, None, 0)
+out["unidentified_counted"] = unidentified() - before
+out["unidentified_tracked"] = r.request_id in conn._tracked
+out["seconds"] = time.monotonic() - t0
+print("@@" + json.dumps(out), flush=True)

@@ -1,0 +1,86 @@
+"""Keys that know what a request's K/V depends on (issue 26): vLLM's real Request objects (LoRA adapters, multimodal
+features, prompt embeddings) through the connector's key derivation, and a real connector (scheduler role, vLLM's
+own VllmConfig) against a real sidecar process. One vLLM-venv subprocess (tests/vllm/_request_keys_probe.py) does
+it all; this side asserts. The negative control: the derivation before issue 26 (cache_salt only) gives every one of
+these requests the plain request's keys, so adapter B or an image request was served adapter A's or another image's
+KV.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from promptcache.devtools import models
+from support import REPO, SidecarProcess
+
+VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.model,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not VLLM_PYTHON, reason="needs the vLLM virtualenv: run `make test-vllm`"),
+]
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("keys")
+    model_dir = models.smollm2_dir()
+    loras = {"A": models.random_lora(tmp / "A", model_dir, seed=1), "B": models.random_lora(tmp / "B", model_dir, seed=2),
+             "A_changed": models.random_lora(tmp / "A_changed", model_dir, seed=3)}
+    (tmp / "empty").mkdir()
+    sidecar = SidecarProcess("--memory-bytes", "256Mi", "--chunk-tokens", "256").wait_ready(60)
+    try:
+        arg = json.dumps({"model_dir": str(model_dir), "address": sidecar.address, "empty_dir": str(tmp / "empty"),
+                          "loras": {k: str(v) for k, v in loras.items()}})
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / d) for d in ("sidecar", "proto", "operator")),
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        run = subprocess.run([VLLM_PYTHON, str(Path(__file__).with_name("_request_keys_probe.py")), arg],
+                             capture_output=True, text=True, timeout=800, env=env, cwd=str(REPO))
+        line = next((x for x in run.stdout.splitlines() if x.startswith("@@")), None)
+        assert line is not None, run.stdout[-3000:] + run.stderr[-6000:]
+        yield json.loads(line[2:])
+    finally:
+        sidecar.stop()
+
+
+def test_every_input_that_changes_kv_changes_every_key(probe):
+    keys = probe["keys"]
+    assert probe["disabled"] is None
+    groups = {name: set(k) for name, k in keys.items()}
+    assert all(len(k) == 2 for k in keys.values())  # 600 tokens: two whole chunks of 256
+    names = sorted(groups)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not groups[a] & groups[b], f"{a} and {b} share a chunk key"
+
+
+def test_negative_control_the_old_derivation_collides(probe):
+    """Before issue 26 the key saw only cache_salt: adapters, images and embeddings all got the plain keys."""
+    legacy = probe["legacy_keys"]
+    for name in ("lora_a", "lora_b", "lora_a_other_weights", "image_1", "image_2", "image_1_moved", "lora_a_image_1"):
+        assert legacy[name] == legacy["plain"], name
+    assert legacy["embeds_a"] == legacy["embeds_b"]
+    assert probe["keys"]["plain"] == legacy["plain"]  # and a plain request's keys did not change (v1 kept)
+    assert probe["keys"]["salted"] == legacy["salted"]
+
+
+def test_the_connector_loads_base_chunks_only_for_the_plain_request(probe):
+    """Chunks stored under the base model's keys: the plain and the salted-miss positive/negative, an adapter and
+    an image request do not get them (under the old derivation they would have: their keys were the plain ones)."""
+    assert probe["matched"]["plain"] == 512
+    assert probe["matched"]["lora_a"] == 0
+    assert probe["matched"]["image_1"] == 0
+    assert probe["matched"]["salted"] == 0
+
+
+def test_unidentifiable_inputs_are_neither_loaded_nor_stored_and_counted(probe):
+    assert probe["bad"] == {"mm_without_hash": "multimodal", "lora_without_files": "lora",
+                            "embeds_not_a_tensor": "prompt_embeds"}
+    assert probe["matched"]["mm_without_hash"] == 0
+    assert probe["unidentified_counted"] == 1
+    assert probe["unidentified_tracked"] is False  # never tracked, so never saved
