@@ -1,7 +1,8 @@
-"""Build hook: generate the gRPC stubs from proto/ so they are never hand-edited or committed."""
+"""Build hooks: generate the gRPC stubs from proto/ so they are never hand-edited or committed, and compile the
+connector's layout writer (sidecar/promptcache/client/_layoutc.c)."""
 from pathlib import Path
 
-from setuptools import find_namespace_packages, setup
+from setuptools import Extension, find_namespace_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
@@ -38,4 +39,10 @@ for root in SOURCE_ROOTS:
         packages.append(pkg)
         package_dir[pkg] = f"{root}/{pkg.replace('.', '/')}"
 
-setup(packages=packages, package_dir=package_dir, cmdclass={"build_py": BuildWithStubs})
+# The vLLM connector's block-layout writer: plain C loaded with ctypes (no Python API, so the one library serves
+# vLLM's interpreter too, which runs the checkout's sources). optional: without a C compiler the install goes on
+# and vllm_layout.write_chunks copies with numpy (the same bits, about a third of the speed).
+LAYOUT_WRITER = Extension("promptcache.client._layoutc", sources=["sidecar/promptcache/client/_layoutc.c"],
+                          extra_compile_args=["-O3", "-std=c99"], optional=True)
+
+setup(packages=packages, package_dir=package_dir, cmdclass={"build_py": BuildWithStubs}, ext_modules=[LAYOUT_WRITER])

@@ -40,8 +40,10 @@ class SidecarProcess:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
 
-    def wait_ready(self, timeout: float = 30.0, **client_kwargs) -> "SidecarProcess":
-        """client_kwargs: how to reach it (tls_ca=... when it serves TLS; health needs no token)."""
+    def wait_ready(self, timeout: float | None = None, **client_kwargs) -> "SidecarProcess":
+        """Wait until it answers its health check: as long as it is alive and starting (procs.StartWatch), or
+        `timeout` seconds when given. client_kwargs: how to reach it (tls_ca=... when it serves TLS; health needs
+        no token)."""
         wait_healthy(self.address, self.proc, timeout,
                      lambda: f": {self.proc.stdout.read()}" if self.proc.poll() is not None else "", **client_kwargs)
         return self

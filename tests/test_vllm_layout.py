@@ -141,6 +141,56 @@ def test_write_chunks_fills_scattered_blocks_from_a_block_into_the_first_chunk(l
         vl.write_chunks(caches, [c.double() for c in chunks], N, ids, layout, N)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", vl.LAYOUTS)
+def test_write_chunks_without_the_compiled_writer_fills_the_same_blocks(layout, dtype, monkeypatch):
+    monkeypatch.setattr(vl, "_native_lib", False)  # as on an install without a C compiler
+    assert vl.native() is None
+    test_write_chunks_fills_scattered_blocks_from_a_block_into_the_first_chunk(layout, dtype)
+
+
+def random_bits(shape, dtype, seed):
+    """Every bit pattern is fair (NaN payloads, infinities, subnormals): the writers move bits, not values."""
+    g = torch.Generator().manual_seed(seed)
+    bits = {4: torch.int32, 2: torch.int16}[dtype.itemsize]
+    info = torch.iinfo(bits)
+    return torch.randint(info.min, info.max, shape, generator=g, dtype=bits).view(dtype)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", vl.LAYOUTS)
+def test_the_compiled_writer_and_the_portable_one_write_the_same_bits(layout, dtype, stream, monkeypatch):
+    assert vl.native() is not None, "the compiled layout writer was not built: run make install (needs a C compiler)"
+    monkeypatch.setattr(vl, "STREAM_BYTES", 0 if stream else 1 << 62)
+    n, d, c = 64, 64, 128  # vLLM's CPU block size is 128; 64 keeps the test small
+    chunks = [random_bits((3, 2, H, c, d), dtype, seed) for seed in range(3)]  # 6 blocks
+    ids = [11, 2, 3, 4, 0]  # from the second block on, a run and scattered ids
+    fast = [torch.zeros(14, H, 2 * n * d, dtype=dtype) for _ in range(3)]
+    slow = [torch.zeros(14, H, 2 * n * d, dtype=dtype) for _ in range(3)]
+    vl.write_chunks(fast, chunks, n, ids, layout, n)
+    vl.write_chunks_portable(slow, chunks, n, ids, layout, n)
+    bits = {4: torch.int32, 2: torch.int16}[dtype.itemsize]
+    for a, b in zip(fast, slow):
+        assert torch.equal(a.view(bits), b.view(bits))
+    assert any(a.any() for a in fast)
+    if layout != "token_major":  # negative control: the plain layout is other bits
+        other = [torch.zeros_like(a) for a in fast]
+        vl.write_chunks(other, chunks, n, ids, "token_major", n)
+        assert not all(torch.equal(a.view(bits), o.view(bits)) for a, o in zip(fast, other))
+
+
+def test_the_compiled_writer_leaves_what_it_does_not_handle_to_the_portable_one():
+    """Non-contiguous caches, fp32 in cpu_amx, and a head_dim cpu_amx cannot pack go the portable way (same errors)."""
+    kv = canonical(nb=2, seed=3)
+    chunks = [kv.contiguous()]
+    assert not vl._native_fits([torch.zeros(4, H, 2 * N * D)[:, :, :] .transpose(0, 1).transpose(0, 1)[::2]] * L,
+                               chunks, [0, 1], "cpu_vec", N)
+    assert not vl._native_fits([torch.zeros(4, H, 2 * N * D)] * L, chunks, [0, 1], "cpu_amx", N)
+    assert vl._native_fits([torch.zeros(4, H, 2 * N * D)] * L, chunks, [0, 1], "cpu_vec", N)
+    assert not vl._native_fits([torch.zeros(4, H, 2 * N * D)] * L, chunks, [0, 4], "cpu_vec", N)  # id past the end
+
+
 def test_block_runs_group_consecutive_block_ids():
     assert vl.block_runs([]) == []
     assert vl.block_runs([7]) == [(0, 7, 1)]

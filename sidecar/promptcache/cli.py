@@ -5,17 +5,39 @@ import argparse
 import importlib
 import sys
 
-# Sub-benchmarks: name -> module with add_arguments(parser) and run(args) -> int.
+# Sub-benchmarks: name -> (module with add_arguments(parser) and run(args) -> int, the first line of its docstring).
+# Only the benchmark a command names is imported (most import torch: seconds), so `promptcache --help`,
+# `bench --help`, `--version` and the admin commands start in a fraction of a second; tests/test_startup.py checks
+# that these help lines are the modules' own.
 BENCHES = {
-    "throughput": "promptcache.devtools.bench.throughput",
-    "latency": "promptcache.devtools.bench.latency",
-    "replay": "promptcache.devtools.bench.replay",
-    "cluster": "promptcache.devtools.bench.cluster",
-    "fidelity": "promptcache.devtools.bench.fidelity",
-    "ttft": "promptcache.devtools.bench.ttft",
-    "loadtest": "promptcache.devtools.bench.loadtest",
-    "vllm": "promptcache.devtools.bench.vllm",
-    "loadpath": "promptcache.devtools.bench.loadpath",
+    "throughput": ("promptcache.devtools.bench.throughput",
+                   "Put/Get throughput of 1, 8 and 64 MB prefixes over TCP and a unix socket (gRPC, shared memory, "
+                   "and the bulk"),
+    "latency": ("promptcache.devtools.bench.latency",
+                "Where the time of one Get goes: gRPC's fixed cost, and a 1 MiB bulk-channel Get alone and between "
+                "Redis GETs."),
+    "replay": ("promptcache.devtools.bench.replay",
+               "Replay a Mooncake-format trace against the eviction policies; token hit ratio beside OPT and "
+               "infinite."),
+    "cluster": ("promptcache.devtools.bench.cluster",
+                "Fleet-wide token hit ratio of N node caches, with and without the cluster tier, requests routed at "
+                "random or"),
+    "fidelity": ("promptcache.devtools.bench.fidelity",
+                 "fidelity: cached-prefix reuse vs full prefill per quantization mode, on SmolLM2-135M over real "
+                 "text, per text."),
+    "ttft": ("promptcache.devtools.bench.ttft",
+             "ttft: time to first token with and without prefix reuse, on SmolLM2-135M over real English text."),
+    "loadtest": ("promptcache.devtools.bench.loadtest",
+                 "Load test: N concurrent clients, mixed lookup/get/put, for a bounded time; throughput, p50/p99, "
+                 "errors."),
+    "vllm": ("promptcache.devtools.bench.vllm",
+             "vllm: vLLM (CPU backend) TTFT and throughput with and without PromptCacheConnector, and vLLM's own "
+             "prefix cache."),
+    "startup": ("promptcache.devtools.bench.startup",
+                "startup: `promptcache --version` and a default sidecar's time to healthy, in fresh processes."),
+    "loadpath": ("promptcache.devtools.bench.loadpath",
+                 "loadpath: the vLLM connector's load path in GB/s, next to memcpy of the same bytes in the same "
+                 "run; no vLLM needed."),
 }
 
 
@@ -29,7 +51,9 @@ def version() -> str:
         return "unknown"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(bench: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; of the benchmarks only `bench` (the one a command names) is imported and gets its
+    flags, the others are listed by name and help line."""
     from promptcache import admin
     from promptcache.sidecar import config
 
@@ -39,16 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the node-local cache sidecar",
                            description=config.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     config.add_arguments(serve)
-    bench = sub.add_parser("bench", help="run a benchmark")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for name, module_name in BENCHES.items():
+    bench_parser = sub.add_parser("bench", help="run a benchmark")
+    bench_sub = bench_parser.add_subparsers(dest="bench", required=True)
+    for name, (module_name, help_line) in BENCHES.items():
+        if name != bench:
+            bench_sub.add_parser(name, help=help_line)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
             if exc.name != module_name:
                 raise
             continue
-        p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        p = bench_sub.add_parser(name, help=help_line, description=module.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(bench_run=module.run)
     op = sub.add_parser("operator", help="run the Kubernetes operator (kopf)", add_help=False)
@@ -57,13 +85,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _named_bench(argv: list[str]) -> str | None:
+    """The benchmark `promptcache bench NAME ...` names, if any (the word after `bench` that is one)."""
+    if argv[:1] != ["bench"]:
+        return None
+    return next((a for a in argv[1:] if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["operator"]:
         from promptcache.operator.__main__ import main as operator_main
 
         return operator_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    if argv == ["--version"]:  # the parser below is cheap too; this answers before anything else is imported
+        print(f"promptcache {version()}")
+        return 0
+    args = build_parser(_named_bench(argv)).parse_args(argv)
     if args.command == "serve":
         from promptcache.sidecar import app
 

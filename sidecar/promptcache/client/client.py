@@ -10,11 +10,11 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+import sys
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import grpc
 import numpy as np
-import torch
 import xxhash
 
 from promptcache.contract import frames
@@ -26,9 +26,12 @@ from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
 from promptcache.contract.wire import NAME_TO_DTYPE, TIER_NAMES, model_to_proto
 
+if TYPE_CHECKING:  # torch loads on first use (a tensor passed in or returned), not with the client: admin commands
+    import torch   # and health checks never need it
+
 log = logging.getLogger("promptcache.client")
 T = TypeVar("T")
-KV = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [H, T, D] or [1, H, T, D]
+KV = Sequence[tuple["torch.Tensor", "torch.Tensor"]]  # per layer (K, V), each [H, T, D] or [1, H, T, D]
 BULK_RETRY_SECONDS = 5.0
 SHM_RETRY_SECONDS = 5.0  # after the sidecar refused a shared buffer (its limits), stream for this long
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -58,7 +61,8 @@ class PutResult:
 
 
 def _tokens(tokens) -> list[int]:
-    if isinstance(tokens, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor means torch is loaded already
+    if torch is not None and isinstance(tokens, torch.Tensor):
         tokens = tokens.reshape(-1).tolist()
     elif isinstance(tokens, np.ndarray):
         tokens = tokens.reshape(-1).tolist()
@@ -304,6 +308,8 @@ class PromptCacheClient:
             out[pos:pos + n] = blobs[i].numpy()
             pos += n
         blobs = list(blobs)
+        import torch
+
         for i, part in zip(copied, torch.from_numpy(out).split(sizes)):
             blobs[i] = part
         return blobs
@@ -389,10 +395,14 @@ class PromptCacheClient:
 def _as_bytes_array(blob: torch.Tensor | bytes) -> np.ndarray:
     if isinstance(blob, (bytes, bytearray, memoryview)):
         return np.frombuffer(blob, dtype=np.uint8)
+    import torch
+
     return blob.detach().reshape(-1).view(torch.uint8).cpu().numpy()
 
 
 def _receive(stream: Iterable, start_chunk: int) -> list[torch.Tensor]:
+    import torch
+
     blobs: list[torch.Tensor] = []
     current = buf = None
     offset = 0
@@ -444,6 +454,8 @@ def _shared_chunk(c: pb.ChunkBegin, expected_index: int, buffer: np.ndarray) -> 
     view = buffer[c.buffer_offset:c.buffer_offset + c.nbytes]
     if xxhash.xxh3_64_intdigest(view) != c.xxh3_64:
         raise errors.CorruptChunk(f"chunk {c.index} failed its checksum in shared memory")
+    import torch
+
     return torch.from_numpy(view)
 
 
@@ -453,6 +465,8 @@ def _kv_tokens(kv: KV) -> int:
 
 def encode_chunk(spec: ModelSpec, kv: KV, start: int, stop: int, rope_theta: float = 0.0) -> torch.Tensor:
     """Tokens [start, stop) of every layer's K and V as one stored blob (1-D uint8, on the CPU)."""
+    import torch
+
     if len(kv) != spec.num_layers:
         raise ValueError(f"kv has {len(kv)} layers, the model spec says {spec.num_layers}")
     dtype = TORCH_DTYPES[spec.kv_dtype]
@@ -513,6 +527,8 @@ def checked_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens:
 def decode_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens: int,
                   device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Blobs of consecutive chunks -> per-layer (K, V), each [1, H, len(blobs) * chunk_tokens, D]."""
+    import torch
+
     shape = chunk_shape(spec, chunk_tokens)
     expected = chunk_nbytes(spec, chunk_tokens)
     dtype = TORCH_DTYPES[spec.kv_dtype]

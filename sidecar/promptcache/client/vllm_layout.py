@@ -15,6 +15,10 @@ tokens is C/N consecutive blocks.
 """
 from __future__ import annotations
 
+import ctypes
+import os
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -181,12 +185,33 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(_BITS[t.element_size()]).numpy()
 
 
-def write_chunks(caches: list[torch.Tensor], chunks: list[torch.Tensor], skip: int, block_ids: list[int],
-                 layout: str, block_size: int) -> None:
-    """Copy canonical chunks [layers, 2, H, C, D] (consecutive; from token `skip` of the first on) into the blocks
-    `block_ids` of every layer's cache [blocks, H, 2*N*D], straight from the chunks' bytes: per chunk, layer and run of
-    consecutive block ids, one strided copy of K and one of V, no intermediate tensor."""
-    N = block_size
+_LAYOUT_IDS = {"cpu_vec": 0, "cpu_amx": 1, "token_major": 2}
+STREAM_BYTES = 4 << 20  # a load this large (or larger) is written with streaming stores (_layoutc.c)
+_native_lib = None
+
+
+def native():
+    """The compiled writer (_layoutc.c, built by setup.py at install) as a ctypes function, or None when it was not
+    built (no C compiler at install) or PROMPTCACHE_NATIVE_LAYOUT=0: write_chunks then copies with numpy."""
+    global _native_lib
+    if _native_lib is None:
+        _native_lib = False
+        if os.environ.get("PROMPTCACHE_NATIVE_LAYOUT", "1") != "0":
+            for path in sorted(Path(__file__).parent.glob("_layoutc*.so")):
+                try:
+                    fn = ctypes.CDLL(str(path)).pc_write_chunk
+                except (OSError, AttributeError):
+                    continue
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_int, ctypes.c_int, *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                _native_lib = fn
+                break
+    return _native_lib or None
+
+
+def _check_chunks(caches: list[torch.Tensor], chunks: list[torch.Tensor], skip: int, block_ids: list[int],
+                  N: int) -> None:
     if skip % N:
         raise ValueError(f"loading from token {skip} of a chunk: not a whole block of {N}")
     for chunk in chunks:
@@ -197,6 +222,64 @@ def write_chunks(caches: list[torch.Tensor], chunks: list[torch.Tensor], skip: i
     held = sum(chunk.shape[3] // N for chunk in chunks) - skip // N
     if held < len(block_ids):
         raise ValueError(f"{len(block_ids)} blocks to write, the chunks hold {held}")
+
+
+def write_chunks(caches: list[torch.Tensor], chunks: list[torch.Tensor], skip: int, block_ids: list[int],
+                 layout: str, block_size: int) -> None:
+    """Copy canonical chunks [layers, 2, H, C, D] (consecutive; from token `skip` of the first on) into the blocks
+    `block_ids` of every layer's cache [blocks, H, 2*N*D], straight from the chunks' bytes. With the compiled writer
+    (native()) one blocked pass per chunk (register-tile transposes, 3x the numpy copy's speed); otherwise, or for
+    what it does not handle (non-contiguous tensors, other value sizes), write_chunks_portable: the same bits."""
+    N = block_size
+    fn = native()
+    if fn is None or not block_ids or not _native_fits(caches, chunks, block_ids, layout, N):
+        return write_chunks_portable(caches, chunks, skip, block_ids, layout, block_size)
+    _check_chunks(caches, chunks, skip, block_ids, N)
+    L, _, H, _, D = chunks[0].shape
+    pointers = (ctypes.c_void_p * len(caches))(*[c.data_ptr() for c in caches])
+    ids = np.asarray(block_ids, dtype=np.int64)
+    # Streaming stores past a few MiB: the blocks go out to memory instead of reading each line in first.
+    stream = int(len(block_ids) * caches[0][0].numel() * caches[0].element_size() * len(caches) >= STREAM_BYTES)
+    done = 0
+    for chunk in chunks:
+        if done == len(block_ids):
+            break
+        C = chunk.shape[3]
+        first = skip // N
+        count = min(C // N - first, len(block_ids) - done)
+        skip = 0
+        if fn(_LAYOUT_IDS[layout], chunk.element_size(), L, H, N, D, C, chunk.data_ptr(), first, count, pointers,
+              ids[done:].ctypes.data, stream) != 0:
+            raise RuntimeError(f"the compiled layout writer refused {layout} {tuple(chunk.shape)} {chunk.dtype}")
+        done += count
+
+
+def _native_fits(caches, chunks, block_ids, layout: str, N: int) -> bool:
+    """Whether the compiled writer handles this call: contiguous CPU tensors of 2- or 4-byte values, caches
+    [blocks, H, 2*N*D] holding every block id, chunks [L, 2, H, C, D] of one shape but C, cpu_amx only for 16 bits
+    with N % 16 == 0 and D % 32 == 0 (what write_chunks_portable handles too)."""
+    if layout not in _LAYOUT_IDS or not chunks or len(caches) != chunks[0].shape[0]:
+        return False
+    L, two, H, _, D = chunks[0].shape
+    esize = chunks[0].element_size()
+    if two != 2 or esize not in (2, 4) or (layout == "cpu_amx" and (esize != 2 or N % 16 or D % 32)):
+        return False
+    tensors = (*caches, *chunks)
+    if not all(t.is_contiguous() and t.device.type == "cpu" and t.element_size() == esize for t in tensors):
+        return False
+    if any(c.dim() != 3 or tuple(c.shape[1:]) != (H, 2 * N * D) for c in caches):
+        return False
+    if any(c.dim() != 5 or tuple(c.shape[:3]) != (L, 2, H) or c.shape[4] != D for c in chunks):
+        return False
+    return 0 <= min(block_ids) and max(block_ids) < min(c.shape[0] for c in caches)
+
+
+def write_chunks_portable(caches: list[torch.Tensor], chunks: list[torch.Tensor], skip: int, block_ids: list[int],
+                          layout: str, block_size: int) -> None:
+    """write_chunks in torch views and numpy copies, no compiled code: per chunk, layer and run of consecutive block
+    ids, one strided copy of K and one of V, no intermediate tensor."""
+    N = block_size
+    _check_chunks(caches, chunks, skip, block_ids, N)
     if not block_ids:
         return
     D = chunks[0].shape[-1]

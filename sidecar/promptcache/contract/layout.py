@@ -7,14 +7,52 @@ tensor in the model's KV dtype; quantized modes pack it as promptcache.contract.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from promptcache.contract.keys import ModelSpec
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+if TYPE_CHECKING:
+    import torch
+
+ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class _LazyDtypes(Mapping):
+    """A read-only dict built on first use, so that importing this module (the CLI, admin commands, the
+    sidecar's settings) does not import torch (seconds): only code that touches a torch dtype pays for it."""
+
+    def __init__(self, build):
+        self._build, self._map = build, None
+
+    def _get(self) -> dict:
+        if self._map is None:
+            self._map = self._build()
+        return self._map
+
+    def __getitem__(self, key):
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __repr__(self) -> str:
+        return repr(self._get())
+
+
+def _torch_dtypes() -> dict:
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+TORCH_DTYPES: Mapping[str, "torch.dtype"] = _LazyDtypes(_torch_dtypes)
+DTYPE_NAMES: Mapping["torch.dtype", str] = _LazyDtypes(lambda: {v: k for k, v in TORCH_DTYPES.items()})
 
 # Per KV dtype: the signed and unsigned integers of its width, and the smallest bit pattern of a non-finite value
 # (exponent bits all ones) read as the signed one (positive values) and as the unsigned one (negative values).
@@ -34,8 +72,10 @@ def values_finite(raw: np.ndarray, kv_dtype: str) -> bool:
     return int(raw.view(signed).max()) < positive and int(raw.view(unsigned).max()) < negative
 
 
-def all_finite(t: torch.Tensor) -> bool:
+def all_finite(t: "torch.Tensor") -> bool:
     """values_finite for a CPU tensor of a KV dtype."""
+    import torch
+
     return values_finite(t.reshape(-1).view(torch.uint8).numpy(), DTYPE_NAMES[t.dtype])
 
 
@@ -47,7 +87,7 @@ def chunk_nbytes(spec: ModelSpec, chunk_tokens: int) -> int:
     """Exact byte length of a stored chunk for this model, chunk size and quantization mode."""
     shape = chunk_shape(spec, chunk_tokens)
     if spec.quantization == "none":
-        return math.prod(shape) * TORCH_DTYPES[spec.kv_dtype].itemsize
+        return math.prod(shape) * ITEMSIZES[spec.kv_dtype]
     from promptcache.contract import quant  # quantized formats live with their (de)quantizers
 
     return quant.packed_nbytes(spec.quantization, shape, spec.kv_dtype)

@@ -90,7 +90,7 @@ def run(args) -> int:
         client = PromptCacheClient(f"unix://{tmp}/grpc.sock", timeout=30, chunk_tokens=256,
                                    bulk_address=f"unix:{tmp}/bulk.sock")
         r = redis.Redis(unix_socket_path=f"{tmp}/redis.sock")
-        wait_until(r.ping, "redis-server")
+        wait_until(r.ping, "redis-server", proc=rds)
         spec = ModelSpec("bench/1mib-chunks", "v1", "float16", num_layers=4, num_kv_heads=4, head_dim=64)
         blob = torch.randn(1 << 19).to(torch.float16).view(torch.uint8)  # finite K/V values: the sidecar checks
         tokens = list(range(256))

@@ -163,9 +163,10 @@ def run(args) -> int:
                                         bulk_shared_memory=t in ("bulk-shm", "bulk-lent"),
                                         bulk_zero_copy=t == "bulk-lent")
                    for t in transports}
+        # procs: the TCP sidecar, the unix one, redis-server; each wait lasts while its process starts (StartWatch).
         for t in transports:
-            wait_until(lambda: clients[t].healthy(), f"sidecar ({t})")
-            wait_until(lambda: rclients[t].ping(), f"redis ({t})")
+            wait_until(lambda: clients[t].healthy(), f"sidecar ({t})", proc=procs[0 if "tcp" in t else 1])
+            wait_until(lambda: rclients[t].ping(), f"redis ({t})", proc=procs[2])
 
         rows, profile = [], []
         for size in sizes:
