@@ -11,7 +11,7 @@
 # A binary that is already there is not rebuilt, so this is quick and idempotent once cached.
 #
 # Usage: hack/tools/build.sh [--print-dir] [NAME...]
-#   NAME in: etcd kube-apiserver helm kubectl kubelet kube-proxy kube-scheduler kube-controller-manager;
+#   NAME in: etcd kube-apiserver helm kubectl kubelet kube-proxy kube-scheduler kube-controller-manager pause;
 #   default: etcd kube-apiserver helm kubectl (what tests/operator needs); `node` = the four node binaries.
 #   --print-dir  print "name=path" lines only (used by tests/operator/conftest.py)
 # Env:   PROMPTCACHE_TOOLS_CACHE  cache root;  GOFLAGS etc. pass through to `go build`.
@@ -32,6 +32,7 @@ declare -A pkg=(
   [kube-proxy]="k8s.io/kubernetes/cmd/kube-proxy"
   [kube-scheduler]="k8s.io/kubernetes/cmd/kube-scheduler"
   [kube-controller-manager]="k8s.io/kubernetes/cmd/kube-controller-manager"
+  [pause]="./cmd/pause"
 )
 node_names=(kubelet kube-proxy kube-scheduler kube-controller-manager)
 declare -A ver=(
@@ -41,6 +42,7 @@ declare -A ver=(
   [helm]="$(modver helm.sh/helm/v3)"
 )
 for n in "${node_names[@]}"; do ver[$n]="${ver[kube-apiserver]}"; done
+ver[pause]="v1"   # hack/tools/cmd/pause: the cluster's sandbox image; bump when it changes
 is_node() { case "$1" in kubelet|kube-proxy|kube-scheduler|kube-controller-manager) return 0 ;; esac; return 1; }
 k8s_ldflags() {
   # Let `--version` and the /version endpoint report the real version.
@@ -54,7 +56,7 @@ for a in "$@"; do
   case "$a" in
     --print-dir) print_only=1 ;;
     -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
-    kube-apiserver|etcd|helm|kubectl|kubelet|kube-proxy|kube-scheduler|kube-controller-manager) names+=("$a") ;;
+    kube-apiserver|etcd|helm|kubectl|kubelet|kube-proxy|kube-scheduler|kube-controller-manager|pause) names+=("$a") ;;
     node) names+=("${node_names[@]}") ;;
     *) echo "build.sh: unknown argument: $a" >&2; exit 2 ;;
   esac
