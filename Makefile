@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install run test test-fast test-gpu test-vllm vllm-env bench bench-vllm plots demo fuzz loadtest tools system-deps clean
+.PHONY: help venv install run test test-fast test-gpu test-vllm test-cluster vllm-env bench bench-vllm plots demo fuzz loadtest tools system-deps clean
 
 help:
 	@echo "make run      start the sidecar on embedded defaults (CPU without a GPU, data in .data/, localhost)"
@@ -79,6 +79,14 @@ vllm-env:
 test-vllm: install vllm-env
 	$(PY) -m promptcache.devtools.models > /dev/null
 	PROMPTCACHE_VLLM_PYTHON=$$(hack/vllm-env.sh) $(PY) -m pytest tests/vllm $(PYTEST_ARGS)
+
+# A real single-node Kubernetes (hack/cluster/node.py: kubelet, containerd, runc, kube-proxy; images built locally,
+# no registry): the chart, the operator and the sidecars on real pods (tests/cluster). Needs root. Binaries cached
+# in ~/.cache/promptcache-tools, images in ~/.cache/promptcache-cluster.
+test-cluster: install tools
+	@bash hack/cluster/deps.sh
+	@hack/tools/build.sh node pause
+	PROMPTCACHE_CLUSTER=1 $(PY) -m pytest tests/cluster -p no:randomly $(PYTEST_ARGS)
 
 bench: install system-deps
 	@mkdir -p bench-results

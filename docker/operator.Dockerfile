@@ -25,6 +25,11 @@ RUN python -m pip uninstall -y pip setuptools wheel 2>/dev/null || true
 COPY --from=build /venv /venv
 COPY --from=build /app /app
 ENV PATH=/venv/bin:$PATH PYTHONPATH=/app PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# The uid the chart runs as (65532) gets a passwd/group entry: without one getpass.getuser() (kopf's peering
+# identity, among others) raises KeyError and the pod crash-loops. HOME=/tmp: the only writable path.
+RUN echo 'nonroot:x:65532:65532:nonroot:/tmp:/usr/sbin/nologin' >> /etc/passwd \
+ && echo 'nonroot:x:65532:' >> /etc/group
+ENV USER=nonroot HOME=/tmp
 USER 65532:65532
 EXPOSE 8080 8081
 ENTRYPOINT ["python", "-m", "promptcache.operator"]

@@ -31,6 +31,11 @@ COPY --from=build /ibverbs/ /usr/local/lib/
 RUN ldconfig
 ENV PATH=/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 # Writable paths are volumes (the pod's root filesystem is read-only): /var/cache/promptcache, /tmp.
+# The uid the chart runs as (65532) gets a passwd/group entry: without one getpass.getuser() (kopf's peering
+# identity, among others) raises KeyError and the pod crash-loops. HOME=/tmp: the only writable path.
+RUN echo 'nonroot:x:65532:65532:nonroot:/tmp:/usr/sbin/nologin' >> /etc/passwd \
+ && echo 'nonroot:x:65532:' >> /etc/group
+ENV USER=nonroot HOME=/tmp
 USER 65532:65532
 EXPOSE 50051 9400
 ENTRYPOINT ["promptcache"]

@@ -256,12 +256,15 @@ def namespace(kube, request):
 class OperatorProcess:
     """`python -m promptcache.operator` as a subprocess against the test API server."""
 
-    def __init__(self, kubeconfig: Path, log: Path, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, kubeconfig: Path, log: Path, *args: str, env: dict[str, str] | None = None,
+                 wrap: tuple[str, ...] = (), unset: tuple[str, ...] = ()):
         full_env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
                     "PROMPTCACHE_OPERATOR_RESYNC_SECONDS": "2", **(env or {})}
+        for name in unset:
+            full_env.pop(name, None)
         self.log = log
         self.metrics_port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "promptcache.operator", "--liveness", "",
+        self.proc = subprocess.Popen([*wrap, sys.executable, "-m", "promptcache.operator", "--liveness", "",
                                       "--metrics-port", str(self.metrics_port), "--log-format", "plain", *args],
                                      stdout=log.open("ab"), stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True, cwd=str(ROOT), preexec_fn=_die_with_parent)
@@ -299,9 +302,11 @@ def start_operator(operator_kubeconfig, control_plane, request):
     logs = control_plane.dir / "operator-logs"
     logs.mkdir(exist_ok=True)
 
-    def start(*args: str, env: dict[str, str] | None = None, name: str = "operator") -> OperatorProcess:
+    def start(*args: str, env: dict[str, str] | None = None, name: str = "operator", wrap: tuple[str, ...] = (),
+              unset: tuple[str, ...] = ()) -> OperatorProcess:
+        """wrap: argv prefix (e.g. setpriv to run as another uid); unset: environment variables to drop."""
         op = OperatorProcess(operator_kubeconfig, logs / f"{request.node.name}-{name}-{len(started)}.log", *args,
-                             env=env)
+                             env=env, wrap=wrap, unset=unset)
         started.append(op)
         return op
 

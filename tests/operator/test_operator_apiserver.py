@@ -3,7 +3,10 @@ runs with exactly the chart's RBAC) against the real API server."""
 from __future__ import annotations
 
 import copy
+import os
+import pwd
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -373,6 +376,36 @@ def test_two_replicas_do_not_fight(start_operator, crd, kube, namespace):
     wait_for(lambda: all_present(kube, namespace, "after-handover"), timeout=30, what="standby took over")
     wait_for(lambda: f"reconciled {namespace}/after-handover" in standby.output(), timeout=10,
              what="the standby reconciled it")
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to drop to uid 65532")
+def test_operator_runs_as_a_uid_without_a_passwd_entry(start_operator, crd, kube, namespace):
+    """The chart's uid 65532 with no passwd entry and no USER/LOGNAME (as in a pod of the operator image before it
+    had one): kopf's default peering identity (getpass.getuser()) raised KeyError and the pod crash-looped. The
+    operator, a real process under that uid, joins the peering under its own identity and reconciles."""
+    uid = 65532
+    try:
+        pwd.getpwuid(uid)
+        pytest.skip(f"uid {uid} has a passwd entry on this machine")
+    except KeyError:
+        pass
+    # Only DAC capabilities are kept (ambient), so this uid can read the checkout and venv under /root.
+    caps = "+dac_override,+dac_read_search"
+    wrap = ("setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", f"--inh-caps={caps}",
+            f"--ambient-caps={caps}", "--")
+    op = start_operator(env=FAST, name="uid65532", wrap=wrap,
+                        unset=("USER", "LOGNAME", "LNAME", "USERNAME", "POD_ID", "POD_NAME"))
+
+    def registered():
+        st = kube.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/promptcache-operator").get("status") or {}
+        return [k for k in st if k.startswith(f"uid{uid}@")]
+    wait_for(lambda: registered() or op.proc.poll() is not None, timeout=60,
+             what="the uid-65532 operator in the ClusterKopfPeering")
+    assert op.proc.poll() is None, f"the operator exited {op.proc.returncode}:\n{op.output()[-3000:]}"
+    apply_pc(kube, namespace, example(), name="nopasswd")
+    wait_for(lambda: all_present(kube, namespace, "nopasswd"), timeout=60, what="children of nopasswd")
+    assert "getpwuid" not in op.output()
+    assert op.proc.poll() is None
 
 
 def test_status_reports_nodes_hit_ratio_and_readiness(start_operator, crd, kube, namespace):

@@ -69,6 +69,10 @@ def test_deployment_is_restricted_and_probed(helm_offline):
     assert c["resources"]["requests"] and c["resources"]["limits"]
     assert "--peering=promptcache-operator" in c["args"]
     assert dep["spec"]["replicas"] == 2
+    # The peering identity is the pod's name, and USER is set: the uid 65532 need not be in any passwd file.
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["USER"]["value"]
 
 
 def test_golden_children_validate_strict(tmp_path):

@@ -9,7 +9,9 @@ import sys
 import pytest
 
 from promptcache.operator import __main__ as operator_main
-from promptcache.operator.config import OperatorConfig
+import datetime
+
+from promptcache.operator.config import OperatorConfig, login_name, peering_identity
 
 
 def test_config_from_the_command_line_and_the_environment():
@@ -27,6 +29,35 @@ def test_config_from_the_command_line_and_the_environment():
     assert c.observation_max_age_s == 3   # half the shorter timer period
     assert OperatorConfig.from_args(["-n", "a"], env).namespaces == ("a",)
     assert OperatorConfig.from_args([], {}) == OperatorConfig()
+
+
+def _uid_without_passwd_entry() -> int:
+    import pwd
+    uid = 65532
+    while True:
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            return uid
+        uid += 1
+
+
+def test_peering_identity_needs_no_passwd_entry():
+    """kopf's own identity (getpass.getuser()) raises KeyError for a uid without a passwd entry: the chart's 65532
+    in the operator image crash-looped. The operator names itself: the pod (POD_NAME, kopf's POD_ID), else
+    user@host/time/random with uid<N> where the uid has no name."""
+    uid = _uid_without_passwd_entry()
+    now = datetime.datetime(2026, 12, 2, 6, 30, 0, tzinfo=datetime.timezone.utc)
+    assert login_name({}, uid) is None
+    assert peering_identity({}, uid, "node-a", now, "xyz") == f"uid{uid}@node-a/20261202063000/xyz"
+    assert peering_identity({"POD_NAME": "op-7d9f-abc"}, uid, "h") == "op-7d9f-abc"
+    assert peering_identity({"POD_ID": "op-1"}, uid, "h") == "op-1"
+    assert peering_identity({"USER": "nonroot"}, uid, "h", now, "a").startswith("nonroot@h/")
+    assert login_name({}, 0) == "root"
+    # Two replicas started in the same second on one host still differ (the random part).
+    assert len({peering_identity({}, uid, "h", now) for _ in range(20)}) > 1
+    c = OperatorConfig.from_args([], {"POD_NAME": "promptcache-operator-5c-x"})
+    assert c.identity == "promptcache-operator-5c-x"
 
 
 @pytest.mark.parametrize("name, value", [("PROMPTCACHE_AUTOSCALE_VPA_UPDATE_MODE", "Sometimes"),

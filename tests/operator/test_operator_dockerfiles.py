@@ -50,3 +50,18 @@ def test_chart_defaults_reference_these_images():
     assert 'ENTRYPOINT ["python", "-m", "promptcache.operator"]' in op
     # The DaemonSet runs the sidecar image with args ["serve"]: the entrypoint must be the promptcache CLI.
     assert 'ENTRYPOINT ["promptcache"]' in side
+
+
+@pytest.mark.parametrize("name", ["operator", "sidecar"])
+def test_final_user_has_a_passwd_entry(name):
+    """The final stage's USER uid has a passwd and group entry made in that stage: without one getpass.getuser()
+    raises KeyError (kopf's peering identity did: the operator pod crash-looped as uid 65532)."""
+    final = "\n".join(stages((DOCKER / f"{name}.Dockerfile").read_text())[-1])
+    user = [line for line in final.splitlines() if line.upper().startswith("USER ")][-1].split()[1]
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit(), f"USER {user}: give the numeric uid (runAsNonRoot checks it)"
+    gid_re = gid or r"\d+"
+    assert re.search(rf"'[a-z][a-z0-9_-]*:x:{uid}:{gid_re}:[^:]*:[^:]*:[^:']*' >> /etc/passwd", final, re.M), \
+        f"no /etc/passwd entry for uid {uid} in the final stage"
+    assert re.search(rf"'[a-z][a-z0-9_-]*:x:{gid or uid}:' >> /etc/group", final, re.M), \
+        f"no /etc/group entry for gid {gid or uid} in the final stage"

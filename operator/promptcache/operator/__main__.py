@@ -2,7 +2,9 @@
 
 Peering: every replica joins the ClusterKopfPeering (or KopfPeering with --namespace) named by --peering; kopf
 lets only the replica with the highest priority work and pauses the others. Each replica picks a random
-priority unless --priority is given, so replicas of one Deployment never tie (a tie freezes all of them).
+priority unless --priority is given, so replicas of one Deployment never tie (a tie freezes all of them). The
+peering identity is given to kopf explicitly (config.peering_identity: the pod's name in a pod), so a uid without a
+passwd entry does not crash it.
 """
 from __future__ import annotations
 
@@ -49,8 +51,9 @@ def main(argv: list[str] | None = None, stop_flag: threading.Event | None = None
             return 2
         log.info("metrics on :%d/metrics", port)
     priority = config.priority if config.priority is not None else random.randint(1, 2**31 - 1)
-    log.info("peering %s, priority %d", config.peering, priority)
+    log.info("peering %s, priority %d, identity %s", config.peering, priority, config.identity)
     kopf.run(
+        identity=config.identity or None,  # kopf.Identity is a NewType of str
         registry=operator.registry(),
         clusterwide=not config.namespaces,
         namespaces=list(config.namespaces),

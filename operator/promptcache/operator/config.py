@@ -3,6 +3,11 @@ chart sets the environment), then handed to the handlers. Nothing else in the op
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import pwd
+import random
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -29,6 +34,7 @@ class OperatorConfig:
     prometheus_url: str | None = None           # the autoscaler's signal from this Prometheus instead of scraping
     defaults: OperatorDefaults = field(default_factory=OperatorDefaults)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    identity: str = field(default="", compare=False)  # kopf peering identity (peering_identity)
 
     @property
     def observation_max_age_s(self) -> float:
@@ -48,7 +54,35 @@ class OperatorConfig:
                    crd_cache_seconds=_number(env, "PROMPTCACHE_OPERATOR_CRD_CACHE_SECONDS", cls.crd_cache_seconds),
                    workers=int(_number(env, "PROMPTCACHE_OPERATOR_WORKERS", cls.workers)),
                    prometheus_url=env.get("PROMPTCACHE_OPERATOR_PROMETHEUS_URL") or None,
-                   defaults=OperatorDefaults.from_env(env), autoscale=AutoscaleConfig.from_env(env))
+                   defaults=OperatorDefaults.from_env(env), autoscale=AutoscaleConfig.from_env(env),
+                   identity=peering_identity(env, os.getuid(), socket.gethostname()))
+
+
+def login_name(env: Mapping[str, str], uid: int) -> str | None:
+    """The user name as getpass.getuser() finds it (LOGNAME, USER, LNAME, USERNAME, then the passwd entry), or
+    None where there is none: a container running as a uid without a passwd entry (the chart's 65532)."""
+    for name in ("LOGNAME", "USER", "LNAME", "USERNAME"):
+        if env.get(name):
+            return env[name]
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+
+
+def peering_identity(env: Mapping[str, str], uid: int, host: str, now: datetime.datetime | None = None,
+                     rnd: str | None = None) -> str:
+    """The identity this replica registers under in the kopf peering object, given explicitly to kopf.run so that
+    kopf never calls getpass.getuser() (which raises KeyError for a uid without a passwd entry and crash-loops
+    the pod). In a pod: its name (the chart sets POD_NAME from the downward API; kopf's own POD_ID works too).
+    Elsewhere kopf's form, user@host/time/random, with uid<N> where the uid has no name."""
+    pod = env.get("POD_NAME") or env.get("POD_ID")
+    if pod:
+        return pod
+    user = login_name(env, uid) or f"uid{uid}"
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    rnd = rnd if rnd is not None else "".join(random.choices("abcdefhijklmnopqrstuvwxyz0123456789", k=3))
+    return f"{user}@{host}/{now.strftime('%Y%m%d%H%M%S')}/{rnd}"
 
 
 def _number(env: Mapping[str, str], name: str, default: float) -> float:
