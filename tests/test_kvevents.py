@@ -245,3 +245,144 @@ def test_a_prefix_scorer_fed_by_two_nodes_events_picks_the_node_holding_the_pref
     assert pick(system_b + [7] * CHUNK) == "node-2" and score("node-2", system_b + [7] * CHUNK) == 3
     assert pick(system_a + [9] * 5) == "node-1"
     assert score("node-1", system_b) == 0
+
+
+def _drain(sub, quiet: float = 1.0) -> list[tuple[bytes, bytes, bytes]]:
+    """Every frame until none came for `quiet` seconds."""
+    frames, poller = [], zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    while poller.poll(int(quiet * 1000)):
+        frames.append(tuple(sub.recv_multipart()))
+    return frames
+
+
+def test_pod_topics_are_bound_to_their_caller_capped_under_concurrency_and_fan_out_is_bounded(sidecar_factory,
+                                                                                                tmp_path):
+    """Issue 27 #3: any client could name any pod (x-promptcache-pod): 300 made-up names made 268 topics (the cap
+    of 256 raced), and one new chunk was published 269 times. Now a pod name is bound to the first caller naming
+    it (its tenant), a caller binds at most MAX_PODS_PER_CLIENT names, the checks hold under concurrency, and a
+    chunk goes out at most 1 + MAX_PODS times."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    import msgpack
+
+    from promptcache.contract.wire import model_to_proto
+    from promptcache.sidecar import kvevents
+    from promptcache.v1 import kvcache_pb2 as pb
+    from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+    tokens_dir = tmp_path / "tokens"
+    write_secret_dir(tokens_dir, {"alice": "alice-token", "mallory": "mallory-token"})
+    sidecar = sidecar_factory(kv_events_address="tcp://127.0.0.1:*", kv_events_id="node-1",
+                              token_file=str(tokens_dir), tenancy="shared")
+    sub = _subscribe(sidecar.events.address)
+    prompt = list(range(100, 100 + CHUNK))
+    request = pb.LookupRequest(model=model_to_proto(SMALL), tokens=prompt)
+    with PromptCacheClient(sidecar.address, timeout=10, token="alice-token") as alice:
+        assert alice.put(SMALL, prompt, make_kv(SMALL, len(prompt))).stored_chunks == 1
+        with grpc.insecure_channel(sidecar.address) as channel:
+            stub = pb_grpc.KVCacheStub(channel)
+
+            def lookup(token: str, pod: str):
+                stub.Lookup(request, metadata=[("authorization", f"Bearer {token}"), ("x-promptcache-pod", pod)],
+                            timeout=10)
+
+            lookup("alice-token", "pod-a")  # the real pod, first
+            names = ["pod-a"] + [f"made-up-{i}" for i in range(300)]
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(lambda name: lookup("mallory-token", name), names))
+            _drain(sub)
+            fresh = list(range(900, 900 + CHUNK))
+            assert alice.put(SMALL, fresh, make_kv(SMALL, len(fresh), seed=2)).stored_chunks == 1
+            frames = _drain(sub)
+    sub.close()
+    model_topics = {t for t in (f.decode() for f, _, _ in frames)}
+    published = sum(1 for t, _, payload in frames for e in msgpack.unpackb(payload)[1]
+                    if e["type"] == "BlockStored" and e["token_ids"] == fresh)
+    assert published == len(model_topics) <= 2 + getattr(kvevents, "MAX_PODS_PER_CLIENT", 4), (published, len(model_topics))
+    assert f"kv@pod-a@{SMALL.model_id}" in model_topics and f"kv@node-1@{SMALL.model_id}" in model_topics
+    held = {p for pods in sidecar.events._pods.values() for p in pods}
+    assert len(held) <= 1 + kvevents.MAX_PODS_PER_CLIENT, len(held)
+    assert sidecar.events._bound["pod-a"] == "tenant:alice"
+
+
+def test_the_pod_cap_holds_under_concurrent_callers():
+    """MAX_PODS per model holds when many callers name pods at once (the check and the insert are one step)."""
+    import threading
+
+    from promptcache.sidecar import kvevents
+    from promptcache.sidecar.identity import Caller, Identity
+
+    events = kvevents.KVEvents("tcp://127.0.0.1:*", "node", CHUNK, "CPU").start()
+    try:
+        barrier = threading.Barrier(32)
+
+        def caller(n: int):
+            who = Caller(Identity(f"tenant-{n}", "token"), f"ipv4:10.0.0.{n}:1234")
+            barrier.wait()
+            for i in range(kvevents.MAX_PODS_PER_CLIENT):
+                events.seen(f"pod-{n}-{i}", "m", who)
+
+        threads = [threading.Thread(target=caller, args=(n,)) for n in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        deadline = time.monotonic() + 5
+        while events._joining and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(events._pods["m"]) == kvevents.MAX_PODS
+        # A name is bound to its first caller: another cannot take it, the same one can use it again.
+        first = Caller(Identity("tenant-0", "token"), "ipv4:10.0.0.0:1")
+        other = Caller(Identity("tenant-1", "token"), "ipv4:10.0.0.1:1")
+        bound = next(p for p, b in events._bound.items() if b == kvevents.binder_of(first))
+        assert events.seen(bound, "m2", first) and not events.seen(bound, "m3", other)
+        # Without authentication a caller is its host: a new connection (port) is the same caller.
+        anon = [Caller(Identity("", "none"), f"ipv4:10.9.9.9:{port}") for port in range(10)]
+        assert len({kvevents.binder_of(c) for c in anon}) == 1
+    finally:
+        events.close()
+
+
+def test_token_ids_kept_for_events_are_counted_in_the_memory_budget(sidecar_factory):
+    """Issue 27 #5: with KV events on, every chunk's token ids were kept as a list of Python ints outside the
+    budget (about 10.5 KB a chunk of 256 tokens, more than an 8 KiB chunk). Now they are kept as uint32 and
+    counted with each chunk in --memory-bytes: the tier holds fewer chunks, never more than the budget with
+    what events keep; what is counted covers what is measured (tracemalloc)."""
+    import tracemalloc
+
+    from promptcache.contract.layout import chunk_nbytes
+    from promptcache.sidecar import kvevents
+
+    chunk_bytes = chunk_nbytes(SMALL, CHUNK)
+    budget = 64 * chunk_bytes
+    plain = sidecar_factory(memory_bytes=budget)
+    evented = sidecar_factory(memory_bytes=budget, kv_events_address="tcp://127.0.0.1:*")
+    per_chunk = kvevents.held_bytes_per_chunk(CHUNK)
+    prompts = [list(range(p * 10_000, p * 10_000 + 4 * CHUNK)) for p in range(40)]  # 160 chunks > 64
+    for sidecar in (plain, evented):
+        with PromptCacheClient(sidecar.address, timeout=10) as c:
+            for p, tokens in enumerate(prompts):
+                c.put(SMALL, tokens, make_kv(SMALL, len(tokens), seed=p))
+    used_plain, used_evented = plain.tier.usage(), evented.tier.usage()
+    assert used_plain["entries"] == 64 and used_plain["used"] == 64 * chunk_bytes
+    assert used_evented["used"] == used_evented["entries"] * (chunk_bytes + per_chunk) <= budget
+    assert used_evented["entries"] == budget // (chunk_bytes + per_chunk) < 64
+    assert len(evented.events._held) == used_evented["entries"]
+    # What events keep a chunk is within what is counted for it (256-token chunks as in the issue).
+    events = kvevents.KVEvents("tcp://127.0.0.1:*", "node", 256, "CPU", queue_events=1)
+    try:
+        keys = [bytes([i % 256, i // 256]) * 16 for i in range(5000)]
+        tokens = [list(range(i, i + 256)) for i in range(5000)]
+        tracemalloc.start()
+        before = tracemalloc.take_snapshot()
+        for i, key in enumerate(keys):
+            events.stored(key, keys[i - 1] if i else None, "m", tokens[i])
+        grown = sum(d.size_diff for d in tracemalloc.take_snapshot().compare_to(before, "filename"))
+        tracemalloc.stop()
+    finally:
+        events._stop.set()
+        events._socket.close(0)
+        events._zmq.term()
+    assert grown / 5000 <= kvevents.held_bytes_per_chunk(256), grown / 5000

@@ -59,3 +59,37 @@ def test_sidecar_and_operator_agree():
         assert config.parse_bytes(text) == quantity_bytes(text) == parse_bytes(text)
     with pytest.raises(SpecError, match="not a Kubernetes quantity"):
         quantity_bytes("lots")
+
+
+def test_quantities_above_what_the_process_can_hold_are_refused_at_start(tmp_path):
+    """Issue 27 #5: --memory-bytes 100Ei (above 2^64) was accepted; Stats then answered INTERNAL (Value out of
+    range) and a Resize was applied but answered INTERNAL. Now a start with any quantity above 2^63-1 exits 2
+    with one line naming the flag (or variable), and the largest accepted values answer Stats and Resize."""
+    import os
+    import subprocess
+    import sys
+
+    for argv, env, name in ((["--memory-bytes", "100Ei"], {}, "--memory-bytes"),
+                            (["--disk-bytes", "8Ei"], {}, "--disk-bytes"),
+                            ([], {"PROMPTCACHE_SHM_MAX_BYTES": "1e30"}, "--shm-max-bytes")):
+        out = subprocess.run([sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", "127.0.0.1:0",
+                              "--metrics-port", "0", *argv], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, **env})
+        lines = (out.stdout + out.stderr).strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (argv, env, out.stdout[-2000:], out.stderr[-2000:])
+        assert name in lines[0] and "more than this process can hold" in lines[0], lines[0]
+    assert config.Settings(memory_bytes=2**63 - 1).validate().memory_bytes == 2**63 - 1
+
+
+def test_stats_and_resize_answer_for_the_largest_budgets(sidecar_factory):
+    from promptcache.client import PromptCacheClient, errors
+
+    sidecar = sidecar_factory(memory_bytes=2**62)
+    with PromptCacheClient(sidecar.address, timeout=10) as c:
+        assert c.stats().tiers[0].bytes_budget == 2**62
+        try:
+            r = c.resize(2**63 - 1)
+            assert r.memory_bytes == 2**63 - 1 and r.previous_bytes == 2**62
+            assert c.stats().tiers[0].bytes_budget == 2**63 - 1
+        except errors.PromptCacheError as exc:  # a cgroup memory limit refuses it: never INTERNAL
+            assert "INTERNAL" not in str(exc) and "cgroup" in str(exc), exc

@@ -103,6 +103,13 @@ def cluster_tier(settings: Settings, metrics: Metrics):
                        settings.cluster_retry_seconds, settings.cluster_publish_queue, settings.cluster_buffer_bytes)
 
 
+def events_overhead(settings: Settings) -> int:
+    """Bytes KV events keep per memory-tier chunk (its token ids), counted in --memory-bytes (0: events off)."""
+    from promptcache.sidecar.kvevents import held_bytes_per_chunk
+
+    return held_bytes_per_chunk(settings.chunk_tokens) if settings.kv_events_address else 0
+
+
 def kv_events(settings: Settings, device: torch.device, metrics: Metrics):
     from promptcache.sidecar.kvevents import KVEvents
 
@@ -163,7 +170,8 @@ class Sidecar:
         self.tier = tier = MemoryTier(settings.memory_bytes, self.device,
                                       make_policy(settings.eviction_policy, capacity=settings.memory_bytes),
                                       settings.ttl_seconds, host_memory=chunk_memory(settings, self.device),
-                                      max_lifetime_seconds=settings.max_lifetime_seconds)
+                                      max_lifetime_seconds=settings.max_lifetime_seconds,
+                                      entry_overhead=events_overhead(settings))
         self.tenancy = Tenancy.from_settings(settings, tier)
         tier.subscribe(self.tenancy)
         metrics.watch({"device": tier})

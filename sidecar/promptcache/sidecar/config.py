@@ -115,6 +115,9 @@ class Settings:
             value = getattr(self, f.name)
             if f.type in ("float", float) and not math.isfinite(value):
                 raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
+            if f.type in ("int", int) and isinstance(value, int) and not -MAX_QUANTITY - 1 <= value <= MAX_QUANTITY:
+                raise ValueError(f"--{f.name.replace('_', '-')} {value} is more than this process can hold: at most "
+                                 f"{MAX_QUANTITY} (2^63-1; 8Ei - 1)")
         if self.memory_bytes <= 0:
             raise ValueError("--memory-bytes must be positive")
         if self.max_chunk_bytes <= 0:
@@ -399,6 +402,7 @@ HELP = {
     "kv_events_id": "the id in the KV event topic kv@ID@MODEL; empty: this host's name",
 }
 
+MAX_QUANTITY = (1 << 63) - 1  # every count and size: the sidecar's counters, metrics and the API's int64 fields
 _BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "disk_min_free_bytes", "frame_bytes",
                 "tenant_quota_bytes", "shm_max_bytes", "min_put_bytes_per_second", "access_log_max_bytes",
                 "cluster_segment_bytes", "cluster_buffer_bytes"}

@@ -428,7 +428,7 @@ class CacheEngine:
         """KV events: the calling inference pod gets this model's events."""
         model_id = self._event_models.get(scope.fingerprint)
         if model_id is not None and caller.pod:
-            self.events.seen(caller.pod, model_id)
+            self.events.seen(caller.pod, model_id, caller)
 
     def _announce(self, key: bytes, parent: bytes, fp: bytes, index: int, tokens) -> None:
         model = self._event_models.get(fp)

@@ -21,13 +21,17 @@ Routers score pods, not nodes. Every event goes out under the node's id (`--kv-e
 and under the id of every inference pod that has used that model on this sidecar: a client names its pod in the
 gRPC metadata `x-promptcache-pod` (the vLLM connector and the HF client send POD_NAME). A pod first seen for a
 model gets, on its own topic, AllBlocksCleared and then BlockStored for every chunk of that model the memory tier
-holds, so its view starts complete; from then on it gets the live events. At most MAX_PODS pods per model.
+holds, so its view starts complete; from then on it gets the live events. A pod name is bound to the first caller
+that names it (its tenant when authenticated, its host otherwise) until restart: another caller naming it is refused
+(`seen`). At most MAX_PODS pods per model (the fan-out: each is one more copy of every event) and
+MAX_PODS_PER_CLIENT names per caller; docs/cluster.md, "Trusting a topic".
 
 Events are queued (bounded, never blocking the caller, which may hold the memory tier's lock) and sent in
 batches by one thread, the only one touching the socket.
 """
 from __future__ import annotations
 
+import array
 import logging
 import queue
 import threading
@@ -39,7 +43,28 @@ log = logging.getLogger("promptcache.sidecar.kvevents")
 
 BATCH_SECONDS = 0.02
 MAX_BATCH = 1024
-MAX_PODS = 256  # per model
+MAX_PODS = 32  # per model: a node runs a few inference pods; each is one more copy of every event (fan-out)
+MAX_PODS_PER_CLIENT = 4  # pod names one caller (tenant, or peer host without auth) may bind
+HELD_OVERHEAD_BYTES = 256  # per chunk held for events besides 4 bytes a token (measured 173-205: dict slot, tuple, array)
+
+
+def held_bytes_per_chunk(chunk_tokens: int) -> int:
+    """What KVEvents keeps per chunk of the memory tier (its token ids as uint32, the key and parent): counted
+    in the memory budget with each chunk (MemoryTier entry_overhead) while events are on."""
+    return HELD_OVERHEAD_BYTES + 4 * chunk_tokens
+
+
+def binder_of(caller) -> str:
+    """Who a pod name is bound to: the authenticated tenant, else the caller's host (its peer address without
+    the port: a new connection from the same host is the same caller)."""
+    if caller is None:
+        return ""
+    if not caller.identity.anonymous:
+        return f"tenant:{caller.identity.tenant}"
+    peer = caller.peer or ""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        peer = peer.rsplit(":", 1)[0]
+    return f"peer:{peer}"
 
 
 def wire_hash(key: bytes) -> int:
@@ -91,9 +116,13 @@ class KVEvents:
         self._socket.bind(address)
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_events)
-        # chunk key -> (model, parent, token ids): what BlockRemoved to send, and what a new pod is told
-        self._held: dict[bytes, tuple[str, bytes | None, list[int]]] = {}
+        # chunk key -> (model, parent, token ids as uint32): what BlockRemoved to send, and what a new pod is told
+        self._held: dict[bytes, tuple[str, bytes | None, array.array]] = {}
         self._pods: dict[str, set[str]] = {}  # model -> pods that used it here
+        self._joining: set[tuple[str, str]] = set()  # (model, pod) accepted, not yet told what is held
+        self._bound: dict[str, str] = {}  # pod name -> the caller it is bound to (binder_of)
+        self._bound_by: dict[str, set[str]] = {}  # binder -> the pod names it bound
+        self._refused_logged: set[str] = set()
         self._lock = threading.Lock()
         self._sequence: dict[str, int] = {}
         self._stop = threading.Event()
@@ -105,12 +134,12 @@ class KVEvents:
 
     # --- called by the store (never blocks) ---------------------------------------------------------------
     def stored(self, key: bytes, parent: bytes | None, model: str, token_ids) -> None:
-        token_ids = [int(x) for x in token_ids]
+        held = array.array("I", token_ids)  # 4 bytes a token (a list of ints is 36): counted in the budget
         with self._lock:
             if key in self._held:
                 return
-            self._held[key] = (model, parent, token_ids)
-        self._put(model, _stored(key, parent, token_ids, self.block_size, self.medium))
+            self._held[key] = (model, parent, held)
+        self._put(model, _stored(key, parent, held.tolist(), self.block_size, self.medium))
 
     def inserted(self, entry) -> None:
         """The memory tier's insert hook: announced by the engine instead, which knows the chunk's tokens."""
@@ -122,16 +151,45 @@ class KVEvents:
         if held is not None:
             self._put(held[0], block_removed([wire_hash(entry.key)], self.medium))
 
-    def seen(self, pod: str, model: str) -> None:
-        """A call from inference pod `pod` for `model`: from now on its topic gets this model's events."""
-        pods = self._pods.get(model)
-        if pods is not None and pod in pods:
-            return
+    def seen(self, pod: str, model: str, caller=None) -> bool:
+        """A call from inference pod `pod` for `model` (by `caller`, a promptcache.sidecar.identity.Caller): from
+        now on its topic gets this model's events. Whether it may (False: refused, counted, logged once):
+
+        * the pod name is bound to the first caller that names it (its authenticated tenant, or its peer's host
+          without auth) until the sidecar restarts: another caller naming it is refused, so nobody can take
+          over a pod's topic once its pod has used it;
+        * one caller binds at most MAX_PODS_PER_CLIENT pod names, and a model has at most MAX_PODS pod topics
+          (each one more copy of every event); both checked and taken under the lock, so concurrent callers
+          cannot pass them."""
+        binder = binder_of(caller)
         with self._lock:
             pods = self._pods.setdefault(model, set())
-            if pod in pods or len(pods) >= MAX_PODS:
-                return
+            if pod in pods or (model, pod) in self._joining:
+                return True
+            owner = self._bound.get(pod)
+            if owner is None:
+                mine = self._bound_by.setdefault(binder, set())
+                if len(mine) >= MAX_PODS_PER_CLIENT:
+                    return self._refuse(pod, f"{binder} already named {MAX_PODS_PER_CLIENT} pods")
+            elif owner != binder:
+                return self._refuse(pod, "the name is bound to another caller")
+            if len(pods) + sum(1 for m, _ in self._joining if m == model) >= MAX_PODS:
+                return self._refuse(pod, f"model {model!r} has its maximum of {MAX_PODS} pod topics")
+            if owner is None:
+                self._bound[pod] = binder
+                self._bound_by[binder].add(pod)
+            self._joining.add((model, pod))
         self._put(model, None, pod)  # the sender adds it, after telling it what is held
+        return True
+
+    def _refuse(self, pod: str, why: str) -> bool:
+        """Under the lock."""
+        if self.counter is not None:
+            self.counter.labels("pod_refused").inc()
+        if pod not in self._refused_logged and len(self._refused_logged) < 1024:
+            self._refused_logged.add(pod)
+            log.warning("KV events: pod topic %r refused (%s)", pod[:64], why)
+        return False
 
     def _put(self, model: str, event: dict | None, pod: str = "") -> None:
         try:
@@ -171,9 +229,10 @@ class KVEvents:
         with self._lock:
             held = [(key, parent, tokens) for key, (m, parent, tokens) in self._held.items() if m == model]
             self._pods.setdefault(model, set()).add(pod)
+            self._joining.discard((model, pod))
         events = by_topic.setdefault(topic(pod, model), [])
         for key, parent, tokens in held:
-            events.append(_stored(key, parent, tokens, self.block_size, self.medium))
+            events.append(_stored(key, parent, tokens.tolist(), self.block_size, self.medium))
 
     def _send(self, t: str, events: list[dict]) -> None:
         seq = self._sequence.get(t)

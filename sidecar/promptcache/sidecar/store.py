@@ -149,7 +149,8 @@ def checksum_and_finite(buf: np.ndarray, kv_dtype: str) -> tuple[int, bool]:
 
 class MemoryTier:
     def __init__(self, budget_bytes: int, device: torch.device, policy: EvictionPolicy, ttl_seconds: float,
-                 clock: Callable[[], float] = time.monotonic, host_memory: ChunkMemory | None = None, max_lifetime_seconds: float = math.inf):
+                 clock: Callable[[], float] = time.monotonic, host_memory: ChunkMemory | None = None, max_lifetime_seconds: float = math.inf,
+                 entry_overhead: int = 0):
         if budget_bytes <= 0:
             raise ValueError("budget must be positive")
         self.device = device
@@ -159,6 +160,7 @@ class MemoryTier:
         self.clock = clock
         self._listeners: tuple[StoreListener, ...] = ()
         self._budget = budget_bytes
+        self._entry_overhead = entry_overhead  # bytes held elsewhere per chunk (KV events' token ids), counted here
         self._entries: dict[bytes, Entry] = {}
         self._used = 0
         self._reserved = 0
@@ -197,7 +199,7 @@ class MemoryTier:
             return sum(e.data.untyped_storage().nbytes() for e in self._entries.values())
 
     def _accounted(self, nbytes: int) -> int:
-        return -(-nbytes // self._round) * self._round
+        return -(-nbytes // self._round) * self._round + self._entry_overhead
 
     def _committed(self) -> int:
         return self._used + self._reserved + self._draining
