@@ -27,3 +27,10 @@ SAVE_COPY_SECONDS = Histogram("promptcache_client_save_copy_seconds",
 UNIDENTIFIED = Counter("promptcache_client_unidentified_requests_total",
                        "vLLM requests neither loaded nor stored: they carry an input the connector cannot identify "
                        "(so cannot key), by reason", ["reason"])
+LOOKUPS = Counter("promptcache_client_lookups_total", "vLLM connector: Lookups the scheduler sent to the sidecar")
+LOADED_TOKENS = Counter("promptcache_client_loaded_tokens_total",
+                        "vLLM connector: prompt tokens the workers wrote into KV blocks from fetched chunks")
+LOAD_ERRORS = Counter("promptcache_client_load_error_blocks_total",
+                      "vLLM connector: KV blocks a Lookup promised but the load could not write (vLLM recomputes them)")
+RECONNECTS = Counter("promptcache_client_reconnects_total",
+                     "vLLM connector: times the sidecar answered again after a failure (no engine restart)")

@@ -6,28 +6,38 @@
         "kv_connector_extra_config": {"address": "unix:///run/promptcache/grpc.sock",
                                       "bulk_address": "unix:/run/promptcache/bulk.sock"}}'
 
-What happens to a request:
+What happens to a request (docs/vllm.md):
 
-1. **Scheduler, lookup and fetch** (``get_num_new_matched_tokens``, bounded by ``load_timeout``): a Get of the longest
-   run of cached whole chunks of the prompt, never the last prompt token (one is always left to compute). The chunks
-   are checked (transit checksum, length, finite values or quantization checks) before vLLM is told how many tokens
-   it can skip; anything wrong, slow or down means 0 (a normal prefill), counted in
-   ``promptcache_client_fallbacks_total{reason}``. Hits are whole chunks, and chunks are whole vLLM blocks.
-2. **Worker, load** (``start_load_kv``, before the forward pass): the fetched chunks are written into the request's
-   blocks in the attention backend's own layout.
-3. **Worker, save** (``wait_for_save`` of the step that finishes the prompt): the request's new whole prompt chunks
+1. **Scheduler, Lookup** (``get_num_new_matched_tokens``): a Lookup (metadata only) of the prompt but its last token,
+   on a background thread; while it is in flight the answer is None ("ask again later"), for at most
+   ``lookup_timeout``; then the cached whole chunks beyond vLLM's own hit, loaded asynchronously (``load_kv_async``).
+   The scheduler loop never waits for the sidecar. At TP/PP > 1 every rank's shard is looked up; the fewest count.
+2. **Metadata**: block ids, the request's spec and its tokens, never KV bytes (it goes to every worker process).
+3. **Worker, load** (``start_load_kv`` queues, a load thread Gets, checks and writes the rank's chunks into the
+   blocks, ``get_finished`` reports the request): blocks whose chunks did not come go to
+   ``get_block_ids_with_load_errors`` and vLLM recomputes them (``kv_load_failure_policy: recompute``).
+4. **Worker, save** (``wait_for_save`` of the step that finishes the prompt): the request's new whole prompt chunks
    are copied out of their blocks (one copy) and handed to a background thread that converts them to the canonical
    chunk layout and Puts them. The queue is bounded: when it is full the save is dropped and counted, never blocking.
+   ``requires_kv_delivery`` is False: best effort, a pending save never makes vLLM recompute.
 
-The fingerprint (promptcache.contract.keys.ModelSpec) comes from the engine's config: model id (served name), revision (the
-configured revision, else a digest of the weight files), KV dtype, layers, KV heads, head dim, the quantization mode;
-vLLM's per-request ``cache_salt`` is the tenant salt, so salted requests share only with the same salt.
+A sidecar that failed is not asked again for ``retry_interval`` (one fast failure per interval, not a timeout per
+request); the gRPC channel reconnects within a second, so a sidecar restarted on the same address is used again.
+
+The fingerprint (promptcache.contract.keys.ModelSpec) comes from the engine's config: model id (served name), revision
+(the configured revision, else a digest of the weight files), KV dtype, layers, KV heads, head dim, the quantization
+mode. The salt (docs/keys.md, "Request salt (v2)") carries vLLM's per-request ``cache_salt``, the request's LoRA
+adapter, multimodal items and prompt embeddings (request_spec), and the rank's slice of KV heads and layers; a
+request with an input that cannot be identified is neither loaded nor stored.
 
 Layouts: vLLM's CPU attention backend is supported (fp32/fp16 "vec" and bf16 AMX); the layout is not assumed but
 measured once at start-up by writing probe values through the backend's own cache-write kernel
-(promptcache.client.vllm_layout.identify). Any other backend, an fp8 KV cache or a layout the probe does not recognise is
-logged once and the connector stays inert: every request is a normal prefill. A chunk is never stored or served in
-a layout that was not identified.
+(promptcache.client.vllm_layout.identify). Any other backend, an fp8 KV cache, KV heads that do not split over the
+TP ranks or a layout the probe does not recognise leaves the connector inert (said in vLLM's log): every request is
+a normal prefill. A chunk is never stored or served in a layout that was not identified.
+
+Counters reach vLLM's /metrics through vLLM's connector stats (get_kv_connector_stats, build_kv_connector_stats,
+build_prom_metrics: ``vllm:promptcache_*``), and are also this process's ``promptcache_client_*`` metrics.
 
 Settings (``kv_connector_extra_config`` key, else environment variable):
 
@@ -40,7 +50,9 @@ quantization       PROMPTCACHE_QUANTIZATION         none (bit-exact, default), k
 tenant_salt        PROMPTCACHE_TENANT_SALT          salt for every request without a cache_salt of its own
 model_id           PROMPTCACHE_MODEL_ID             model identity in the fingerprint (default: served name)
 revision           PROMPTCACHE_REVISION             weights identity (default: model revision, else weights digest)
-load_timeout       PROMPTCACHE_LOAD_TIMEOUT         seconds for one request's fetch (default 1.0)
+lookup_timeout     PROMPTCACHE_LOOKUP_TIMEOUT       seconds the scheduler waits for a Lookup (default 0.25)
+load_timeout       PROMPTCACHE_LOAD_TIMEOUT         seconds for one worker-side fetch (default 1.0)
+retry_interval     PROMPTCACHE_RETRY_INTERVAL       seconds a failed sidecar is not asked again (default 2.0)
 save_timeout       PROMPTCACHE_SAVE_TIMEOUT         seconds for one background Put (default 30)
 max_pending_saves  PROMPTCACHE_MAX_PENDING_SAVES    saves queued at most; more are dropped (default 8)
 tls_ca, token_file PROMPTCACHE_TLS_CA, ..._TOKEN_FILE  TLS CA (PEM path) and bearer token file (docs/security.md)
@@ -65,15 +77,20 @@ from promptcache.client import vllm_layout
 from promptcache.client import errors
 from promptcache.client.client import checked_chunks
 from promptcache.client.hf import _warn, fallback_reason
-from promptcache.client.metrics import (FALLBACKS, FETCH_SECONDS, HITS, LOAD_SECONDS, REUSED_TOKENS,
-                                        SAVE_COPY_SECONDS, SAVE_SECONDS, STORES, UNIDENTIFIED)
-from promptcache.contract.keys import Adapter, ModelSpec, MultiModalItem, request_salt
+from promptcache.client.metrics import (FALLBACKS, FETCH_SECONDS, HITS, LOAD_ERRORS, LOAD_SECONDS, LOADED_TOKENS,
+                                        LOOKUPS, RECONNECTS, REUSED_TOKENS, SAVE_COPY_SECONDS, SAVE_SECONDS, STORES,
+                                        UNIDENTIFIED)
+from promptcache.contract.keys import Adapter, ModelSpec, MultiModalItem, Shard, request_salt, shard_spec
 from promptcache.contract.layout import DTYPE_NAMES, TORCH_DTYPES
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402 - vLLM is this module's host
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 
 if TYPE_CHECKING:
@@ -84,6 +101,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("promptcache.client.vllm")
+_vllm_log = logging.getLogger("vllm.promptcache")  # vLLM's own logging tree: what vLLM's log shows
 
 
 
@@ -223,24 +241,94 @@ def prompt_tokens(request) -> list[int]:
     return [0] * n
 
 
-@dataclass
-class _Load:
-    """A fetched prefix: checked canonical chunks [layers, 2, H, chunk_tokens, D] (views of the received blobs: lent
-    read-only mappings or the client's own copies), the first starting at prompt token `first`; vLLM may load
-    tokens [start, stop) of them."""
+# What the connector counts, as it reaches vLLM's /metrics through vLLM's connector stats (every process layout: the
+# workers' and the scheduler's counts travel to the API server with the engine's outputs): stats key -> (vLLM metric
+# name, help, label name or None). A key with a label is "name:value".
+VLLM_METRICS = {
+    "lookups": ("vllm:promptcache_lookups", "PromptCache: Lookups the scheduler sent to the sidecar", None),
+    "hits": ("vllm:promptcache_hits", "PromptCache: requests that loaded a cached prefix", None),
+    "reused_tokens": ("vllm:promptcache_reused_tokens", "PromptCache: prompt tokens loaded, not computed", None),
+    "loaded_tokens": ("vllm:promptcache_loaded_tokens", "PromptCache: tokens the workers wrote into KV blocks", None),
+    "load_error_blocks": ("vllm:promptcache_load_error_blocks",
+                          "PromptCache: KV blocks a Lookup promised that could not be loaded (recomputed)", None),
+    "fallbacks": ("vllm:promptcache_fallbacks", "PromptCache: full prefills because the cache could not be used",
+                  "reason"),
+    "stores": ("vllm:promptcache_stores", "PromptCache: background saves by outcome", "outcome"),
+    "unidentified": ("vllm:promptcache_unidentified_requests",
+                     "PromptCache: requests neither loaded nor stored (an input that cannot be identified)", "reason"),
+    "reconnects": ("vllm:promptcache_reconnects", "PromptCache: times the sidecar answered again after a failure",
+                   None),
+}
 
-    first: int
-    start: int
-    stop: int
-    chunks: list[torch.Tensor]
+
+@dataclass
+class PromptCacheStats(KVConnectorStats):
+    """Counter increments since the last report: data = {"counts": {key: value}} (VLLM_METRICS keys)."""
+
+    def __post_init__(self):
+        self.data.setdefault("counts", {})
+
+    def reset(self):
+        self.data = {"counts": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        counts = self.data.setdefault("counts", {})
+        for k, v in (other.data or {}).get("counts", {}).items():
+            counts[k] = counts.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data.get("counts", {}))
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get("counts", {}).values())
+
+
+class PromptCachePromMetrics(KVConnectorPromMetrics):
+    """The connector's counters on vLLM's /metrics (vllm:promptcache_*), per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for key, (name, doc, label) in VLLM_METRICS.items():
+            self._counters[key] = (self._counter_cls(name=name, documentation=doc,
+                                                     labelnames=labelnames + ([label] if label else [])), label)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        base = list(self.per_engine_labelvalues.get(engine_idx, []))
+        for key, value in (transfer_stats_data or {}).get("counts", {}).items():
+            name, _, label_value = key.partition(":")
+            got = self._counters.get(name)
+            if got is None or not value:
+                continue
+            counter, label = got
+            counter.labels(*base, *([label_value] if label else [])).inc(value)
+
+
+@dataclass
+class _Lookup:
+    """A scheduler-side Lookup in flight or answered, for the request's num_computed_tokens `asked`."""
+
+    asked: int
+    started: float
+    future: Any
+    spec: ModelSpec
+    tokens: list[int]  # the prompt but its last token (one token is always left to compute)
+    hit: int | None = None  # tokens cached from 0 (whole chunks), once answered
 
 
 @dataclass
 class _LoadOp:
+    """Worker: fetch chunks [first_chunk, first_chunk + n) of `tokens` under `spec` and write them, from token `skip` of
+    the first on, into `block_ids` (whole blocks). No tensor: block ids, the spec and the tokens the keys hash."""
+
     req_id: str
+    spec: ModelSpec
+    tokens: list[int]  # the prompt's first (first_chunk + n) * chunk_tokens tokens
     block_ids: list[int]  # the blocks of the tokens to load
-    chunks: list[torch.Tensor]  # canonical chunks holding them,
+    first_chunk: int
     skip: int  # from this token of the first chunk on (whole blocks)
+    chunk_tokens: int
 
 
 @dataclass
@@ -255,6 +343,8 @@ class _SaveOp:
 
 @dataclass
 class PromptCacheConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers each step: block ids, specs and tokens; never KV bytes."""
+
     loads: list[_LoadOp] = field(default_factory=list)
     saves: list[_SaveOp] = field(default_factory=list)
 
@@ -267,6 +357,33 @@ class _Tracked:
     saved: bool = False
 
 
+class _Breaker:
+    """A sidecar that failed is not asked again for `interval` seconds: one fast failure per interval, not a
+    timeout per request; the first call after the interval probes it again (a restarted sidecar is used again)."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self.down_since: float | None = None
+
+    def allow(self) -> bool:
+        with self._lock:
+            return time.monotonic() >= self._down_until
+
+    def failed(self) -> None:
+        with self._lock:
+            self._down_until = time.monotonic() + self.interval
+            if self.down_since is None:
+                self.down_since = time.monotonic()
+
+    def ok(self) -> bool:
+        """Record a success; True when it ends an outage (a reconnect)."""
+        with self._lock:
+            was_down, self.down_since = self.down_since is not None, None
+            return was_down
+
+
 class PromptCacheConnector(KVConnectorBase_V1):
     """KV connector between a vLLM engine and the node-local PromptCache sidecar (module docstring)."""
 
@@ -274,19 +391,25 @@ class PromptCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+        self.role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self.block_size = cc.block_size
         self.load_timeout = float(_setting(extra, "load_timeout", 1.0))
+        self.lookup_timeout = float(_setting(extra, "lookup_timeout", 0.25))
         self.save_timeout = float(_setting(extra, "save_timeout", 30.0))
+        self.retry_interval = float(_setting(extra, "retry_interval", 2.0))
         self.disabled: str | None = None  # why the connector is inert, if it is
-        address = _setting(extra, "address")
+        self.address = address = _setting(extra, "address")
         if not address:
             self.disabled = "no sidecar address (kv_connector_extra_config.address or PROMPTCACHE_ADDRESS)"
         kv_dtype = mc.dtype if cc.cache_dtype in ("auto", None) else cc.cache_dtype
         kv_dtype_name = DTYPE_NAMES.get(kv_dtype) if isinstance(kv_dtype, torch.dtype) else None
         if kv_dtype_name is None:
             self.disabled = f"KV cache dtype {cc.cache_dtype!r} ({kv_dtype}) is not float32, float16 or bfloat16"
-        if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-            self.disabled = "tensor or pipeline parallelism is not supported yet"
+        tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        total_heads, total_layers = mc.get_total_num_kv_heads(), mc.get_total_num_hidden_layers()
+        if total_heads % tp:
+            self.disabled = (f"{total_heads} KV heads do not split over tensor parallel size {tp} (replicated KV heads "
+                             "are not supported yet)")
         hf = mc.hf_text_config
         heads = hf.num_attention_heads
         from promptcache.contract import quant
@@ -296,41 +419,124 @@ class PromptCacheConnector(KVConnectorBase_V1):
             model_id=str(_setting(extra, "model_id", mc.served_model_name or mc.model)),
             revision=str(_setting(extra, "revision", mc.revision or weights_digest(mc.model))),
             kv_dtype=kv_dtype_name or "float32",
-            num_layers=mc.get_num_layers(pc),
-            num_kv_heads=mc.get_num_kv_heads(pc),
+            num_layers=total_layers,  # the whole model's: a rank's chunks are its shard of it (shard_spec)
+            num_kv_heads=total_heads,
             head_dim=mc.get_head_size() or hf.hidden_size // heads,
             quantization=str(_setting(extra, "quantization", "none")),
             tenant_salt=str(_setting(extra, "tenant_salt", "")).encode(),
         ).validate()
+        # Each rank stores and loads its own KV heads [r*H/tp, (r+1)*H/tp) of its pipeline stage's layers, under
+        # keys that say so (docs/keys.md, "Request salt (v2)"); the scheduler looks up every rank's shard.
+        from vllm.distributed.utils import get_pp_indices
+
+        self.shards = [Shard(r * total_heads // tp, (r + 1) * total_heads // tp, total_heads,
+                             *get_pp_indices(total_layers, p, pp), total_layers) for p in range(pp) for r in range(tp)]
+        self.shard = self.shards[0]
+        if role != KVConnectorRole.SCHEDULER and (tp > 1 or pp > 1):
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+            self.shard = self.shards[get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()]
+        self.layout_desc = (f"TP {tp} x PP {pp}, this rank KV heads [{self.shard.head_start}, {self.shard.head_stop}) "
+                            f"of {total_heads}, layers [{self.shard.layer_start}, {self.shard.layer_stop}) of "
+                            f"{total_layers}")
+        self._rank_specs: dict[ModelSpec, ModelSpec] = {}
         if self.disabled is None and role == KVConnectorRole.SCHEDULER:
             # The scheduler promises vLLM loaded tokens, so it must know the workers can write them: the same probe
             # as register_kv_caches, from the config alone (the worker still checks its actual caches).
             self.disabled = self._check_layout_from_config(vllm_config)
         self.client = None
         self.chunk_tokens = 0
+        self._breaker = _Breaker(self.retry_interval)
+        self._stats_lock = threading.Lock()
+        self._stats: dict[str, float] = {}
         if self.disabled is None:
             from promptcache.client import PromptCacheClient
+            from promptcache.client.credentials import client_channel
 
+            # Reconnect quickly to a sidecar restarted on the same address (gRPC's default backoff grows to 120 s).
+            channel = client_channel(address, root_certificates=_setting(extra, "tls_ca"),
+                                     token_file=_setting(extra, "token_file"),
+                                     options=[("grpc.initial_reconnect_backoff_ms", 200),
+                                              ("grpc.min_reconnect_backoff_ms", 200),
+                                              ("grpc.max_reconnect_backoff_ms", 1000)])
             self.client = PromptCacheClient(
-                address, timeout=self.load_timeout, retries=1, bulk_address=_setting(extra, "bulk_address"),
-                tls_ca=_setting(extra, "tls_ca"), token_file=_setting(extra, "token_file"))
+                address, timeout=self.load_timeout, retries=0, bulk_address=_setting(extra, "bulk_address"),
+                tls_ca=_setting(extra, "tls_ca"), token_file=_setting(extra, "token_file"), channel=channel)
         # scheduler side
-        self._fetched: dict[str, tuple[int, _Load | None]] = {}  # req_id -> (num_computed_tokens asked, result)
+        self._lookups: dict[str, _Lookup] = {}
+        self._lookup_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="promptcache-lookup")
         self._tracked: dict[str, _Tracked] = {}
         self._specs: dict[str, ModelSpec | None] = {}
         self._pending_loads: dict[str, _LoadOp] = {}
+        # With vLLM's prefix cache on, a prefix another request is loading right now is not fetched twice: the
+        # second request waits ("ask again later") until the first's load is done and vLLM's cache holds it.
+        self._dedupe = bool(getattr(cc, "enable_prefix_caching", False))
+        self._inflight: dict[bytes, tuple[str, float]] = {}  # prefix digest -> (loading request, since)
+        self._inflight_of: dict[str, bytes] = {}
         # worker side
         self._kv_caches: list[torch.Tensor] = []
-        self._load_errors: set[int] = set()
         self._layout: str | None = None
+        self._sleeping = False  # vLLM 0.33 sleep mode: the caches are released
+        self._load_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-load")
+        self._load_lock = threading.Lock()
+        self._loading: set[str] = set()
+        self._loaded: set[str] = set()  # finished loads whose errors are reported, to report as finished recvs
+        self._done: list[tuple[str, set[int]]] = []  # finished loads: (req id, failed block ids)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-save")
         self._slots = threading.BoundedSemaphore(int(_setting(extra, "max_pending_saves", 8)))
-        if self.disabled:
-            log.warning("PromptCacheConnector is inert, every request is a normal prefill: %s", self.disabled)
-        else:
-            log.info("PromptCacheConnector: sidecar %s, model %s revision %s, %s, quantization %s", address,
-                     self.base_spec.model_id, self.base_spec.revision, self.base_spec.kv_dtype,
-                     self.base_spec.quantization)
+        self._log_state()
+
+    def _log_state(self, layout: str | None = None) -> None:
+        # vLLM configures the "vllm" logger tree only: say it there too, so the state shows in vLLM's own log.
+        spec = self.base_spec
+        for logger in (log, _vllm_log):
+            if self.disabled:
+                logger.warning("PromptCacheConnector (%s) is INERT, every request is a normal prefill: %s",
+                               self.role_name, self.disabled)
+            else:
+                logger.info("PromptCacheConnector (%s) is ACTIVE: sidecar %s, model %s revision %s, %s, "
+                            "quantization %s, %s%s", self.role_name, self.address, spec.model_id, spec.revision,
+                            spec.kv_dtype, spec.quantization, self.layout_desc,
+                            f", KV block layout {layout} (probed)" if layout else "")
+
+    def _inc(self, metric, key: str, n: float = 1, label: str | None = None) -> None:
+        """Count on this process's promptcache_client_* metric and in the stats vLLM collects for its /metrics."""
+        if not n:
+            return
+        (metric.labels(label) if label is not None else metric).inc(n)
+        k = f"{key}:{label}" if label is not None else key
+        with self._stats_lock:
+            self._stats[k] = self._stats.get(k, 0) + n
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        with self._stats_lock:
+            counts, self._stats = self._stats, {}
+        return PromptCacheStats(data={"counts": counts}) if counts else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PromptCacheStats(data=dict(data) if data is not None else {"counts": {}})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return PromptCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def _rank_spec(self, spec: ModelSpec, shard: Shard | None = None) -> ModelSpec:
+        """The spec of one rank's chunks of a request (shard_spec; the request's own spec at TP 1, PP 1)."""
+        shard = shard or self.shard
+        if shard.whole:
+            return spec
+        key = (spec, shard)
+        got = self._rank_specs.get(key)
+        if got is None:
+            if len(self._rank_specs) > 4096:
+                self._rank_specs.clear()
+            got = self._rank_specs[key] = shard_spec(spec, shard)
+        return got
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # best effort: a pending or dropped save is a future miss, never a reason to recompute
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _check_layout_from_config(self, vllm_config) -> str | None:
@@ -341,8 +547,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if not current_platform.is_cpu():
                 return f"attention backend of platform {current_platform.device_name!r} is not supported yet"
             spec = self.base_spec
-            layout = probe_cpu_layout(TORCH_DTYPES[spec.kv_dtype], self.block_size, spec.num_kv_heads,
-                                      spec.head_dim, vllm_config)
+            layout = probe_cpu_layout(TORCH_DTYPES[spec.kv_dtype], self.block_size,
+                                      self.shard.head_stop - self.shard.head_start, spec.head_dim, vllm_config)
             return None if layout else "the CPU backend wrote its probe in a layout this connector does not know"
         except Exception as exc:  # noqa: BLE001 - unknown means inert
             return f"cannot probe the KV layout: {exc}"
@@ -356,67 +562,101 @@ class PromptCacheConnector(KVConnectorBase_V1):
         try:
             spec = request_spec(self.base_spec, request)
         except Unidentifiable as exc:
-            UNIDENTIFIED.labels(exc.reason).inc()
+            self._inc(UNIDENTIFIED, "unidentified", 1, exc.reason)
             _warn.warning(f"unidentified-{exc.reason}", "promptcache: request neither loaded nor stored: %s", exc)
             spec = None
         self._specs[req_id] = spec
         return spec
 
-    def _chunk_tokens(self) -> int:
-        if not self.chunk_tokens:
-            ct = self.client.chunk_tokens  # a Stats call, once
-            if ct % self.block_size:
-                self.disabled = f"sidecar chunk_tokens {ct} is not a multiple of the vLLM block size {self.block_size}"
-                log.warning("PromptCacheConnector is inert: %s", self.disabled)
-            self.chunk_tokens = ct
-        return self.chunk_tokens
+    def _failed(self, exc: Exception, what: str) -> None:
+        reason = fallback_reason(exc)
+        self._inc(FALLBACKS, "fallbacks", 1, reason)
+        if reason in ("unavailable", "deadline"):
+            self._breaker.failed()
+        _warn.warning(f"fallback-{reason}", "promptcache: %s failed, full prefill (%s): %s", what, reason, exc)
+
+    def _succeeded(self) -> None:
+        if self._breaker.ok():
+            self._inc(RECONNECTS, "reconnects")
+            log.info("PromptCacheConnector: sidecar %s answers again", self.address)
 
     # ------------------------------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """A Lookup (metadata only) on a background thread: None ("ask again later") while it is in flight, for at
+        most lookup_timeout; then the cached whole chunks beyond num_computed_tokens, loaded asynchronously by the
+        workers. Never blocks the scheduler loop."""
         if self.disabled:
             return 0, False
-        prev = self._fetched.get(request.request_id)
-        if prev is not None and prev[0] == num_computed_tokens:
-            load = prev[1]
-            return (load.stop - num_computed_tokens if load else 0), False
-        load = self._fetch(request, num_computed_tokens)
-        self._fetched[request.request_id] = (num_computed_tokens, load)
-        return (load.stop - num_computed_tokens if load else 0), False
-
-    def _fetch(self, request, num_computed_tokens: int) -> _Load | None:
-        t0 = time.perf_counter()
-        try:
-            ct = self._chunk_tokens()
-            if self.disabled:
-                return None
+        req_id = request.request_id
+        st = self._lookups.get(req_id)
+        if st is None or st.asked != num_computed_tokens:
             spec = self._spec(request)
             if spec is None:
-                return None
-            prompt = prompt_tokens(request)
-            usable = (len(prompt) - 1) // ct  # whole chunks, leaving at least one token to compute
-            first = num_computed_tokens // ct
-            if usable <= first:
-                return None
-            # Lent chunks stay the read-only mappings they are (they never change); anything else is the client's
-            # own copy. The worker copies them into the blocks: the one pass over the bytes.
-            blobs = self.client.get_blobs(spec, prompt[:usable * ct], start_chunk=first, max_chunks=usable - first,
-                                          timeout=self.load_timeout, copy=True, keep_sealed=True)
-            if not blobs:
-                return None
-            chunks = checked_chunks(spec, blobs, ct)
-            if time.perf_counter() - t0 > self.load_timeout:
-                raise errors.DeadlineExceeded(f"fetch took longer than {self.load_timeout}s")
-            stop = (first + len(blobs)) * ct
-            if stop <= num_computed_tokens:
-                return None
-            FETCH_SECONDS.observe(time.perf_counter() - t0)
-            # vLLM already holds tokens [first * ct, num_computed_tokens) (a block-aligned local hit): not loaded.
-            return _Load(first * ct, num_computed_tokens, stop, chunks)
-        except Exception as exc:  # noqa: BLE001 - the cache must never fail a request
-            reason = fallback_reason(exc)
-            FALLBACKS.labels(reason).inc()
-            _warn.warning(f"fallback-{reason}", "promptcache: falling back to full prefill (%s): %s", reason, exc)
-            return None
+                return 0, False
+            tokens = prompt_tokens(request)[:-1]
+            ct = self.chunk_tokens or self.block_size
+            if len(tokens) < max(ct, num_computed_tokens + self.block_size):
+                return 0, False
+            if not self._breaker.allow():
+                self._inc(FALLBACKS, "fallbacks", 1, "sidecar_down")
+                return 0, False
+            self._inc(LOOKUPS, "lookups")
+            st = _Lookup(num_computed_tokens, time.monotonic(), None, spec, tokens)
+            st.future = self._lookup_pool.submit(self._lookup, st)
+            self._lookups[req_id] = st
+        if st.hit is None:
+            if not st.future.done():
+                if time.monotonic() - st.started < self.lookup_timeout:
+                    return None, False
+                st.future.cancel()
+                st.hit = 0
+                self._failed(errors.DeadlineExceeded(f"no Lookup answer in {self.lookup_timeout}s"), "lookup")
+            else:
+                try:
+                    st.hit = st.future.result()
+                except Exception as exc:  # noqa: BLE001 - the cache must never fail a request
+                    st.hit = 0
+                    self._failed(exc, "lookup")
+        if self.disabled or st.hit <= num_computed_tokens:
+            return 0, False
+        if self._dedupe:
+            owner = self._inflight.get(self._prefix_digest(st))
+            if owner is not None and owner[0] != req_id and time.monotonic() - owner[1] < self.load_timeout + 1:
+                return None, False  # the same prefix is loading for another request: vLLM's cache will have it
+        return st.hit - num_computed_tokens, True
+
+    @staticmethod
+    def _prefix_digest(st: _Lookup) -> bytes:
+        from promptcache.contract.keys import fingerprint, tokens_to_bytes
+
+        return hashlib.sha256(fingerprint(st.spec) + tokens_to_bytes(st.tokens[:st.hit])).digest()
+
+    def update_connector_output(self, connector_output) -> None:
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            self._forget_inflight(req_id)
+
+    def _forget_inflight(self, req_id: str) -> None:
+        digest = self._inflight_of.pop(req_id, None)
+        if digest is not None and self._inflight.get(digest, ("",))[0] == req_id:
+            del self._inflight[digest]
+
+    def _lookup(self, st: _Lookup) -> int:
+        """Background thread: the cached tokens (whole chunks from 0) of the request's prompt but its last token, on
+        every rank (the fewest of any rank's shard)."""
+        cached = None
+        for shard in self.shards:
+            res = self.client.lookup(self._rank_spec(st.spec, shard), st.tokens, timeout=self.lookup_timeout)
+            cached = res.cached_tokens if cached is None else min(cached, res.cached_tokens)
+            if not cached:
+                break
+        self._succeeded()
+        if not self.chunk_tokens:
+            if res.chunk_tokens % self.block_size:
+                self.disabled = (f"sidecar chunk_tokens {res.chunk_tokens} is not a multiple of the vLLM block size "
+                                 f"{self.block_size}")
+                self._log_state()
+            self.chunk_tokens = res.chunk_tokens
+        return cached if not self.disabled else 0
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         if self.disabled:
@@ -428,29 +668,31 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if spec is None:
                 return  # unidentifiable: not tracked, so never saved
             tracked = self._tracked[req_id] = _Tracked(request, spec)
-        fetched = self._fetched.pop(req_id, None)
-        if num_external_tokens <= 0 or fetched is None or fetched[1] is None:
+        st = self._lookups.pop(req_id, None)
+        if num_external_tokens <= 0 or st is None or not st.hit:
             return
-        load = fetched[1]
-        start, stop = load.stop - num_external_tokens, load.stop
-        if start < load.start or start % self.block_size:
-            log.warning("promptcache: vLLM asked to load tokens [%d, %d) of a fetch of [%d, %d); not loading",
-                        start, stop, load.start, load.stop)
+        ct = self.chunk_tokens
+        start, stop = st.hit - num_external_tokens, st.hit
+        if start < st.asked or start % self.block_size or stop % ct:
+            log.warning("promptcache: vLLM asked to load tokens [%d, %d) of a Lookup of [%d, %d); not loading",
+                        start, stop, st.asked, st.hit)
             return
         block_ids = blocks.get_block_ids()[0]
-        ids = block_ids[start // self.block_size:stop // self.block_size]
-        ct = self.chunk_tokens
-        skipped = (start - load.first) // ct
-        self._pending_loads[req_id] = _LoadOp(req_id, list(ids), load.chunks[skipped:],
-                                              start - load.first - skipped * ct)
-        tracked.loaded_chunks = stop // self.chunk_tokens
-        REUSED_TOKENS.inc(num_external_tokens)
-        HITS.inc()
+        ids = list(block_ids[start // self.block_size:stop // self.block_size])
+        first = start // ct
+        self._pending_loads[req_id] = _LoadOp(req_id, st.spec, st.tokens[:stop], ids, first, start - first * ct, ct)
+        if self._dedupe:
+            digest = self._prefix_digest(st)
+            self._inflight.setdefault(digest, (req_id, time.monotonic()))
+            self._inflight_of[req_id] = digest
+        tracked.loaded_chunks = stop // ct
+        self._inc(REUSED_TOKENS, "reused_tokens", num_external_tokens)
+        self._inc(HITS, "hits")
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = PromptCacheConnectorMetadata(loads=list(self._pending_loads.values()))
         self._pending_loads.clear()
-        if self.disabled:
+        if self.disabled or not self.chunk_tokens:
             return meta
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
@@ -471,20 +713,24 @@ class PromptCacheConnector(KVConnectorBase_V1):
             n_chunks = n_prompt // ct
             if n_chunks <= tracked.loaded_chunks or self._kv_cache_manager is None:
                 continue
+            if not self._breaker.allow():
+                self._inc(STORES, "stores", 1, "dropped")  # the sidecar is down: a save would only wait for its timeout
+                continue
             block_ids = self._kv_cache_manager.get_blocks(req_id).get_block_ids()[0]
             per_chunk = ct // self.block_size
             ids = block_ids[tracked.loaded_chunks * per_chunk:n_chunks * per_chunk]
             if len(ids) != (n_chunks - tracked.loaded_chunks) * per_chunk:
                 continue
-            meta.saves.append(_SaveOp(req_id, tracked.spec, prompt[:n_chunks * ct],
-                                      list(ids), tracked.loaded_chunks, ct))
+            meta.saves.append(_SaveOp(req_id, tracked.spec, prompt[:n_chunks * ct], list(ids),
+                                      tracked.loaded_chunks, ct))
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._specs.pop(request.request_id, None)
-        self._fetched.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        self._forget_inflight(request.request_id)
         return False, None
 
     # ---------------------------------------------------------------------------------------- worker side
@@ -494,7 +740,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
         try:
             names = sorted(kv_caches, key=layer_index)
             caches = [kv_caches[n] for n in names]
-            spec = self.base_spec
+            spec = self._rank_spec(self.base_spec)
             N, H, D = self.block_size, spec.num_kv_heads, spec.head_dim
             dtype = TORCH_DTYPES[spec.kv_dtype]
             for n, c in zip(names, caches):
@@ -508,42 +754,119 @@ class PromptCacheConnector(KVConnectorBase_V1):
                 raise ValueError("the CPU backend wrote its probe in a layout this connector does not know")
         except Exception as exc:  # noqa: BLE001 - an unknown layout means no cache, never a wrong one
             self.disabled = f"unsupported KV cache layout: {exc}"
-            log.warning("PromptCacheConnector is inert, every request is a normal prefill: %s", self.disabled)
+            self._log_state()
             return
         self._layout = layout
         self._kv_caches = [c.view(c.shape[0], H, 2 * N * D) for c in caches]
-        log.info("PromptCacheConnector: %d layers, KV block layout %s (probed)", len(caches), layout)
+        self._log_state(layout)
+
+    # vLLM 0.33 sleep mode: the KV cache memory is released and mapped again at the same addresses on wake-up.
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        return True  # unregister_kv_caches drains the loads and stops them and the saves until restore_kv_caches
+
+    def unregister_kv_caches(self) -> None:
+        self._sleeping = True
+        done = threading.Event()
+        self._load_pool.submit(done.set)
+        done.wait(self.load_timeout + 5)  # a load in flight finishes (or fails) before the memory goes
+
+    def restore_kv_caches(self) -> None:
+        self._sleeping = False
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Queue this step's loads on the load thread; they run while the engine computes other requests (the
+        requests loading wait in WAITING_FOR_REMOTE_KVS, their blocks are not in any forward pass) and finish
+        through get_finished."""
         meta = self._connector_metadata
         if not isinstance(meta, PromptCacheConnectorMetadata) or not meta.loads:
             return
         for op in meta.loads:
+            with self._load_lock:
+                if op.req_id in self._loading:
+                    continue
+                self._loading.add(op.req_id)
+            self._load_pool.submit(self._load, op)
+
+    def _load(self, op: _LoadOp) -> None:
+        """Load thread: Get the chunks, check them, write them into the blocks; the blocks of chunks that did not
+        come (evicted since the Lookup, sidecar down, corrupt) are reported as load errors: vLLM recomputes them."""
+        failed = set(op.block_ids)
+        t0 = time.perf_counter()
+        try:
+            if self._sleeping:
+                raise errors.PromptCacheError("the KV caches are released (sleep mode)")
             if self._layout is None:  # the scheduler's probe passed but these caches are not as probed: never
-                self._load_errors.update(op.block_ids)  # write a guessed layout; vLLM recomputes these blocks
-                continue
-            t0 = time.perf_counter()
-            # On vLLM's intra-op threads as it bound them (its CPU worker refuses torch.set_num_threads).
-            vllm_layout.write_chunks(self._kv_caches, op.chunks, op.skip, op.block_ids, self._layout, self.block_size)
-            LOAD_SECONDS.observe(time.perf_counter() - t0)
+                raise errors.PromptCacheError("the worker's KV caches are not in a probed layout")  # guess
+            n = len(op.tokens) // op.chunk_tokens - op.first_chunk
+            if not self._breaker.allow():
+                raise errors.Unavailable(f"sidecar {self.address} is down (retrying every {self.retry_interval}s)")
+            spec = self._rank_spec(op.spec)
+            blobs = self.client.get_blobs(spec, op.tokens, start_chunk=op.first_chunk, max_chunks=n,
+                                          timeout=self.load_timeout, copy=True, keep_sealed=True)
+            self._succeeded()
+            chunks = checked_chunks(spec, blobs, op.chunk_tokens)
+            FETCH_SECONDS.observe(time.perf_counter() - t0)
+            per_chunk = op.chunk_tokens // self.block_size
+            got_blocks = max(0, min(len(op.block_ids), len(chunks) * per_chunk - op.skip // self.block_size))
+            if got_blocks:
+                t1 = time.perf_counter()
+                vllm_layout.write_chunks(self._kv_caches, chunks, op.skip, op.block_ids[:got_blocks], self._layout,
+                                         self.block_size)
+                LOAD_SECONDS.observe(time.perf_counter() - t1)
+            failed = set(op.block_ids[got_blocks:])
+            if failed:
+                self._inc(FALLBACKS, "fallbacks", 1, "evicted")
+            self._inc(LOADED_TOKENS, "loaded_tokens", got_blocks * self.block_size)
+        except Exception as exc:  # noqa: BLE001 - a failed load is a recompute, never an engine error
+            self._failed(exc, "load")
+        finally:
+            if failed:
+                self._inc(LOAD_ERRORS, "load_error_blocks", len(failed))
+            with self._load_lock:
+                self._done.append((op.req_id, failed))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._load_errors = self._load_errors, set()
+        """The failed blocks of every load finished so far; their requests are reported finished by get_finished
+        from now on (so a request's failed blocks are never reported after the request)."""
+        with self._load_lock:
+            done, self._done = self._done, []
+            failed = set()
+            for req_id, blocks in done:
+                failed |= blocks
+                self._loading.discard(req_id)
+                self._loaded.add(req_id)
         return failed
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished loads (finished recvs). A load with failed blocks is reported only after
+        get_block_ids_with_load_errors has handed vLLM its blocks (whichever of the two vLLM calls first)."""
+        with self._load_lock:
+            keep = []
+            for req_id, blocks in self._done:
+                if blocks:
+                    keep.append((req_id, blocks))
+                else:
+                    self._loading.discard(req_id)
+                    self._loaded.add(req_id)
+            self._done = keep
+            recv, self._loaded = self._loaded, set()
+        return None, (recv or None)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv wrote every layer before the forward pass
+        return  # loads are asynchronous: a loading request is in no forward pass until get_finished reports it
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # saved once per step in wait_for_save, when every layer of the prompt is written
 
     def wait_for_save(self):
         meta = self._connector_metadata
-        if not isinstance(meta, PromptCacheConnectorMetadata) or not meta.saves or self._layout is None:
+        if not isinstance(meta, PromptCacheConnectorMetadata) or not meta.saves or self._layout is None \
+                or self._sleeping:
             return
         for op in meta.saves:
             if not self._slots.acquire(blocking=False):
-                STORES.labels("dropped").inc()
+                self._inc(STORES, "stores", 1, "dropped")
                 _warn.warning("store-dropped", "promptcache: save queue full, dropping a save")
                 continue
             t0 = time.perf_counter()
@@ -555,32 +878,44 @@ class PromptCacheConnector(KVConnectorBase_V1):
     def _save(self, op: _SaveOp, snapshot: torch.Tensor) -> None:
         t0 = time.perf_counter()
         try:
+            if not self._breaker.allow():
+                self._inc(STORES, "stores", 1, "dropped")
+                return
             L, nb, H, _ = snapshot.shape
             kv = torch.empty((L, 2, H, nb * self.block_size, self.base_spec.head_dim), dtype=snapshot.dtype)
             for layer in range(L):
                 vllm_layout.read_layer(snapshot[layer], kv[layer], self._layout, self.block_size)
             chunks = vllm_layout.split_chunks(kv, op.chunk_tokens)
-            if op.spec.quantization != "none":
+            spec = self._rank_spec(op.spec)
+            if spec.quantization != "none":
                 from promptcache.contract import quant
 
-                chunks = [quant.pack(op.spec.quantization, c, self.rope_theta) for c in chunks]
+                chunks = [quant.pack(spec.quantization, c, self.rope_theta) for c in chunks]
             blobs = {op.first_chunk + i: c for i, c in enumerate(chunks)}
-            self.client.put_blobs(op.spec, op.tokens, blobs, timeout=self.save_timeout)
-            STORES.labels("ok").inc()
+            self.client.put_blobs(spec, op.tokens, blobs, timeout=self.save_timeout)
+            self._succeeded()
+            self._inc(STORES, "stores", 1, "ok")
             SAVE_SECONDS.observe(time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
-            STORES.labels("error").inc()
+            self._inc(STORES, "stores", 1, "error")
+            if fallback_reason(exc) in ("unavailable", "deadline"):
+                self._breaker.failed()
             _warn.warning("store-error", "promptcache: save failed: %s", exc)
         finally:
             self._slots.release()
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait for queued saves (for tests and shutdown)."""
+        """Wait for queued saves and loads (for tests and shutdown)."""
         done = threading.Event()
         self._pool.submit(done.set)
-        return done.wait(timeout)
+        ok = done.wait(timeout)
+        loaded = threading.Event()
+        self._load_pool.submit(loaded.set)
+        return ok and loaded.wait(timeout)
 
     def shutdown(self):
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+        self._load_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         if self.client is not None:
             self.client.close()

@@ -137,6 +137,38 @@ def smollm2_random(dtype: str = "float32", seed: int = 0):
     return model
 
 
+def random_llama_dir(num_kv_heads: int = 2, num_layers: int = 4, seed: int = 0) -> Path:
+    """A small random Llama (4 attention heads, `num_kv_heads` KV heads of dim 64, hidden 256) with SmolLM2's
+    tokenizer and vocabulary, saved as a safetensors folder vLLM loads: KV heads that split over tensor parallel
+    ranks (SmolLM2's 3 do not split in two). Made once per shape under model_cache_dir()."""
+    out = model_cache_dir() / f"random-llama-h4-kv{num_kv_heads}-l{num_layers}-s{seed}-v{_FORMAT_VERSION}"
+    if (out / "DONE").exists():
+        return out
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    src = smollm2_dir()
+    tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=num_layers,
+                      num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=64,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    (tmp / "DONE").write_text(f"random Llama, seed {seed}, tokenizer of {SMOLLM2_ID}\n")
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def random_lora(out: Path, model_dir: Path, seed: int, rank: int = 8, targets=("q_proj", "k_proj", "v_proj"),
                 scale: float = 0.2) -> Path:
     """A PEFT LoRA adapter for the Llama in `model_dir` with random A and non-zero random B on `targets` (so it

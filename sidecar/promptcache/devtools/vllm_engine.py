@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-gib", default="1")
     p.add_argument("--lora-modules", default="", help='LoRA adapters as JSON {"name": "path"}: enables LoRA')
     p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
@@ -69,6 +70,11 @@ def main(argv=None) -> int:
 
     kwargs = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
                   enable_prefix_caching=args.prefix_caching, max_num_seqs=args.max_num_seqs, seed=0)
+    if args.tensor_parallel_size > 1:
+        # vLLM's CPU backend binds OpenMP threads per NUMA node by default and fails on one node ("Not enough
+        # allowed NUMA nodes"); the workers are processes of their own.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        kwargs.update(tensor_parallel_size=args.tensor_parallel_size, distributed_executor_backend="mp")
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.connector:

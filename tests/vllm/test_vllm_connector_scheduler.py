@@ -1,7 +1,8 @@
-"""Keys that know what a request's K/V depends on (issue 26): vLLM's real Request objects (LoRA adapters, multimodal
-features, prompt embeddings) through the connector's key derivation, and a real connector (scheduler role, vLLM's
-own VllmConfig) against a real sidecar process. One vLLM-venv subprocess (tests/vllm/_request_keys_probe.py) does
-it all; this side asserts. The negative control: the derivation before issue 26 (cache_salt only) gives every one of
+"""The connector's scheduler side (issue 26) with vLLM's real Request objects and a real connector (scheduler role,
+vLLM's own VllmConfig) against a real sidecar process; one vLLM-venv subprocess (tests/vllm/_connector_probe.py) does
+it all, this side asserts.
+
+Keys that know what a request's K/V depends on: LoRA adapters, multimodal features, prompt embeddings. The negative control: the derivation before issue 26 (cache_salt only) gives every one of
 these requests the plain request's keys, so adapter B or an image request was served adapter A's or another image's
 KV.
 """
@@ -33,18 +34,23 @@ def probe(tmp_path_factory):
     loras = {"A": models.random_lora(tmp / "A", model_dir, seed=1), "B": models.random_lora(tmp / "B", model_dir, seed=2),
              "A_changed": models.random_lora(tmp / "A_changed", model_dir, seed=3)}
     (tmp / "empty").mkdir()
-    sidecar = SidecarProcess("--memory-bytes", "256Mi", "--chunk-tokens", "256").wait_ready(60)
+    sidecar = SidecarProcess("--memory-bytes", "512Mi", "--chunk-tokens", "256").wait_ready(60)
     try:
         arg = json.dumps({"model_dir": str(model_dir), "address": sidecar.address, "empty_dir": str(tmp / "empty"),
+                          "sidecar_pid": sidecar.proc.pid,
                           "loras": {k: str(v) for k, v in loras.items()}})
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / d) for d in ("sidecar", "proto", "operator")),
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        run = subprocess.run([VLLM_PYTHON, str(Path(__file__).with_name("_request_keys_probe.py")), arg],
+        run = subprocess.run([VLLM_PYTHON, str(Path(__file__).with_name("_connector_probe.py")), arg],
                              capture_output=True, text=True, timeout=800, env=env, cwd=str(REPO))
         line = next((x for x in run.stdout.splitlines() if x.startswith("@@")), None)
         assert line is not None, run.stdout[-3000:] + run.stderr[-6000:]
         yield json.loads(line[2:])
     finally:
+        import signal
+
+        if sidecar.proc.poll() is None:
+            os.kill(sidecar.proc.pid, signal.SIGCONT)  # never leave it stopped
         sidecar.stop()
 
 
@@ -84,3 +90,35 @@ def test_unidentifiable_inputs_are_neither_loaded_nor_stored_and_counted(probe):
     assert probe["matched"]["mm_without_hash"] == 0
     assert probe["unidentified_counted"] == 1
     assert probe["unidentified_tracked"] is False  # never tracked, so never saved
+
+
+def test_no_tensor_travels_in_the_metadata(probe):
+    """A 4k-token prompt with 15 cached chunks (177 MB of KV): the metadata holds block ids, spec and tokens only."""
+    assert probe["matched"]["long"] == 15 * 256
+    assert probe["meta_loads"] == [[30, 15 * 256, 0]]
+    print(f"\nmetadata of a 4k-token load: {probe['meta_bytes']} bytes pickled (its KV: "
+          f"{probe['kv_bytes_of_the_load'] / 1e6:.0f} MB)")
+    assert probe["meta_bytes"] < 32 * 1024
+
+
+def test_a_stopped_sidecar_never_blocks_the_scheduler(probe):
+    """Bound: no scheduler call waits more than 50 ms (measured: under 1 ms); the request whose Lookup is stuck is
+    asked again ("None") for at most lookup_timeout (0.25 s) + one scheduler pass, then prefills; requests arriving
+    meanwhile get an immediate 0 (the sidecar is marked down for retry_interval) instead of a timeout each."""
+    st = probe["stalled"]
+    print(f"\nstalled Lookup: {st['asks']} asks over {st['waited'] * 1000:.0f} ms, slowest call "
+          f"{st['max_call'] * 1000:.2f} ms; 20 other requests: slowest {probe['others']['max_call'] * 1000:.2f} ms")
+    assert st["answer"] == 0 and st["async"] is False and st["asks"] > 1
+    assert st["waited"] < 0.25 + 0.2
+    assert st["max_call"] < 0.05
+    assert probe["others"]["answers"] == [0] and probe["others"]["max_call"] < 0.05
+
+
+def test_the_sidecar_is_used_again_once_it_answers(probe):
+    assert probe["after"] == 512
+    assert probe["reconnects"] >= 1
+
+
+def test_a_prefix_loading_for_one_request_is_not_fetched_again_for_another(probe):
+    assert probe["dedupe_enabled"] is True  # vLLM's prefix cache is on by default
+    assert probe["dedupe"] == {"first": 512, "second_while_loading": None, "second_after": 512}

@@ -1,6 +1,10 @@
-"""Run by tests/vllm/test_vllm_request_keys.py with the vLLM virtualenv's python: vLLM's real Request objects (LoRA,
-multimodal features, prompt embeddings) through the connector's key derivation and a real connector (scheduler
-role) against a real sidecar. Prints one JSON line starting with @@."""
+"""Run by tests/vllm/test_vllm_connector_scheduler.py with the vLLM virtualenv's python: vLLM's real Request objects
+(LoRA, multimodal features, prompt embeddings) through the connector's key derivation, and a real connector
+(scheduler role, vLLM's own VllmConfig) against a real sidecar process: its lookups, the metadata it sends the
+workers, and what it does while the sidecar is stopped (SIGSTOP) and after. Prints one JSON line starting with @@."""
+import os
+import pickle
+import signal
 import json
 import sys
 import time
@@ -21,6 +25,7 @@ from promptcache.client.metrics import UNIDENTIFIED  # noqa: E402
 from promptcache.contract.keys import chunk_keys, fingerprint  # noqa: E402
 
 CT = 256
+LOOKUP_TIMEOUT, RETRY = 0.25, 1.0
 tokens = list(range(1000, 1600))
 params = SamplingParams(max_tokens=1)
 n = [0]
@@ -72,7 +77,8 @@ def legacy_spec(base, r):
 t0 = time.monotonic()
 mc = ModelConfig(model=args["model_dir"], dtype="float32", max_model_len=2048, enforce_eager=True)
 kt = KVTransferConfig(kv_connector="PromptCacheConnector", kv_connector_module_path="promptcache.client.vllm_connector",
-                      kv_role="kv_both", kv_connector_extra_config={"address": args["address"], "load_timeout": 5.0})
+                      kv_role="kv_both", kv_connector_extra_config={"address": args["address"], "load_timeout": 5.0,
+                                                 "lookup_timeout": LOOKUP_TIMEOUT, "retry_interval": RETRY})
 cfg = VllmConfig(model_config=mc, kv_transfer_config=kt, cache_config=CacheConfig(block_size=128))
 conn = vc.PromptCacheConnector(cfg, KVConnectorRole.SCHEDULER)
 base = conn.base_spec
@@ -124,5 +130,64 @@ out["matched"]["mm_without_hash"] = matched(r)
 conn.update_state_after_alloc(r, None, 0)
 out["unidentified_counted"] = unidentified() - before
 out["unidentified_tracked"] = r.request_id in conn._tracked
+
+# The metadata the scheduler sends every worker each step, for a 4k-token prompt whose 15 whole chunks are cached:
+# block ids, the spec and the tokens, no KV bytes.
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+long_tokens = list(range(20000, 24096))
+client.put_blobs(base, long_tokens[:15 * CT], {i: torch.randn(L, 2, H, CT, D) for i in range(15)}, timeout=60)
+r = req(long_tokens)
+out["matched"]["long"] = matched(r)
+conn.update_state_after_alloc(r, KVCacheBlocks(blocks=([KVCacheBlock(i) for i in range(32)],)), out["matched"]["long"])
+meta = conn.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                                                 scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
+out["meta_loads"] = [(len(op.block_ids), len(op.tokens), op.first_chunk) for op in meta.loads]
+out["meta_bytes"] = len(pickle.dumps(meta))
+out["kv_bytes_of_the_load"] = 15 * L * 2 * H * CT * D * 4
+
+# Two requests with the same cached prefix, vLLM's prefix cache on: the second waits ("ask again later") while the
+# first loads it, rather than fetching it twice; once the first's load is reported finished it is answered.
+out["dedupe_enabled"] = conn._dedupe
+r1, r2 = req(), req()
+first_hit = matched(r1)
+conn.update_state_after_alloc(r1, KVCacheBlocks(blocks=([KVCacheBlock(i) for i in range(32, 40)],)), first_hit)
+conn.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
+out["dedupe"] = {"first": first_hit, "second_while_loading": matched(r2, deadline=1.0)}
+conn.update_connector_output(SimpleNamespace(finished_recving={r1.request_id}))
+out["dedupe"]["second_after"] = matched(r2)
+
+# The sidecar stops answering (SIGSTOP) while requests arrive: no call of the scheduler's may wait for it.
+pid = args["sidecar_pid"]
+os.kill(pid, signal.SIGSTOP)
+try:
+    stalled = req(list(range(30000, 30600)))
+    calls, t_start = [], time.monotonic()
+    while True:
+        t = time.perf_counter()
+        got, is_async = conn.get_num_new_matched_tokens(stalled, 0)
+        calls.append(time.perf_counter() - t)
+        if got is not None:
+            break
+        time.sleep(0.005)
+    out["stalled"] = {"answer": got, "async": is_async, "asks": len(calls), "waited": time.monotonic() - t_start,
+                      "max_call": max(calls)}
+    others = []
+    for i in range(20):  # other requests arriving while it is stopped: a fast 0 each (the sidecar is marked down)
+        t = time.perf_counter()
+        got = conn.get_num_new_matched_tokens(req(list(range(40000 + 600 * i, 40600 + 600 * i))), 0)
+        others.append((time.perf_counter() - t, got[0]))
+    out["others"] = {"max_call": max(c for c, _ in others), "answers": sorted({a for _, a in others})}
+finally:
+    os.kill(pid, signal.SIGCONT)
+# Answers again: after the retry interval the next request asks it again and hits.
+time.sleep(RETRY + 0.1)
+from promptcache.client.metrics import RECONNECTS  # noqa: E402
+
+out["after"] = matched(req())
+out["reconnects"] = sum(s.value for f in RECONNECTS.collect() for s in f.samples if s.name.endswith("_total"))
 out["seconds"] = time.monotonic() - t0
 print("@@" + json.dumps(out), flush=True)
