@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from promptcache.devtools.bench.replay import simulate_policy
-from promptcache.sidecar.policies import (DEFAULT_POLICY, LRU, POLICIES, ROOT_PARENT, FrequencySketch, WTinyLFU,
-                                          make_policy)
+from promptcache.sidecar.policies import (DEFAULT_POLICY, LRU, POLICIES, ROOT_PARENT, ClassRate, FrequencySketch,
+                                          WTinyLFU, make_policy)
 
 PREFIX_AWARE = [n for n in POLICIES if n != "lru"]
 
@@ -431,6 +431,18 @@ def test_rate_class_learns_a_reuse_rate_per_class_of_fresh_chunk():
 
     assert victim("rate-class") == b"B"
     assert victim("rate") == b"A"
+
+
+def test_rate_class_root_door_option_admits_a_new_chain_on_its_second_appearance():
+    """The experimental `root_door` (off in the default, docs/eviction.md fifth round): a new chain root is refused
+    the first time room must be made for it, admitted the second (also for a writer that never looks up)."""
+    on, off = ClassRate(capacity=4, root_door=True), ClassRate(capacity=4)
+    for p in (on, off):
+        p.requested(b"r")
+    assert not on.admit(b"r", 1, ROOT_PARENT) and on.admissions_rejected == 1
+    assert on.admit(b"r", 1, ROOT_PARENT)               # seen before (refused once)
+    assert on.admit(b"child", 1, b"r")                  # under a parent: never filtered
+    assert off.admit(b"r", 1, ROOT_PARENT)              # the default has no doorkeeper
 
 
 CONVERSATION_TRACE = (pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"

@@ -132,10 +132,11 @@ def test_cli_replay_on_a_trace_file(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     traces.write_trace(str(path), traces.generate("rag", seed=0, scale=0.03))
     rc = main(["bench", "replay", "--trace", str(path), "--capacity-fraction", "0.05", "--policy", "lru",
-               "--policy", "wtinylfu", "--markdown"])
+               "--policy", DEFAULT_POLICY, "--markdown"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "| trace | capacity | lru | wtinylfu | opt | infinite | wtinylfu/opt | wtinylfu/lru |" in out
+    d = DEFAULT_POLICY
+    assert f"| trace | capacity | lru | {d} | opt | infinite | {d}/opt | {d}/lru |" in out
     assert "| 5% |" in out
 
 

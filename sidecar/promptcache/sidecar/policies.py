@@ -841,8 +841,11 @@ class ClassRate(ReuseRate):
     CLASSES = ("partial", "start", "offset")
 
     def __init__(self, capacity: int | None = None, classes: tuple = CLASSES, tail: float | None = None,
-                 **kw) -> None:
+                 root_door: bool = False, **kw) -> None:
         super().__init__(capacity, **kw)
+        self.root_door = root_door  # experiments: W-TinyLFU's chain-root doorkeeper in front
+        self._refused: OrderedDict[Key, None] = OrderedDict()
+        self.admissions_rejected = 0
         unknown = set(classes) - set(self.CLASSES)
         if unknown:
             raise ValueError(f"ClassRate classes {sorted(unknown)} are not among {', '.join(self.CLASSES)}")
@@ -949,6 +952,21 @@ class ClassRate(ReuseRate):
         super().removed(key)
         if key not in self.stats:
             self._forget(key)
+
+    def admit(self, key: Key, size: int, parent: Key | None) -> bool:
+        if not super().admit(key, size, parent):
+            return False
+        if not self.root_door or not _is_root(parent):
+            return True
+        st = self.stats.get(key)
+        if (st is not None and st[1] is not None) or key in self._refused:
+            self._refused.pop(key, None)
+            return True
+        self._refused[key] = None
+        if len(self._refused) > max(1024, len(self.size)):
+            self._refused.popitem(last=False)
+        self.admissions_rejected += 1
+        return False
 
     def _class_rate(self, c: tuple | None) -> float:
         tot = self._tot
