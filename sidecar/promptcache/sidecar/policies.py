@@ -829,7 +829,9 @@ class ClassRate(ReuseRate):
 
     Per class: second requests / exposure in ticks of a hash-sampled subset of the fresh chunks stored (as `rate`
     learns its single rate), shrunk towards the pooled rate by one pseudo-return, halved every `half_life` ticks.
-    No constant is fitted to a trace: the classes are fixed, their rates are learned online. Chunks requested
+    No constant is fitted to a trace: the classes are fixed, their rates are learned online. In the server every
+    stored chunk is whole, so "partial" marks only chunks smaller than others (another model's, a quantized
+    layout's): a class label, never a decision about bytes; a parent held only by another tier counts as depth 0. Chunks requested
     twice or more are scored by their own gaps exactly as `rate` does. O(1) per hook (the halving visits the at
     most 72 classes once per `half_life` ticks), O(`sample`) per `victim()`; memory: `rate`'s plus a class, depth
     and offset per remembered chunk. The default (issue #32). Options for experiments: `classes` (a subset of
