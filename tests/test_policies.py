@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from promptcache.devtools.bench.replay import simulate_policy
-from promptcache.sidecar.policies import (DEFAULT_POLICY, LRU, POLICIES, ROOT_PARENT, FrequencySketch, WTinyLFU,
-                                          make_policy)
+from promptcache.sidecar.policies import (DEFAULT_POLICY, LRU, POLICIES, ROOT_PARENT, ClassRate, FrequencySketch,
+                                          WTinyLFU, make_policy)
 
 PREFIX_AWARE = [n for n in POLICIES if n != "lru"]
 
@@ -402,6 +402,66 @@ def test_rate_passes_over_the_parent_of_the_entry_being_admitted():
     p.removed(b"a")
     p.inserted(b"c", 1, b"p")
     assert p.victim() == b"c"  # "p" has a cached child now, and no other leaf is protected
+
+
+def test_rate_class_learns_a_reuse_rate_per_class_of_fresh_chunk():
+    """`rate-class` (the default): fresh chunks get the return rate of their class, learned online. Trained on
+    chains whose full root is requested again 8 references later and whose partial last chunk never is, it evicts a
+    new partial chunk before an older full one; `rate` (one rate for every fresh chunk) evicts the older one - the
+    negative control."""
+    def victim(name: str) -> bytes:
+        p = make_policy(name, capacity=1 << 20)
+        for i in range(400):
+            f, q = b"f%d" % i, b"p%d" % i
+            _req(p, f, q)
+            p.inserted(f, 2, None)
+            p.inserted(q, 1, f)  # smaller than the largest chunk seen: a partial last block
+            if i >= 8:
+                p.requested(b"f%d" % (i - 8))
+        for i in range(400):
+            p.removed(b"p%d" % i)
+            p.removed(b"f%d" % i)
+        _req(p, b"A")
+        p.inserted(b"A", 2, None)  # fresh, full, the older
+        _req(p, b"R", b"B")
+        p.inserted(b"R", 2, None)
+        p.inserted(b"B", 1, b"R")  # fresh, partial, the newer
+        assert sorted(p.leaves()) == [b"A", b"B"]
+        return p.victim()
+
+    assert victim("rate-class") == b"B"
+    assert victim("rate") == b"A"
+
+
+def test_rate_class_root_door_option_admits_a_new_chain_on_its_second_appearance():
+    """The experimental `root_door` (off in the default, docs/eviction.md fifth round): a new chain root is refused
+    the first time room must be made for it, admitted the second (also for a writer that never looks up)."""
+    on, off = ClassRate(capacity=4, root_door=True), ClassRate(capacity=4)
+    for p in (on, off):
+        p.requested(b"r")
+    assert not on.admit(b"r", 1, ROOT_PARENT) and on.admissions_rejected == 1
+    assert on.admit(b"r", 1, ROOT_PARENT)               # seen before (refused once)
+    assert on.admit(b"child", 1, b"r")                  # under a parent: never filtered
+    assert off.admit(b"r", 1, ROOT_PARENT)              # the default has no doorkeeper
+
+
+CONVERSATION_TRACE = (pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
+                      / "mooncake-fast25-conversation-first-half.jsonl")
+
+
+@pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason=f"the conversation trace is not at {CONVERSATION_TRACE}")
+@pytest.mark.slow
+def test_rate_class_beats_rate_at_10_percent_on_the_tuning_quarter_of_the_conversation_trace():
+    """Why the classes (docs/eviction.md, fifth round): on the first half of the conversation trace's first half,
+    `rate` is 1.18x LRU at 10 %, `rate-class` 1.28x."""
+    from promptcache.devtools.bench import replay, traces
+
+    first, _ = replay.split_halves(traces.read_trace(str(CONVERSATION_TRACE)))
+    reqs, ws = replay.prepare(first)
+    cap = int(ws * 0.10)
+    hr = {n: (lambda r: r["hit"] / r["total"])(simulate_policy(reqs, make_policy(n, capacity=cap), cap))
+          for n in ("lru", "rate", "rate-class")}
+    assert hr["rate-class"] >= 1.25 * hr["lru"] > hr["rate"] + 0.001, hr
 
 
 MOONCAKE_TRACE = (pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"

@@ -132,10 +132,11 @@ def test_cli_replay_on_a_trace_file(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     traces.write_trace(str(path), traces.generate("rag", seed=0, scale=0.03))
     rc = main(["bench", "replay", "--trace", str(path), "--capacity-fraction", "0.05", "--policy", "lru",
-               "--policy", "wtinylfu", "--markdown"])
+               "--policy", DEFAULT_POLICY, "--markdown"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "| trace | capacity | lru | wtinylfu | opt | infinite | wtinylfu/opt | wtinylfu/lru |" in out
+    d = DEFAULT_POLICY
+    assert f"| trace | capacity | lru | {d} | opt | infinite | {d}/opt | {d}/lru |" in out
     assert "| 5% |" in out
 
 
@@ -200,9 +201,9 @@ needs_trace = pytest.mark.skipif(not SHARED_TRACE.exists(),
                                         "beside the clone)")
 
 
-def _held_out(fraction: float, policies) -> dict:
-    _, second = replay.split_halves(traces.read_trace(str(SHARED_TRACE)))
-    reqs, ws = replay.prepare(second)
+def _held_out(fraction: float, policies, path=SHARED_TRACE, half: int = 1) -> dict:
+    """Token hit ratio per policy on one half (by time) of a trace, from an empty cache (`--split half`)."""
+    reqs, ws = replay.prepare(replay.split_halves(traces.read_trace(str(path)))[half])
     cap = int(ws * fraction)
     out = {}
     for name in policies:
@@ -211,22 +212,48 @@ def _held_out(fraction: float, policies) -> dict:
     return out
 
 
-@needs_trace
+# Issue #32's targets: >= 1.5x LRU at 2 and 5 %, >= 1.2x at 10 %, never more than 0.005 below LRU.
+TARGETS = {0.02: 1.5, 0.05: 1.5, 0.10: 1.2, 0.25: None}
+
+CONVERSATION_TRACE = SHARED_TRACE.parent / "mooncake-fast25-conversation-first-half.jsonl"
+needs_conversation = pytest.mark.skipif(not CONVERSATION_TRACE.exists(),
+                                        reason=f"the conversation trace is not at {CONVERSATION_TRACE}")
+
+
+def _check_target(hr: dict, policy: str, fraction: float) -> None:
+    assert hr[policy] >= hr["lru"] - 0.005, hr
+    if TARGETS[fraction]:
+        assert hr[policy] >= TARGETS[fraction] * hr["lru"], hr
+
+
+@needs_conversation
 @pytest.mark.slow
-@pytest.mark.parametrize("fraction", [0.05, 0.10])
-def test_default_is_not_below_lru_on_the_held_out_half(fraction):
-    hr = _held_out(fraction, ["lru", DEFAULT_POLICY])
-    assert hr[DEFAULT_POLICY] >= hr["lru"], hr
+@pytest.mark.parametrize("policy,fraction", [(DEFAULT_POLICY, f) for f in TARGETS] + [
+    pytest.param("wtinylfu", 0.05, marks=pytest.mark.xfail(strict=True, reason="negative control: the previous "
+                                                                               "default is about LRU here"))])
+def test_default_reaches_issue_32_targets_on_the_held_out_quarter_of_the_conversation_trace(policy, fraction):
+    """The conversation trace's first half (the file we have) cut again at its middle request, the second part held
+    out (`promptcache bench replay --trace ...conversation-first-half.jsonl --split half`, its second half):
+    docs/eviction.md, fifth round."""
+    _check_target(_held_out(fraction, ["lru", policy], CONVERSATION_TRACE, half=1), policy, fraction)
+
+
+_SYNTHETIC_MISSES = {(0, 0.02), (1, 0.02), (1, 0.05), (1, 0.10)}  # measured 1.30x, 1.30x, 1.05x, 1.01x LRU
 
 
 @needs_trace
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue #13's target (default >= 1.25x LRU on the held-out half) is not met "
-                                       "by any online policy tried: docs/eviction.md, 'Held out'")
-@pytest.mark.parametrize("fraction", [0.05, 0.10])
-def test_default_reaches_issue_13_target_on_the_held_out_half(fraction):
-    hr = _held_out(fraction, ["lru", DEFAULT_POLICY])
-    assert hr[DEFAULT_POLICY] >= 1.25 * hr["lru"], hr
+@pytest.mark.parametrize("half,fraction", [
+    pytest.param(h, f, marks=[pytest.mark.xfail(strict=True, reason="issue #32's factor over LRU is not met on the "
+                                                "synthetic trace (Poisson arrivals): docs/eviction.md, fifth round")]
+                 if (h, f) in _SYNTHETIC_MISSES else [])
+    for h in (0, 1) for f in TARGETS])
+def test_default_on_the_halves_of_the_synthetic_trace(half, fraction):
+    """Issue #32's targets on both halves of the Mooncake synthetic trace; where the factor is not met (strict
+    xfail, so meeting it is noticed), the default is still never more than 0.005 below LRU."""
+    hr = _held_out(fraction, ["lru", DEFAULT_POLICY], SHARED_TRACE, half=half)
+    assert hr[DEFAULT_POLICY] >= hr["lru"] - 0.005, hr
+    _check_target(hr, DEFAULT_POLICY, fraction)
 
 
 @pytest.mark.slow

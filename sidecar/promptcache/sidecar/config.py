@@ -44,7 +44,7 @@ class Settings:
     chunk_tokens: int = 256
     ttl_seconds: float = 4 * 3600.0
     max_lifetime_seconds: float = 24 * 3600.0
-    eviction_policy: str = "wtinylfu"  # chosen by trace replay: docs/eviction.md
+    eviction_policy: str = "rate-class"  # chosen by trace replay: docs/eviction.md
     quantization: Quantization = "any"
     tenancy: TenancyMode = "auto"
     device: str = "auto"

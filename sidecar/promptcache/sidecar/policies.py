@@ -10,9 +10,13 @@ Policies:
   lfu         LFU with dynamic ageing (LFU-DA), leaves only.
   wtinylfu    W-TinyLFU as in Caffeine (count-min sketch + doorkeeper + periodic halving, LRU window in front of
               a segmented-LRU main space, hill-climbed window size), size-aware and prefix-aware, with a chain-root
-              doorkeeper: a full cache admits a new chain only on its root's second appearance. The default.
+              doorkeeper: a full cache admits a new chain only on its root's second appearance (the default
+              until issue #32).
   rate        lowest estimated reuse rate (per-chunk mean gap between requests, decayed by silence) among
               sampled leaves; strong on first-turn-heavy traffic, not on the held-out Mooncake half.
+  rate-class  `rate` whose chunks seen once get a reuse rate learned online per class (partial last block, depth
+              where their run of new chunks started, offset in it): chosen on the production conversation trace
+              (issue #32). The default.
 
 Prefix awareness: a chunk's key is chained over its parent's key, so a cached chunk whose parent is gone can
 never be reached by a lookup. The prefix-aware policies therefore only ever offer a *leaf* as the victim - a
@@ -806,8 +810,194 @@ class ReuseRate:
         return best
 
 
-POLICIES = {"lru": LRU, "lru-prefix": PrefixLRU, "lfu": LFUDA, "wtinylfu": WTinyLFU, "rate": ReuseRate}
-DEFAULT_POLICY = "wtinylfu"
+def _log2_bucket(n: int) -> int:
+    """0, 1, 2-3, 4-7, 8-15, 16+ -> 0..5."""
+    return min(5, n.bit_length())
+
+
+class ClassRate(ReuseRate):
+    """`rate` whose chunks requested once so far get a reuse rate learned per *class* of chunk, not one for all.
+
+    The class of a fresh chunk is read off the shape of the request that stored it, as the workload-aware policy of
+    "KVCache Cache in the Wild" (ATC'25) predicts reuse per request category and favours early prefix blocks:
+    (partial: smaller than the largest chunk seen, i.e. a request's last block; where its run of newly stored chunks
+    started: the depth of the first one, log2-bucketed, so a first turn under a shared system prompt and the new
+    tail of a continued conversation differ; its offset in that run, log2-bucketed). On the Mooncake conversation
+    trace a request's partial last block is reused 0.5 % of the time, the first chunk stored after a hit prefix
+    40 % and the 16th 8 %, the chunks of a first turn 25-35 % (docs/eviction.md, fifth round): one rate for all
+    fresh chunks evicts the wrong ones, and more so the larger the cache, where most victims are fresh.
+
+    Per class: second requests / exposure in ticks of a hash-sampled subset of the fresh chunks stored (as `rate`
+    learns its single rate), shrunk towards the pooled rate by one pseudo-return, halved every `half_life` ticks.
+    No constant is fitted to a trace: the classes are fixed, their rates are learned online. In the server every
+    stored chunk is whole, so "partial" marks only chunks smaller than others (another model's, a quantized
+    layout's): a class label, never a decision about bytes; a parent held only by another tier counts as depth 0. Chunks requested
+    twice or more are scored by their own gaps exactly as `rate` does. O(1) per hook (the halving visits the at
+    most 72 classes once per `half_life` ticks), O(`sample`) per `victim()`; memory: `rate`'s plus a class, depth
+    and offset per remembered chunk. The default (issue #32). Options for experiments: `classes` (a subset of
+    CLASSES; none = `rate` with its fresh rate learned from all stored chunks), `tail`, and `rate`'s.
+    """
+
+    name = "rate-class"
+
+    CLASSES = ("partial", "start", "offset")
+
+    def __init__(self, capacity: int | None = None, classes: tuple = CLASSES, tail: float | None = None,
+                 root_door: bool = False, **kw) -> None:
+        super().__init__(capacity, **kw)
+        self.root_door = root_door  # experiments: W-TinyLFU's chain-root doorkeeper in front
+        self._refused: OrderedDict[Key, None] = OrderedDict()
+        self.admissions_rejected = 0
+        unknown = set(classes) - set(self.CLASSES)
+        if unknown:
+            raise ValueError(f"ClassRate classes {sorted(unknown)} are not among {', '.join(self.CLASSES)}")
+        self._use = tuple(f in classes for f in self.CLASSES)
+        self.tail = tail  # experiments: survival (1 + silence / (alive x gap)) ** -tail instead of exponential
+        self._max_size = 0
+        self._depth: dict[Key, int] = {}   # remembered chunk -> depth (chunk 0 = 0)
+        self._off: dict[Key, int] = {}     # fresh chunk -> offset in the run of fresh chunks it was stored in
+        self._cls: dict[Key, tuple] = {}   # fresh chunk -> class
+        self._tracked: OrderedDict[Key, int] = OrderedDict()  # sampled fresh chunk -> tick it was stored
+        self._ret: dict[tuple, float] = {}     # class -> second requests
+        self._closed: dict[tuple, float] = {}  # class -> exposure of chunks no longer tracked
+        self._cnt: dict[tuple, int] = {}       # class -> tracked chunks
+        self._sum: dict[tuple, int] = {}       # class -> sum of their start ticks
+        self._tot = [0.0, 0.0, 0, 0]           # the same, pooled: returns, closed, count, sum
+        self._rates: dict[tuple, float] = {}   # per victim() call
+
+    def _forget(self, key: Key) -> None:
+        if key in self._tracked:
+            self._untrack(key, returned=False)
+        self._cls.pop(key, None)
+        self._off.pop(key, None)
+        self._depth.pop(key, None)
+
+    def _untrack(self, key: Key, returned: bool) -> None:
+        t0 = self._tracked.pop(key)
+        c = self._cls[key]
+        self._cnt[c] -= 1
+        self._sum[c] -= t0
+        self._closed[c] = self._closed.get(c, 0.0) + self.now - t0
+        tot = self._tot
+        tot[2] -= 1
+        tot[3] -= t0
+        tot[1] += self.now - t0
+        if returned:
+            self._ret[c] = self._ret.get(c, 0.0) + 1
+            tot[0] += 1
+
+    def _trim_ghosts(self) -> None:
+        limit = max(1024, int(self.ghost * len(self.size)))
+        while len(self._ghosts) > limit:
+            old, _ = self._ghosts.popitem(last=False)
+            del self.stats[old]
+            self._forget(old)
+
+    def requested(self, key: Key) -> None:
+        self.now += 1
+        if self.now % self.half_life == 0:
+            for c, n in self._cnt.items():  # open exposure becomes closed, then halve
+                self._closed[c] = (self._closed.get(c, 0.0) + n * self.now - self._sum[c]) / 2
+                self._sum[c] = n * self.now
+                self._ret[c] = self._ret.get(c, 0.0) / 2
+            tot = self._tot
+            tot[1] = (tot[1] + tot[2] * self.now - tot[3]) / 2
+            tot[3] = tot[2] * self.now
+            tot[0] /= 2
+        st = self.stats.get(key)
+        if st is None:
+            self.stats[key] = [self.now, None]
+            if key not in self.size:
+                self._ghosts[key] = None
+                self._trim_ghosts()
+            return
+        if st[1] is None and key in self._tracked:
+            self._untrack(key, returned=True)
+        gap = self.now - st[0]
+        st[1] = gap if st[1] is None else self.alpha * gap + (1 - self.alpha) * st[1]
+        st[0] = self.now
+        if key in self._ghosts:
+            self._ghosts.move_to_end(key)
+
+    def inserted(self, key: Key, size: int, parent: Key | None) -> None:
+        if parent == ROOT_PARENT:
+            parent = None
+        st = self.stats.get(key)
+        fresh = st is None or st[1] is None
+        super().inserted(key, size, parent)
+        if size > self._max_size:
+            self._max_size = size
+        depth = 0 if parent is None else self._depth.get(parent, 0) + 1
+        self._depth[key] = depth
+        if not fresh or key in self._cls:
+            return
+        pst = None if parent is None else self.stats.get(parent)
+        if pst is not None and pst[1] is None and parent in self._off:  # the run of fresh chunks goes on
+            off = self._off[parent] + 1
+            start = self._cls[parent][1] if parent in self._cls else _log2_bucket(depth)
+        else:
+            off, start = 0, _log2_bucket(depth)
+        self._off[key] = off
+        use = self._use
+        c = self._cls[key] = (use[0] and size < self._max_size, start if use[1] else 0,
+                              _log2_bucket(off) if use[2] else 0)
+        if key_hash64(key) % self.fresh_sample == 0:
+            self._tracked[key] = self.now
+            self._cnt[c] = self._cnt.get(c, 0) + 1
+            self._sum[c] = self._sum.get(c, 0) + self.now
+            self._tot[2] += 1
+            self._tot[3] += self.now
+            if len(self._tracked) > max(self.fresh_track, len(self.size)):
+                self._untrack(next(iter(self._tracked)), returned=False)  # censored
+
+    def removed(self, key: Key) -> None:
+        super().removed(key)
+        if key not in self.stats:
+            self._forget(key)
+
+    def admit(self, key: Key, size: int, parent: Key | None) -> bool:
+        if not super().admit(key, size, parent):
+            return False
+        if not self.root_door or not _is_root(parent):
+            return True
+        st = self.stats.get(key)
+        if (st is not None and st[1] is not None) or key in self._refused:
+            self._refused.pop(key, None)
+            return True
+        self._refused[key] = None
+        if len(self._refused) > max(1024, len(self.size)):
+            self._refused.popitem(last=False)
+        self.admissions_rejected += 1
+        return False
+
+    def _class_rate(self, c: tuple | None) -> float:
+        tot = self._tot
+        pooled = (tot[0] + 0.02) / (tot[1] + tot[2] * self.now - tot[3] + 1.0)
+        if c is None:
+            return pooled
+        e = self._closed.get(c, 0.0) + self._cnt.get(c, 0) * self.now - self._sum.get(c, 0)
+        return (self._ret.get(c, 0.0) + 1.0) / (e + 1.0 / pooled)
+
+    def victim(self) -> Key | None:
+        self._rates = {}
+        return super().victim()
+
+    def _log_score(self, key: Key) -> float:
+        last, gap = self.stats[key]
+        if gap is None:
+            c = self._cls.get(key)
+            r = self._rates.get(c)
+            if r is None:
+                r = self._rates[c] = self._class_rate(c)
+            gap = 1.0 / r
+        if self.tail is not None:
+            return -self.tail * math.log1p((self.now - last) / (self.alive * gap)) - math.log(gap)
+        return -(self.now - last) / (self.alive * gap) - math.log(gap)
+
+
+POLICIES = {"lru": LRU, "lru-prefix": PrefixLRU, "lfu": LFUDA, "wtinylfu": WTinyLFU, "rate": ReuseRate,
+            "rate-class": ClassRate}
+DEFAULT_POLICY = "rate-class"
 
 
 def make_policy(name: str, capacity: int | None = None) -> EvictionPolicy:
