@@ -2,13 +2,18 @@
 chart, the operator, the sidecars and what they promise (docs/operator.md), asserted on what the cluster did."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from promptcache.client import PromptCacheClient
+from promptcache.contract.keys import ModelSpec
 
 from kcluster import RELEASE_NS, _ready, restarts, wait_for
 
@@ -16,7 +21,16 @@ pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_LABEL = "nvidia.com/gpu.present"
+CHUNK = 16
+MODEL = ModelSpec("meta-llama/Llama-3.1-8B-Instruct", "0e9e39f249a16976918f6564b8830bc894c89659", "float32",
+                  num_layers=2, num_kv_heads=2, head_dim=8)
 OPERATOR = "app.kubernetes.io/name=promptcache-operator"
+
+
+def make_kv(spec: ModelSpec, tokens: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, spec.num_kv_heads, tokens, spec.head_dim)
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(spec.num_layers)]
 
 
 def restricted_namespace(cluster, name: str) -> None:
@@ -85,3 +99,59 @@ def test_minimal_example_sidecars_pass_grpc_probes_under_restricted(cluster, min
     pc = wait_for(lambda: (cluster.get("promptcache", "-n", ns, name).get("status") or {}).get("readyNodes") or None,
                   60, "the PromptCache's status counting the Ready node")
     assert pc == 1
+
+
+def local_pv(cluster, name: str, path: str, size: str = "4Gi") -> None:
+    """A `local` PersistentVolume on the node (as an admin makes one per GPU node), its directory root-owned."""
+    os.makedirs(path, mode=0o755, exist_ok=True)
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
+                   "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteOnce"],
+                            "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "promptcache-local",
+                            "local": {"path": path},
+                            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                                {"key": "kubernetes.io/hostname", "operator": "In", "values": ["pc-node"]}]}]}}}})
+
+
+def test_disk_tier_on_a_claim_survives_a_rolling_update(cluster, release, gpu_node, tmp_path_factory):
+    """spec.memory.diskClaim: the disk tier on a PVC (here a local PV), a subdirectory per node, under
+    `restricted`. A prefix stored before a spec change that rolls the DaemonSet (a new pod replaces the old one) is
+    served by the new pod, byte for byte. Negative control: the same roll with the default emptyDir loses it."""
+    ns = "disk"
+    restricted_namespace(cluster, ns)
+    pv_dir = tmp_path_factory.mktemp("pv") / "disk"
+    local_pv(cluster, f"pc-disk-{os.getpid()}", str(pv_dir))
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "promptcache-disk"},
+                   "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "promptcache-local",
+                            "resources": {"requests": {"storage": "4Gi"}}}}, namespace=ns)
+    results = {}
+    for name, claim in (("persisted", "promptcache-disk"), ("ephemeral", None)):
+        memory = {"host": "256Mi", "disk": "1Gi", **({"diskClaim": claim} if claim else {})}
+        doc = {"apiVersion": "promptcache.io/v1alpha1", "kind": "PromptCache", "metadata": {"name": name},
+               "spec": {"model": {"name": MODEL.model_id, "revision": MODEL.revision}, "memory": memory,
+                        "cachePolicy": {"chunkTokens": CHUNK}}}
+        cluster.apply(doc, namespace=ns)
+        pod = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 240,
+                       f"a Ready sidecar of {ns}/{name}")[0]
+        tokens = list(range(1000, 1000 + 4 * CHUNK))
+        kv = make_kv(MODEL, len(tokens), seed=7)
+        with PromptCacheClient(f"{pod['status']['podIP']}:50051", timeout=20) as c:
+            assert c.put(MODEL, tokens, kv).stored_chunks == 4
+            assert c.lookup(MODEL, tokens).cached_tokens == 4 * CHUNK
+        # A spec change that rolls the DaemonSet: the old pod stops (demoting memory to disk), a new one starts.
+        doc["spec"]["cachePolicy"]["ttlSeconds"] = 7200
+        cluster.apply(doc, namespace=ns)
+        old = pod["metadata"]["uid"]
+        new = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name)
+                                if _ready(p) and p["metadata"]["uid"] != old] or None, 240,
+                       f"the replacement sidecar of {ns}/{name}")[0]
+        with PromptCacheClient(f"{new['status']['podIP']}:50051", timeout=20) as c:
+            cached = c.lookup(MODEL, tokens).cached_tokens
+            got = c.get(MODEL, tokens)[1] if cached else None
+        results[name] = cached
+        if claim:
+            assert cached == 4 * CHUNK, "the replacement pod lost the disk tier"
+            for (k, v), (gk, gv) in zip(kv, got):
+                assert torch.equal(k[:, :, :cached], gk) and torch.equal(v[:, :, :cached], gv)
+            assert (pv_dir / "pc-node").is_dir(), "the node's subdirectory on the claim"
+        cluster.kubectl("delete", "promptcache", "-n", ns, name, "--wait=true", timeout=120)
+    assert results == {"persisted": 4 * CHUNK, "ephemeral": 0}
