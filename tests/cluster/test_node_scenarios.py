@@ -155,3 +155,55 @@ def test_disk_tier_on_a_claim_survives_a_rolling_update(cluster, release, gpu_no
             assert (pv_dir / "pc-node").is_dir(), "the node's subdirectory on the claim"
         cluster.kubectl("delete", "promptcache", "-n", ns, name, "--wait=true", timeout=120)
     assert results == {"persisted": 4 * CHUNK, "ephemeral": 0}
+
+
+def _children(cluster, ns: str, name: str) -> dict[str, str]:
+    """uid of each child of the cache, by kind/name, found by the operator's label."""
+    out = {}
+    for kind in ("daemonset", "service", "configmap", "resourcequota"):
+        for item in cluster.get(kind, "-n", ns, "-l", f"promptcache.io/cache={name}")["items"]:
+            out[f"{kind}/{item['metadata']['name']}"] = item["metadata"]["uid"]
+    return out
+
+
+def test_sidecar_pod_deleted_comes_back_and_serves(cluster, minimal_cache):
+    """A sidecar pod deleted mid-life: the DaemonSet brings a new one on the node, Ready through its gRPC probes,
+    and it stores and serves again; the PromptCache's status follows (NotReady while it is gone, Ready after)."""
+    ns, name = minimal_cache["ns"], minimal_cache["name"]
+    old = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 120, "a Ready sidecar")[0]
+    cluster.kubectl("delete", "pod", "-n", ns, old["metadata"]["name"], "--wait=false")
+    new = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name)
+                            if _ready(p) and p["metadata"]["uid"] != old["metadata"]["uid"]] or None, 180,
+                   "the replacement sidecar pod")[0]
+    spec = ModelSpec(MODEL.model_id, MODEL.revision, "float32", num_layers=2, num_kv_heads=2, head_dim=8)
+    tokens = list(range(3 * 256))
+    with PromptCacheClient(f"{new['status']['podIP']}:50051", timeout=20) as c:
+        assert c.put(spec, tokens, make_kv(spec, len(tokens), seed=3)).stored_chunks == 3
+        assert c.lookup(spec, tokens).cached_tokens == 3 * 256
+    wait_for(lambda: any(c["type"] == "Ready" and c["status"] == "True" for c in
+                         (cluster.get("promptcache", "-n", ns, name).get("status") or {}).get("conditions", [])),
+             60, "the PromptCache Ready again")
+
+
+def test_operator_pods_deleted_leave_no_duplicate_or_orphan(cluster, minimal_cache):
+    """Both operator pods deleted at once: the Deployment brings new ones, which adopt what exists. The cache's
+    children are the same objects (same uids: nothing recreated, nothing duplicated) and the status is right."""
+    ns, name = minimal_cache["ns"], minimal_cache["name"]
+    before = _children(cluster, ns, name)
+    assert len([k for k in before if k.startswith("daemonset/")]) == 1
+    old = {p["metadata"]["uid"] for p in cluster.pods(RELEASE_NS, OPERATOR)}
+    cluster.kubectl("delete", "pod", "-n", RELEASE_NS, "-l", OPERATOR, "--wait=false")
+    wait_for(lambda: (lambda ps: len(ps) >= 1 and all(_ready(p) and p["metadata"]["uid"] not in old for p in ps))(
+        cluster.pods(RELEASE_NS, OPERATOR)), 180, "new operator pods Ready")
+    # A change after the hand-over is reconciled by the new operator, in place.
+    cluster.kubectl("annotate", "promptcache", "-n", ns, name, "example.com/touched=1", "--overwrite")
+    cluster.kubectl("patch", "promptcache", "-n", ns, name, "--type=merge",
+                    "-p", '{"spec":{"cachePolicy":{"ttlSeconds":7000}}}')
+    gen = cluster.get("promptcache", "-n", ns, name)["metadata"]["generation"]
+    wait_for(lambda: (cluster.get("promptcache", "-n", ns, name).get("status") or {}).get("observedGeneration") == gen,
+             120, "the new operator's status for the change")
+    assert _children(cluster, ns, name) == before
+    st = cluster.get("promptcache", "-n", ns, name)["status"]
+    wait_for(lambda: {c["type"]: c["status"] for c in cluster.get("promptcache", "-n", ns, name)["status"]
+                      ["conditions"]}.get("Ready") == "True", 180, "Ready after the roll the change caused")
+    assert st["desiredNodes"] == 1
