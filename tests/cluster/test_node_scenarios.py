@@ -2,6 +2,7 @@
 chart, the operator, the sidecars and what they promise (docs/operator.md), asserted on what the cluster did."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -207,3 +208,80 @@ def test_operator_pods_deleted_leave_no_duplicate_or_orphan(cluster, minimal_cac
     wait_for(lambda: {c["type"]: c["status"] for c in cluster.get("promptcache", "-n", ns, name)["status"]
                       ["conditions"]}.get("Ready") == "True", 180, "Ready after the roll the change caused")
     assert st["desiredNodes"] == 1
+
+
+RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                        "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def native_sidecar(memory: str = "1Gi") -> dict:
+    """The cache as a native sidecar of the inference pod (an init container with restartPolicy Always): its unix
+    socket in an emptyDir both containers mount, so the pod gets zero copy (lent memfds) under `restricted`."""
+    return {"name": "promptcache", "image": "ghcr.io/promptcache/promptcache-sidecar:0.1.0",
+            "imagePullPolicy": "IfNotPresent", "restartPolicy": "Always",
+            "args": ["serve", "--grpc-address", "0.0.0.0:50051", "--allow-insecure-remote", "--metrics-port", "9400", "--device", "cpu",
+                     "--memory-bytes", memory, "--bulk-address", "unix:/run/promptcache/bulk.sock",
+                     "--bulk-zero-copy", "on"],
+            "env": [{"name": "HOME", "value": "/tmp"}],
+            "startupProbe": {"grpc": {"port": 50051}, "periodSeconds": 1, "failureThreshold": 120},
+            "securityContext": RESTRICTED_CONTAINER,
+            "volumeMounts": [{"name": "promptcache-socket", "mountPath": "/run/promptcache"},
+                             {"name": "sidecar-tmp", "mountPath": "/tmp"}]}
+
+
+def test_in_cluster_get_throughput(cluster, minimal_cache):
+    """Get inside the cluster, same run: lent memfds over the native sidecar's unix socket, TCP bulk and gRPC to
+    the same sidecar over loopback, and TCP bulk and gRPC to the DaemonSet's sidecar through the node-local
+    Service (kube-proxy, the pod network). Figures go to bench-results/cluster-get.json (printed with -s); the test
+    asserts every path serves the whole prefix byte for byte and that the unix path really lent memfds (the
+    sidecar's promptcache_bulk_lent_chunks_total), not wall-clock ratios (this machine is shared and noisy)."""
+    ns = "bench"
+    restricted_namespace(cluster, ns)
+    svc = cluster.get("service", "-n", minimal_cache["ns"], minimal_cache["name"])["spec"]["clusterIP"]
+    targets = [{"name": "bulk-lent (unix, native sidecar)", "grpc": "127.0.0.1:50051",
+                "bulk": "unix:/run/promptcache/bulk.sock", "metrics": "http://127.0.0.1:9400/metrics"},
+               {"name": "bulk-tcp (loopback, native sidecar)", "grpc": "127.0.0.1:50051", "bulk": None},
+               {"name": "gRPC (loopback, native sidecar)", "grpc": "127.0.0.1:50051", "bulk": None},
+               {"name": "bulk-tcp (node-local Service)", "grpc": f"{svc}:50051", "bulk": f"{svc}:50052"},
+               {"name": "gRPC (node-local Service)", "grpc": f"{svc}:50051", "bulk": None}]
+    # the native sidecar listens on one bulk address here; its TCP bulk row would need a second one:
+    sidecar = native_sidecar()
+    sidecar["args"][sidecar["args"].index("unix:/run/promptcache/bulk.sock")] = \
+        "unix:/run/promptcache/bulk.sock,127.0.0.1:50052"
+    targets[1]["bulk"] = "127.0.0.1:50052"
+    script = (Path(__file__).parent / "get_bench.py").read_text()
+    cluster.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "get-bench"},
+                   "data": {"get_bench.py": script}}, namespace=ns)
+    cluster.kubectl("delete", "pod", "-n", ns, "get-bench", "--ignore-not-found", "--wait=true")
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "get-bench"},
+                   "spec": {"restartPolicy": "Never", "enableServiceLinks": False,
+                            "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                                                "fsGroup": 65532, "seccompProfile": {"type": "RuntimeDefault"}},
+                            "initContainers": [sidecar],
+                            "containers": [{"name": "bench", "image": "ghcr.io/promptcache/promptcache-sidecar:0.1.0",
+                                            "imagePullPolicy": "IfNotPresent",
+                                            "command": ["python3", "/bench/get_bench.py", json.dumps(targets)],
+                                            "env": [{"name": "HOME", "value": "/tmp"}],
+                                            "securityContext": RESTRICTED_CONTAINER,
+                                            "volumeMounts": [{"name": "promptcache-socket",
+                                                              "mountPath": "/run/promptcache"},
+                                                             {"name": "bench", "mountPath": "/bench"},
+                                                             {"name": "bench-tmp", "mountPath": "/tmp"}]}],
+                            "volumes": [{"name": "promptcache-socket", "emptyDir": {"medium": "Memory",
+                                                                                    "sizeLimit": "1Mi"}},
+                                        {"name": "sidecar-tmp", "emptyDir": {}}, {"name": "bench-tmp", "emptyDir": {}},
+                                        {"name": "bench", "configMap": {"name": "get-bench"}}]}}, namespace=ns)
+    phase = wait_for(lambda: (cluster.get("pod", "-n", ns, "get-bench").get("status") or {}).get("phase")
+                     in ("Succeeded", "Failed") and cluster.get("pod", "-n", ns, "get-bench")["status"]["phase"],
+                     420, "the in-cluster Get benchmark")
+    logs = cluster.kubectl("logs", "-n", ns, "get-bench", "-c", "bench", check=False).stdout
+    assert phase == "Succeeded", logs[-3000:] + cluster.kubectl("logs", "-n", ns, "get-bench", "-c", "promptcache",
+                                                               check=False).stdout[-2000:]
+    got = json.loads(logs.strip().splitlines()[-1])
+    out = ROOT / "bench-results" / "cluster-get.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(got, indent=1))
+    print(json.dumps(got, indent=1))
+    assert set(got) == {t["name"] for t in targets}
+    # every chunk (1 at 8 MiB, 8 at 64 MiB) lent at least once (the client may keep a mapping for the next Get)
+    assert got[targets[0]["name"]]["lent_chunks"] >= 1 + 8, "Gets on the unix socket were not lent"
