@@ -62,6 +62,7 @@ tools:
 test: install $(DYNAMO_STAMP) system-deps tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-vllm
+	$(MAKE) test-cluster
 
 # The inner loop: no tool builds, nothing marked tools (API server, helm, promtool) or slow (pyproject.toml's markers).
 test-fast: install

@@ -29,3 +29,26 @@ def test_example_wires_the_connector_to_the_node_local_service():
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["PROMPTCACHE_ADDRESS"].endswith(".svc:50051")
     assert env["PROMPTCACHE_BULK_ADDRESS"].endswith(".svc:50052")
+
+
+def test_zero_copy_variant_shares_the_sidecars_socket_under_restricted():
+    """The native-sidecar Deployment: the cache is an init container with restartPolicy Always whose bulk socket is
+    in an emptyDir the vllm container mounts too, and nothing in the pod needs more than `restricted`."""
+    dep = next(d for d in yaml.safe_load_all(EXAMPLE.read_text())
+               if d["kind"] == "Deployment" and d["metadata"]["name"] == "vllm-zero-copy")
+    pod = dep["spec"]["template"]["spec"]
+    (side,) = pod["initContainers"]
+    assert side["restartPolicy"] == "Always" and "grpc" in side["startupProbe"]
+    sock = next(a.split("=", 1)[1] for a in side["args"] if a.startswith("--bulk-address="))
+    assert sock.startswith("unix:/run/promptcache/")
+    vllm = pod["containers"][0]
+    env = {e["name"]: e["value"] for e in vllm["env"]}
+    assert env["PROMPTCACHE_BULK_ADDRESS"] == sock
+    shared = {m["name"] for m in side["volumeMounts"]} & {m["name"] for m in vllm["volumeMounts"]}
+    assert shared and all("emptyDir" in v for v in pod["volumes"] if v["name"] in shared)
+    assert all(set(v) <= {"name", "emptyDir", "configMap", "secret", "projected"} for v in pod["volumes"])
+    assert pod["securityContext"]["runAsNonRoot"] and not any(
+        k in pod for k in ("hostNetwork", "hostPID", "hostIPC"))
+    for c in (side, vllm):
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]

@@ -2,13 +2,19 @@
 chart, the operator, the sidecars and what they promise (docs/operator.md), asserted on what the cluster did."""
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from promptcache.client import PromptCacheClient
+from promptcache.contract.keys import ModelSpec
 
 from kcluster import RELEASE_NS, _ready, restarts, wait_for
 
@@ -16,7 +22,16 @@ pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_LABEL = "nvidia.com/gpu.present"
+CHUNK = 16
+MODEL = ModelSpec("meta-llama/Llama-3.1-8B-Instruct", "0e9e39f249a16976918f6564b8830bc894c89659", "float32",
+                  num_layers=2, num_kv_heads=2, head_dim=8)
 OPERATOR = "app.kubernetes.io/name=promptcache-operator"
+
+
+def make_kv(spec: ModelSpec, tokens: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, spec.num_kv_heads, tokens, spec.head_dim)
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(spec.num_layers)]
 
 
 def restricted_namespace(cluster, name: str) -> None:
@@ -85,3 +100,188 @@ def test_minimal_example_sidecars_pass_grpc_probes_under_restricted(cluster, min
     pc = wait_for(lambda: (cluster.get("promptcache", "-n", ns, name).get("status") or {}).get("readyNodes") or None,
                   60, "the PromptCache's status counting the Ready node")
     assert pc == 1
+
+
+def local_pv(cluster, name: str, path: str, size: str = "4Gi") -> None:
+    """A `local` PersistentVolume on the node (as an admin makes one per GPU node), its directory root-owned."""
+    os.makedirs(path, mode=0o755, exist_ok=True)
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
+                   "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteOnce"],
+                            "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "promptcache-local",
+                            "local": {"path": path},
+                            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                                {"key": "kubernetes.io/hostname", "operator": "In", "values": ["pc-node"]}]}]}}}})
+
+
+def test_disk_tier_on_a_claim_survives_a_rolling_update(cluster, release, gpu_node, tmp_path_factory):
+    """spec.memory.diskClaim: the disk tier on a PVC (here a local PV), a subdirectory per node, under
+    `restricted`. A prefix stored before a spec change that rolls the DaemonSet (a new pod replaces the old one) is
+    served by the new pod, byte for byte. Negative control: the same roll with the default emptyDir loses it."""
+    ns = "disk"
+    restricted_namespace(cluster, ns)
+    pv_dir = tmp_path_factory.mktemp("pv") / "disk"
+    local_pv(cluster, f"pc-disk-{os.getpid()}", str(pv_dir))
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "promptcache-disk"},
+                   "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "promptcache-local",
+                            "resources": {"requests": {"storage": "4Gi"}}}}, namespace=ns)
+    results = {}
+    for name, claim in (("persisted", "promptcache-disk"), ("ephemeral", None)):
+        memory = {"host": "256Mi", "disk": "1Gi", **({"diskClaim": claim} if claim else {})}
+        doc = {"apiVersion": "promptcache.io/v1alpha1", "kind": "PromptCache", "metadata": {"name": name},
+               "spec": {"model": {"name": MODEL.model_id, "revision": MODEL.revision}, "memory": memory,
+                        "cachePolicy": {"chunkTokens": CHUNK}}}
+        cluster.apply(doc, namespace=ns)
+        pod = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 240,
+                       f"a Ready sidecar of {ns}/{name}")[0]
+        tokens = list(range(1000, 1000 + 4 * CHUNK))
+        kv = make_kv(MODEL, len(tokens), seed=7)
+        with PromptCacheClient(f"{pod['status']['podIP']}:50051", timeout=20) as c:
+            assert c.put(MODEL, tokens, kv).stored_chunks == 4
+            assert c.lookup(MODEL, tokens).cached_tokens == 4 * CHUNK
+        # A spec change that rolls the DaemonSet: the old pod stops (demoting memory to disk), a new one starts.
+        doc["spec"]["cachePolicy"]["ttlSeconds"] = 7200
+        cluster.apply(doc, namespace=ns)
+        old = pod["metadata"]["uid"]
+        new = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name)
+                                if _ready(p) and p["metadata"]["uid"] != old] or None, 240,
+                       f"the replacement sidecar of {ns}/{name}")[0]
+        with PromptCacheClient(f"{new['status']['podIP']}:50051", timeout=20) as c:
+            cached = c.lookup(MODEL, tokens).cached_tokens
+            got = c.get(MODEL, tokens)[1] if cached else None
+        results[name] = cached
+        if claim:
+            assert cached == 4 * CHUNK, "the replacement pod lost the disk tier"
+            for (k, v), (gk, gv) in zip(kv, got):
+                assert torch.equal(k[:, :, :cached], gk) and torch.equal(v[:, :, :cached], gv)
+            assert (pv_dir / "pc-node").is_dir(), "the node's subdirectory on the claim"
+        cluster.kubectl("delete", "promptcache", "-n", ns, name, "--wait=true", timeout=120)
+    assert results == {"persisted": 4 * CHUNK, "ephemeral": 0}
+
+
+def _children(cluster, ns: str, name: str) -> dict[str, str]:
+    """uid of each child of the cache, by kind/name, found by the operator's label."""
+    out = {}
+    for kind in ("daemonset", "service", "configmap", "resourcequota"):
+        for item in cluster.get(kind, "-n", ns, "-l", f"promptcache.io/cache={name}")["items"]:
+            out[f"{kind}/{item['metadata']['name']}"] = item["metadata"]["uid"]
+    return out
+
+
+def test_sidecar_pod_deleted_comes_back_and_serves(cluster, minimal_cache):
+    """A sidecar pod deleted mid-life: the DaemonSet brings a new one on the node, Ready through its gRPC probes,
+    and it stores and serves again; the PromptCache's status follows (NotReady while it is gone, Ready after)."""
+    ns, name = minimal_cache["ns"], minimal_cache["name"]
+    old = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 120, "a Ready sidecar")[0]
+    cluster.kubectl("delete", "pod", "-n", ns, old["metadata"]["name"], "--wait=false")
+    new = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name)
+                            if _ready(p) and p["metadata"]["uid"] != old["metadata"]["uid"]] or None, 180,
+                   "the replacement sidecar pod")[0]
+    spec = ModelSpec(MODEL.model_id, MODEL.revision, "float32", num_layers=2, num_kv_heads=2, head_dim=8)
+    tokens = list(range(3 * 256))
+    with PromptCacheClient(f"{new['status']['podIP']}:50051", timeout=20) as c:
+        assert c.put(spec, tokens, make_kv(spec, len(tokens), seed=3)).stored_chunks == 3
+        assert c.lookup(spec, tokens).cached_tokens == 3 * 256
+    wait_for(lambda: any(c["type"] == "Ready" and c["status"] == "True" for c in
+                         (cluster.get("promptcache", "-n", ns, name).get("status") or {}).get("conditions", [])),
+             60, "the PromptCache Ready again")
+
+
+def test_operator_pods_deleted_leave_no_duplicate_or_orphan(cluster, minimal_cache):
+    """Both operator pods deleted at once: the Deployment brings new ones, which adopt what exists. The cache's
+    children are the same objects (same uids: nothing recreated, nothing duplicated) and the status is right."""
+    ns, name = minimal_cache["ns"], minimal_cache["name"]
+    before = _children(cluster, ns, name)
+    assert len([k for k in before if k.startswith("daemonset/")]) == 1
+    old = {p["metadata"]["uid"] for p in cluster.pods(RELEASE_NS, OPERATOR)}
+    cluster.kubectl("delete", "pod", "-n", RELEASE_NS, "-l", OPERATOR, "--wait=false")
+    wait_for(lambda: (lambda ps: len(ps) >= 1 and all(_ready(p) and p["metadata"]["uid"] not in old for p in ps))(
+        cluster.pods(RELEASE_NS, OPERATOR)), 180, "new operator pods Ready")
+    # A change after the hand-over is reconciled by the new operator, in place.
+    cluster.kubectl("annotate", "promptcache", "-n", ns, name, "example.com/touched=1", "--overwrite")
+    cluster.kubectl("patch", "promptcache", "-n", ns, name, "--type=merge",
+                    "-p", '{"spec":{"cachePolicy":{"ttlSeconds":7000}}}')
+    gen = cluster.get("promptcache", "-n", ns, name)["metadata"]["generation"]
+    wait_for(lambda: (cluster.get("promptcache", "-n", ns, name).get("status") or {}).get("observedGeneration") == gen,
+             120, "the new operator's status for the change")
+    assert _children(cluster, ns, name) == before
+    st = cluster.get("promptcache", "-n", ns, name)["status"]
+    wait_for(lambda: {c["type"]: c["status"] for c in cluster.get("promptcache", "-n", ns, name)["status"]
+                      ["conditions"]}.get("Ready") == "True", 180, "Ready after the roll the change caused")
+    assert st["desiredNodes"] == 1
+
+
+RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                        "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def native_sidecar(memory: str = "1Gi") -> dict:
+    """The cache as a native sidecar of the inference pod (an init container with restartPolicy Always): its unix
+    socket in an emptyDir both containers mount, so the pod gets zero copy (lent memfds) under `restricted`."""
+    return {"name": "promptcache", "image": "ghcr.io/promptcache/promptcache-sidecar:0.1.0",
+            "imagePullPolicy": "IfNotPresent", "restartPolicy": "Always",
+            "args": ["serve", "--grpc-address", "0.0.0.0:50051", "--allow-insecure-remote", "--metrics-port", "9400", "--device", "cpu",
+                     "--memory-bytes", memory, "--bulk-address", "unix:/run/promptcache/bulk.sock",
+                     "--bulk-zero-copy", "on"],
+            "env": [{"name": "HOME", "value": "/tmp"}],
+            "startupProbe": {"grpc": {"port": 50051}, "periodSeconds": 1, "failureThreshold": 120},
+            "securityContext": RESTRICTED_CONTAINER,
+            "volumeMounts": [{"name": "promptcache-socket", "mountPath": "/run/promptcache"},
+                             {"name": "sidecar-tmp", "mountPath": "/tmp"}]}
+
+
+def test_in_cluster_get_throughput(cluster, minimal_cache):
+    """Get inside the cluster, same run: lent memfds over the native sidecar's unix socket, TCP bulk and gRPC to
+    the same sidecar over loopback, and TCP bulk and gRPC to the DaemonSet's sidecar through the node-local
+    Service (kube-proxy, the pod network). Figures go to bench-results/cluster-get.json (printed with -s); the test
+    asserts every path serves the whole prefix byte for byte and that the unix path really lent memfds (the
+    sidecar's promptcache_bulk_lent_chunks_total), not wall-clock ratios (this machine is shared and noisy)."""
+    ns = "bench"
+    restricted_namespace(cluster, ns)
+    svc = cluster.get("service", "-n", minimal_cache["ns"], minimal_cache["name"])["spec"]["clusterIP"]
+    targets = [{"name": "bulk-lent (unix, native sidecar)", "grpc": "127.0.0.1:50051",
+                "bulk": "unix:/run/promptcache/bulk.sock", "metrics": "http://127.0.0.1:9400/metrics"},
+               {"name": "bulk-tcp (loopback, native sidecar)", "grpc": "127.0.0.1:50051", "bulk": None},
+               {"name": "gRPC (loopback, native sidecar)", "grpc": "127.0.0.1:50051", "bulk": None},
+               {"name": "bulk-tcp (node-local Service)", "grpc": f"{svc}:50051", "bulk": f"{svc}:50052"},
+               {"name": "gRPC (node-local Service)", "grpc": f"{svc}:50051", "bulk": None}]
+    # the native sidecar listens on one bulk address here; its TCP bulk row would need a second one:
+    sidecar = native_sidecar()
+    sidecar["args"][sidecar["args"].index("unix:/run/promptcache/bulk.sock")] = \
+        "unix:/run/promptcache/bulk.sock,127.0.0.1:50052"
+    targets[1]["bulk"] = "127.0.0.1:50052"
+    script = (Path(__file__).parent / "get_bench.py").read_text()
+    cluster.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "get-bench"},
+                   "data": {"get_bench.py": script}}, namespace=ns)
+    cluster.kubectl("delete", "pod", "-n", ns, "get-bench", "--ignore-not-found", "--wait=true")
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "get-bench"},
+                   "spec": {"restartPolicy": "Never", "enableServiceLinks": False,
+                            "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                                                "fsGroup": 65532, "seccompProfile": {"type": "RuntimeDefault"}},
+                            "initContainers": [sidecar],
+                            "containers": [{"name": "bench", "image": "ghcr.io/promptcache/promptcache-sidecar:0.1.0",
+                                            "imagePullPolicy": "IfNotPresent",
+                                            "command": ["python3", "/bench/get_bench.py", json.dumps(targets)],
+                                            "env": [{"name": "HOME", "value": "/tmp"}],
+                                            "securityContext": RESTRICTED_CONTAINER,
+                                            "volumeMounts": [{"name": "promptcache-socket",
+                                                              "mountPath": "/run/promptcache"},
+                                                             {"name": "bench", "mountPath": "/bench"},
+                                                             {"name": "bench-tmp", "mountPath": "/tmp"}]}],
+                            "volumes": [{"name": "promptcache-socket", "emptyDir": {"medium": "Memory",
+                                                                                    "sizeLimit": "1Mi"}},
+                                        {"name": "sidecar-tmp", "emptyDir": {}}, {"name": "bench-tmp", "emptyDir": {}},
+                                        {"name": "bench", "configMap": {"name": "get-bench"}}]}}, namespace=ns)
+    phase = wait_for(lambda: (cluster.get("pod", "-n", ns, "get-bench").get("status") or {}).get("phase")
+                     in ("Succeeded", "Failed") and cluster.get("pod", "-n", ns, "get-bench")["status"]["phase"],
+                     420, "the in-cluster Get benchmark")
+    logs = cluster.kubectl("logs", "-n", ns, "get-bench", "-c", "bench", check=False).stdout
+    assert phase == "Succeeded", logs[-3000:] + cluster.kubectl("logs", "-n", ns, "get-bench", "-c", "promptcache",
+                                                               check=False).stdout[-2000:]
+    got = json.loads(logs.strip().splitlines()[-1])
+    out = ROOT / "bench-results" / "cluster-get.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(got, indent=1))
+    print(json.dumps(got, indent=1))
+    assert set(got) == {t["name"] for t in targets}
+    # every chunk (1 at 8 MiB, 8 at 64 MiB) lent at least once (the client may keep a mapping for the next Get)
+    assert got[targets[0]["name"]]["lent_chunks"] >= 1 + 8, "Gets on the unix socket were not lent"

@@ -258,7 +258,7 @@ def _resources(spec: PromptCacheSpec) -> dict[str, Any]:
     memory = format_bytes(quantity_bytes(spec.memory.host) + segment + MEMORY_OVERHEAD)
     requests: dict[str, Any] = {"cpu": "250m", "memory": memory}
     limits: dict[str, Any] = {"memory": memory}
-    if spec.memory.disk:
+    if spec.memory.disk and not spec.memory.diskClaim:  # on a claim the disk tier is not ephemeral storage
         disk = format_bytes(quantity_bytes(spec.memory.disk) + 2**30)
         requests["ephemeral-storage"] = disk
         limits["ephemeral-storage"] = disk
@@ -274,7 +274,15 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
     image, pull = _image(spec, defaults)
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
     data_volume: dict[str, Any] = {"name": "data", "emptyDir": {}}
-    if spec.memory.disk:
+    data_mount: dict[str, Any] = {"name": "data", "mountPath": DATA_DIR}
+    node_env: list[dict[str, Any]] = []
+    if spec.memory.diskClaim:
+        # The disk tier on a PersistentVolumeClaim (allowed under `restricted`), one subdirectory per node: a
+        # replaced pod finds its node's RocksDB again. fsGroup makes the claim's root writable for uid 65532.
+        data_volume = {"name": "data", "persistentVolumeClaim": {"claimName": spec.memory.diskClaim}}
+        data_mount["subPathExpr"] = "$(NODE_NAME)"
+        node_env = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    elif spec.memory.disk:
         data_volume["emptyDir"]["sizeLimit"] = spec.memory.disk
     volumes.insert(0, data_volume)
     secret_volumes, secret_mounts = security_volumes(spec)
@@ -286,14 +294,14 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
         "args": ["serve"],
         "envFrom": [{"configMapRef": {"name": f"{owner.name}-config"}}],
         # The root filesystem is read-only: libraries that cache under $HOME (torch, triton) use the tmp volume.
-        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TMPDIR", "value": "/tmp"}],
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TMPDIR", "value": "/tmp"}, *node_env],
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
                   *([{"name": "bulk", "containerPort": BULK_PORT, "protocol": "TCP"}] if _bulk_channel(spec) else []),
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         **_probes(spec),
         "resources": _resources(spec),
         "securityContext": restricted_container_security(),
-        "volumeMounts": [{"name": "data", "mountPath": DATA_DIR}, {"name": "tmp", "mountPath": "/tmp"},
+        "volumeMounts": [data_mount, {"name": "tmp", "mountPath": "/tmp"},
                          *secret_mounts],
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }

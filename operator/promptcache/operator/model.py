@@ -98,6 +98,10 @@ class Memory:
     host: str
     device: str | None = None
     disk: str | None = None
+    # A PersistentVolumeClaim for the disk tier instead of an emptyDir, so stored prefixes survive the pod's
+    # replacement (rolling update, eviction, deletion); each node's sidecar uses its own subdirectory (the node's
+    # name). None: an emptyDir (lost with the pod). docs/operator.md, "The disk tier across pod replacement".
+    diskClaim: str | None = None
 
 
 @dataclass(frozen=True)
@@ -266,6 +270,12 @@ class PromptCacheSpec:
             raise SpecError("exactly one of spec.model.revision or spec.model.weightsDigest must be set")
         for name in ("host", "device", "disk"):
             _positive_quantity(f"spec.memory.{name}", getattr(self.memory, name))
+        if self.memory.diskClaim is not None:
+            if not self.memory.disk:
+                raise SpecError("spec.memory.diskClaim needs spec.memory.disk (the disk tier's size)")
+            if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", self.memory.diskClaim):
+                raise SpecError(f"spec.memory.diskClaim {self.memory.diskClaim!r} is not a PersistentVolumeClaim "
+                                "name (lowercase letters, digits, '-' and '.')")
         _positive_quantity("spec.cachePolicy.maxChunkBytes", self.cachePolicy.maxChunkBytes)
         _positive_quantity("spec.cluster.segmentMemory", self.cluster.segmentMemory)
         if self.cluster.protocol not in CLUSTER_PROTOCOLS:
