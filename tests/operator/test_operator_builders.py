@@ -121,6 +121,8 @@ def test_config_change_rolls_pods():
     ({"cluster": {"master": {"replicas": 0}}}, "spec.cluster.master.replicas"),
     ({"cluster": {"master": {"etcdEndpoints": ["etcd"]}}}, "spec.cluster.master.etcdEndpoints"),
     ({"cluster": {"master": {"etcdEndpoints": ["http://etcd:2379"]}}}, "spec.cluster.master.etcdEndpoints"),
+    ({"memory": {"host": "1Gi", "diskClaim": "disk"}}, "spec.memory.diskClaim needs spec.memory.disk"),
+    ({"memory": {"host": "1Gi", "disk": "1Gi", "diskClaim": "Disk_1"}}, "spec.memory.diskClaim 'Disk_1'"),
 ])
 def test_model_rejects_what_the_crd_rejects(patch, field):
     spec = {**example("minimal")["spec"], **patch}
