@@ -45,4 +45,9 @@ for root in SOURCE_ROOTS:
 LAYOUT_WRITER = Extension("promptcache.client._layoutc", sources=["sidecar/promptcache/client/_layoutc.c"],
                           extra_compile_args=["-O3", "-std=c99"], optional=True)
 
-setup(packages=packages, package_dir=package_dir, cmdclass={"build_py": BuildWithStubs}, ext_modules=[LAYOUT_WRITER])
+# The sidecar's finite-values scan of every stored chunk (promptcache.contract.layout.values_finite), likewise.
+FINITE_SCAN = Extension("promptcache.contract._scanc", sources=["sidecar/promptcache/contract/_scanc.c"],
+                        extra_compile_args=["-O3", "-std=c99"], optional=True)
+
+setup(packages=packages, package_dir=package_dir, cmdclass={"build_py": BuildWithStubs},
+      ext_modules=[LAYOUT_WRITER, FINITE_SCAN])

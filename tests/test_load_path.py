@@ -114,3 +114,34 @@ def test_all_finite_agrees_with_isfinite_on_every_bit_pattern_class(dtype):
             x[3, 17] = special
         assert all_finite(x) == (special is None)
     assert all_finite(torch.empty(0, dtype=dtype))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16"])
+def test_the_compiled_finite_scan_and_the_numpy_one_agree_on_every_value_class(kv_dtype):
+    """values_finite's one-pass scan (_scanc.c) against values_finite_numpy and torch.isfinite: every 16-bit
+    pattern in its own block of 4096 (the scan stops per block), random 32-bit patterns, a bad value in the last
+    position of a buffer that is not a whole number of blocks, and the empty buffer."""
+    import numpy as np
+
+    from promptcache.contract import layout
+
+    assert layout.native_scan() is not None, "the compiled scan was not built: run make install (needs a C compiler)"
+    dtype = layout.TORCH_DTYPES[kv_dtype]
+    if dtype.itemsize == 2:
+        patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    else:
+        g = torch.Generator().manual_seed(1)
+        patterns = torch.randint(-2**31, 2**31 - 1, (1 << 16,), generator=g, dtype=torch.int32)
+        patterns[:4] = torch.tensor([0x7F800000, 0xFF800000 - 2**32, 0x7FC00001, 0x7F7FFFFF], dtype=torch.int32)
+    values = patterns.view(dtype)
+    finite = torch.isfinite(values)
+    fill = torch.zeros(4096 * 3 + 5, dtype=dtype)
+    for i in list(range(0, values.numel(), 97)) + torch.nonzero(~finite).flatten()[:300].tolist():
+        for at in (0, 4096, fill.numel() - 1):
+            buf = fill.clone()
+            buf[at] = values[i]
+            raw = buf.view(torch.uint8).numpy()
+            expected = bool(finite[i])
+            assert layout.values_finite(raw, kv_dtype) == expected, (kv_dtype, i, at)
+            assert layout.values_finite_numpy(raw, kv_dtype) == expected, (kv_dtype, i, at)
+    assert layout.values_finite(np.empty(0, dtype=np.uint8), kv_dtype)

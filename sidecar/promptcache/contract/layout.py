@@ -61,11 +61,48 @@ _NONFINITE = {"float32": (np.int32, np.uint32, 0x7F800000, 0xFF800000),
               "bfloat16": (np.int16, np.uint16, 0x7F80, 0xFF80)}
 
 
+_SCAN_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
+_scan = None
+
+
+def native_scan():
+    """The compiled one-pass scan (_scanc.c, built by setup.py at install) as a ctypes function, or None when it
+    was not built or PROMPTCACHE_NATIVE_SCAN=0."""
+    global _scan
+    if _scan is None:
+        _scan = False
+        import os
+
+        if os.environ.get("PROMPTCACHE_NATIVE_SCAN", "1") != "0":
+            import ctypes
+            from pathlib import Path
+
+            for path in sorted(Path(__file__).parent.glob("_scanc*.so")):
+                try:
+                    fn = ctypes.CDLL(str(path)).pc_all_finite
+                except (OSError, AttributeError):
+                    continue
+                fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+                _scan = fn
+                break
+    return _scan or None
+
+
 def values_finite(raw: np.ndarray, kv_dtype: str) -> bool:
-    """Whether the bytes `raw` (uint8, whole values of `kv_dtype`) hold no NaN or Inf. Read as integers, in two max
-    reductions and no temporary (2-3x faster than a float reduction for 16-bit floats, which widens every value):
-    a value is non-finite exactly when its bits as a signed integer are >= the positive pattern, or as an unsigned
-    one >= the negative pattern."""
+    """Whether the bytes `raw` (uint8, whole values of `kv_dtype`) hold no NaN or Inf: one pass of the compiled
+    scan (native_scan) over a contiguous buffer, else values_finite_numpy."""
+    scan = native_scan()
+    if scan is None or not raw.flags.c_contiguous or raw.size % ITEMSIZES[kv_dtype]:
+        return values_finite_numpy(raw, kv_dtype)
+    if raw.size == 0:
+        return True
+    return scan(raw.ctypes.data, raw.size // ITEMSIZES[kv_dtype], _SCAN_KINDS[kv_dtype]) == 1
+
+
+def values_finite_numpy(raw: np.ndarray, kv_dtype: str) -> bool:
+    """values_finite without compiled code. Read as integers, in two max reductions and no temporary (2-3x faster
+    than a float reduction for 16-bit floats, which widens every value): a value is non-finite exactly when its
+    bits as a signed integer are >= the positive pattern, or as an unsigned one >= the negative pattern."""
     signed, unsigned, positive, negative = _NONFINITE[kv_dtype]
     if raw.size == 0:
         return True

@@ -162,6 +162,7 @@ class MemoryTier:
         self._budget = budget_bytes
         self._entry_overhead = entry_overhead  # bytes held elsewhere per chunk (KV events' token ids), counted here
         self._entries: dict[bytes, Entry] = {}
+        self._soonest_expiry = math.inf  # at most the earliest expiry of an entry (_expire)
         self._used = 0
         self._reserved = 0
         self._draining = 0
@@ -227,9 +228,14 @@ class MemoryTier:
             listener.removed(entry, reason, age)
 
     def _expire(self, now: float) -> int:
+        # _soonest_expiry is at most every entry's expiry (kept on insert, recomputed here), so a full tier's
+        # every reserve does not scan all entries (a profile showed it) when none can have expired yet.
+        if now < self._soonest_expiry:
+            return 0
         expired = [e for e in self._entries.values() if e.expires <= now]
         for e in expired:
             self._remove(e, "ttl")
+        self._soonest_expiry = min((e.expires for e in self._entries.values()), default=math.inf)
         return len(expired)
 
     def expire(self) -> int:
@@ -309,6 +315,7 @@ class MemoryTier:
                           reservation.accounted, last_access=now, memfd=memfd, born=born, owner=owner,
                           values_finite=values_finite)
             self._entries[key] = entry
+            self._soonest_expiry = min(self._soonest_expiry, entry.expires)
             self._used += entry.accounted
             self.policy.inserted(key, entry.nbytes, parent)
             for listener in self._listeners:
