@@ -318,3 +318,14 @@ def test_reclaim_due():
     assert disk_mod.reclaim_due(1, True, budget)
     assert not disk_mod.reclaim_due(249, False, budget)
     assert disk_mod.reclaim_due(250, False, budget)
+
+
+def test_space_plan_is_sized_to_the_volume():
+    """The memtable (and so the WAL and one flush) stays small next to the volume, and the reserve covers a
+    flush of both memtables plus a MANIFEST and LOG (docs/disk-tier.md, "Full volumes")."""
+    mib = 1 << 20
+    for volume, wb, reserve in ((20 * mib, mib, 4 * mib), (64 * mib, 2 * mib, 6 * mib),
+                                (1 << 40, 64 * mib, 130 * mib), (mib, mib, 4 * mib)):
+        plan = disk_mod.space_plan(volume)
+        assert (plan.write_buffer, plan.reserve, plan.resume_margin) == (wb, reserve, wb), volume
+        assert plan.reserve >= 2 * plan.write_buffer + (2 << 20)

@@ -141,7 +141,8 @@ def test_space_freed_by_purge_goes_back_to_the_volume_and_spilling_resumes(fs_64
                               disk_min_free_bytes=16 << 20, data_dir=str(fs_64m), eviction_policy="lru")
     with PromptCacheClient(sidecar.address, timeout=20) as c:
         spilled = _spill_until_full(sidecar, c, 0)
-        assert _free(fs_64m) < 24 << 20, f"{spilled} chunks spilled and the volume still has room"
+        # (evicting to make room once full, the tier may already have given some back: docs/disk-tier.md)
+        assert _free(fs_64m) < 40 << 20, f"{spilled} chunks spilled and the volume still has room"
         assert c.purge(BIG)[0] > 0
         assert len(sidecar.spill.disk) == 0
         # RocksDB gives the deleted records' space back, and the tier sees it without any new put.
@@ -172,15 +173,18 @@ def test_spilling_resumes_after_rocksdb_itself_hit_enospc(fs_64m, sidecar_factor
                 except OSError:
                     pass
         _spill_until_full(sidecar, c, 100)
-        # A delete while full makes the tier flush and compact, and RocksDB's own blob write fails: from then on
-        # RocksDB refuses every write until the database is reopened.
+        # A delete while full makes the tier flush and compact. With its reserve released for that, RocksDB has
+        # room (before issue 27 its blob write failed here, and it refused every write until reopened); a write
+        # error, if one happens, is recovered by a reopen.
         assert c.delete(BIG, kept[3]) == 1
-        _wait(lambda: sidecar.spill.disk.stats().get("write_errors", 0) >= 1,
-              "RocksDB never failed a write on the full volume")
+        _wait(lambda: sum(sidecar.spill.disk.stats().get(k, 0) for k in ("reclaims", "write_errors")) >= 1,
+              "the delete on the full volume was neither compacted nor failed")
         os.unlink(ballast)
         _wait(lambda: sidecar_metric(sidecar, 'promptcache_disk_full{tier="disk"}') == 0,
               "the volume has room again but promptcache_disk_full stayed 1")
-        assert sidecar.spill.disk.stats()["reopens"] >= 1
+        stats = sidecar.spill.disk.stats()
+        assert stats.get("write_errors", 0) == 0 or stats["reopens"] >= 1
+        assert stats.get("evicted_space", 0) == 0  # filled by another file: the tier waited, it did not evict
         _spills_again(sidecar, c, 600)
     sidecar.stop(0)
     # After a restart: what was on disk before the failure is served bit-exact, and the delete held.
@@ -191,3 +195,181 @@ def test_spilling_resumes_after_rocksdb_itself_hit_enospc(fs_64m, sidecar_factor
             expected = make_kv(BIG, BIG_CHUNK, seed=7000 + i)
             assert cached == BIG_CHUNK and all(bool((a == b).all()) for (a, _), (b, _) in zip(kv, expected))
         assert c.lookup(BIG, kept[3]).cached_tokens == 0
+
+
+# --- issue 27 #1: a disk tier that fills its own volume heals, leaves no litter and restarts on a full volume ----
+HEAL = ModelSpec("test/heal", "rev-1", "float32", num_layers=4, num_kv_heads=8, head_dim=64)
+HEAL_CHUNK = 16  # 256 KiB chunks; 4 chunks a prompt
+
+
+class _LoggedSidecar:
+    """`promptcache serve` writing its log to a file (a pipe nobody reads would stall a chatty process)."""
+
+    def __init__(self, log_path, *args: str):
+        import sys
+
+        from promptcache.devtools.procs import free_port
+
+        self.port, self.metrics_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address",
+                                      self.address, "--metrics-port", str(self.metrics_port), "--log-format", "text",
+                                      *args], stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 60.0) -> "_LoggedSidecar":
+        from promptcache.devtools.procs import wait_healthy
+
+        wait_healthy(self.address, self.proc, timeout, lambda: f": {open(self.log_path).read()[-2000:]}")
+        return self
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"SIGTERM did not stop the sidecar in {timeout} s") from None
+        finally:
+            self._log.close()
+
+    def full(self) -> float:
+        return metric(self.metrics_port, 'promptcache_disk_full{tier="disk"}')
+
+
+def _heal_prompt(i: int) -> list[int]:
+    return [i * 100_000 + t for t in range(4 * HEAL_CHUNK)]
+
+
+def _fill_until_full(sc: _LoggedSidecar, client, first: int, most: int = 200) -> list[int]:
+    """Put up to `most` prompts until the tier reports its volume full (the gauge, or its log line: evicting to
+    make room, it may be spilling again by the time the gauge is read); returns the prompts then all on disk."""
+    def full_events() -> int:
+        return open(sc.log_path).read().count("disk full (")
+
+    before = full_events()
+    for i in range(first, first + most):
+        client.put(HEAL, _heal_prompt(i), make_kv(HEAL, 4 * HEAL_CHUNK, seed=i))
+        if i % 5 == 4 and (sc.full() == 1 or full_events() > before):
+            break
+    _wait(lambda: sc.full() == 1 or full_events() > before, "the disk tier never reported its volume full", 30)
+    return _on_disk(client, range(first, i + 1))
+
+
+def _held(path) -> int:
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+def _on_disk(client, prompts) -> list[int]:
+    return [i for i in prompts if [c.tier for c in client.lookup(HEAL, _heal_prompt(i)).chunks] == ["disk"] * 4]
+
+
+def _on_disk_prefix(client, prompts) -> list[int]:
+    return [i for i in prompts if [c.tier for c in client.lookup(HEAL, _heal_prompt(i)).chunks][:1] == ["disk"]]
+
+
+def _prefix_exact(client, i: int) -> bool:
+    """What is cached of prompt i (at least its first chunk) is served bit-exact."""
+    cached, kv = client.get(HEAL, _heal_prompt(i))
+    expected = make_kv(HEAL, 4 * HEAL_CHUNK, seed=i)
+    return cached >= HEAL_CHUNK and all(bool((a == b[:, :, :cached]).all()) for (a, _), (b, _) in zip(kv, expected))
+
+
+def _exact(client, i: int) -> bool:
+    cached, kv = client.get(HEAL, _heal_prompt(i))
+    expected = make_kv(HEAL, 4 * HEAL_CHUNK, seed=i)
+    return cached == 4 * HEAL_CHUNK and all(bool((a == b).all()) for (a, _), (b, _) in zip(kv, expected))
+
+
+def _fill_to_last_byte(path) -> None:
+    with open(path, "wb", buffering=0) as f:
+        for size in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError:
+                pass
+
+
+@pytest.mark.parametrize("size, margin", [
+    ("20m", "1Mi"),
+    pytest.param("64m", "1Mi", marks=pytest.mark.slow),
+    pytest.param("64m", "8Mi", marks=pytest.mark.slow),
+    pytest.param("64m", "16Mi", marks=pytest.mark.slow),
+    pytest.param("20m", "8Mi", marks=pytest.mark.slow),
+])
+def test_a_disk_tier_that_fills_its_volume_heals_and_restarts_on_it(tmp_path, size, margin):
+    """Issue 27 #1. On 23799b1 a disk tier that filled its own volume never recovered: after a Purge RocksDB hit
+    ENOSPC in the compaction meant to give the space back, every reopen left a LOG.old.*, SIGTERM exited 1 and
+    the next start exited 2. Now: the reserve is never spent by spilling, a Purge gives the space back and
+    spilling resumes, no LOG litter grows, SIGTERM exits 0, and a start on a volume full to the last byte comes
+    up serving what is on disk, refusing writes until there is room, then resumes by itself."""
+    from promptcache.client import PromptCacheClient
+    from promptcache.sidecar import disk as disk_mod
+
+    volume = tmp_path / "volume"
+    mount_tmpfs(volume, size)
+    logs = tmp_path / "sidecar.log"
+    args = ("--memory-bytes", "4Mi", "--chunk-tokens", str(HEAL_CHUNK), "--disk-bytes", "256Mi",
+            "--disk-min-free-bytes", margin, "--data-dir", str(volume), "--eviction-policy", "lru")
+    db = volume / "rocksdb"
+    total = shutil.disk_usage(volume).total
+    plan = disk_mod.space_plan(total)
+    sc = None
+    try:
+        sc = _LoggedSidecar(logs, *args).wait_ready()
+        with PromptCacheClient(sc.address, timeout=30) as c:
+            _fill_until_full(sc, c, 0)
+            # The reserve is released only for the moment a flush or compaction needs it, and is back after.
+            _wait(lambda: _held(db / disk_mod.RESERVE_FILE) >= plan.reserve, "the reserve was spent", 20)
+            assert c.purge(HEAL)[0] > 0
+            # The space goes back to the volume, and the tier says so, without any new put.
+            _wait(lambda: sc.full() == 0 and _free(volume) > total - plan.reserve - (4 << 20),
+                  f"purged, but disk_full={sc.full()} and the volume has {_free(volume)} of {total} bytes free", 30)
+            on_disk = _fill_until_full(sc, c, 1000)
+            assert len(on_disk) >= 3, f"{len(on_disk)} prompts spilled after the space came back"
+            assert _exact(c, on_disk[-1])  # promoted to memory by this read (and lost at the stop: no room)
+        time.sleep(2 * disk_mod.RECOVERY_INTERVAL + 1)  # time for any reopen loop to leave its litter
+        litter = [n for n in os.listdir(db) if n.startswith("LOG.old")]
+        assert len(litter) < disk_mod.KEEP_INFO_LOGS, litter
+        assert sc.terminate() == 0, open(logs).read()[-2000:]
+        # Worst case: the reserve file gone too (a volume filled before this version), and the volume full to
+        # its last byte. The sidecar starts anyway, serves what is on disk, refuses to spill.
+        (db / disk_mod.RESERVE_FILE).unlink(missing_ok=True)  # (released by the stop when the volume was full)
+        _fill_to_last_byte(volume / "ballast")
+        assert _free(volume) < 64 << 10
+        started = len(open(logs).read())
+        sc = _LoggedSidecar(logs, *args).wait_ready()
+        with PromptCacheClient(sc.address, timeout=30) as c:
+            # It came up on the full volume and refused to spill (its own records filling the volume, it then
+            # makes room by evicting the oldest: docs/disk-tier.md).
+            assert "no room" in open(logs).read()[started:], open(logs).read()[started:][-2000:]
+            kept = _on_disk_prefix(c, range(1000, 1200))
+            assert kept, "nothing the tier held was found after the restart on the full volume"
+            assert _prefix_exact(c, kept[-1]), "a chunk on the full volume was not served after the restart"
+            os.unlink(volume / "ballast")
+            _wait(lambda: sc.full() == 0, "the ballast is gone but promptcache_disk_full stayed 1", 30)
+            for i in range(5000, 5040):  # (evicting against the volume's capacity it may not run full again)
+                c.put(HEAL, _heal_prompt(i), make_kv(HEAL, 4 * HEAL_CHUNK, seed=i))
+            assert _on_disk_prefix(c, range(5000, 5040)), "nothing was spilled after the restart on a full volume"
+        assert sc.terminate() == 0, open(logs).read()[-2000:]
+        # Restarting on the volume the tier filled itself (reserve in place) is a plain start.
+        sc = _LoggedSidecar(logs, *args).wait_ready()
+        with PromptCacheClient(sc.address, timeout=30) as c:
+            kept = _on_disk_prefix(c, range(5000, 5200))
+            assert kept and _prefix_exact(c, kept[-1])
+        assert sc.terminate() == 0
+        out = open(logs).read()
+        assert "Traceback" not in out, out[-3000:]
+        litter = [n for n in os.listdir(db) if n.startswith("LOG.old")]
+        assert len(litter) < disk_mod.KEEP_INFO_LOGS, litter
+    finally:
+        if sc is not None and sc.proc.poll() is None:
+            sc.proc.kill()
+            sc.proc.wait()
+        subprocess.run(["umount", "-l", str(volume)], check=False)

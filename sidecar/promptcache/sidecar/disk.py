@@ -20,7 +20,9 @@ Standalone: the memory store demotes into it (`put`) and promotes out of it (`ge
   RocksDB flushes and compacts them away, so the writer does that after enough deletes (and at once while full);
   after a RocksDB write error it reopens the database (the only way out of RocksDB's read-only error state) and
   deletes whatever the index no longer holds. While full it looks at the free space every second and resumes
-  spilling when it is back above `min_free_bytes`.
+  spilling when it is back above `min_free_bytes`. A reserve file it never spills into gives RocksDB room to
+  give space back, open and close on a full volume (read-only if it must); when its own records fill the
+  volume it evicts the oldest. The guarantee: docs/disk-tier.md, "Full volumes" (SpacePlan).
 * One owner. RocksDB's LOCK file keeps a second process off the folder; `DiskTier` waits for it up to
   `lock_wait_seconds` (a rolling update overlaps two pods briefly) and then raises DiskTierError naming the
   holder. A held lock is never mistaken for corruption: only files RocksDB cannot read are repaired or moved aside.
@@ -57,8 +59,30 @@ DEFAULT_CODEC = "none"  # chosen by measurement, see docs/disk-tier.md
 
 
 OWNER_FILE = "promptcache.owner"  # who opened the database last: named when a second process finds it locked
+RESERVE_FILE = "promptcache.reserve"  # space held aside (allocated) for the writes that give space back
 RECOVERY_INTERVAL = 2.0  # seconds between attempts to reopen RocksDB after a write error
-RESUME_MARGIN = 4 << 20  # spilling resumes at min_free_bytes plus this much free: no flapping at the very edge
+MAX_INFO_LOG_BYTES = 256 << 10  # RocksDB's LOG file is rolled at this size ...
+KEEP_INFO_LOGS = 2  # ... and at most this many LOG files are kept (a reopen loop leaves no growing LOG.old.*)
+
+
+@dataclass(frozen=True)
+class SpacePlan:
+    """How the tier uses its volume (docs/disk-tier.md, "Full volumes"). RocksDB needs room to give space back:
+    a flush writes the memtable out (the blob file is as large as the payloads it holds) before its WAL can
+    go, opening writes a MANIFEST, OPTIONS and LOG and replays the WAL into a flush, and compaction writes its
+    output before deleting its input. So the memtable (and with it the WAL) is kept small, and `reserve` bytes
+    are held aside in RESERVE_FILE (allocated, never written to by spilling): the tier releases it just before
+    an open, flush or compaction on a volume that is nearly full, and allocates it again afterwards. Spilling
+    needs the reserve in place and `min_free_bytes + write_buffer + batch` free, so the memtable can always
+    be flushed; it resumes once `resume_margin` more than that is free."""
+    write_buffer: int  # RocksDB memtable size (max two: the WAL holds at most 2x this)
+    reserve: int
+    resume_margin: int
+
+
+def space_plan(volume_bytes: int) -> SpacePlan:
+    wb = min(64 << 20, max(1 << 20, volume_bytes // 32))
+    return SpacePlan(write_buffer=wb, reserve=2 * wb + (2 << 20), resume_margin=wb)
 
 
 class DiskTierError(RuntimeError):
@@ -182,19 +206,38 @@ class DiskTier:
         self._last_space_check = 0.0
         self._deleted_since_reclaim = 0  # bytes of records deleted since the last flush + compaction
         self._closed = False
+        self._read_only = False  # opened read-only (no room to open for writing): served, never written
+        self._space_cap: int | None = None  # a budget the volume can hold, learned when it ran full (None: budget)
+        self._cap_checked = 0.0
         self.counters = collections.Counter()
         self.open_report: dict = {}
+        self.plan = space_plan(1 << 30)  # sized to the volume once the folder exists (_open_db)
         self._db = self._open_db(sync)
         self._rebuild_index()
         self._writer = threading.Thread(target=self._write_loop, name="promptcache-disk-writer", daemon=True)
         self._writer.start()
 
     # ------------------------------------------------------------------------------------------------ opening
+    def _volume_bytes(self) -> int:
+        try:
+            return shutil.disk_usage(self.path).total
+        except OSError:
+            return 1 << 30
+
     def _options(self):
         import rocksdict as rd
 
         opts = rd.Options(raw_mode=True)
         opts.create_if_missing(True)
+        plan = self.plan
+        opts.set_write_buffer_size(plan.write_buffer)
+        opts.set_max_write_buffer_number(2)
+        opts.set_max_total_wal_size(2 * plan.write_buffer)
+        opts.set_blob_file_size(plan.write_buffer)
+        opts.set_manifest_preallocation_size(64 << 10)  # 4 MiB by default, allocated at every open
+        opts.set_max_manifest_file_size(4 << 20)
+        opts.set_keep_log_file_num(KEEP_INFO_LOGS)
+        opts.set_max_log_file_size(MAX_INFO_LOG_BYTES)
         opts.set_paranoid_checks(True)
         opts.set_wal_recovery_mode(rd.DBRecoveryMode.point_in_time())
         table = rd.BlockBasedOptions()
@@ -214,21 +257,33 @@ class DiskTier:
 
         try:
             os.makedirs(self.path, exist_ok=True)
-            probe = os.path.join(self.path, ".write-probe")
-            with open(probe, "wb") as f:
-                f.write(b"ok")
-            os.unlink(probe)
+            self.plan = space_plan(self._volume_bytes())
+            self._probe()
         except OSError as exc:
-            raise DiskTierError(f"disk tier path {self.path} is not writable: {exc.strerror or exc}") from None
-        self.open_report = {"repaired": False, "quarantined": None}
+            if exc.errno != errno.ENOSPC:
+                raise DiskTierError(f"disk tier path {self.path} is not writable: {exc.strerror or exc}") from None
+            # a full volume is no reason not to start: RocksDB gets the reserve, or opens read-only below
+        self.open_report = {"repaired": False, "quarantined": None, "read_only": False}
         try:
-            db = self._open_waiting_for_lock()
+            try:
+                db = self._open_waiting_for_lock()
+            except DiskTierError:
+                raise
+            except Exception as exc:
+                if not is_no_space_error(str(exc)):
+                    raise
+                # Opening replays the WAL into a flush and writes a MANIFEST and a LOG: it gets the reserve.
+                # (Only now: while another process holds the lock, the reserve is that process's.)
+                self._release_reserve()
+                db = self._open_waiting_for_lock()
         except DiskTierError:
             raise
         except Exception as exc:  # corrupt files: try RocksDB's repair, then start afresh beside the old files
-            if is_no_space_error(str(exc)):  # not corruption: nothing is moved aside
-                raise DiskTierError(f"disk tier {self.path}: RocksDB cannot open for lack of space on the volume "
-                                    f"({exc}); free some space") from None
+            if is_no_space_error(str(exc)):  # not corruption: nothing is moved aside; serve what can be read
+                db = self._open_read_only(exc)
+                self._write_opts = rd.WriteOptions()
+                self._write_opts.sync = sync
+                return db
             log.error("disk tier %s: cannot open RocksDB (%s); trying repair", self.path, exc)
             try:
                 rd.Rdict.repair(self.path, self._options())
@@ -247,7 +302,82 @@ class DiskTier:
         self._write_opts = rd.WriteOptions()
         self._write_opts.sync = sync
         self._write_owner()
+        if not self._ensure_reserve():
+            self.disk_full = True
+            self._disk_full_since = self.clock()
+            log.error("disk tier %s: no room for its %d-byte reserve; spilling waits for free space", self.path,
+                      self.plan.reserve)
         return db
+
+    def _probe(self) -> None:
+        probe = os.path.join(self.path, ".write-probe")
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            try:
+                os.unlink(probe)
+            except FileNotFoundError:
+                pass
+
+    def _open_read_only(self, why: Exception):
+        """No room to open for writing: open read-only (nothing is written), serve what it holds, refuse
+        writes; the writer reopens it for writing once there is room (_recover)."""
+        import rocksdict as rd
+
+        opts = self._options()
+        opts.create_if_missing(False)
+        try:
+            db = rd.Rdict(self.path, opts, access_type=rd.AccessType.read_only())
+        except Exception as exc:  # noqa: BLE001 - RocksDB raises plain Exception
+            raise DiskTierError(f"disk tier {self.path}: RocksDB cannot open for lack of space on the volume "
+                                f"({why}), nor read-only ({exc}); free some space") from None
+        self._read_only = True
+        self._broken = True  # the writer's recovery path reopens it for writing
+        self.disk_full = True
+        self._disk_full_since = self.clock()
+        self.open_report["read_only"] = True
+        self.counters["opened_read_only"] += 1
+        log.error("disk tier %s: no room on the volume to open RocksDB for writing (%s); serving what it holds "
+                  "read-only, spilling resumes once there is room", self.path, why)
+        return db
+
+    # ------------------------------------------------------------------------------------------------ reserve
+    def _reserve_path(self) -> str:
+        return os.path.join(self.path, RESERVE_FILE)
+
+    def _reserve_held(self) -> int:
+        try:
+            return os.stat(self._reserve_path()).st_blocks * 512
+        except OSError:
+            return 0
+
+    def _ensure_reserve(self) -> bool:
+        """Allocate the reserve file (posix_fallocate: blocks taken, not a sparse file). False: no room yet."""
+        if self._reserve_held() >= self.plan.reserve:
+            return True
+        try:
+            fd = os.open(self._reserve_path(), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return False
+        try:
+            os.posix_fallocate(fd, 0, self.plan.reserve)
+            return True
+        except OSError:
+            os.ftruncate(fd, 0)  # a partial allocation is given back: it would only hide the free space
+            return False
+        finally:
+            os.close(fd)
+
+    def _release_reserve(self) -> int:
+        held = self._reserve_held()
+        try:
+            os.unlink(self._reserve_path())
+        except OSError:
+            pass
+        return held
 
     def _open_waiting_for_lock(self):
         """rd.Rdict(path), waiting up to lock_wait_seconds while another process holds the LOCK file (a rolling
@@ -340,7 +470,7 @@ class DiskTier:
                 it.next()
         finally:
             del it
-        if stale or orphans:
+        if (stale or orphans) and not self._read_only:
             wb = rd.WriteBatch(raw_mode=True)
             for key in set(stale) | set(orphans):
                 wb.delete(_IDX + key)
@@ -384,7 +514,7 @@ class DiskTier:
                 return False
             if key in self.index or key in self.pending:
                 self._drop_locked(key)
-            while self.used + e.nbytes > self.budget:
+            while self.used + e.nbytes > self._effective_budget():
                 v = self.policy.victim()
                 if v is None:
                     break
@@ -423,6 +553,8 @@ class DiskTier:
                 return p[1]
         db = self._db
         try:
+            if db is None:
+                raise DiskTierError("closed")
             data = db.get(_DAT + key)
         except Exception as exc:  # an I/O or corruption error reading one record: treat as corrupt
             if self._broken or db is not self._db:  # the handle is being reopened: a miss, the record is fine
@@ -502,11 +634,55 @@ class DiskTier:
         if self._broken or now - self._disk_full_since < 1.0:
             return False
         self._disk_full_since = now
-        if self._free_bytes() >= self.min_free_bytes + need:
+        if self._room_to_write(need, self.plan.resume_margin):
             self.disk_full = False
             log.warning("disk tier %s: free space is back; spilling resumes", self.path)
             return True
         return False
+
+    def _effective_budget(self) -> int:
+        return self.budget if self._space_cap is None else min(self.budget, self._space_cap)
+
+    def _make_room_locked(self, need: int) -> None:
+        """The volume is full before the budget is: from now on the budget is what the volume holds (less
+        room for `need` and two memtables), and the oldest records go (eviction, as for the budget) so their
+        space comes back (the deletes are compacted at once while full) and spilling resumes."""
+        cap = max(0, self.used - need - self.plan.write_buffer)
+        self._space_cap = cap if self._space_cap is None else min(cap, self._space_cap)
+        while self.used > self._space_cap:
+            v = self.policy.victim()
+            if v is None:
+                break
+            self._drop_locked(v)
+            self.counters["evicted_space"] += 1
+
+    def _fills_its_volume(self) -> bool:
+        """Whether the tier's own records are most of what fills the volume: then it yields space by evicting
+        its oldest. Filled by something else, it only stops spilling and waits (it does not fight for room)."""
+        try:
+            usage = shutil.disk_usage(self.path)
+        except OSError:
+            return False
+        return self.used + self._reserve_held() >= (usage.total - usage.free) // 2
+
+    def _maybe_raise_cap(self) -> None:
+        """Free space came back from elsewhere (another file removed): let the budget grow back towards it."""
+        now = time.monotonic()
+        if self._space_cap is None or self.disk_full or now - self._cap_checked < 5.0:
+            return
+        self._cap_checked = now
+        room = self._free_bytes() - self.min_free_bytes - 3 * self.plan.write_buffer
+        if room > 0:
+            with self._lock:
+                self._space_cap += room
+                if self._space_cap >= self.budget:
+                    self._space_cap = None
+
+    def _room_to_write(self, need: int, margin: int = 0) -> bool:
+        """Whether `need` more bytes may be written: the reserve is in place and the memtable can still be
+        flushed with min_free_bytes left over (SpacePlan)."""
+        return (self._reserve_held() >= self.plan.reserve
+                and self._free_bytes() >= self.min_free_bytes + self.plan.write_buffer + need + margin)
 
     def _free_bytes(self) -> int:
         try:
@@ -539,7 +715,7 @@ class DiskTier:
                     return
                 batch = []
                 nbytes = 0
-                while self._ops and len(batch) < 64 and nbytes < (64 << 20):
+                while self._ops and len(batch) < 64 and nbytes < min(64 << 20, self.plan.write_buffer):
                     op = self._ops.popleft()
                     batch.append(op)
                     if op[0] == "put":
@@ -557,8 +733,12 @@ class DiskTier:
         deleted = sum(op[2] for op in batch if op[0] == "del")
         if self._broken:  # puts fail; deletes are redone by _recover (it drops whatever the index lacks)
             ok = False
-        elif puts and self._free_bytes() < self.min_free_bytes + nbytes:
-            self._set_disk_full(f"free space below {self.min_free_bytes} bytes")
+        elif puts and not self._room_to_write(nbytes):
+            self._set_disk_full(f"free space below {self.min_free_bytes} bytes (--disk-min-free-bytes) plus "
+                                f"{self.plan.write_buffer} for RocksDB's memtable, or its reserve not in place")
+            if self._fills_its_volume():  # evict to make room (for the reserve too, when it is not in place)
+                with self._lock:
+                    self._make_room_locked(nbytes + max(0, self.plan.reserve - self._reserve_held()))
             ok = False
             self._apply_deletes_only(batch, deleted)
         else:
@@ -628,46 +808,85 @@ class DiskTier:
                 return
         if reclaim_due(self._deleted_since_reclaim, self.disk_full, self.budget):
             self._reclaim()
+        self._maybe_raise_cap()
         if self.disk_full and not self._broken and now - self._last_space_check >= 1.0:
             self._last_space_check = now
-            free = self._free_bytes()
+            self._ensure_reserve()
+            room = self._room_to_write(0, self.plan.resume_margin)
+            if not room and self._fills_its_volume():
+                # Its own records fill the volume (a restart on it, deletes not enough): make the room itself.
+                deficit = (self.min_free_bytes + self.plan.write_buffer + self.plan.resume_margin
+                           - self._free_bytes()) + max(0, self.plan.reserve - self._reserve_held())
+                if deficit > 0:
+                    with self._lock:
+                        self._make_room_locked(deficit)
             with self._lock:
-                if self.disk_full and free >= self.min_free_bytes + RESUME_MARGIN:
+                if self.disk_full and room:
                     self.disk_full = False
-                    log.warning("disk tier %s: free space is back (%d bytes); spilling resumes", self.path, free)
+                    log.warning("disk tier %s: free space is back (%d bytes); spilling resumes", self.path,
+                                self._free_bytes())
 
     def _reclaim(self) -> None:
         """Flush the memtable (drops records deleted before they reached a file, and frees the WAL) and compact
         everything (drops tombstones; blob files left without live records are deleted)."""
         before = self._free_bytes()
+        if before < self.min_free_bytes + self.plan.reserve:
+            before += self._release_reserve()  # the flush and the compaction need room to give space back
+            self.counters["reserve_released"] += 1
         try:
             self._db.flush()
-            self._db.compact_range(None, None)
+            self._compact()
         except Exception as exc:
             log.error("disk tier %s: compaction to free deleted space failed: %s", self.path, exc)
             self._set_disk_full(f"compaction failed: {exc}", broken=True)
+            self._ensure_reserve()
             return
+        after = self._free_bytes()
+        self._ensure_reserve()
         self.counters["reclaims"] += 1
         log.info("disk tier %s: compacted after deleting %d bytes; the volume has %d bytes more free", self.path,
-                 self._deleted_since_reclaim, self._free_bytes() - before)
+                 self._deleted_since_reclaim, after - before)
         self._deleted_since_reclaim = 0
 
+    def _compact(self) -> None:
+        """Compact everything: tombstones go, and blob files left without live records are deleted. Blob garbage
+        collection (rewriting the live records of the oldest quarter of the blob files) needs room for what it
+        rewrites, so it is off for this compaction unless the volume has that much free."""
+        gc = self._free_bytes() >= self.used // 4 + self.plan.reserve
+        if not gc:
+            try:
+                self._db.set_options({"enable_blob_garbage_collection": "false"})
+            except Exception:  # noqa: BLE001 - an older RocksDB: compact with it on
+                gc = True
+        try:
+            self._db.compact_range(None, None)
+        finally:
+            if not gc:
+                try:
+                    self._db.set_options({"enable_blob_garbage_collection": "true"})
+                except Exception:  # noqa: BLE001
+                    pass
+
     def _recover(self) -> None:
-        """After a RocksDB write error the handle stays read-only until reopened (rocksdict has no Resume): close
-        it, open again, and delete every record the index no longer holds (deletes that failed meanwhile)."""
+        """After a RocksDB write error the handle stays read-only until reopened (rocksdict has no Resume), and a
+        database opened read-only (no room at start) must be reopened for writing: close it, release the
+        reserve, open again, delete every record the index no longer holds (deletes that failed meanwhile),
+        flush and compact (the space goes back), allocate the reserve again. If that fails the database is
+        opened read-only again, so what it holds is still served."""
         import rocksdict as rd
 
-        try:
-            self._db.close()
-        except Exception:  # noqa: BLE001 - closing a broken handle reports its error again; it closes anyway
-            pass
+        with self._lock:
+            known = set(self.index) | set(self.pending)
+        if self._free_bytes() + self._reserve_held() < self.plan.reserve and known:
+            self.counters["reopen_waits"] += 1  # no room to open yet; nothing is tried, nothing is written
+            return
+        self._close_db()
+        self._release_reserve()
         opts = self._options()
         opts.create_if_missing(False)  # a folder removed under us stays an error, not a new empty database
+        stale = []
         try:
             self._db = rd.Rdict(self.path, opts)
-            with self._lock:
-                known = set(self.index) | set(self.pending)
-            stale = []
             it = self._db.iter()
             it.seek_to_first()
             try:
@@ -683,18 +902,68 @@ class DiskTier:
                 wb.delete(k)
             self._db.write(wb, self._write_opts)
             self._db.flush()
-            self._db.compact_range(None, None)
+            self._compact()
         except Exception as exc:  # noqa: BLE001 - still no space, or the files went away: try again later
             self.counters["reopen_failures"] += 1
             if self.counters["reopen_failures"] % 60 == 1:  # the first failure, then every two minutes or so
                 log.error("disk tier %s: reopening RocksDB after an error failed: %s; retrying every %g s",
                           self.path, exc, RECOVERY_INTERVAL)
+            self._close_db()
+            if not known and is_no_space_error(str(exc)) and self._start_afresh():
+                return
+            self._reopen_read_only()
+            self._ensure_reserve()
             return
         self._broken = False
+        self._read_only = False
         self._deleted_since_reclaim = 0
         self.counters["reopens"] += 1
-        log.warning("disk tier %s: RocksDB reopened after an error; %d stale records deleted", self.path,
+        self._ensure_reserve()
+        log.warning("disk tier %s: RocksDB reopened for writing; %d stale records deleted", self.path,
                     len(stale) // 2)
+
+    def _close_db(self) -> None:
+        db, self._db = self._db, None
+        if db is not None:
+            try:
+                db.close()
+            except Exception:  # noqa: BLE001 - closing a broken handle reports its error again; it closes anyway
+                pass
+
+    def _reopen_read_only(self) -> None:
+        import rocksdict as rd
+
+        opts = self._options()
+        opts.create_if_missing(False)
+        try:
+            self._db = rd.Rdict(self.path, opts, access_type=rd.AccessType.read_only())
+            self._read_only = True
+        except Exception:  # noqa: BLE001 - nothing readable: every read is a miss until the next attempt
+            self._db = None
+
+    def _start_afresh(self) -> bool:
+        """The index holds nothing (everything was deleted) but RocksDB cannot even open to drop it (a
+        volume filled before this version kept a reserve): remove its files and start an empty database."""
+        import rocksdict as rd
+
+        try:
+            for name in os.listdir(self.path):
+                if name not in (OWNER_FILE,):
+                    full = os.path.join(self.path, name)
+                    shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.unlink(full)
+            self._db = rd.Rdict(self.path, self._options())
+        except Exception as exc:  # noqa: BLE001
+            log.error("disk tier %s: starting an empty database failed: %s", self.path, exc)
+            self._close_db()
+            return False
+        self._broken = self._read_only = False
+        self._deleted_since_reclaim = 0
+        self.counters["reopens"] += 1
+        self.counters["started_afresh"] += 1
+        self._ensure_reserve()
+        log.warning("disk tier %s: every record was deleted and RocksDB had no room to open; started an empty "
+                    "database", self.path)
+        return True
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait until every queued write is committed."""
@@ -714,7 +983,19 @@ class DiskTier:
             self._closed = True
             self._cv.notify_all()
         self._writer.join()
-        self._db.close()
+        db, self._db = self._db, None
+        if db is None:
+            return
+        if not self._read_only and self._free_bytes() < self.min_free_bytes + self.plan.reserve:
+            self._release_reserve()  # closing flushes the memtable: it needs room (allocated again at open)
+        try:
+            db.close()
+        except Exception as exc:  # noqa: BLE001 - RocksDB raises plain Exception
+            if not is_no_space_error(str(exc)):
+                raise
+            # Not flushed for lack of space: the WAL still holds every committed write (replayed at open).
+            log.warning("disk tier %s: closed without flushing its memtable (no space: %s); the WAL keeps the "
+                        "writes", self.path, exc)
 
     def __enter__(self) -> "DiskTier":
         return self
@@ -726,7 +1007,8 @@ class DiskTier:
     def stats(self) -> dict:
         with self._lock:
             return {"entries": len(self.index) + len(self.pending), "bytes_used": self.used,
-                    "budget_bytes": self.budget, "queued_puts": self._queued_puts,
+                    "budget_bytes": self.budget, "space_cap_bytes": self._space_cap or 0,
+                    "queued_puts": self._queued_puts,
                     "queued_bytes": self._queued_bytes, "disk_full": self.disk_full, **self.counters}
 
 

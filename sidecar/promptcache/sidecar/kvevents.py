@@ -45,7 +45,7 @@ BATCH_SECONDS = 0.02
 MAX_BATCH = 1024
 MAX_PODS = 32  # per model: a node runs a few inference pods; each is one more copy of every event (fan-out)
 MAX_PODS_PER_CLIENT = 4  # pod names one caller (tenant, or peer host without auth) may bind
-HELD_OVERHEAD_BYTES = 256  # per chunk held for events besides 4 bytes a token (measured 173-205: dict slot, tuple, array)
+HELD_OVERHEAD_BYTES = 256  # per chunk held, besides 4 bytes a token (measured 173-205: dict slot, tuple, array)
 
 
 def held_bytes_per_chunk(chunk_tokens: int) -> int:
