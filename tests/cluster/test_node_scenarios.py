@@ -158,6 +158,41 @@ def test_disk_tier_on_a_claim_survives_a_rolling_update(cluster, release, gpu_no
     assert results == {"persisted": 4 * CHUNK, "ephemeral": 0}
 
 
+def _condition(cluster, ns: str, name: str, type_: str = "Ready") -> dict:
+    st = cluster.get("promptcache", "-n", ns, name).get("status") or {}
+    return {c["type"]: c for c in st.get("conditions") or []}.get(type_) or {}
+
+
+def test_resource_quota_stops_a_cache_that_asks_too_much_and_the_status_says_so(cluster, release, gpu_node):
+    """Scenario 5: a tenant namespace's ResourceQuota (limits.memory 2Gi) and a cache whose sidecar asks for more
+    (4Gi host + the operator's overhead): the API server refuses the DaemonSet's pod, no sidecar runs, and the
+    PromptCache says Ready=False / Degraded=True, reason QuotaExceeded, naming the quota (the operator reads the
+    DaemonSet's FailedCreate events). The same cache shrunk to fit (the control) gets its sidecar and is Ready."""
+    ns, name = "quota", "too-big"
+    restricted_namespace(cluster, ns)
+    cluster.apply({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "tenant"},
+                   "spec": {"hard": {"limits.memory": "2Gi"}}}, namespace=ns)
+    doc = {"apiVersion": "promptcache.io/v1alpha1", "kind": "PromptCache", "metadata": {"name": name},
+           "spec": {"model": {"name": MODEL.model_id, "revision": MODEL.revision}, "memory": {"host": "4Gi"}}}
+    cluster.apply(doc, namespace=ns)
+    ready = wait_for(lambda: (lambda c: c if c.get("reason") == "QuotaExceeded" else None)(
+        _condition(cluster, ns, name)), 120, "Ready=False reason QuotaExceeded on the PromptCache")
+    assert ready["status"] == "False"
+    assert "exceeded quota: tenant" in ready["message"] and "limits.memory" in ready["message"], ready
+    assert _condition(cluster, ns, name, "Degraded")["reason"] == "QuotaExceeded"
+    assert sidecar_pods(cluster, ns, name) == [], "the quota did not stop the sidecar pod"
+    ds = cluster.get("daemonset", "-n", ns, name)["status"]
+    assert ds["desiredNumberScheduled"] == 1 and ds.get("currentNumberScheduled", 0) == 0
+    # Control: the same cache within the quota runs, and the condition clears.
+    doc["spec"]["memory"]["host"] = "256Mi"
+    cluster.apply(doc, namespace=ns)
+    wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 240,
+             f"a Ready sidecar of {ns}/{name} within the quota")
+    wait_for(lambda: _condition(cluster, ns, name).get("status") == "True", 120, "the PromptCache Ready")
+    assert _condition(cluster, ns, name, "Degraded")["status"] == "False"
+    cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
 def _children(cluster, ns: str, name: str) -> dict[str, str]:
     """uid of each child of the cache, by kind/name, found by the operator's label."""
     out = {}
