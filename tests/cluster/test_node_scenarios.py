@@ -320,3 +320,59 @@ def test_in_cluster_get_throughput(cluster, minimal_cache):
     assert set(got) == {t["name"] for t in targets}
     # every chunk (1 at 8 MiB, 8 at 64 MiB) lent at least once (the client may keep a mapping for the next Get)
     assert got[targets[0]["name"]]["lent_chunks"] >= 1 + 8, "Gets on the unix socket were not lent"
+
+
+def _traffic_lines(cluster, ns: str, pod: str) -> list[dict]:
+    out = cluster.kubectl("logs", "-n", ns, pod, check=False).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_sidecar_deleted_mid_traffic_inference_pod_falls_back_and_hits_resume(cluster, minimal_cache):
+    """Scenario 3 under traffic: an inference pod in another (restricted) namespace runs promptcache.client.hf
+    against its node's sidecar through the node-local Service and gets hits on a shared prefix. The sidecar pod is
+    deleted mid-traffic: the inference pod keeps answering (full prefills, counted in
+    promptcache_client_fallbacks_total), the DaemonSet brings the sidecar back, and hits resume, without the
+    inference pod restarting; every answer equals a plain prefill without the cache."""
+    ns, cache_ns, name = "apps", minimal_cache["ns"], minimal_cache["name"]
+    restricted_namespace(cluster, ns)
+    svc = cluster.get("service", "-n", cache_ns, name)["spec"]["clusterIP"]
+    cluster.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "hf-traffic"},
+                   "data": {"hf_traffic.py": (Path(__file__).parent / "hf_traffic.py").read_text()}}, namespace=ns)
+    pod = "inference"
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
+                   "spec": {"restartPolicy": "Always", "enableServiceLinks": False,
+                            "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                                                "seccompProfile": {"type": "RuntimeDefault"}},
+                            "containers": [{"name": "app", "image": "ghcr.io/promptcache/promptcache-sidecar:0.1.0",
+                                            "imagePullPolicy": "IfNotPresent",
+                                            "command": ["python3", "/traffic/hf_traffic.py", f"{svc}:50051",
+                                                        MODEL.model_id, MODEL.revision],
+                                            "env": [{"name": "HOME", "value": "/tmp"}],
+                                            "securityContext": RESTRICTED_CONTAINER,
+                                            "volumeMounts": [{"name": "traffic", "mountPath": "/traffic"},
+                                                             {"name": "tmp", "mountPath": "/tmp"}]}],
+                            "volumes": [{"name": "traffic", "configMap": {"name": "hf-traffic"}},
+                                        {"name": "tmp", "emptyDir": {}}]}}, namespace=ns)
+    wait_for(lambda: any(x["cached"] > 0 for x in _traffic_lines(cluster, ns, pod)), 240,
+             "the inference pod's first hit through the node-local Service")
+    old = wait_for(lambda: [p for p in sidecar_pods(cluster, cache_ns, name) if _ready(p)] or None, 60,
+                   "a Ready sidecar")[0]
+    deleted_at = time.time()
+    cluster.kubectl("delete", "pod", "-n", cache_ns, old["metadata"]["name"], "--wait=false")
+    wait_for(lambda: [p for p in sidecar_pods(cluster, cache_ns, name)
+                      if _ready(p) and p["metadata"]["uid"] != old["metadata"]["uid"]] or None, 180,
+             "the replacement sidecar pod")
+    back_at = time.time()
+    lines = wait_for(lambda: (lambda ls: ls if any(x["t"] > back_at and x["cached"] > 0 for x in ls) else None)(
+        _traffic_lines(cluster, ns, pod)), 120, "hits again after the sidecar came back")
+    before = [x for x in lines if x["t"] < deleted_at]
+    during = [x for x in lines if deleted_at <= x["t"] <= back_at]
+    assert during, "the inference pod stopped answering while its sidecar was gone"
+    assert any(x["fallback"] for x in during), during[:5]
+    assert lines[-1]["fallbacks_total"] > before[-1]["fallbacks_total"], "fallbacks not counted"
+    assert all(x["same_token"] and x["max_abs_diff"] < 1e-4 for x in lines), \
+        [x for x in lines if not x["same_token"] or x["max_abs_diff"] >= 1e-4][:3]
+    gaps = [b["t"] - a["t"] for a, b in zip(lines, lines[1:])]
+    assert max(gaps) < 10, f"an answer took {max(gaps):.1f}s while the sidecar was replaced"
+    assert restarts(cluster.get("pod", "-n", ns, pod)) == 0, "the inference pod restarted"
+    cluster.kubectl("delete", "pod", "-n", ns, pod, "--wait=false")
