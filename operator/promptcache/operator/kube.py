@@ -139,6 +139,18 @@ class Kube:
         path = object_path(f"{GROUP}/{VERSION}", "PromptCache", namespace, name) + "/status"
         return self.request("PATCH", path, body={"status": status}, content_type="application/merge-patch+json")
 
+    def failed_creates(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]:
+        """The FailedCreate events of one object (core/v1 events, as the DaemonSet controller records them);
+        [] where the operator may not list events (an older chart's RBAC)."""
+        sel = f"involvedObject.kind={kind},involvedObject.name={name},reason=FailedCreate"
+        try:
+            return (self.request("GET", f"/api/v1/namespaces/{namespace}/events",
+                                 query=[("fieldSelector", sel)]) or {}).get("items") or []
+        except ApiError as exc:
+            if exc.status == 403:
+                return []
+            raise
+
     def priority_class_exists(self, name: str) -> bool:
         """Cached like the CRD lookups (crd_cache_seconds)."""
         with self._lock:

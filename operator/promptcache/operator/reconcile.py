@@ -48,9 +48,29 @@ def merge_conditions(old: list[dict[str, Any]], new: list[dict[str, Any]], stamp
     return out
 
 
+def quota_exceeded(ds: dict[str, Any] | None, events: list[dict[str, Any]]) -> str | None:
+    """Pure: why sidecar pods are missing because a ResourceQuota refused them, or None. `events` are the
+    DaemonSet's FailedCreate events (the DaemonSet controller records the API server's refusal there; the DaemonSet
+    status has no condition for it). Only while pods are missing (currentNumberScheduled < desiredNumberScheduled):
+    an old refusal after the quota was raised says nothing."""
+    st = (ds or {}).get("status") or {}
+    desired, current = int(st.get("desiredNumberScheduled") or 0), int(st.get("currentNumberScheduled") or 0)
+    if current >= desired:
+        return None
+    refused = [e for e in events if e.get("reason") == "FailedCreate" and "exceeded quota" in (e.get("message") or "")]
+    if not refused:
+        return None
+    latest = max(refused, key=lambda e: e.get("lastTimestamp") or e.get("eventTime")
+                 or (e.get("metadata") or {}).get("creationTimestamp") or "")
+    msg = latest["message"].removeprefix("Error creating: ")
+    return f"{desired - current}/{desired} sidecar pods not created: {msg}"
+
+
 def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilities, ds: dict[str, Any] | None,
-                       errors: list[str], priority_class_ok: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Pure: what the conditions and node counts say, given what the API server returned."""
+                       errors: list[str], priority_class_ok: bool,
+                       quota: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Pure: what the conditions and node counts say, given what the API server returned. `quota`: what
+    quota_exceeded() found (a ResourceQuota refusing sidecar pods), or None."""
     ds_status = (ds or {}).get("status") or {}
     ds_gen = ((ds or {}).get("metadata") or {}).get("generation")
     observed = ds_status.get("observedGeneration")
@@ -78,6 +98,8 @@ def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilitie
         degraded_reasons.append(("PriorityClassNotFound",
                                  f"PriorityClass {spec.placement.priorityClassName} does not exist; the API server "
                                  "rejects the cache pods until it does (the chart installs it)"))
+    if quota:
+        degraded_reasons.append(("QuotaExceeded", quota))
     if spec.autoscaling.enabled and not caps.vpa:
         degraded_reasons.append(("OptionalCRDMissing",
                                  f"spec.autoscaling.enabled is true but {OPTIONAL_CRDS['VerticalPodAutoscaler']} "
@@ -88,7 +110,7 @@ def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilitie
     else:
         deg = condition("Degraded", False, "AsExpected", "all children applied", generation)
 
-    if degraded_reasons and degraded_reasons[0][0] in ("ApplyFailed", "PriorityClassNotFound"):
+    if degraded_reasons and degraded_reasons[0][0] in ("ApplyFailed", "PriorityClassNotFound", "QuotaExceeded"):
         rdy = condition("Ready", False, degraded_reasons[0][0], deg["message"], generation)
     elif progressing:
         rdy = condition("Ready", False, prog["reason"], prog["message"], generation)
@@ -195,7 +217,10 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults = Ope
         usage.update(obs.usage())
     # (no pod scheduled anywhere: nothing to list or scrape)
     pc_ok = kube.priority_class_exists(spec.placement.priorityClassName)
-    conds, counts = compute_conditions(spec, generation, caps, ds, out.errors, pc_ok)
+    quota = None
+    if int(ds_status.get("currentNumberScheduled") or 0) < int(ds_status.get("desiredNumberScheduled") or 0):
+        quota = quota_exceeded(ds, kube.failed_creates(owner.namespace, "DaemonSet", owner.name))
+    conds, counts = compute_conditions(spec, generation, caps, ds, out.errors, pc_ok, quota)
     out.status = {
         "observedGeneration": generation,
         **counts,
