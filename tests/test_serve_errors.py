@@ -183,9 +183,10 @@ def small_fs(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_after_disk_write_errors_says_so_and_exits_1(small_fs):
-    """The filesystem fills up under RocksDB (another writer took the space; --disk-min-free-bytes 0 lets it try),
-    so its writes fail with ENOSPC, and closing it at shutdown fails too."""
+def test_sigterm_after_another_writer_fills_the_volume_closes_cleanly(small_fs):
+    """Another writer takes the last byte of the volume under RocksDB. The disk tier's reserve (docs/disk-tier.md,
+    "Full volumes") is what RocksDB gets to flush and close with, so SIGTERM still closes the tier and exits 0
+    (before that reserve, closing failed and the sidecar exited 1, the crash loop of issue 27 item 1)."""
     proc = disk_sidecar(small_fs)
     try:
         proc.wait_ready()
@@ -203,5 +204,5 @@ def test_sigterm_after_disk_write_errors_says_so_and_exits_1(small_fs):
         proc.stop()
         os.unlink(small_fs / "filler") if (small_fs / "filler").exists() else None
     assert "Traceback" not in out and "Exception in thread" not in out, out
-    assert f"cannot close the disk tier {small_fs / 'rocksdb'} (--data-dir)" in out, out
-    assert code == 1
+    assert "disk tier closed" in out and "cannot close the disk tier" not in out, out
+    assert code == 0, out
