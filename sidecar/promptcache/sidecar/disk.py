@@ -59,6 +59,7 @@ DEFAULT_CODEC = "none"  # chosen by measurement, see docs/disk-tier.md
 
 
 OWNER_FILE = "promptcache.owner"  # who opened the database last: named when a second process finds it locked
+RECLAIM_RETRIES = 5  # extra flush + compaction rounds while deleted space has not come back
 RESERVE_FILE = "promptcache.reserve"  # space held aside (allocated) for the writes that give space back
 RECOVERY_INTERVAL = 2.0  # seconds between attempts to reopen RocksDB after a write error
 MAX_INFO_LOG_BYTES = 256 << 10  # RocksDB's LOG file is rolled at this size ...
@@ -205,6 +206,7 @@ class DiskTier:
         self._last_recovery = 0.0
         self._last_space_check = 0.0
         self._deleted_since_reclaim = 0  # bytes of records deleted since the last flush + compaction
+        self._reclaim_retries = 0  # reclaims in a row that gave back less than half of what was deleted
         self._closed = False
         self._read_only = False  # opened read-only (no room to open for writing): served, never written
         self._space_cap: int | None = None  # a budget the volume can hold, learned when it ran full (None: budget)
@@ -806,7 +808,7 @@ class DiskTier:
                 self._recover()
             if self._broken:
                 return
-        if reclaim_due(self._deleted_since_reclaim, self.disk_full, self.budget):
+        if self._reclaim_retries or reclaim_due(self._deleted_since_reclaim, self.disk_full, self.budget):
             self._reclaim()
         self._maybe_raise_cap()
         if self.disk_full and not self._broken and now - self._last_space_check >= 1.0:
@@ -846,6 +848,12 @@ class DiskTier:
         self.counters["reclaims"] += 1
         log.info("disk tier %s: compacted after deleting %d bytes; the volume has %d bytes more free", self.path,
                  self._deleted_since_reclaim, after - before)
+        if after - before < self._deleted_since_reclaim // 2 and self._reclaim_retries < RECLAIM_RETRIES:
+            # RocksDB sometimes deletes the obsolete blob files of a compaction only later: keep the deleted
+            # bytes due, so the writer flushes and compacts again at its next round (a bounded number of times).
+            self._reclaim_retries += 1
+            return
+        self._reclaim_retries = 0
         self._deleted_since_reclaim = 0
 
     def _compact(self) -> None:
