@@ -168,6 +168,23 @@ def test_purge_by_meta_prefix(tmp_path):
         assert sorted(k[0] for k in d.index) == [0, 2, 4]
 
 
+def test_a_purge_gives_its_space_back_however_small(tmp_path):
+    """A purge of far less than a quarter of the budget is compacted once its deletes are written (CI saw a
+    purged tier keep its deleted records' blob files: the deletes were below the reclaim threshold)."""
+    with DiskTier(str(tmp_path / "db"), 1 << 30) as d:
+        for i in range(8):
+            assert d.put(bytes([i]) * 32, _payload(i, 256 << 10), meta=b"A" * 32)
+        assert d.flush()
+        before = d.counters["reclaims"]
+        assert d.purge(b"A" * 32) == 8
+        deadline = time.monotonic() + 10
+        while d.counters["reclaims"] == before:
+            assert time.monotonic() < deadline, "the purge was never compacted"
+            time.sleep(0.05)
+        blobs = [n for n in os.listdir(tmp_path / "db") if n.endswith(".blob")]
+        assert not blobs, blobs
+
+
 def test_unwritable_path_names_it(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -318,6 +335,10 @@ def test_reclaim_due():
     assert disk_mod.reclaim_due(1, True, budget)
     assert not disk_mod.reclaim_due(249, False, budget)
     assert disk_mod.reclaim_due(250, False, budget)
+    # A volume smaller than the budget (or a tier capped by the volume it filled): a quarter of the volume.
+    assert not disk_mod.reclaim_due(249, False, budget, volume_bytes=2000)
+    assert disk_mod.reclaim_due(100, False, budget, volume_bytes=400)
+    assert not disk_mod.reclaim_due(99, False, budget, volume_bytes=400)
 
 
 def test_space_plan_is_sized_to_the_volume():

@@ -102,11 +102,19 @@ def _free(path) -> int:
     return shutil.disk_usage(path).free
 
 
-def _wait(condition, what: str, timeout: float = 20.0):
+def _wait(condition, what, timeout: float = 20.0):
+    """Wait for condition(); `what` is the failure message, or a function that makes it (read at the failure)."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what() if callable(what) else what
         time.sleep(0.1)
+
+
+def _listing(folder) -> str:
+    try:
+        return ", ".join(f"{e.name}={e.stat().st_blocks * 512}" for e in sorted(os.scandir(folder), key=lambda e: e.name))
+    except OSError as exc:
+        return str(exc)
 
 
 def _spill_until_full(sidecar, client, seed0: int) -> int:
@@ -280,10 +288,12 @@ def _prefix_exact(client, i: int) -> bool:
     return cached >= HEAL_CHUNK and all(bool((a == b[:, :, :cached]).all()) for (a, _), (b, _) in zip(kv, expected))
 
 
-def _exact(client, i: int) -> bool:
+def _served_or_gone(client, i: int) -> bool:
+    """Prompt i is served whole and bit-exact (True), or not at all (False); a wrong or partial byte fails."""
     cached, kv = client.get(HEAL, _heal_prompt(i))
     expected = make_kv(HEAL, 4 * HEAL_CHUNK, seed=i)
-    return cached == 4 * HEAL_CHUNK and all(bool((a == b).all()) for (a, _), (b, _) in zip(kv, expected))
+    assert all(bool((a == b[:, :, :cached]).all()) for (a, _), (b, _) in zip(kv, expected)), f"prompt {i}: wrong bytes"
+    return cached == 4 * HEAL_CHUNK
 
 
 def _fill_to_last_byte(path) -> None:
@@ -330,10 +340,14 @@ def test_a_disk_tier_that_fills_its_volume_heals_and_restarts_on_it(tmp_path, si
             assert c.purge(HEAL)[0] > 0
             # The space goes back to the volume, and the tier says so, without any new put.
             _wait(lambda: sc.full() == 0 and _free(volume) > total - plan.reserve - (4 << 20),
-                  f"purged, but disk_full={sc.full()} and the volume has {_free(volume)} of {total} bytes free", 30)
+                  lambda: f"purged, but disk_full={sc.full()} and the volume has {_free(volume)} of {total} bytes free; "
+                  f"files: {_listing(db)}; log: {open(logs).read()[-3000:]}", 30)
             on_disk = _fill_until_full(sc, c, 1000)
             assert len(on_disk) >= 3, f"{len(on_disk)} prompts spilled after the space came back"
-            assert _exact(c, on_disk[-1])  # promoted to memory by this read (and lost at the stop: no room)
+            # What was spilled is served bit-exact (a get promotes it to memory; at the stop it is lost: no room).
+            # The newest may still have been queued when looked up and dropped since (the volume full again).
+            served = [i for i in reversed(on_disk) if _served_or_gone(c, i)]
+            assert len(served) >= 3, f"{len(served)} of {len(on_disk)} spilled prompts served after the space came back"
         time.sleep(2 * disk_mod.RECOVERY_INTERVAL + 1)  # time for any reopen loop to leave its litter
         litter = [n for n in os.listdir(db) if n.startswith("LOG.old")]
         assert len(litter) < disk_mod.KEEP_INFO_LOGS, litter

@@ -99,12 +99,14 @@ def is_no_space_error(message: str) -> bool:
     return "No space left on device" in message
 
 
-def reclaim_due(deleted_bytes: int, disk_full: bool, budget: int) -> bool:
+def reclaim_due(deleted_bytes: int, disk_full: bool, budget: int, volume_bytes: int | None = None) -> bool:
     """Whether the writer should flush and compact now. RocksDB gives a deleted record's space back to the
     filesystem only when a flush drops it from the memtable (and the WAL holding it), and a compaction drops its
     tombstone and the blob file its payload lives in; left to itself it may never do so (no new writes while the
-    disk is full). Compact after deletes worth a quarter of the budget, or after any delete while full."""
-    return deleted_bytes > 0 and (disk_full or deleted_bytes >= budget // 4)
+    disk is full). Compact after deletes worth a quarter of what the tier can hold (its budget, or its volume
+    when that is smaller: a tier that filled its volume is far below its budget), or after any delete while full."""
+    holds = budget if volume_bytes is None else min(budget, volume_bytes)
+    return deleted_bytes > 0 and (disk_full or deleted_bytes >= holds // 4)
 
 
 def lock_holders(lock_path: str) -> list[int]:
@@ -207,6 +209,7 @@ class DiskTier:
         self._last_space_check = 0.0
         self._deleted_since_reclaim = 0  # bytes of records deleted since the last flush + compaction
         self._reclaim_retries = 0  # reclaims in a row that gave back less than half of what was deleted
+        self._reclaim_when_drained = False  # a purge's deletes: reclaim once the queue holding them is written
         self._closed = False
         self._read_only = False  # opened read-only (no room to open for writing): served, never written
         self._space_cap: int | None = None  # a budget the volume can hold, learned when it ran full (None: budget)
@@ -605,6 +608,8 @@ class DiskTier:
             dead += [k for k, (e, _) in self.pending.items() if e.meta.startswith(meta_prefix)]
             for k in dead:
                 self._drop_locked(k)
+            if dead:  # a purge gives its space back as soon as its deletes are written, however few they are
+                self._reclaim_when_drained = True
             return len(dead)
 
     def _drop_locked(self, key: bytes) -> bool:
@@ -808,8 +813,13 @@ class DiskTier:
                 self._recover()
             if self._broken:
                 return
-        if self._reclaim_retries or reclaim_due(self._deleted_since_reclaim, self.disk_full, self.budget):
-            self._reclaim()
+        drained = self._reclaim_when_drained and not self._ops
+        if drained or self._reclaim_retries or reclaim_due(self._deleted_since_reclaim, self.disk_full,
+                                                           self._effective_budget(), self._volume_bytes()):
+            if drained:
+                self._reclaim_when_drained = False
+            if self._deleted_since_reclaim:
+                self._reclaim()
         self._maybe_raise_cap()
         if self.disk_full and not self._broken and now - self._last_space_check >= 1.0:
             self._last_space_check = now
