@@ -83,6 +83,11 @@ def fingerprint(spec: ModelSpec) -> bytes:
 
 
 def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    return tokens_to_array(tokens).tobytes()
+
+
+def tokens_to_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The token ids as a contiguous little-endian uint32 array (range-checked)."""
     if isinstance(tokens, np.ndarray):
         arr = tokens
         if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
@@ -96,7 +101,7 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
             raise ValueError(f"token ids must be in 0..{MAX_TOKEN_ID}") from None
     if arr.ndim != 1:
         raise ValueError("tokens must be a flat sequence of token ids")
-    return arr.astype("<u4", copy=False).tobytes()
+    return np.ascontiguousarray(arr.astype("<u4", copy=False))
 
 
 def chunk_key(fp: bytes, parent: bytes, chunk_tokens_le: bytes) -> bytes:
@@ -119,7 +124,7 @@ def iter_chunk_keys(fp: bytes, tokens, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         raise ValueError("fingerprint must be 32 bytes")
     if chunk_tokens <= 0:
         raise ValueError("chunk_tokens must be positive")
-    raw = tokens_to_bytes(tokens)
+    raw = memoryview(tokens_to_array(tokens)).cast("B")  # slices of it are views: no copy of a long request
     step = 4 * chunk_tokens
     n = len(raw) // step
     if limit is not None:
