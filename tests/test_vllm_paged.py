@@ -221,3 +221,15 @@ def test_block_ids_may_come_as_a_tensor_and_in_any_order():
     assert same_bits(vp.gather(views, p, torch.tensor([3, 1, 8])), kv)
     back = vp.gather(views, p, [8, 1, 3])
     assert same_bits(back[:, :, :, :8], kv[:, :, :, 16:]) and same_bits(back[:, :, :, 16:], kv[:, :, :, :8])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_paged_views_for_benches_are_the_reference_views(layout):
+    """vllm_paged.paged_views (the GPU lane's caches, torch alone) builds what this file's reference builds (and
+    tests/vllm/test_vllm_cuda_layouts.py compares the stride arithmetic with vLLM's allocator)."""
+    a = vp.paged_views(layout, 3, 10, 4, 8, 32, torch.bfloat16)
+    b = vllm_views(layout, 3, 10, 4, 8, 32, torch.bfloat16)
+    assert [(v.shape, v.stride(), v.dtype) for v in a] == [(v.shape, v.stride(), v.dtype) for v in b]
+    assert a[1].data_ptr() - a[0].data_ptr() == b[1].data_ptr() - b[0].data_ptr()
+    with pytest.raises(ValueError, match="not one of"):
+        vp.paged_views("NHD", 1, 1, 1, 1, 1, torch.float16)

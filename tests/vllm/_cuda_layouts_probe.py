@@ -150,12 +150,17 @@ for layout in ("LBNHC", "LBHNC"):
             kcache, vcache = kernel_views(src[name])
             write_kernel(K[i], V[i], kcache, vcache, slots(SRC_BLOCKS), "auto", one, one)
         src_views = [src[n] for n in NAMES]
+        mine = vp.paged_views(layout, L, src_views[0].shape[0], H, N, 2 * D, dtype)
+        paged_views_match = all(a.shape == b.shape and a.stride() == b.stride() and
+                                a.data_ptr() - mine[0].data_ptr() == b.data_ptr() - src_views[0].data_ptr()
+                                for a, b in zip(mine, src_views))
         kernel_ok = all(torch.equal(bits(a), bits(b)) for a, b in zip(read_back(src_views, SRC_BLOCKS, dtype), (K, V)))
         canonical = torch.stack([K, V], dim=1).permute(0, 1, 3, 2, 4).contiguous()  # [L, 2, H, T, D]
 
         saver = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
         saver.register_kv_caches(src)
         r = {"disabled": saver.disabled, "layout": saver._layout, "kernel_wrote_what_it_was_given": kernel_ok,
+             "paged_views_match_vllm": paged_views_match,
              "strides": list(src_views[0].stride())}
         if saver.disabled is None:
             base = saver.base_spec

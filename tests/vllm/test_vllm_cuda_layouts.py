@@ -49,6 +49,7 @@ def test_the_connector_is_active_and_round_trips_vllm_kernel_writes_bit_for_bit(
     assert r["disabled"] is None
     assert r["layout"] == f"paged {layout}"
     assert r["kernel_wrote_what_it_was_given"]  # vLLM's Triton writer put K/V where the kernels read them
+    assert r["paged_views_match_vllm"]  # vllm_paged.paged_views (the GPU lane's caches) = vLLM's allocator's
     assert r["stored_chunks"] == 2 and r["stored_is_canonical"]  # the sidecar holds [L, 2, H, T, D] of those K/V
     assert r["load_errors"] == [] and r["finished"] == ["load"]
     assert r["loaded_bit_exact"] and r["blocks_equal"]  # the second cache set, read as the kernels read it

@@ -233,3 +233,22 @@ def kv_format(p: PagedLayout, k_scales: Sequence[float] = (), v_scales: Sequence
             h.update(struct.pack("<ff", float(k), float(v)))
         parts.append(f"{str(p.dtype).removeprefix('torch.')}/scales-{h.hexdigest()[:32]}")
     return ";".join(parts)
+
+
+def paged_views(layout: str, num_layers: int, num_blocks: int, num_heads: int, block_size: int, content: int,
+                dtype: torch.dtype, device="cpu") -> list[torch.Tensor]:
+    """Per-layer views as vLLM 0.32's create_kv_cache_views builds them for one KVCacheTensor without padding (a
+    flat int8 buffer; strides from the layout's permutation of the logical [L, B, H, N, C bytes]; each layer's view
+    cast to `dtype`): caches in vLLM's layouts with torch alone, for benchmarks and the GPU lane. tests/vllm checks
+    the same views against vLLM's own allocator."""
+    if layout not in KV_CACHE_LAYOUTS:
+        raise ValueError(f"KV cache layout {layout!r} is not one of {', '.join(KV_CACHE_LAYOUTS)}")
+    item = torch.empty((), dtype=dtype).element_size()
+    shape = (num_layers, num_blocks, num_heads, block_size, content * item)
+    strides, cur = [0] * 5, 1
+    for dim in reversed(KV_CACHE_LAYOUTS[layout]):
+        strides[dim] = cur
+        cur *= shape[dim]
+    raw = torch.zeros(cur, dtype=torch.int8, device=device)
+    v5 = torch.as_strided(raw, shape, strides)
+    return [v5[i].view(dtype) for i in range(num_layers)]
