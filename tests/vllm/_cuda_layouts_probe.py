@@ -78,45 +78,47 @@ T = len(SRC_BLOCKS) * N
 out = {"cases": {}, "fp8": {}, "mla": {}, "inert": {}}
 
 
-def config(dtype: str, layout: str, cache_dtype: str = "auto", **extra):
+def config(dtype: str, layout: str, cache_dtype: str = "auto", block_size: int = N, **extra):
     mc = ModelConfig(model=MODEL, dtype=dtype, max_model_len=2048, enforce_eager=True)
     kt = KVTransferConfig(kv_connector="PromptCacheConnector", kv_connector_module_path="promptcache.client.vllm_connector",
                           kv_role="kv_both", kv_connector_extra_config={
                               "address": args["address"], "load_timeout": 10.0, "kv_layout": "paged",
                               "model_id": f"cuda-layouts-{layout}-{dtype}", **extra})
-    cfg = VllmConfig(model_config=mc, kv_transfer_config=kt, cache_config=CacheConfig(block_size=N))
+    cfg = VllmConfig(model_config=mc, kv_transfer_config=kt, cache_config=CacheConfig(block_size=block_size))
     cfg.cache_config.kv_cache_layout = layout
     cfg.cache_config.cache_dtype = cache_dtype
     return cfg
 
 
-def caches(cfg, spec, layout: str, names=NAMES, groups=None, blocks=12):
+def caches(cfg, spec, layout: str, names=NAMES, groups=None, blocks=12, kernel_block_sizes=None):
     groups = groups or [KVCacheGroupSpec(list(names), spec)]
     kc = get_kv_cache_config_from_groups(cfg, groups, blocks * sum(g.kv_cache_spec.page_size_bytes *
                                                                    len(g.layer_names) for g in groups))
-    return kc, allocate_kv_cache(kc, torch.device("cpu"), KVCacheLayout[layout])
+    return kc, allocate_kv_cache(kc, torch.device("cpu"), KVCacheLayout[layout], kernel_block_sizes)
 
 
 def kernel_views(view, head_size=D):
     return view.transpose(1, 2).split(head_size, dim=-1)  # as the CUDA backends split [B, H, N, K|V]
 
 
-def slots(block_ids):
-    return torch.tensor([b * N + n for b in block_ids for n in range(N)], dtype=torch.long)
+def slots(block_ids, block_size=N):
+    return torch.tensor([b * block_size + n for b in block_ids for n in range(block_size)], dtype=torch.long)
 
 
 def bits(t):
     return t.contiguous().view(torch.uint8)
 
 
-def read_back(views, block_ids, dtype):
-    """K and V of the tokens in `block_ids`, read the way the attention kernels address the cache: [L, T, H, D]."""
-    s = slots(block_ids)
+def read_back(views, block_ids, dtype, block_size=N):
+    """K and V of the tokens in `block_ids`, read the way the attention kernels address the cache: [L, T, H, D]
+    (slot = block id * block size + offset, addressed in the views' kernel blocks)."""
+    s = slots(block_ids, block_size)
     ks, vs = [], []
     for v in views:
         kc, vcache = kernel_views(v)
-        ks.append(kc[s // N, s % N].clone())
-        vs.append(vcache[s // N, s % N].clone())
+        nk = v.shape[2]
+        ks.append(kc[s // nk, s % nk].clone())
+        vs.append(vcache[s // nk, s % nk].clone())
     return torch.stack(ks), torch.stack(vs)
 
 
@@ -200,6 +202,46 @@ for layout in ("LBNHC", "LBHNC"):
         r["seconds"] = round(time.perf_counter() - t0, 2)
         out["cases"][case] = r
         print(case, r, file=sys.stderr, flush=True)
+
+# Manager blocks of 32 tokens split into kernel blocks of 16 (prepare_kernel_block_sizes), bf16, LBNHC: the views
+# have twice the blocks; the Triton writer addresses kernel blocks; the connector's block ids are manager blocks.
+for layout in ("LBNHC", "LBHNC"):
+    case = f"{layout}-bfloat16-kernel16"
+    cfg = config("bfloat16", layout, block_size=32)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    kc, src = caches(cfg, spec, layout, kernel_block_sizes=[16])
+    _, dst = caches(cfg, spec, layout, kernel_block_sizes=[16])
+    src_ids, dst_ids = [4, 1], [0, 5]
+    K = torch.randn(L, 64, H, D, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    V = torch.randn(L, 64, H, D, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    one = torch.tensor(1.0)
+    for i, name in enumerate(NAMES):
+        kcache, vcache = kernel_views(src[name])
+        write_kernel(K[i], V[i], kcache, vcache, slots(src_ids, 32), "auto", one, one)
+    saver = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
+    saver.register_kv_caches(src)
+    r = {"disabled": saver.disabled, "layout": saver._layout, "view_shape": list(src[NAMES[0]].shape)}
+    if saver.disabled is None:
+        base = saver.base_spec
+        toks = list(range(7000, 7064))
+        bind(saver, saves=[vc._SaveOp("save", base, toks, list(src_ids), 0, CT)])
+        saver.wait_for_save()
+        saver.flush()
+        loader = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
+        loader.register_kv_caches(dst)
+        bind(loader, loads=[vc._LoadOp("load", base, toks, list(dst_ids), 0, 0, CT)])
+        loader.start_load_kv(None)
+        loader.flush()
+        r["load_errors"] = sorted(loader.get_block_ids_with_load_errors())
+        got_k, got_v = read_back([dst[n] for n in NAMES], dst_ids, torch.bfloat16, 32)
+        r["loaded_bit_exact"] = torch.equal(bits(got_k), bits(K)) and torch.equal(bits(got_v), bits(V))
+        for c in (saver, loader):
+            c.shutdown()
+    sched = vc.PromptCacheConnector(cfg, KVConnectorRole.SCHEDULER, kc)
+    r["scheduler_disabled"] = sched.disabled
+    sched.shutdown()
+    out["cases"][case] = r
+    print(case, r, file=sys.stderr, flush=True)
 
 # A connector whose engine says one layout while the views have another stays inert.
 cfg = config("float16", "LBNHC")

@@ -56,6 +56,17 @@ def test_the_connector_is_active_and_round_trips_vllm_kernel_writes_bit_for_bit(
     assert r["other_blocks_zero"]  # and nothing outside the loaded blocks was touched
 
 
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_manager_blocks_split_into_kernel_blocks_round_trip(probe, layout):
+    """block_size 32 in kernel blocks of 16 (vLLM's allocator with kernel_block_sizes): the views hold twice the
+    blocks, the connector's block ids are manager blocks, the scheduler side is active too."""
+    r = probe["cases"][f"{layout}-bfloat16-kernel16"]
+    assert r["disabled"] is None and r["scheduler_disabled"] is None
+    assert r["layout"] == f"paged {layout}, kernel blocks of 16"
+    assert r["view_shape"][0] % 2 == 0 and r["view_shape"][2] == 16
+    assert r["load_errors"] == [] and r["loaded_bit_exact"]
+
+
 def test_the_two_layouts_are_really_different_strides(probe):
     """LBNHC: token-major inside a block ([N, H, C]); LBHNC: head-major ([H, N, C]), as vLLM's allocator gives them."""
     H, N, C = 3, 16, 128
