@@ -19,6 +19,7 @@ import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import types  # noqa: E402
+import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -80,7 +81,8 @@ out = {"cases": {}, "fp8": {}, "mla": {}, "inert": {}}
 
 def config(dtype: str, layout: str, cache_dtype: str = "auto", block_size: int = N, **extra):
     mc = ModelConfig(model=MODEL, dtype=dtype, max_model_len=2048, enforce_eager=True)
-    kt = KVTransferConfig(kv_connector="PromptCacheConnector", kv_connector_module_path="promptcache.client.vllm_connector",
+    kt = KVTransferConfig(kv_connector="PromptCacheConnector",
+                          kv_connector_module_path="promptcache.client.vllm_connector",
                           kv_role="kv_both", kv_connector_extra_config={
                               "address": args["address"], "load_timeout": 10.0, "kv_layout": "paged",
                               "model_id": f"cuda-layouts-{layout}-{dtype}", **extra})
@@ -144,7 +146,7 @@ for layout in ("LBNHC", "LBHNC"):
         kc, src = caches(cfg, spec, layout)
         _, dst = caches(cfg, spec, layout)
         _, wrong_dst = caches(cfg, spec, layout)
-        g = torch.Generator().manual_seed(hash(case) % 1000)
+        g = torch.Generator().manual_seed(zlib.crc32(case.encode()))
         K = torch.randn(L, T, H, D, generator=g).to(dtype)
         V = torch.randn(L, T, H, D, generator=g).to(dtype)
         one = torch.tensor(1.0)
@@ -299,7 +301,6 @@ for fmt, torch_fmt in (("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e
                 .permute(0, 1, 3, 2, 4).contiguous())),
             "round_trip": all(torch.equal(a[SRC_BLOCKS], b[DST_BLOCKS]) for a, b in zip(views, dviews)),
             "kv_format": vp.kv_format(p, [2.0] * 4, [0.5] * 4)}
-cfg_fp8_error = None
 try:
     cfg = config("bfloat16", "LBNHC", cache_dtype="fp8")
     c = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, None)
