@@ -105,8 +105,9 @@ def run(args) -> int:
                 blocks = nb * 2 + 3  # the request's blocks scattered over twice as many
                 src = vllm_paged.paged_views(layout, L, blocks, H, N, 2 * D, dtype, dev)
                 dst = vllm_paged.paged_views(layout, L, blocks, H, N, 2 * D, dtype, dev)
+                gd = torch.Generator(device=dev).manual_seed(zlib.crc32(f"{layout}-{dtype_name}".encode()))
                 for v in src:  # every block, those not saved too (finite: the load path's checks refuse NaN)
-                    v.copy_(torch.randn(v.shape, generator=g).to(dtype))
+                    v.copy_(torch.randn(v.shape, generator=gd, device=dev).to(dtype))
                 ids = torch.randperm(blocks, generator=g)[:nb].tolist()
                 p = vllm_paged.plan(src, block_size=N, num_kv_heads=H, head_size=D, engine_layout=layout)
                 spec = ModelSpec("bench/paged", f"{layout}-{dtype_name}", dtype_name, L, H, D)
