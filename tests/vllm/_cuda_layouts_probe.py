@@ -30,7 +30,7 @@ args = json.loads(sys.argv[1])
 import vllm.v1.attention.ops as vllm_ops  # noqa: E402
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups  # noqa: E402
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec,  # noqa: E402
                                         SlidingWindowSpec)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
@@ -205,27 +205,22 @@ for layout in ("LBNHC", "LBHNC"):
         out["cases"][case] = r
         print(case, r, file=sys.stderr, flush=True)
 
-# Manager blocks of 32 tokens split into kernel blocks of 16 (prepare_kernel_block_sizes), bf16, LBNHC: the views
-# have twice the blocks; the Triton writer addresses kernel blocks; the connector's block ids are manager blocks.
-for layout in ("LBNHC", "LBHNC"):
-    case = f"{layout}-bfloat16-kernel16"
-    cfg = config("bfloat16", layout, block_size=32)
-    spec = FullAttentionSpec(block_size=32, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
-    kc, src = caches(cfg, spec, layout, kernel_block_sizes=[16])
-    _, dst = caches(cfg, spec, layout, kernel_block_sizes=[16])
-    src_ids, dst_ids = [4, 1], [0, 5]
-    K = torch.randn(L, 64, H, D, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
-    V = torch.randn(L, 64, H, D, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+def round_trip(cfg, kc, src, dst, src_ids, dst_ids, block_size, dtype, seed):
+    """Triton-write K/V into src's blocks src_ids, save through one worker connector, load through another into
+    dst's blocks dst_ids, read back as the kernels address the cache."""
+    T2 = len(src_ids) * block_size
+    K = torch.randn(L, T2, H, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    V = torch.randn(L, T2, H, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     one = torch.tensor(1.0)
     for i, name in enumerate(NAMES):
         kcache, vcache = kernel_views(src[name])
-        write_kernel(K[i], V[i], kcache, vcache, slots(src_ids, 32), "auto", one, one)
+        write_kernel(K[i], V[i], kcache, vcache, slots(src_ids, block_size), "auto", one, one)
     saver = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
     saver.register_kv_caches(src)
     r = {"disabled": saver.disabled, "layout": saver._layout, "view_shape": list(src[NAMES[0]].shape)}
     if saver.disabled is None:
         base = saver.base_spec
-        toks = list(range(7000, 7064))
+        toks = list(range(seed * 100, seed * 100 + T2))
         bind(saver, saves=[vc._SaveOp("save", base, toks, list(src_ids), 0, CT)])
         saver.wait_for_save()
         saver.flush()
@@ -235,15 +230,44 @@ for layout in ("LBNHC", "LBHNC"):
         loader.start_load_kv(None)
         loader.flush()
         r["load_errors"] = sorted(loader.get_block_ids_with_load_errors())
-        got_k, got_v = read_back([dst[n] for n in NAMES], dst_ids, torch.bfloat16, 32)
+        got_k, got_v = read_back([dst[n] for n in NAMES], dst_ids, dtype, block_size)
         r["loaded_bit_exact"] = torch.equal(bits(got_k), bits(K)) and torch.equal(bits(got_v), bits(V))
         for c in (saver, loader):
             c.shutdown()
     sched = vc.PromptCacheConnector(cfg, KVConnectorRole.SCHEDULER, kc)
     r["scheduler_disabled"] = sched.disabled
     sched.shutdown()
-    out["cases"][case] = r
+    return r
+
+
+# Manager blocks of 32 tokens split into kernel blocks of 16 (prepare_kernel_block_sizes), bf16: the views have
+# twice the blocks; the Triton writer addresses kernel blocks; the connector's block ids are manager blocks.
+for layout in ("LBNHC", "LBHNC"):
+    case = f"{layout}-bfloat16-kernel16"
+    cfg = config("bfloat16", layout, block_size=32)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    kc, src = caches(cfg, spec, layout, kernel_block_sizes=[16])
+    _, dst = caches(cfg, spec, layout, kernel_block_sizes=[16])
+    out["cases"][case] = r = round_trip(cfg, kc, src, dst, [4, 1], [0, 5], 32, torch.bfloat16, 70)
     print(case, r, file=sys.stderr, flush=True)
+
+# A hybrid model (every other layer sliding-window, as Gemma 3 or gpt-oss) with vLLM's hybrid allocator off, as vLLM
+# sets it for a connector that is not SupportsHMA: vLLM's get_kv_cache_groups promotes the sliding-window layers to
+# full allocation (one FullAttentionSpec group with the window recorded): every token's K/V is in its block.
+cfg = config("float16", "LBNHC")
+cfg.scheduler_config.disable_hybrid_kv_cache_manager = True
+layer_specs = {n: (SlidingWindowSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch.float16,
+                                     sliding_window=32) if i % 2 else
+                   FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch.float16))
+               for i, n in enumerate(NAMES)}
+hybrid_groups = get_kv_cache_groups(cfg, dict(layer_specs))
+kc, src = caches(cfg, None, "LBNHC", groups=hybrid_groups)
+_, dst = caches(cfg, None, "LBNHC", groups=hybrid_groups)
+r = round_trip(cfg, kc, src, dst, [5, 2, 9, 0], [3, 7, 1, 8], N, torch.float16, 90)
+r["groups"] = [(type(g.kv_cache_spec).__name__, len(g.layer_names), g.kv_cache_spec.sliding_window)
+               for g in hybrid_groups]
+out["cases"]["hybrid-hma-off"] = r
+print("hybrid-hma-off", r, file=sys.stderr, flush=True)
 
 # A connector whose engine says one layout while the views have another stays inert.
 cfg = config("float16", "LBNHC")
@@ -254,7 +278,7 @@ c.register_kv_caches(src)
 out["inert"]["layout_mismatch"] = c.disabled
 c.shutdown()
 
-# Hybrid model: a full-attention group and a sliding-window group.
+# Hybrid model with vLLM's hybrid allocator on (two groups, as a SupportsHMA connector would get them).
 cfg = config("float16", "LBNHC")
 full = FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch.float16)
 swa = SlidingWindowSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch.float16, sliding_window=128)

@@ -85,7 +85,17 @@ def test_an_engine_layout_that_the_strides_contradict_leaves_the_connector_inert
     assert "the engine says KV cache layout LBHNC but the views' strides" in probe["inert"]["layout_mismatch"]
 
 
-def test_a_hybrid_model_is_inert_with_its_reason_on_both_sides(probe):
+def test_a_hybrid_model_with_the_hybrid_allocator_off_is_cached(probe):
+    """Every other layer sliding-window; vLLM turns its hybrid allocator off for this connector (not SupportsHMA), so
+    get_kv_cache_groups promotes those layers to full allocation: one group, every token's K/V in its block, cached
+    and loaded bit for bit."""
+    r = probe["cases"]["hybrid-hma-off"]
+    assert r["groups"] == [["FullAttentionSpec", 30, 32]]
+    assert r["disabled"] is None and r["scheduler_disabled"] is None and r["layout"] == "paged LBNHC"
+    assert r["load_errors"] == [] and r["loaded_bit_exact"]
+
+
+def test_a_hybrid_model_with_the_hybrid_allocator_on_is_inert_with_its_reason_on_both_sides(probe):
     for side in ("hybrid", "hybrid_scheduler"):
         assert "hybrid model: 2 KV cache groups (FullAttentionSpec, SlidingWindowSpec)" in probe["inert"][side]
 

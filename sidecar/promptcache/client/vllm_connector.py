@@ -36,9 +36,11 @@ engine's KVCacheLayout (LBNHC by default, LBHNC, ...); the layout is read from v
 strides, checked against each other, and converted with whole-block gathers/scatters on the cache's device
 (promptcache.client.vllm_paged). vLLM's CPU attention backend (fp32/fp16 "vec" and bf16 AMX) keeps its own cell
 format inside that shape, measured once at start-up by writing probe values through the backend's own cache-write
-kernel (promptcache.client.vllm_layout.identify). A hybrid model (several KV cache groups: sliding-window, Mamba),
-an MLA model, an fp8 KV cache (the chunk contract has no fp8 or latent format yet), KV heads that do not split over
-the TP ranks or a layout neither path recognises leaves the connector inert (said in vLLM's log): every request is
+kernel (promptcache.client.vllm_layout.identify). Sliding-window layers of a hybrid model are cached when vLLM's
+hybrid allocator is off (as vLLM sets it for this connector, which is not SupportsHMA): they are then allocated for
+every token. Several KV cache groups (the hybrid allocator on, Mamba layers), an MLA model, an fp8 KV cache (the
+chunk contract has no fp8 or latent format yet), KV heads that do not split over the TP ranks or a layout neither
+path recognises leaves the connector inert (said in vLLM's log): every request is
 a normal prefill. A chunk is never stored or served in a layout that was not identified.
 
 Counters reach vLLM's /metrics through vLLM's connector stats (get_kv_connector_stats, build_kv_connector_stats,
@@ -562,7 +564,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
 
     def _paged_group(self):
         """The one KV cache group's spec from vLLM's KV cache config, or raise vllm_paged.Unsupported saying why the
-        model's caches are not ones this connector stores (hybrid models, sliding windows, MLA, diff-KV)."""
+        model's caches are not ones this connector stores (hybrid models with the hybrid allocator on, MLA,
+        packed pages)."""
         kc = self._kv_cache_config
         if kc is None:
             raise vllm_paged.Unsupported("vLLM passed no KV cache config (vLLM < 0.32)")
@@ -578,8 +581,9 @@ class PromptCacheConnector(KVConnectorBase_V1):
                                          "(vllm_paged converts them; issue 29)")
         if name != "FullAttentionSpec":
             raise vllm_paged.Unsupported(f"KV cache spec {name} (only FullAttentionSpec is cached)")
-        if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
-            raise vllm_paged.Unsupported("sliding-window or chunked-local attention layers")
+        # A FullAttentionSpec with a sliding window or attention chunk is a hybrid model's local layers promoted to
+        # full allocation (the hybrid allocator off, as vLLM turns it off for a connector that is not SupportsHMA):
+        # blocks for every token, never freed below the window, so every token's K/V is in its block and cached.
         if getattr(spec, "tokens_per_state", 1) != 1 or getattr(spec, "num_head_slots", None) is not None \
                 or getattr(spec, "state_content_bytes", None) is not None:
             raise vllm_paged.Unsupported(f"packed KV pages ({spec})")
