@@ -631,6 +631,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
         try:
             if self._paged_mode(vllm_config):
                 return self._check_paged_config()
+            if self._kv_cache_config is not None:
+                self._paged_group()  # the same groups check (one group, every token's blocks kept) on the CPU
             spec = self.base_spec
             layout = probe_cpu_layout(TORCH_DTYPES[spec.kv_dtype], self.block_size,
                                       self.shard.head_stop - self.shard.head_start, spec.head_dim, vllm_config)
@@ -832,6 +834,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
             self._log_state()
             return
         try:
+            if self._kv_cache_config is not None:
+                self._paged_group()  # one group, every token's blocks kept: as on a GPU
             names = sorted(kv_caches, key=layer_index)
             caches = [kv_caches[n] for n in names]
             spec = self._rank_spec(self.base_spec)
