@@ -291,6 +291,10 @@ c.shutdown()
 c = vc.PromptCacheConnector(cfg, KVConnectorRole.SCHEDULER, kc)
 out["inert"]["hybrid_scheduler"] = c.disabled
 c.shutdown()
+c = vc.PromptCacheConnector(config("float16", "LBNHC", kv_layout="cpu"), KVConnectorRole.WORKER, kc)
+c.register_kv_caches(hyb)  # the CPU backend's path checks the groups too
+out["inert"]["hybrid_cpu_path"] = c.disabled
+c.shutdown()
 
 # fp8 (e4m3 by vLLM's "fp8", and e5m2): vLLM's uint8 caches, the Triton kernel's fp8 path; values fp8 holds
 # exactly (the interpreter's rounding is not the GPU's), the bytes checked against torch's own conversion.

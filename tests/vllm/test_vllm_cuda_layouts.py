@@ -96,7 +96,7 @@ def test_a_hybrid_model_with_the_hybrid_allocator_off_is_cached(probe):
 
 
 def test_a_hybrid_model_with_the_hybrid_allocator_on_is_inert_with_its_reason_on_both_sides(probe):
-    for side in ("hybrid", "hybrid_scheduler"):
+    for side in ("hybrid", "hybrid_scheduler", "hybrid_cpu_path"):
         assert "hybrid model: 2 KV cache groups (FullAttentionSpec, SlidingWindowSpec)" in probe["inert"][side]
 
 
