@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU lane (`make test-gpu`): the tests marked cuda (tests/test_cuda.py) and the TTFT benchmark with the model
-# and the sidecar's tier on CUDA, in one call that ends within about 8 minutes. Results go to $RESULTS (default:
-# $OUT when set, as on the device machine, else bench-results/gpu/): summary.json (what ran, on what, the outcome),
-# cuda-tests.xml and cuda-tests.log (pytest), ttft.json and ttft.log (the benchmark).
+# The GPU lane (`make test-gpu`): the tests marked cuda (tests/test_cuda.py), the TTFT benchmark with the model
+# and the sidecar's tier on CUDA, and the vLLM connector's worker-side save and load on CUDA KV caches in vLLM's
+# layouts (`promptcache bench paged`: torch alone, bit-exact check, GB/s next to a pinned cudaMemcpy), in one call
+# that ends within about 8 minutes. Results go to $RESULTS (default: $OUT when set, as on the device machine, else
+# bench-results/gpu/): summary.json (what ran, on what, the outcome), cuda-tests.xml and cuda-tests.log (pytest),
+# ttft.json and ttft.log (the benchmark), paged.json and paged.log (the save/load round trip).
 #
 # Without a CUDA device it runs the same steps on the CPU, quickly (the cuda tests skip, naming why; the benchmark
 # runs a toy model), so that it cannot rot: tests/test_gpu_lane.py runs it that way in `make test`.
@@ -21,6 +23,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-240}   # seconds for the cuda tests
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-210}   # seconds for the benchmark
+PAGED_TIMEOUT=${PAGED_TIMEOUT:-90}    # seconds for the paged KV save/load round trip
 started=$(date +%s)
 
 if ! "$PYTHON" -c "import promptcache.sidecar.server" 2> /dev/null; then
@@ -47,10 +50,14 @@ if [ "$CUDA" = 1 ]; then
   # SmolLM2-135M's shape with random weights: its GGUF (98 MB) cannot travel to a borrowed machine.
   BENCH=(--model "${GPU_BENCH_MODEL:-smollm2-random}" --dtype bfloat16 --prefixes 512,1024,2048,4096 --repeats 5
          --full-repeats 3 --threads 0)
+  # Llama-3-8B's KV shape (32 layers, 8 KV heads of 128), 2048 tokens: 268 MB per save and load
+  PAGED=(--device cuda --layouts LBNHC,LBHNC --dtypes bfloat16,float16 --tokens 2048 --repeats 3)
 else
   DEVICE=cpu
   echo "test-gpu: no CUDA device: the cuda tests skip and the benchmark runs a toy model on the CPU"
   BENCH=(--model tiny --prefixes 64 --chunk-tokens 64 --suffix 16 --modes none,k8v8 --repeats 1 --full-repeats 1)
+  PAGED=(--device cpu --layouts LBNHC,LBHNC --dtypes float32,bfloat16 --layers 4 --kv-heads 2 --head-dim 64
+         --tokens 256 --chunk-tokens 64 --repeats 1)
 fi
 
 echo "== cuda tests ($PYTHON, device $DEVICE)"
@@ -63,16 +70,23 @@ timeout -k 10 "$BENCH_TIMEOUT" "$PYTHON" -m promptcache.cli bench ttft --device 
   --json "$RESULTS/ttft.json" 2>&1 | tee "$RESULTS/ttft.log"
 bench_rc=${PIPESTATUS[0]}
 
-"$PYTHON" - "$RESULTS" "$tests_rc" "$bench_rc" "$started" << 'EOF'
+echo "== paged KV save/load round trip on $DEVICE (vLLM's CUDA layouts, torch alone)"
+timeout -k 10 "$PAGED_TIMEOUT" "$PYTHON" -m promptcache.cli bench paged "${PAGED[@]}" --json "$RESULTS/paged.json" \
+  2>&1 | tee "$RESULTS/paged.log"
+paged_rc=${PIPESTATUS[0]}
+
+"$PYTHON" - "$RESULTS" "$tests_rc" "$bench_rc" "$started" "$paged_rc" << 'EOF'
 import json, os, sys, time
 import xml.etree.ElementTree as ET
 
 import torch
 
 results, tests_rc, bench_rc, started = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+paged_rc = int(sys.argv[5])
 summary = {"cuda": torch.cuda.is_available(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
            "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-           "tests_exit": tests_rc, "bench_exit": bench_rc, "seconds": round(time.time() - started, 1)}
+           "tests_exit": tests_rc, "bench_exit": bench_rc, "paged_exit": paged_rc,
+           "seconds": round(time.time() - started, 1)}
 try:
     suite = ET.parse(os.path.join(results, "cuda-tests.xml")).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
@@ -88,9 +102,16 @@ try:
                            for m in r if isinstance(r[m], dict) and "ttft_s" in r[m]}} for r in bench["rows"]]
 except (OSError, ValueError, KeyError) as exc:
     summary["ttft"] = f"no results: {exc}"
+try:
+    with open(os.path.join(results, "paged.json")) as f:
+        paged = json.load(f)
+    summary["paged"] = {"rows": [{k: v for k, v in r.items() if not k.endswith("_s")} for r in paged["rows"]],
+                        **{k: paged[k] for k in ("pinned_memcpy", "link", "shape")}}
+except (OSError, ValueError, KeyError) as exc:
+    summary["paged"] = f"no results: {exc}"
 with open(os.path.join(results, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
 print(json.dumps(summary, indent=2))
 EOF
 echo "test-gpu: results in $RESULTS"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$paged_rc" = 0 ]

@@ -29,5 +29,12 @@ def test_gpu_lane_runs_on_the_cpu_and_writes_its_results(tmp_path):
     assert {m: row[m]["first_token_same"] for m in ("none", "k8v8")} == {"none": True, "k8v8": True}
     bench = json.loads((tmp_path / "ttft.json").read_text())
     assert bench["device"] == "cpu" and bench["args"]["model"] == "tiny"
+    assert summary["paged_exit"] == 0
+    paged = summary["paged"]  # the connector's save/load on vLLM's CUDA layouts, run on the CPU here
+    assert [(r["layout"], r["dtype"]) for r in paged["rows"]] == [
+        ("LBNHC", "float32"), ("LBNHC", "bfloat16"), ("LBHNC", "float32"), ("LBHNC", "bfloat16")]
+    assert all(r["bit_exact"] and r["save_GBps"] > 0 and r["load_GBps"] > 0 for r in paged["rows"])
+    assert paged["pinned_memcpy"] == paged["link"] == "skipped: no CUDA device"
+    assert json.loads((tmp_path / "paged.json").read_text())["device"] == "cpu"
     assert {p.name for p in tmp_path.iterdir()} == {"summary.json", "cuda-tests.xml", "cuda-tests.log", "ttft.json",
-                                                    "ttft.log"}
+                                                    "ttft.log", "paged.json", "paged.log"}

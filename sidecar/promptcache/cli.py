@@ -38,6 +38,9 @@ BENCHES = {
     "loadpath": ("promptcache.devtools.bench.loadpath",
                  "loadpath: the vLLM connector's load path in GB/s, next to memcpy of the same bytes in the same "
                  "run; no vLLM needed."),
+    "paged": ("promptcache.devtools.bench.paged",
+              "paged: the connector's worker-side save and load on vLLM's paged KV views (CUDA layouts) in GB/s, next "
+              "to a pinned-memory copy; torch alone."),
 }
 
 

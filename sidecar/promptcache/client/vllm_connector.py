@@ -30,10 +30,17 @@ mode. The salt (docs/keys.md, "Request salt (v2)") carries vLLM's per-request ``
 adapter, multimodal items and prompt embeddings (request_spec), and the rank's slice of KV heads and layers; a
 request with an input that cannot be identified is neither loaded nor stored.
 
-Layouts: vLLM's CPU attention backend is supported (fp32/fp16 "vec" and bf16 AMX); the layout is not assumed but
-measured once at start-up by writing probe values through the backend's own cache-write kernel
-(promptcache.client.vllm_layout.identify). Any other backend, an fp8 KV cache, KV heads that do not split over the
-TP ranks or a layout the probe does not recognise leaves the connector inert (said in vLLM's log): every request is
+Layouts (docs/vllm.md, "KV block layouts"): on a GPU (every platform but CPU), vLLM's standard attention backends
+hand the worker one view per layer of logical shape [blocks, kv_heads, block_size, K|V] whose strides carry the
+engine's KVCacheLayout (LBNHC by default, LBHNC, ...); the layout is read from vLLM's KV cache config and the views'
+strides, checked against each other, and converted with whole-block gathers/scatters on the cache's device
+(promptcache.client.vllm_paged). vLLM's CPU attention backend (fp32/fp16 "vec" and bf16 AMX) keeps its own cell
+format inside that shape, measured once at start-up by writing probe values through the backend's own cache-write
+kernel (promptcache.client.vllm_layout.identify). Sliding-window layers of a hybrid model are cached when vLLM's
+hybrid allocator is off (as vLLM sets it for this connector, which is not SupportsHMA): they are then allocated for
+every token. Several KV cache groups (the hybrid allocator on, Mamba layers), an MLA model, an fp8 KV cache (the
+chunk contract has no fp8 or latent format yet), KV heads that do not split over the TP ranks or a layout neither
+path recognises leaves the connector inert (said in vLLM's log): every request is
 a normal prefill. A chunk is never stored or served in a layout that was not identified.
 
 Counters reach vLLM's /metrics through vLLM's connector stats (get_kv_connector_stats, build_kv_connector_stats,
@@ -56,6 +63,7 @@ retry_interval     PROMPTCACHE_RETRY_INTERVAL       seconds a failed sidecar is 
 save_timeout       PROMPTCACHE_SAVE_TIMEOUT         seconds for one background Put (default 30)
 max_pending_saves  PROMPTCACHE_MAX_PENDING_SAVES    saves queued at most; more are dropped (default 8)
 tls_ca, token_file PROMPTCACHE_TLS_CA, ..._TOKEN_FILE  TLS CA (PEM path) and bearer token file (docs/security.md)
+kv_layout          PROMPTCACHE_KV_LAYOUT            auto (default: paged views on GPUs, the probe on CPU), paged, cpu
 =================  ===============================  ==========================================================
 """
 from __future__ import annotations
@@ -73,7 +81,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from promptcache.client import vllm_layout
+from promptcache.client import vllm_layout, vllm_paged
 from promptcache.client import errors
 from promptcache.client.client import checked_chunks
 from promptcache.client.hf import _warn, fallback_reason
@@ -389,7 +397,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        extra = self._extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
         self.role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self.block_size = cc.block_size
@@ -476,6 +484,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
         # worker side
         self._kv_caches: list[torch.Tensor] = []
         self._layout: str | None = None
+        self._paged: vllm_paged.PagedLayout | None = None  # vLLM's standard paged views (vllm_paged), else CPU's
+        self._load_stream = None  # CUDA: the loads' own stream
         self._sleeping = False  # vLLM 0.33 sleep mode: the caches are released
         self._load_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-load")
         self._load_lock = threading.Lock()
@@ -497,7 +507,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
                 logger.info("PromptCacheConnector (%s) is ACTIVE: sidecar %s, model %s revision %s, %s, "
                             "quantization %s, %s%s", self.role_name, self.address, spec.model_id, spec.revision,
                             spec.kv_dtype, spec.quantization, self.layout_desc,
-                            f", KV block layout {layout} (probed)" if layout else "")
+                            f", KV block layout {layout}" + ("" if self._paged else " (probed)") if layout else "")
 
     def _inc(self, metric, key: str, n: float = 1, label: str | None = None) -> None:
         """Count on this process's promptcache_client_* metric and in the stats vLLM collects for its /metrics."""
@@ -539,13 +549,90 @@ class PromptCacheConnector(KVConnectorBase_V1):
         return False  # best effort: a pending or dropped save is a future miss, never a reason to recompute
 
     # ------------------------------------------------------------------------------------------------ helpers
+    def _paged_mode(self, vllm_config) -> bool:
+        """Whether the workers' caches are vLLM's standard paged views (vllm_paged: CUDA's attention backends) rather
+        than the CPU backend's. Setting kv_layout: auto (the platform decides: paged on every platform but CPU),
+        paged or cpu (to cross-check one against the other, and for tests on a CPU)."""
+        mode = str(_setting(self._extra, "kv_layout", "auto"))
+        if mode not in ("auto", "paged", "cpu"):
+            raise ValueError(f"kv_layout {mode!r} is not auto, paged or cpu")
+        if mode != "auto":
+            return mode == "paged"
+        from vllm.platforms import current_platform
+
+        return not current_platform.is_cpu()
+
+    def _paged_group(self):
+        """The one KV cache group's spec from vLLM's KV cache config, or raise vllm_paged.Unsupported saying why the
+        model's caches are not ones this connector stores (hybrid models with the hybrid allocator on, MLA,
+        packed pages)."""
+        kc = self._kv_cache_config
+        if kc is None:
+            raise vllm_paged.Unsupported("vLLM passed no KV cache config (vLLM < 0.32)")
+        groups = [g for g in kc.kv_cache_groups if g.layer_names]
+        if len(groups) != 1:
+            kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+            raise vllm_paged.Unsupported(f"hybrid model: {len(groups)} KV cache groups ({kinds}); only one "
+                                         "full-attention group is cached")
+        spec = groups[0].kv_cache_spec
+        name = type(spec).__name__
+        if name == "MLAAttentionSpec":
+            raise vllm_paged.Unsupported("MLA latent KV caches: the chunk contract has no latent format yet "
+                                         "(vllm_paged converts them; issue 29)")
+        if name != "FullAttentionSpec":
+            raise vllm_paged.Unsupported(f"KV cache spec {name} (only FullAttentionSpec is cached)")
+        # A FullAttentionSpec with a sliding window or attention chunk is a hybrid model's local layers promoted to
+        # full allocation (the hybrid allocator off, as vLLM turns it off for a connector that is not SupportsHMA):
+        # blocks for every token, never freed below the window, so every token's K/V is in its block and cached.
+        if getattr(spec, "tokens_per_state", 1) != 1 or getattr(spec, "num_head_slots", None) is not None \
+                or getattr(spec, "state_content_bytes", None) is not None:
+            raise vllm_paged.Unsupported(f"packed KV pages ({spec})")
+        rank_heads = self.shard.head_stop - self.shard.head_start
+        if spec.num_kv_heads != rank_heads or spec.head_size != self.base_spec.head_dim:
+            raise vllm_paged.Unsupported(f"the KV cache spec has {spec.num_kv_heads} heads of {spec.head_size}, the "
+                                         f"model {rank_heads} of {self.base_spec.head_dim} on this rank")
+        if spec.block_size != self.block_size:
+            raise vllm_paged.Unsupported(f"KV cache group block size {spec.block_size} != {self.block_size}")
+        return groups[0], spec
+
+    def _check_paged_config(self) -> str | None:
+        try:
+            self._paged_group()
+        except vllm_paged.Unsupported as exc:
+            return f"unsupported KV cache layout: {exc}"
+        return None
+
+    def _register_paged(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        group, spec = self._paged_group()
+        names = sorted((n for n in group.layer_names if n in kv_caches), key=layer_index)
+        if len(names) != len(group.layer_names):
+            raise vllm_paged.Unsupported(f"{len(group.layer_names) - len(names)} layers of the group have no cache")
+        views = [kv_caches[n] for n in names]
+        if len({v.data_ptr() for v in views}) != len(views):
+            raise vllm_paged.Unsupported("layers share KV caches (cross-layer KV sharing)")
+        if len(views) != self._rank_spec(self.base_spec).num_layers:
+            raise vllm_paged.Unsupported(f"{len(views)} KV caches for {self._rank_spec(self.base_spec).num_layers} "
+                                         "layers")
+        cc = self._vllm_config.cache_config
+        p = vllm_paged.plan(views, block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                            head_size=spec.head_size, head_size_v=spec.head_size_v,
+                            kv_cache_dtype=str(cc.cache_dtype or "auto"),
+                            engine_layout=getattr(cc, "kv_cache_layout", None))
+        if p.dtype != TORCH_DTYPES[self.base_spec.kv_dtype]:
+            raise vllm_paged.Unsupported(f"{p.dtype} KV caches for a {self.base_spec.kv_dtype} model spec")
+        self._paged = p
+        self._kv_caches = views
+        self._layout = f"paged {p.order}" + (f", kernel blocks of {p.kernel_block_size}" if p.ratio > 1 else "")
+        if views[0].device.type == "cuda":
+            self._load_stream = torch.cuda.Stream(device=views[0].device)
+
     def _check_layout_from_config(self, vllm_config) -> str | None:
         """None when the workers' KV layout is one this connector knows, else why not."""
         try:
-            from vllm.platforms import current_platform
-
-            if not current_platform.is_cpu():
-                return f"attention backend of platform {current_platform.device_name!r} is not supported yet"
+            if self._paged_mode(vllm_config):
+                return self._check_paged_config()
+            if self._kv_cache_config is not None:
+                self._paged_group()  # the same groups check (one group, every token's blocks kept) on the CPU
             spec = self.base_spec
             layout = probe_cpu_layout(TORCH_DTYPES[spec.kv_dtype], self.block_size,
                                       self.shard.head_stop - self.shard.head_start, spec.head_dim, vllm_config)
@@ -738,6 +825,17 @@ class PromptCacheConnector(KVConnectorBase_V1):
         if self.disabled:
             return
         try:
+            if self._paged_mode(self._vllm_config):
+                self._register_paged(kv_caches)
+                self._log_state(self._layout)
+                return
+        except Exception as exc:  # noqa: BLE001 - an unknown layout means no cache, never a wrong one
+            self.disabled = f"unsupported KV cache layout: {exc}"
+            self._log_state()
+            return
+        try:
+            if self._kv_cache_config is not None:
+                self._paged_group()  # one group, every token's blocks kept: as on a GPU
             names = sorted(kv_caches, key=layer_index)
             caches = [kv_caches[n] for n in names]
             spec = self._rank_spec(self.base_spec)
@@ -811,8 +909,11 @@ class PromptCacheConnector(KVConnectorBase_V1):
             got_blocks = max(0, min(len(op.block_ids), len(chunks) * per_chunk - op.skip // self.block_size))
             if got_blocks:
                 t1 = time.perf_counter()
-                vllm_layout.write_chunks(self._kv_caches, chunks, op.skip, op.block_ids[:got_blocks], self._layout,
-                                         self.block_size)
+                if self._paged is not None:
+                    self._write_paged(chunks, op.skip, op.block_ids[:got_blocks])
+                else:
+                    vllm_layout.write_chunks(self._kv_caches, chunks, op.skip, op.block_ids[:got_blocks],
+                                             self._layout, self.block_size)
                 LOAD_SECONDS.observe(time.perf_counter() - t1)
             failed = set(op.block_ids[got_blocks:])
             if failed:
@@ -825,6 +926,16 @@ class PromptCacheConnector(KVConnectorBase_V1):
                 self._inc(LOAD_ERRORS, "load_error_blocks", len(failed))
             with self._load_lock:
                 self._done.append((op.req_id, failed))
+
+    def _write_paged(self, chunks: list[torch.Tensor], skip: int, block_ids: list[int]) -> None:
+        """Load thread: chunks into the blocks of vLLM's paged views; on CUDA on the loads' own stream, finished
+        (synchronized) before the load is reported, so no forward pass reads a block before it is written."""
+        if self._load_stream is None:
+            vllm_paged.scatter_chunks(self._kv_caches, self._paged, chunks, skip, block_ids)
+            return
+        with torch.cuda.stream(self._load_stream):
+            vllm_paged.scatter_chunks(self._kv_caches, self._paged, chunks, skip, block_ids)
+        self._load_stream.synchronize()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The failed blocks of every load finished so far; their requests are reported finished by get_finished
@@ -870,21 +981,35 @@ class PromptCacheConnector(KVConnectorBase_V1):
                 _warn.warning("store-dropped", "promptcache: save queue full, dropping a save")
                 continue
             t0 = time.perf_counter()
-            index = torch.tensor(op.block_ids, dtype=torch.long)
-            snapshot = torch.stack([cache.index_select(0, index) for cache in self._kv_caches])
+            ready = None
+            if self._paged is not None:
+                # Canonical K/V straight from the blocks, on the cache's device and stream (after this step's
+                # writes); on CUDA the save thread waits for the event, not this thread.
+                snapshot = vllm_paged.gather(self._kv_caches, self._paged, op.block_ids)
+                if snapshot.device.type == "cuda":
+                    ready = torch.cuda.Event()
+                    ready.record()
+            else:
+                index = torch.tensor(op.block_ids, dtype=torch.long)
+                snapshot = torch.stack([cache.index_select(0, index) for cache in self._kv_caches])
             SAVE_COPY_SECONDS.observe(time.perf_counter() - t0)
-            self._pool.submit(self._save, op, snapshot)
+            self._pool.submit(self._save, op, snapshot, ready)
 
-    def _save(self, op: _SaveOp, snapshot: torch.Tensor) -> None:
+    def _save(self, op: _SaveOp, snapshot: torch.Tensor, ready=None) -> None:
         t0 = time.perf_counter()
         try:
             if not self._breaker.allow():
                 self._inc(STORES, "stores", 1, "dropped")
                 return
-            L, nb, H, _ = snapshot.shape
-            kv = torch.empty((L, 2, H, nb * self.block_size, self.base_spec.head_dim), dtype=snapshot.dtype)
-            for layer in range(L):
-                vllm_layout.read_layer(snapshot[layer], kv[layer], self._layout, self.block_size)
+            if self._paged is not None:
+                if ready is not None:
+                    ready.synchronize()
+                kv = snapshot.cpu()  # already canonical [L, 2, H, T, D]
+            else:
+                L, nb, H, _ = snapshot.shape
+                kv = torch.empty((L, 2, H, nb * self.block_size, self.base_spec.head_dim), dtype=snapshot.dtype)
+                for layer in range(L):
+                    vllm_layout.read_layer(snapshot[layer], kv[layer], self._layout, self.block_size)
             chunks = vllm_layout.split_chunks(kv, op.chunk_tokens)
             spec = self._rank_spec(op.spec)
             if spec.quantization != "none":

@@ -1,0 +1,123 @@
+"""Issue 29: the KV caches a CUDA worker gets from vLLM 0.32, built on this CPU with vLLM's own allocator, written by
+vLLM's own Triton cache-write kernel (in Triton's interpreter), saved by the connector's worker side to a real sidecar
+and loaded by a second connector's load path into a second, empty set of caches: bit for bit, for LBNHC and LBHNC in
+fp32, fp16 and bf16; fp8 and MLA caches through promptcache.client.vllm_paged (the connector stays inert for them,
+with its reason, until the chunk contract has their formats); negative controls. One vLLM-venv subprocess
+(tests/vllm/_cuda_layouts_probe.py) does it all, this side asserts."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from promptcache.devtools import models
+from support import REPO, SidecarProcess
+
+VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.model,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not VLLM_PYTHON, reason="needs the vLLM virtualenv: run `make test-vllm`"),
+]
+CASES = [f"{layout}-{dtype}" for layout in ("LBNHC", "LBHNC") for dtype in ("float32", "float16", "bfloat16")]
+
+
+@pytest.fixture(scope="module")
+def probe():
+    sidecar = SidecarProcess("--memory-bytes", "512Mi", "--chunk-tokens", "32").wait_ready(60)
+    try:
+        arg = json.dumps({"model_dir": str(models.smollm2_dir()), "address": sidecar.address, "chunk_tokens": 32})
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / d) for d in ("sidecar", "proto", "operator")),
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        run = subprocess.run([VLLM_PYTHON, str(Path(__file__).with_name("_cuda_layouts_probe.py")), arg],
+                             capture_output=True, text=True, timeout=800, env=env, cwd=str(REPO))
+        line = next((x for x in run.stdout.splitlines() if x.startswith("@@")), None)
+        assert line is not None, run.stdout[-3000:] + run.stderr[-6000:]
+        yield json.loads(line[2:])
+    finally:
+        sidecar.stop()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_connector_is_active_and_round_trips_vllm_kernel_writes_bit_for_bit(probe, case):
+    r = probe["cases"][case]
+    layout = case.split("-")[0]
+    assert r["disabled"] is None
+    assert r["layout"] == f"paged {layout}"
+    assert r["kernel_wrote_what_it_was_given"]  # vLLM's Triton writer put K/V where the kernels read them
+    assert r["paged_views_match_vllm"]  # vllm_paged.paged_views (the GPU lane's caches) = vLLM's allocator's
+    assert r["stored_chunks"] == 2 and r["stored_is_canonical"]  # the sidecar holds [L, 2, H, T, D] of those K/V
+    assert r["load_errors"] == [] and r["finished"] == ["load"]
+    assert r["loaded_bit_exact"] and r["blocks_equal"]  # the second cache set, read as the kernels read it
+    assert r["other_blocks_zero"]  # and nothing outside the loaded blocks was touched
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_manager_blocks_split_into_kernel_blocks_round_trip(probe, layout):
+    """block_size 32 in kernel blocks of 16 (vLLM's allocator with kernel_block_sizes): the views hold twice the
+    blocks, the connector's block ids are manager blocks, the scheduler side is active too."""
+    r = probe["cases"][f"{layout}-bfloat16-kernel16"]
+    assert r["disabled"] is None and r["scheduler_disabled"] is None
+    assert r["layout"] == f"paged {layout}, kernel blocks of 16"
+    assert r["view_shape"][0] % 2 == 0 and r["view_shape"][2] == 16
+    assert r["load_errors"] == [] and r["loaded_bit_exact"]
+
+
+def test_the_two_layouts_are_really_different_strides(probe):
+    """LBNHC: token-major inside a block ([N, H, C]); LBHNC: head-major ([H, N, C]), as vLLM's allocator gives them."""
+    H, N, C = 3, 16, 128
+    assert probe["cases"]["LBNHC-float32"]["strides"] == [N * H * C, C, H * C, 1]
+    assert probe["cases"]["LBHNC-float32"]["strides"] == [H * N * C, N * C, C, 1]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_negative_control_the_other_layouts_conversion_fails(probe, case):
+    """The same stored chunks scattered as if the cache had the other layout's strides: the kernels' view of the
+    cache no longer holds the K/V (the comparison above can fail)."""
+    assert probe["cases"][case]["wrong_conversion_matches"] is False
+
+
+def test_an_engine_layout_that_the_strides_contradict_leaves_the_connector_inert(probe):
+    assert "the engine says KV cache layout LBHNC but the views' strides" in probe["inert"]["layout_mismatch"]
+
+
+def test_a_hybrid_model_with_the_hybrid_allocator_off_is_cached(probe):
+    """Every other layer sliding-window; vLLM turns its hybrid allocator off for this connector (not SupportsHMA), so
+    get_kv_cache_groups promotes those layers to full allocation: one group, every token's K/V in its block, cached
+    and loaded bit for bit."""
+    r = probe["cases"]["hybrid-hma-off"]
+    assert r["groups"] == [["FullAttentionSpec", 30, 32]]
+    assert r["disabled"] is None and r["scheduler_disabled"] is None and r["layout"] == "paged LBNHC"
+    assert r["load_errors"] == [] and r["loaded_bit_exact"]
+
+
+def test_a_hybrid_model_with_the_hybrid_allocator_on_is_inert_with_its_reason_on_both_sides(probe):
+    for side in ("hybrid", "hybrid_scheduler", "hybrid_cpu_path"):
+        assert "hybrid model: 2 KV cache groups (FullAttentionSpec, SlidingWindowSpec)" in probe["inert"][side]
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_fp8_caches_convert_as_raw_bytes(probe, layout):
+    """vLLM's fp8 caches are uint8; the Triton writer's bytes (exactly representable values, scales 2 and 0.5) are
+    torch's own e4m3fn conversion, gathered as is and scattered back bit for bit. The writer stores e4m3fn even for
+    "fp8_e5m2" (it views the cache as current_platform.fp8_dtype()): the bytes' format is the backend's, not the
+    string's, which is why kv_format must come from the backend that writes them."""
+    e4m3 = probe["fp8"][f"{layout}-fp8"]
+    assert e4m3["dtype"] == "torch.uint8" and e4m3["chunk_dtype"] == "torch.float8_e4m3fn"
+    assert e4m3["matches_torch_fp8"] and e4m3["round_trip"]
+    assert e4m3["kv_format"].startswith("float8_e4m3fn/scales-")
+    e5m2 = probe["fp8"][f"{layout}-fp8_e5m2"]
+    assert e5m2["round_trip"]
+    assert e5m2["matches_torch_e4m3fn"] and not e5m2["matches_torch_fp8"]
+    assert "fp8" in probe["inert"]["fp8"]  # the connector: inert, said why
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_mla_latents_convert_one_vector_per_token(probe, layout):
+    m = probe["mla"][layout]
+    assert m["shape"] == [30, 1, 1, 64, 576] and m["is_latent"] and m["round_trip"] and m["kv_format"] == "mla"
+    assert "MLA latent KV caches" in probe["inert"][f"mla-{layout}"]
