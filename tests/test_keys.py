@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from support import REPO
 from promptcache.contract.keys import (Adapter, ModelSpec, MultiModalItem, Shard, chunk_keys, fingerprint,
-                                       request_salt, shard_spec)
+                                       request_salt, scales_digest, shard_spec)
 
 VECTORS = json.loads((REPO / "docs/key-vectors.json").read_text())
 BASE = ModelSpec("m", "r", "float16", 4, 2, 8)
@@ -24,12 +24,16 @@ def spec_of(v) -> ModelSpec:
     if r is not None:
         adapter = Adapter(r["adapter"]["name"], bytes.fromhex(r["adapter"]["digest_hex"])) if "adapter" in r else None
         items = [MultiModalItem(i["modality"], i["content_hash"], i["offset"], i["length"]) for i in r.get("mm_items", [])]
+        scales = r.get("kv_scales")
+        if scales is not None:
+            assert scales_digest(scales["k"], scales["v"]).hex() == scales["digest_hex"]
         salt = request_salt(salt, adapter=adapter, mm_items=items,
                             embeds_digest=bytes.fromhex(r.get("embeds_digest_hex", "")),
-                            shard=Shard(*r["shard"]) if "shard" in r else None)
+                            shard=Shard(*r["shard"]) if "shard" in r else None,
+                            kv_scales=scales_digest(scales["k"], scales["v"]) if scales else b"")
         assert salt.hex() == v["request_salt_hex"]
     return ModelSpec(m["model_id"], m["revision"], m["kv_dtype"], m["num_layers"], m["num_kv_heads"],
-                     m["head_dim"], m["quantization"], salt)
+                     m["head_dim"], m["quantization"], salt, m.get("kv_kind", "kv"))
 
 
 def reference_salt(v) -> bytes:
@@ -48,6 +52,10 @@ def reference_salt(v) -> bytes:
         msg += f(7, bytes.fromhex(r["embeds_digest_hex"]))
     if "shard" in r:
         msg += f(8, struct.pack("<6I", *r["shard"]))
+    if "kv_scales" in r:
+        s = r["kv_scales"]
+        scales = b"".join(struct.pack("<ff", k, x) for k, x in zip(s["k"], s["v"]))
+        msg += f(9, hashlib.sha256(b"promptcache/kv-scales/v1\0" + scales).digest())
     return hashlib.sha256(msg).digest()
 
 
@@ -59,7 +67,7 @@ def reference_keys(v):
     fp = hashlib.sha256(b"promptcache/fingerprint/v1\0" + f(1, m["model_id"].encode()) + f(2, m["revision"].encode())
                         + f(3, m["kv_dtype"].encode()) + f(4, u(m["num_layers"])) + f(5, u(m["num_kv_heads"]))
                         + f(6, u(m["head_dim"])) + f(7, {"k8v4": b"k8v4.3", "k6v4z": b"k6v4z.2"}.get(m["quantization"], m["quantization"].encode()))
-                        + f(8, reference_salt(v))).digest()
+                        + f(8, reference_salt(v)) + (f(9, b"mla") if m.get("kv_kind") == "mla" else b"")).digest()
     keys, parent, c = [], bytes(32), v["chunk_tokens"]
     for i in range(len(v["tokens"]) // c):
         toks = struct.pack(f"<{c}I", *v["tokens"][i * c:(i + 1) * c])
@@ -196,3 +204,58 @@ def test_shard_spec_holds_the_rank_slice():
 def test_malformed_request_parts_name_what(parts, what):
     with pytest.raises(ValueError, match=what):
         request_salt(b"", **parts)
+
+
+# fp8 KV caches and MLA latents (issue 29)
+SCALES_A = scales_digest([2.0, 0.5, 1.0, 1.0], [0.5, 0.5, 1.0, 1.0])
+
+
+def test_fp8_scales_separate_keys_and_their_digest_is_the_scales_as_float32():
+    fp8 = ModelSpec("m", "r", "float8_e4m3fn", 4, 2, 8)
+    b = scales_digest([2.0, 0.5, 1.0, 1.0], [0.5, 0.5, 1.0, 0.999])
+    swapped = scales_digest([0.5, 0.5, 1.0, 1.0], [2.0, 0.5, 1.0, 1.0])  # K and V scales are not interchangeable
+    assert len({SCALES_A, b, swapped}) == 3
+    assert scales_digest([2.0], [0.5]) == hashlib.sha256(b"promptcache/kv-scales/v1\0" + struct.pack("<ff", 2, .5)).digest()
+    assert scales_digest([0.1], [1.0]) == scales_digest([0.10000000001], [1.0])  # float32, as vLLM keeps them
+    keys = lambda salt: set(chunk_keys(fingerprint(ModelSpec("m", "r", "float8_e4m3fn", 4, 2, 8, tenant_salt=salt)),  # noqa: E731
+                                       range(16), 8))
+    a = keys(request_salt(b"", kv_scales=SCALES_A))
+    assert not a & keys(request_salt(b"", kv_scales=b)) and not a & keys(b"")
+    assert not a & set(chunk_keys(fingerprint(ModelSpec("m", "r", "float8_e5m2", 4, 2, 8,
+                                                        tenant_salt=request_salt(b"", kv_scales=SCALES_A))), range(16), 8))
+    assert fingerprint(fp8) != fingerprint(ModelSpec("m", "r", "float8_e5m2", 4, 2, 8))
+
+
+@pytest.mark.parametrize("k,v,what", [([], [], "0 K and 0 V"), ([1.0], [], "1 K and 0 V"),
+                                      ([1.0, 0.0], [1.0, 1.0], "layer 1"), ([float("nan")], [1.0], "layer 0"),
+                                      ([1.0], [float("inf")], "layer 0")])
+def test_malformed_scales_are_refused(k, v, what):
+    with pytest.raises(ValueError, match=what):
+        scales_digest(k, v)
+    with pytest.raises(ValueError, match="kv_scales digest"):
+        request_salt(b"", kv_scales=b"short")
+
+
+def test_an_mla_chunk_never_shares_keys_with_a_kv_chunk_of_the_same_bytes():
+    """kv_kind "mla" is fingerprint field 9: a latent chunk [L, 1, 1, T, 576] and a K/V chunk [L, 2, 1, T, 288] have
+    the same size, never the same keys; a "kv" spec hashes as before (no field 9)."""
+    from promptcache.contract.layout import chunk_nbytes, chunk_shape
+
+    mla = ModelSpec("m", "r", "bfloat16", 4, 1, 576, kv_kind="mla")
+    kv = ModelSpec("m", "r", "bfloat16", 4, 1, 288)
+    assert chunk_shape(mla, 8) == (4, 1, 1, 8, 576) and chunk_nbytes(mla, 8) == chunk_nbytes(kv, 8)
+    assert not set(chunk_keys(fingerprint(mla), range(32), 8)) & set(chunk_keys(fingerprint(kv), range(32), 8))
+    assert fingerprint(mla) != fingerprint(ModelSpec("m", "r", "bfloat16", 4, 1, 576))
+
+
+@pytest.mark.parametrize("kwargs,what", [
+    (dict(kv_dtype="float8_e4m3fn", quantization="k8v8"), "not available for float8_e4m3fn chunks"),
+    (dict(kv_dtype="float8_e5m2", quantization="k8v4"), "not available for float8_e5m2 chunks"),
+    (dict(kv_kind="mla", num_kv_heads=1, quantization="k6v4z"), "not available for MLA latent chunks"),
+    (dict(kv_kind="mla", num_kv_heads=2), "num_kv_heads must be 1 for an MLA"),
+    (dict(kv_kind="latent"), "model.kv_kind"), (dict(kv_dtype="float8_e4m3fnuz"), "model.kv_dtype"),
+])
+def test_fp8_and_mla_specs_refuse_what_does_not_fit(kwargs, what):
+    base = dict(model_id="m", revision="r", kv_dtype="float16", num_layers=4, num_kv_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=what):
+        ModelSpec(**{**base, **kwargs}).validate()

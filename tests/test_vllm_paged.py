@@ -233,3 +233,101 @@ def test_paged_views_for_benches_are_the_reference_views(layout):
     assert a[1].data_ptr() - a[0].data_ptr() == b[1].data_ptr() - b[0].data_ptr()
     with pytest.raises(ValueError, match="not one of"):
         vp.paged_views("NHD", 1, 1, 1, 1, 1, torch.float16)
+
+
+# ------------------------------------------------------------------ fp8 and MLA chunks through a real sidecar
+from promptcache.client.client import checked_chunks  # noqa: E402
+from promptcache.contract.keys import ModelSpec, request_salt, scales_digest  # noqa: E402
+from support import CHUNK  # noqa: E402
+
+FP8 = [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)]
+
+
+def paged_round_trip(client, spec, views, p, src_blocks, dst_blocks, tokens):
+    """The connector's worker path without vLLM: gather the blocks, split into chunks, Put them; Get them back,
+    check them as the load path does (checked_chunks) and scatter them into a second, empty cache set."""
+    kv = vp.gather(views, p, src_blocks)
+    chunks = [kv[:, :, :, i:i + CHUNK].contiguous() for i in range(0, kv.shape[3], CHUNK)]
+    res = client.put_blobs(spec, tokens, dict(enumerate(chunks)))
+    assert res.stored_chunks == len(chunks) and not res.rejected_chunks, res
+    blobs = client.get_blobs(spec, tokens)
+    got = checked_chunks(spec, blobs, CHUNK)
+    dst = [torch.zeros_like(v) for v in views]
+    vp.scatter_chunks(dst, p, got, 0, list(dst_blocks))
+    return kv, got, dst
+
+
+@pytest.mark.parametrize("fmt,torch_fmt", FP8, ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_fp8_chunks_round_trip_through_a_real_sidecar_bit_for_bit(client, layout, fmt, torch_fmt):
+    """Every byte pattern (NaN and Inf patterns included: raw bytes, the sidecar neither scans nor quantizes them)
+    from vLLM's uint8 views to the sidecar and back into other blocks, bit for bit, under keys carrying the scales."""
+    views, kv, p = setup(layout, torch_fmt, N=8, blocks=(7, 2, 5, 1), cache_dtype=fmt, seed=11)
+    assert p.dtype == torch_fmt and p.storage_dtype == torch.uint8
+    salt = request_salt(b"", kv_scales=scales_digest([2.0, 0.5, 1.0], [0.5, 0.5, 0.25]))
+    spec = ModelSpec("fp8-model", "r", str(torch_fmt).removeprefix("torch."), 3, 4, 16, tenant_salt=salt)
+    tokens = list(range(100, 132))
+    assert (kv.view(torch.uint8) == 0x7F).any() or (kv.view(torch.uint8) == 0xFF).any()  # NaN patterns in there
+    stored, got, dst = paged_round_trip(client, spec, views, p, (7, 2, 5, 1), (0, 3, 8, 9), tokens)
+    assert same_bits(stored, kv) and all(g.dtype == torch_fmt for g in got)
+    assert all(torch.equal(a.view(torch.uint8)[[7, 2, 5, 1]], b.view(torch.uint8)[[0, 3, 8, 9]])
+               for a, b in zip(views, dst))
+    assert client.lookup(spec, tokens).cached_tokens == 32
+    # Negative controls: other scales, the other fp8 format, no scales at all: misses, never these bytes.
+    other = scales_digest([2.0, 0.5, 1.0], [0.5, 0.5, 0.5])
+    other_fmt = "float8_e5m2" if torch_fmt == torch.float8_e4m3fn else "float8_e4m3fn"
+    for miss in (ModelSpec("fp8-model", "r", spec.kv_dtype, 3, 4, 16, tenant_salt=request_salt(b"", kv_scales=other)),
+                 ModelSpec("fp8-model", "r", other_fmt, 3, 4, 16, tenant_salt=salt),
+                 ModelSpec("fp8-model", "r", spec.kv_dtype, 3, 4, 16)):
+        assert client.lookup(miss, tokens).cached_tokens == 0
+        assert client.get_blobs(miss, tokens) == []
+
+
+def test_the_sidecar_refuses_quantizing_fp8_and_mla_chunks(client):
+    from promptcache.client import errors
+
+    for spec in (dict(kv_dtype="float8_e4m3fn", num_kv_heads=4), dict(kv_dtype="bfloat16", num_kv_heads=1)):
+        msg = __import__("promptcache.v1.kvcache_pb2", fromlist=["pb"])
+        model = msg.Model(model_id="m", kv_dtype=msg.DTYPE_FLOAT8_E4M3FN if "float8" in spec["kv_dtype"]
+                          else msg.DTYPE_BFLOAT16, num_layers=2, num_kv_heads=spec["num_kv_heads"], head_dim=16,
+                          quantization="k8v8", kv_kind=msg.KV_KIND_KV if "float8" in spec["kv_dtype"]
+                          else msg.KV_KIND_MLA)
+        with pytest.raises(errors.InvalidArgument, match="not available for"):
+            client._call(lambda t: client._stub.Lookup(msg.LookupRequest(model=model, tokens=list(range(16))),
+                                                       timeout=t), 10)
+
+
+@pytest.mark.parametrize("dtype,fmt", [(torch.bfloat16, "auto"), (torch.float8_e4m3fn, "fp8")], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_mla_chunks_round_trip_through_a_real_sidecar_and_never_serve_a_kv_model(client, layout, dtype, fmt):
+    """MLA latents [L, 1, 1, T, 576] (kv_kind mla) round-trip bit for bit; a non-MLA spec whose chunks have the same
+    bytes ([L, 2, 1, T, 288]) or the same head_dim misses them."""
+    views, kv, p = setup(layout, dtype, H=1, N=8, D=576, kind="mla", blocks=(4, 1), cache_dtype=fmt, seed=5)
+    name = str(dtype).removeprefix("torch.")
+    salt = request_salt(b"", kv_scales=scales_digest([1.0] * 3, [1.0] * 3)) if dtype.itemsize == 1 else b""
+    spec = ModelSpec("mla-model", "r", name, 3, 1, 576, tenant_salt=salt, kv_kind="mla")
+    tokens = list(range(16))
+    stored, got, dst = paged_round_trip(client, spec, views, p, (4, 1), (6, 0), tokens)
+    assert stored.shape == (3, 1, 1, 16, 576) and got[0].shape == (3, 1, 1, CHUNK, 576) and same_bits(stored, kv)
+    assert all(torch.equal(_raw8(a)[[4, 1]], _raw8(b)[[6, 0]]) for a, b in zip(views, dst))
+    for miss in (ModelSpec("mla-model", "r", name, 3, 1, 288, tenant_salt=salt),
+                 ModelSpec("mla-model", "r", name, 3, 1, 576, tenant_salt=salt)):
+        assert client.lookup(miss, tokens).cached_tokens == 0 and client.get_blobs(miss, tokens) == []
+    assert client.lookup(spec, tokens).cached_tokens == 16
+
+
+def _raw8(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def test_the_transformers_integration_refuses_fp8_and_mla_chunks():
+    from promptcache.client.hf import check_spec, decode_prefix
+
+    for spec, what in ((ModelSpec("m", "r", "float8_e4m3fn", 2, 2, 8), "float8_e4m3fn chunks"),
+                       (ModelSpec("m", "r", "float8_e5m2", 2, 2, 8), "float8_e5m2 chunks"),
+                       (ModelSpec("m", "r", "bfloat16", 2, 1, 576, kv_kind="mla"), "mla \\(latent\\) chunks")):
+        with pytest.raises(ValueError, match=what):
+            check_spec(spec)
+        with pytest.raises(ValueError, match=what):
+            decode_prefix(spec, [torch.zeros(16, dtype=torch.uint8)], CHUNK, "cpu")
+    assert check_spec(ModelSpec("m", "r", "bfloat16", 2, 2, 8))

@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
+	"math"
 	"os"
 	"testing"
 )
@@ -22,6 +23,7 @@ type vector struct {
 		HeadDim      uint32 `json:"head_dim"`
 		Quantization string `json:"quantization"`
 		TenantSalt   string `json:"tenant_salt_hex"`
+		KVKind       string `json:"kv_kind"`
 	} `json:"model"`
 	Request *struct {
 		Adapter *struct {
@@ -36,6 +38,11 @@ type vector struct {
 		} `json:"mm_items"`
 		EmbedsDigestHex string   `json:"embeds_digest_hex"`
 		Shard           []uint32 `json:"shard"`
+		KVScales        *struct {
+			K         []float64 `json:"k"`
+			V         []float64 `json:"v"`
+			DigestHex string    `json:"digest_hex"`
+		} `json:"kv_scales"`
 	} `json:"request"`
 	RequestSaltHex string   `json:"request_salt_hex"`
 	Fingerprint    string   `json:"fingerprint"`
@@ -93,6 +100,20 @@ func requestSalt(v vector, salt []byte) []byte {
 		}
 		msg = append(msg, field(8, b)...)
 	}
+	if r.KVScales != nil {
+		msg = append(msg, field(9, scalesDigest(r.KVScales.K, r.KVScales.V))...)
+	}
+	h := sha256.Sum256(msg)
+	return h[:]
+}
+
+// scalesDigest: docs/keys.md, an fp8 cache's per-layer scales as float32 little-endian, K then V of each layer.
+func scalesDigest(k, v []float64) []byte {
+	msg := []byte("promptcache/kv-scales/v1\x00")
+	for i := range k {
+		msg = append(msg, u32(math.Float32bits(float32(k[i])))...)
+		msg = append(msg, u32(math.Float32bits(float32(v[i])))...)
+	}
 	h := sha256.Sum256(msg)
 	return h[:]
 }
@@ -112,6 +133,9 @@ func TestVectors(t *testing.T) {
 	for _, v := range vectors {
 		salt, _ := hex.DecodeString(v.Model.TenantSalt)
 		if v.Request != nil {
+			if s := v.Request.KVScales; s != nil && hex.EncodeToString(scalesDigest(s.K, s.V)) != s.DigestHex {
+				t.Errorf("%s: scales digest %x, want %s", v.Name, scalesDigest(s.K, s.V), s.DigestHex)
+			}
 			salt = requestSalt(v, salt)
 			if hex.EncodeToString(salt) != v.RequestSaltHex {
 				t.Errorf("%s: request salt %x, want %s", v.Name, salt, v.RequestSaltHex)
@@ -126,6 +150,9 @@ func TestVectors(t *testing.T) {
 		msg = append(msg, field(6, u32(v.Model.HeadDim))...)
 		msg = append(msg, field(7, []byte(quantFormat(v.Model.Quantization)))...)
 		msg = append(msg, field(8, salt)...)
+		if v.Model.KVKind == "mla" {
+			msg = append(msg, field(9, []byte("mla"))...)
+		}
 		fp := sha256.Sum256(msg)
 		if hex.EncodeToString(fp[:]) != v.Fingerprint {
 			t.Errorf("%s: fingerprint %x, want %s", v.Name, fp, v.Fingerprint)

@@ -42,7 +42,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The model fingerprint's fields (docs/keys.md): a lookup or purge must name the model exactly."""
     p.add_argument("--model", required=True, help="model id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--revision", required=True, help="weights revision (or digest) the KV bytes belong to")
-    p.add_argument("--kv-dtype", required=True, help="KV dtype: float32, float16 or bfloat16")
+    p.add_argument("--kv-dtype", required=True,
+                   help="KV dtype: float32, float16, bfloat16, float8_e4m3fn or float8_e5m2")
+    p.add_argument("--kv-kind", default="kv", choices=["kv", "mla"],
+                   help="kv (K and V per head, default) or mla (an MLA model's latents, --kv-heads 1)")
     p.add_argument("--layers", type=int, required=True, help="number of layers")
     p.add_argument("--kv-heads", type=int, required=True, help="number of KV heads")
     p.add_argument("--head-dim", type=int, required=True, help="head dimension")
@@ -158,7 +161,8 @@ def _spec(args):
     from promptcache.contract.keys import ModelSpec
 
     return ModelSpec(args.model, args.revision, args.kv_dtype, args.layers, args.kv_heads, args.head_dim,
-                     quantization=args.quantization, tenant_salt=args.tenant_salt.encode()).validate()
+                     quantization=args.quantization, tenant_salt=args.tenant_salt.encode(),
+                     kv_kind=args.kv_kind).validate()
 
 
 def _emit(args, data: dict[str, Any], text: str) -> None:

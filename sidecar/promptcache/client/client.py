@@ -20,7 +20,7 @@ import xxhash
 from promptcache.contract import frames
 from promptcache.client import errors
 from promptcache.contract.keys import ModelSpec
-from promptcache.contract.layout import TORCH_DTYPES, all_finite, chunk_nbytes, chunk_shape
+from promptcache.contract.layout import TORCH_DTYPES, all_finite, chunk_nbytes, chunk_shape, scanned
 from promptcache.contract.shm import ClientBuffers, SharedBufferError
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -504,8 +504,9 @@ def decode_chunk(spec: ModelSpec, index: int, blob: torch.Tensor, expected: int,
 
 def checked_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens: int) -> list[torch.Tensor]:
     """Blobs of consecutive chunks -> their canonical tensors [layers, 2, kv_heads, chunk_tokens, head_dim] (views
-    of the blobs when unquantized: no copy), each checked: its length, then finite values (unquantized; one read
-    pass, skipped for a lent chunk the sidecar vouched for or this process found finite before) or the quantized
+    of the blobs when unquantized: no copy), each checked: its length, then finite values (unquantized floats; one read
+    pass, skipped for a lent chunk the sidecar vouched for or this process found finite before; fp8: raw bytes, not
+    scanned) or the quantized
     format's checks.
     CorruptChunk on the first bad one."""
     from promptcache.client.bulk import known_finite, mark_finite
@@ -516,7 +517,7 @@ def checked_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens:
     chunks = []
     for i, blob in enumerate(blobs):
         chunk = decode_chunk(spec, i, blob, expected, shape, dtype)
-        if spec.quantization == "none" and not known_finite(blob):
+        if spec.quantization == "none" and scanned(spec.kv_dtype) and not known_finite(blob):
             if not all_finite(chunk):
                 raise errors.CorruptChunk(f"chunk {i} has NaN or Inf values")
             mark_finite(blob)

@@ -170,12 +170,30 @@ def adopt_cache(model, kv) -> object:
     return cache
 
 
+def check_spec(spec: ModelSpec) -> ModelSpec:
+    """`spec` if transformers' caches can hold its chunks, else ValueError saying why: fp8 chunks (a vLLM fp8 KV
+    cache's raw bytes, meaningful only with that engine's per-layer scales, which a chunk does not carry) and MLA
+    latent chunks (transformers' caches hold each head's decompressed K and V, not the latent) are refused, never
+    reinterpreted."""
+    from promptcache.contract.keys import FP8_DTYPES
+
+    if spec.kv_dtype in FP8_DTYPES:
+        raise ValueError(f"{spec.kv_dtype} chunks (a vLLM fp8 KV cache's raw bytes, scaled per layer) cannot be used "
+                         "by the transformers integration: it neither stores nor dequantizes fp8 KV")
+    if spec.kv_kind != "kv":
+        raise ValueError(f"{spec.kv_kind} (latent) chunks cannot be used by the transformers integration: its caches "
+                         "hold K and V per head")
+    return spec
+
+
 def decode_prefix(spec: ModelSpec, blobs, chunk_tokens: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Blobs of consecutive chunks -> per-layer (K, V) [1, H, C*chunk_tokens, D], decoded straight into one buffer
-    (one copy for mode none; quantized chunks are dequantized in place). CorruptChunk on any bad chunk."""
+    (one copy for mode none; quantized chunks are dequantized in place). CorruptChunk on any bad chunk; ValueError
+    for fp8 or MLA chunks (check_spec)."""
     from promptcache.contract import quant
     from promptcache.contract.layout import TORCH_DTYPES, chunk_nbytes, chunk_shape
 
+    check_spec(spec)
     shape = chunk_shape(spec, chunk_tokens)
     expected = chunk_nbytes(spec, chunk_tokens)
     dtype = TORCH_DTYPES[spec.kv_dtype]
@@ -214,6 +232,12 @@ class PromptCacheHF:
 
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = cfg.num_attention_heads
+        if getattr(cfg, "kv_lora_rank", None):
+            raise ValueError(f"{cfg.model_type}: an MLA model (kv_lora_rank {cfg.kv_lora_rank}); the transformers "
+                             "integration does not cache MLA models (their chunks are vLLM's latents)")
+        if model.dtype not in DTYPE_NAMES or DTYPE_NAMES[model.dtype] not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"model dtype {model.dtype}: the transformers integration caches float32, float16 and "
+                             "bfloat16 K/V only (fp8 chunks are a vLLM fp8 KV cache's raw bytes)")
         self.model = model
         self.spec = ModelSpec(
             model_id=model_id or getattr(cfg, "_name_or_path", "") or cfg.model_type,
@@ -221,6 +245,7 @@ class PromptCacheHF:
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             quantization=quantization, tenant_salt=tenant_salt).validate()
+        check_spec(self.spec)
         self.rope_theta = quant.rope_theta_of(cfg)  # k6v4z codes the keys with RoPE undone (quant.pack)
         self._owns_client = isinstance(client, str)
         self.client = PromptCacheClient(client, timeout=fetch_timeout, retries=1) if isinstance(client, str) else client

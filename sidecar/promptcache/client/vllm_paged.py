@@ -23,8 +23,6 @@ scales are never read.
 """
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -221,17 +219,17 @@ def scatter_chunks(views: Sequence[torch.Tensor], p: PagedLayout, chunks: Sequen
 
 
 def kv_format(p: PagedLayout, k_scales: Sequence[float] = (), v_scales: Sequence[float] = ()) -> str:
-    """What the chunks' bytes mean beyond dtype and shape, for the fingerprint: "" for a plain (unquantized) K/V
+    """What the chunks' bytes mean beyond dtype and shape, as a name (logs, tests; the keys carry the same as
+    ModelSpec.kv_kind, kv_dtype and request_salt's kv_scales = keys.scales_digest): "" for a plain (unquantized) K/V
     cache; "mla" for a latent cache; an fp8 cache adds its format and a digest of every layer's K and V scales
     (float32 bits, in layer order), so chunks are never read under other scales or another format."""
+    from promptcache.contract.keys import scales_digest
+
     parts = ["mla"] if p.kind == "mla" else []
     if p.dtype.itemsize == 1:
         if not k_scales or len(k_scales) != len(v_scales):
             raise Unsupported("an fp8 KV cache needs every layer's K and V scale")
-        h = hashlib.sha256(b"promptcache/kv-scales/v1\0")
-        for k, v in zip(k_scales, v_scales):
-            h.update(struct.pack("<ff", float(k), float(v)))
-        parts.append(f"{str(p.dtype).removeprefix('torch.')}/scales-{h.hexdigest()[:32]}")
+        parts.append(f"{str(p.dtype).removeprefix('torch.')}/scales-{scales_digest(k_scales, v_scales).hex()[:32]}")
     return ";".join(parts)
 
 

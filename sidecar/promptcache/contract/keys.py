@@ -12,7 +12,13 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-KV_DTYPES = ("float32", "float16", "bfloat16")
+KV_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+# fp8 KV caches (vLLM's --kv-cache-dtype fp8*): raw bytes, 1 byte a value, stored as they are: no finite scan, no
+# quantization mode. What they mean depends on per-layer scales too: those go in the salt (request_salt kv_scales).
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# What a chunk holds per (layer, token): "kv" K and V of every KV head ([L, 2, H, T, D]); "mla" one latent vector
+# (MLA models: [L, 1, 1, T, D], num_kv_heads 1). Fingerprint field 9, present only for "mla" (kv keys unchanged).
+KV_KINDS = ("kv", "mla")
 QUANT_MODES = ("none", "k8v8", "k8v4", "k6v4z")
 # What field 7 of the fingerprint holds: the mode's byte *format*. k8v4 changed format twice in issue 16 (format 2:
 # more 8-bit value tokens per chunk; format 3: keys and values entropy-coded into a fixed 2.5x slot), so its chunks
@@ -39,6 +45,12 @@ class ModelSpec:
     head_dim: int
     quantization: str = "none"
     tenant_salt: bytes = field(default=b"", repr=False)
+    kv_kind: str = "kv"
+
+    @property
+    def kv_parts(self) -> int:
+        """2 (K and V) for a "kv" chunk, 1 (the latent) for "mla"."""
+        return 1 if self.kv_kind == "mla" else 2
 
     def validate(self) -> "ModelSpec":
         """Raise ValueError naming the first malformed field."""
@@ -58,6 +70,15 @@ class ModelSpec:
             raise ValueError(f"model.quantization {self.quantization!r} is not one of {', '.join(QUANT_MODES)}")
         if len(self.tenant_salt) > 64:
             raise ValueError("model.tenant_salt is longer than 64 bytes")
+        if self.kv_kind not in KV_KINDS:
+            raise ValueError(f"model.kv_kind {self.kv_kind!r} is not one of {', '.join(KV_KINDS)}")
+        if self.kv_kind == "mla" and self.num_kv_heads != 1:
+            raise ValueError(f"model.num_kv_heads must be 1 for an MLA (latent) chunk, got {self.num_kv_heads}")
+        if self.quantization != "none" and (self.kv_dtype in FP8_DTYPES or self.kv_kind == "mla"):
+            what = f"{self.kv_dtype} chunks (stored as their raw bytes)" if self.kv_dtype in FP8_DTYPES \
+                else "MLA latent chunks"
+            raise ValueError(f"model.quantization {self.quantization!r} is not available for {what}: the "
+                             "quantization modes code K and V of float16/bfloat16/float32 heads; use \"none\"")
         return self
 
 
@@ -78,7 +99,7 @@ def fingerprint(spec: ModelSpec) -> bytes:
         _field(6, u32(spec.head_dim)),
         _field(7, QUANT_FORMATS[spec.quantization].encode("ascii")),
         _field(8, spec.tenant_salt),
-    ))
+    )) + (_field(9, b"mla") if spec.kv_kind == "mla" else b"")
     return hashlib.sha256(_FP_DOMAIN + encoded).digest()
 
 
@@ -191,12 +212,13 @@ class Shard:
 
 
 def request_salt(salt: bytes, *, adapter: Adapter | None = None, mm_items: Sequence[MultiModalItem] = (),
-                 embeds_digest: bytes = b"", shard: Shard | None = None) -> bytes:
+                 embeds_digest: bytes = b"", shard: Shard | None = None, kv_scales: bytes = b"") -> bytes:
     """The fingerprint's salt for a request: `salt` itself (v1, any tenant salt) when nothing else is given, else
     SHA-256(request domain v2 || F(1, salt) || [F(2, adapter name) F(3, adapter digest)]
             || per multimodal item, in prompt order: F(4, modality) F(5, content hash) F(6, u32 offset u32 length)
-            || [F(7, embeds digest)] || [F(8, u32 head_start head_stop num_kv_heads layer_start layer_stop num_layers)])
-    (32 bytes). Raises ValueError naming what is malformed."""
+            || [F(7, embeds digest)] || [F(8, u32 head_start head_stop num_kv_heads layer_start layer_stop num_layers)]
+            || [F(9, kv scales digest)])
+    (32 bytes); `kv_scales` is an fp8 cache's scales_digest. Raises ValueError naming what is malformed."""
     if len(salt) > 64:
         raise ValueError("salt is longer than 64 bytes")
     if len(mm_items) > MAX_MM_ITEMS:
@@ -222,6 +244,10 @@ def request_salt(salt: bytes, *, adapter: Adapter | None = None, mm_items: Seque
         s = shard
         parts.append(_field(8, u32(s.head_start, s.head_stop, s.num_kv_heads, s.layer_start, s.layer_stop,
                                    s.num_layers)))
+    if kv_scales:
+        if len(kv_scales) < 16:
+            raise ValueError("kv_scales digest is shorter than 16 bytes")
+        parts.append(_field(9, kv_scales))
     if not parts:
         return salt
     return hashlib.sha256(_REQUEST_DOMAIN + _field(1, salt) + b"".join(parts)).digest()
@@ -238,3 +264,23 @@ def shard_spec(spec: ModelSpec, shard: Shard, **salt_parts) -> ModelSpec:
     return replace(spec, num_kv_heads=shard.head_stop - shard.head_start,
                    num_layers=shard.layer_stop - shard.layer_start,
                    tenant_salt=request_salt(spec.tenant_salt, shard=shard, **salt_parts)).validate()
+
+
+_SCALES_DOMAIN = b"promptcache/kv-scales/v1\x00"
+
+
+def scales_digest(k_scales: Sequence[float], v_scales: Sequence[float]) -> bytes:
+    """The identity of an fp8 KV cache's per-layer scales (request_salt's kv_scales): SHA-256(domain || for every
+    layer, in order: f32le(k_scale) f32le(v_scale)) (32 bytes). The scales of the layers a chunk holds, as float32
+    (what vLLM keeps). Raises ValueError when they are missing, unpaired or not finite positive numbers."""
+    import math
+
+    if not k_scales or len(k_scales) != len(v_scales):
+        raise ValueError(f"fp8 scales: {len(k_scales)} K and {len(v_scales)} V scales (one of each per layer)")
+    h = hashlib.sha256(_SCALES_DOMAIN)
+    for i, (k, v) in enumerate(zip(k_scales, v_scales)):
+        k, v = float(k), float(v)
+        if not (math.isfinite(k) and math.isfinite(v) and k > 0 and v > 0):
+            raise ValueError(f"fp8 scales of layer {i} are not finite positive numbers: K {k}, V {v}")
+        h.update(struct.pack("<ff", k, v))
+    return h.digest()

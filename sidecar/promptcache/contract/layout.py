@@ -1,8 +1,10 @@
 """Byte layout of one stored chunk, shared by the server (validation) and the client (packing).
 
 A chunk holds the K and V of `chunk_tokens` tokens for every layer as one contiguous blob whose logical shape
-is [num_layers, 2 (K, V), num_kv_heads, chunk_tokens, head_dim]. With quantization "none" the blob is that
-tensor in the model's KV dtype; quantized modes pack it as promptcache.contract.quant describes.
+is [num_layers, 2 (K, V), num_kv_heads, chunk_tokens, head_dim] ([num_layers, 1, 1, chunk_tokens, head_dim] for an
+MLA model's latent chunks, kv_kind "mla"). With quantization "none" the blob is that tensor in the model's KV dtype
+(an fp8 dtype: its raw bytes, never scanned for finite values); quantized modes pack it as
+promptcache.contract.quant describes.
 """
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from promptcache.contract.keys import ModelSpec
+from promptcache.contract.keys import FP8_DTYPES, ModelSpec
 
 if TYPE_CHECKING:
     import torch
 
-ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 class _LazyDtypes(Mapping):
@@ -48,7 +50,8 @@ class _LazyDtypes(Mapping):
 def _torch_dtypes() -> dict:
     import torch
 
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 TORCH_DTYPES: Mapping[str, "torch.dtype"] = _LazyDtypes(_torch_dtypes)
@@ -88,9 +91,18 @@ def native_scan():
     return _scan or None
 
 
+def scanned(kv_dtype: str) -> bool:
+    """Whether chunks of `kv_dtype` are scanned for NaN/Inf (values_finite): the float dtypes; fp8 chunks are a KV
+    cache's raw bytes, stored and served as they are (their meaning depends on scales the sidecar never sees)."""
+    return kv_dtype not in FP8_DTYPES
+
+
 def values_finite(raw: np.ndarray, kv_dtype: str) -> bool:
     """Whether the bytes `raw` (uint8, whole values of `kv_dtype`) hold no NaN or Inf: one pass of the compiled
-    scan (native_scan) over a contiguous buffer, else values_finite_numpy."""
+    scan (native_scan) over a contiguous buffer, else values_finite_numpy. ValueError for an fp8 dtype (never
+    scanned: see scanned)."""
+    if not scanned(kv_dtype):
+        raise ValueError(f"{kv_dtype} chunks are raw bytes: they are not scanned for finite values")
     scan = native_scan()
     if scan is None or not raw.flags.c_contiguous or raw.size % ITEMSIZES[kv_dtype]:
         return values_finite_numpy(raw, kv_dtype)
@@ -117,7 +129,7 @@ def all_finite(t: "torch.Tensor") -> bool:
 
 
 def chunk_shape(spec: ModelSpec, chunk_tokens: int) -> tuple[int, int, int, int, int]:
-    return (spec.num_layers, 2, spec.num_kv_heads, chunk_tokens, spec.head_dim)
+    return (spec.num_layers, spec.kv_parts, spec.num_kv_heads, chunk_tokens, spec.head_dim)
 
 
 def chunk_nbytes(spec: ModelSpec, chunk_tokens: int) -> int:

@@ -25,7 +25,7 @@ import torch
 
 from promptcache.contract import keys as keyspec
 from promptcache.contract.keys import ModelSpec
-from promptcache.contract.layout import chunk_nbytes, chunk_shape
+from promptcache.contract.layout import chunk_nbytes, chunk_shape, scanned
 from promptcache.contract.shm import SharedBufferError, SharedFile
 from promptcache.sidecar import cgroup
 from promptcache.sidecar.errors import (DataLoss, InvalidRequest, NoCapacity, NotFound, NotServed, PermissionDenied,
@@ -338,7 +338,8 @@ class CacheEngine:
 
     def _store(self, incoming: "_Incoming", spec: ModelSpec, fp: bytes, owner: str, tokens) -> int:
         begin = incoming.begin
-        unquantized = spec.quantization == "none"
+        # fp8 chunks are a KV cache's raw bytes (layout.scanned): stored as they are, like packed codes
+        unquantized = spec.quantization == "none" and scanned(spec.kv_dtype)
         if unquantized:  # checked once here, so no reader has to scan a lent chunk (it cannot change afterwards)
             value, finite = checksum_and_finite(incoming.buffer, spec.kv_dtype)
         else:  # opaque packed codes: the quantized format's own checks run where it is unpacked
@@ -737,7 +738,7 @@ class PutSession:
                 raise InvalidRequest(f"chunk {i}: shape[3] (tokens per chunk) is {begin.shape[3]}, but this "
                                      f"server's chunk size is {ct}")
             raise InvalidRequest(f"chunk {i}: shape {list(begin.shape)} does not match the model's layout "
-                                 f"{self.shape} [layers, 2, kv_heads, chunk_tokens, head_dim]")
+                                 f"{self.shape} [layers, {self.scope.spec.kv_parts}, kv_heads, chunk_tokens, head_dim]")
         limit = self.engine.settings.max_chunk_bytes
         if begin.nbytes > limit:
             raise NoCapacity(f"chunk {i}: {begin.nbytes} bytes exceed the limit of {limit} bytes (--max-chunk-bytes)")
