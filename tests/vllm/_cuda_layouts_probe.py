@@ -40,6 +40,7 @@ from promptcache.client import PromptCacheClient  # noqa: E402
 from promptcache.client import vllm_connector as vc  # noqa: E402
 from promptcache.client import vllm_paged as vp  # noqa: E402
 from promptcache.client.client import checked_chunks  # noqa: E402
+from promptcache.contract import keys as vc_keys  # noqa: E402
 
 
 def load_triton_writer():
@@ -79,8 +80,8 @@ T = len(SRC_BLOCKS) * N
 out = {"cases": {}, "fp8": {}, "mla": {}, "inert": {}}
 
 
-def config(dtype: str, layout: str, cache_dtype: str = "auto", block_size: int = N, **extra):
-    mc = ModelConfig(model=MODEL, dtype=dtype, max_model_len=2048, enforce_eager=True)
+def config(dtype: str, layout: str, cache_dtype: str = "auto", block_size: int = N, model: str = MODEL, **extra):
+    mc = ModelConfig(model=model, dtype=dtype, max_model_len=2048, enforce_eager=True)
     kt = KVTransferConfig(kv_connector="PromptCacheConnector",
                           kv_connector_module_path="promptcache.client.vllm_connector",
                           kv_role="kv_both", kv_connector_extra_config={
@@ -297,13 +298,71 @@ out["inert"]["hybrid_cpu_path"] = c.disabled
 c.shutdown()
 
 # fp8 (e4m3 by vLLM's "fp8", and e5m2): vLLM's uint8 caches, the Triton kernel's fp8 path; values fp8 holds
+# exactly (the interpreter's rounding is not the GPU's), the bytes checked against torch's own conversion. Then the
+# connector (active for fp8: the raw bytes under keys carrying the per-layer scales, which each worker reads from its
+# attention layers: static_forward_context, here stand-ins carrying _k_scale_float/_v_scale_float) saves all 30
+# layers (the other 26 filled with every byte pattern, NaN patterns included) to the sidecar and loads them into a
+# second, empty cache set, bit for bit.
+SCALES_A = vc_keys.scales_digest([2.0] * L, [0.5] * L)
+SCALES_B = vc_keys.scales_digest([2.0] * L, [0.25] * L)
+
+
+def set_scales(cfg, names, k, v, backend="FLASHINFER"):
+    """Stand-ins for vLLM's attention layers: their scales and attention backend (fp8_e5m2 is cached only with a
+    backend that stores e5m2 bytes; the bytes here are the Triton writer's, moved as they are)."""
+    cfg.compilation_config.static_forward_context = {
+        n: types.SimpleNamespace(_k_scale_float=k, _v_scale_float=v,
+                                 attn_backend=types.SimpleNamespace(get_name=lambda: backend)) for n in names}
+
+
+def fp8_connector_round_trip(cfg, kc, src, dst, src_ids, dst_ids, toks):
+    saver = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
+    saver.register_kv_caches(src)
+    r = {"disabled": saver.disabled, "layout": saver._layout}
+    if saver.disabled is None:
+        base = saver.base_spec
+        r["spec"] = [base.kv_dtype, base.kv_kind, base.num_layers, base.num_kv_heads, base.head_dim]
+        bind(saver, saves=[vc._SaveOp("save", base, toks, list(src_ids), 0, CT)])
+        saver.wait_for_save()
+        saver.flush()
+        client = PromptCacheClient(args["address"])
+        blobs = client.get_blobs(base, toks, copy=True)
+        r["stored_chunks"] = len(blobs)
+        if blobs:
+            stored = torch.cat([c.view(torch.uint8) for c in checked_chunks(base, blobs, CT)], dim=3)
+            r["stored_is_gather"] = torch.equal(stored, vp.gather([src[n] for n in NAMES], saver._paged,
+                                                                  src_ids).view(torch.uint8))
+        client.close()
+        loader = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
+        loader.register_kv_caches(dst)
+        bind(loader, loads=[vc._LoadOp("load", base, toks, list(dst_ids), 0, 0, CT)])
+        loader.start_load_kv(None)
+        loader.flush()
+        r["load_errors"] = sorted(loader.get_block_ids_with_load_errors())
+        r["blocks_equal"] = all(torch.equal(src[n][list(src_ids)], dst[n][list(dst_ids)]) for n in NAMES)
+        untouched = [b for b in range(dst[NAMES[0]].shape[0]) if b not in dst_ids]
+        r["other_blocks_zero"] = all(not dst[n][untouched].any() for n in NAMES)
+        for c in (saver, loader):
+            c.shutdown()
+    sched = vc.PromptCacheConnector(cfg, KVConnectorRole.SCHEDULER, kc)
+    r["scheduler_disabled"] = sched.disabled
+    r["scheduler_spec_is_workers"] = sched.base_spec == getattr(saver, "base_spec", None)
+    if sched.disabled is None:
+        r["scheduler_hit"] = sched._lookup(vc._Lookup(0, 0.0, None, sched.base_spec, toks))
+    sched.shutdown()
+    return r
+
+
+# fp8 (e4m3 by vLLM's "fp8", and e5m2): vLLM's uint8 caches, the Triton kernel's fp8 path; values fp8 holds
 # exactly (the interpreter's rounding is not the GPU's), the bytes checked against torch's own conversion.
 for fmt, torch_fmt in (("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
     for layout in ("LBNHC", "LBHNC"):
-        cfg = config("bfloat16", layout)
+        cfg = config("bfloat16", layout, cache_dtype=fmt, kv_scales=SCALES_A.hex())
+        set_scales(cfg, NAMES, 2.0, 0.5)
         spec = FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch.uint8)
         kc, src = caches(cfg, spec, layout)
         _, dst = caches(cfg, spec, layout)
+        _, dst2 = caches(cfg, spec, layout)
         g = torch.Generator().manual_seed(7)
         exact = torch.tensor([0.0, 0.5, -0.5, 1.0, -1.0, 1.5, 2.0, -3.0, 0.25, 4.0, -0.125, 6.0, 8.0, -12.0, 0.75])
         K = exact[torch.randint(0, len(exact), (L, T, H, D), generator=g)]
@@ -329,38 +388,234 @@ for fmt, torch_fmt in (("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e
                 .permute(0, 1, 3, 2, 4).contiguous())),
             "round_trip": all(torch.equal(a[SRC_BLOCKS], b[DST_BLOCKS]) for a, b in zip(views, dviews)),
             "kv_format": vp.kv_format(p, [2.0] * 4, [0.5] * 4)}
-try:
-    cfg = config("bfloat16", "LBNHC", cache_dtype="fp8")
-    c = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, None)
-    out["inert"]["fp8"] = c.disabled
-    c.shutdown()
-except Exception as exc:  # noqa: BLE001
-    out["inert"]["fp8"] = f"config error: {exc}"
+        g = torch.Generator().manual_seed(17)
+        for name in NAMES[4:]:
+            v = src[name]
+            v[SRC_BLOCKS] = torch.randint(0, 256, v[SRC_BLOCKS].shape, generator=g, dtype=torch.uint8)
+        first = 5000 + 1000 * ("LBNHC", "LBHNC").index(layout) + 500 * (fmt != "fp8")  # one prompt per case
+        toks = list(range(first, first + T))
+        r = fp8_connector_round_trip(cfg, kc, src, dst2, SRC_BLOCKS, DST_BLOCKS, toks)
+        r["nan_patterns"] = bool(any(((src[n][SRC_BLOCKS] & 0x7F) == 0x7F).any() for n in NAMES[4:]))
+        out["fp8"][f"{layout}-{fmt}"]["connector"] = r
+        print(f"fp8 {layout}-{fmt}", r, file=sys.stderr, flush=True)
+        if fmt == "fp8_e5m2" and layout == "LBNHC":  # vLLM's Triton backend stores e4m3fn bytes for fp8_e5m2: inert
+            set_scales(cfg, NAMES, 2.0, 0.5, backend="TRITON_ATTN")
+            c = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
+            c.register_kv_caches(dst2)
+            out["inert"]["fp8_e5m2_triton"] = c.disabled
+            c.shutdown()
+        if (layout, fmt) != ("LBNHC", "fp8"):
+            continue
+        # Negative controls, on these chunks (stored under scales A, LBNHC e4m3):
+        # scales B everywhere (config and layers): active, but the chunks are a miss for its scheduler and its loads
+        cfg_b = config("bfloat16", layout, cache_dtype=fmt, kv_scales=SCALES_B.hex())
+        set_scales(cfg_b, NAMES, 2.0, 0.25)
+        _, dst_b = caches(cfg_b, spec, layout)
+        lb = vc.PromptCacheConnector(cfg_b, KVConnectorRole.WORKER, kc)
+        lb.register_kv_caches(dst_b)
+        bind(lb, loads=[vc._LoadOp("load", lb.base_spec, toks, list(DST_BLOCKS), 0, 0, CT)])
+        lb.start_load_kv(None)
+        lb.flush()
+        sb = vc.PromptCacheConnector(cfg_b, KVConnectorRole.SCHEDULER, kc)
+        out["fp8_controls"] = {
+            "scales_b_disabled": lb.disabled, "scales_b_load_errors": sorted(lb.get_block_ids_with_load_errors()),
+            "scales_b_untouched": all(not dst_b[n].any() for n in NAMES),
+            "scales_b_scheduler_hit": sb._lookup(vc._Lookup(0, 0.0, None, sb.base_spec, toks)),
+            "specs_differ_only_in_salt": [lb.base_spec.kv_dtype, lb.base_spec.num_layers] == ["float8_e4m3fn", L]}
+        lb.shutdown()
+        sb.shutdown()
+        # the config says scales A, the layers hold B: the worker refuses (inert), naming both digests
+        cfg_m = config("bfloat16", layout, cache_dtype=fmt, kv_scales=SCALES_A.hex())
+        set_scales(cfg_m, NAMES, 2.0, 0.25)
+        c = vc.PromptCacheConnector(cfg_m, KVConnectorRole.WORKER, kc)
+        c.register_kv_caches(dst_b)
+        out["inert"]["fp8_scales_mismatch"] = c.disabled
+        c.shutdown()
+        # kv_scales auto (every scale 1.0 expected) and layers at 2.0/0.5: inert, the digest to set in the reason
+        cfg_u = config("bfloat16", layout, cache_dtype=fmt)
+        set_scales(cfg_u, NAMES, 2.0, 0.5)
+        c = vc.PromptCacheConnector(cfg_u, KVConnectorRole.WORKER, kc)
+        c.register_kv_caches(dst_b)
+        out["inert"]["fp8_not_unit"] = c.disabled
+        c.shutdown()
+        out["fp8_controls"]["scales_a_hex"] = SCALES_A.hex()
+        # ... and with unit scales in the layers: active on both sides
+        set_scales(cfg_u, NAMES, 1.0, 1.0)
+        c = vc.PromptCacheConnector(cfg_u, KVConnectorRole.WORKER, kc)
+        c.register_kv_caches(dst_b)
+        s_u = vc.PromptCacheConnector(cfg_u, KVConnectorRole.SCHEDULER, kc)
+        out["fp8_controls"]["unit_disabled"] = [c.disabled, s_u.disabled]
+        out["fp8_controls"]["unit_hit_for_a"] = s_u._lookup(vc._Lookup(0, 0.0, None, s_u.base_spec, toks))
+        c.shutdown()
+        s_u.shutdown()
+        # no attention layer to read the scales from: inert
+        cfg_n = config("bfloat16", layout, cache_dtype=fmt)
+        c = vc.PromptCacheConnector(cfg_n, KVConnectorRole.WORKER, kc)
+        c.register_kv_caches(dst_b)
+        out["inert"]["fp8_no_scales"] = c.disabled
+        c.shutdown()
+        # scales computed at run time (calculate_kv_scales), a checkpoint with KV scales and no kv_scales: inert
+        cfg_c = config("bfloat16", layout, cache_dtype=fmt)
+        try:
+            object.__setattr__(cfg_c.cache_config, "calculate_kv_scales", True)
+        except Exception:  # noqa: BLE001
+            object.__setattr__(cfg_c.model_config, "calculate_kv_scales", True)
+        c = vc.PromptCacheConnector(cfg_c, KVConnectorRole.SCHEDULER, kc)
+        out["inert"]["fp8_calculated"] = c.disabled
+        c.shutdown()
+        cfg_q = config("bfloat16", layout, cache_dtype=fmt)
+        cfg_q.model_config.hf_config.quantization_config = {"quant_method": "compressed-tensors",
+                                                            "kv_cache_scheme": {"num_bits": 8, "type": "float"}}
+        c = vc.PromptCacheConnector(cfg_q, KVConnectorRole.SCHEDULER, kc)
+        out["inert"]["fp8_checkpoint_scales"] = c.disabled
+        c.shutdown()
+        c = vc.PromptCacheConnector(config("bfloat16", layout, cache_dtype=fmt, quantization="k8v8"),
+                                    KVConnectorRole.SCHEDULER, kc)
+        out["inert"]["fp8_quantization"] = c.disabled
+        c.shutdown()
 
 # MLA: one latent of 576 (kv_lora_rank 512 + rope 64) per token, one head; written per slot as concat_and_cache_mla
-# addresses the cache ([B, N, 576] after the head dim).
+# addresses the cache ([B, N, 576] after the head dim). vllm_paged on SmolLM2's 30 layers; then the connector on a
+# small random DeepSeek-V3 config (4 layers, MLA: vLLM's ModelConfig says use_mla, head size 576): active, saved,
+# loaded bit for bit, TP rank 1 saves nothing and loads rank 0's chunks; a non-MLA model never sees them.
+import tempfile  # noqa: E402
+import shutil  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+MLA_DIR = tempfile.mkdtemp(prefix="promptcache-mla-")
+for f in Path(MODEL).iterdir():
+    if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
+        shutil.copy(f, MLA_DIR)
+Path(MLA_DIR, "config.json").write_text(json.dumps({
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 256,
+    "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+    "first_k_dense_replace": 4, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "vocab_size": 49152,
+    "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+    "bos_token_id": 0, "eos_token_id": 0, "tie_word_embeddings": False}))
+ML = 4
+MLA_NAMES = NAMES[:ML]
+
+
+def write_latents(cache, names, lat, ids):
+    s = slots(ids)
+    for i, name in enumerate(names):
+        cache[name].squeeze(1)[s // N, s % N] = lat[i]
+
+
+def read_latents(cache, names, ids):
+    d = slots(ids)
+    return torch.stack([cache[n].squeeze(1)[d // N, d % N] for n in names])
+
+
 for layout in ("LBNHC", "LBHNC"):
     cfg = config("bfloat16", layout)
     spec = MLAAttentionSpec(block_size=N, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     kc, src = caches(cfg, spec, layout)
     _, dst = caches(cfg, spec, layout)
     lat = torch.randn(L, T, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    s = slots(SRC_BLOCKS)
-    for i, name in enumerate(NAMES):
-        src[name].squeeze(1)[s // N, s % N] = lat[i]
+    write_latents(src, NAMES, lat, SRC_BLOCKS)
     views, dviews = [src[n] for n in NAMES], [dst[n] for n in NAMES]
     p = vp.plan(views, block_size=N, num_kv_heads=1, head_size=576, head_size_v=0, kind="mla", engine_layout=layout)
     chunk = vp.gather(views, p, SRC_BLOCKS)
     vp.scatter(dviews, p, DST_BLOCKS, chunk)
-    d = slots(DST_BLOCKS)
     out["mla"][layout] = {"shape": list(chunk.shape), "is_latent": torch.equal(chunk[:, 0, 0], lat),
-                          "round_trip": all(torch.equal(v.squeeze(1)[d // N, d % N], lat[i])
-                                            for i, v in enumerate(dviews)),
+                          "round_trip": torch.equal(read_latents(dst, NAMES, DST_BLOCKS), lat),
                           "kv_format": vp.kv_format(p)}
+    # MLA caches for a non-MLA model (SmolLM2): inert
     c = vc.PromptCacheConnector(config("bfloat16", layout), KVConnectorRole.WORKER, kc)
     c.register_kv_caches(src)
     out["inert"][f"mla-{layout}"] = c.disabled
     c.shutdown()
+
+    # The connector on the MLA model
+    r = {}
+    cfg = config("bfloat16", layout, model=MLA_DIR, revision="tiny-random-mla")
+    r["use_mla"] = bool(cfg.model_config.use_mla)
+    kc, src = caches(cfg, spec, layout, names=MLA_NAMES)
+    _, dst = caches(cfg, spec, layout, names=MLA_NAMES)
+    _, dst1 = caches(cfg, spec, layout, names=MLA_NAMES)
+    lat = torch.randn(ML, T, 576, generator=torch.Generator().manual_seed(zlib.crc32(layout.encode()))).to(
+        torch.bfloat16)
+    write_latents(src, MLA_NAMES, lat, SRC_BLOCKS)
+    first = 7000 + 100 * ("LBNHC", "LBHNC").index(layout)
+    toks = list(range(first, first + T))
+    saver = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
+    saver.register_kv_caches(src)
+    r["disabled"], r["layout"] = saver.disabled, saver._layout
+    if saver.disabled is None:
+        base = saver.base_spec
+        r["spec"] = [base.kv_dtype, base.kv_kind, base.num_layers, base.num_kv_heads, base.head_dim]
+        bind(saver, saves=[vc._SaveOp("save", base, toks, list(SRC_BLOCKS), 0, CT)])
+        saver.wait_for_save()
+        saver.flush()
+        client = PromptCacheClient(args["address"])
+        blobs = client.get_blobs(base, toks, copy=True)
+        r["stored_chunks"] = len(blobs)
+        if blobs:
+            stored = torch.cat(checked_chunks(base, blobs, CT), dim=3)
+            r["stored_shape"] = list(stored.shape)
+            r["stored_is_latent"] = torch.equal(stored[:, 0, 0], lat)
+        loader = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
+        loader.register_kv_caches(dst)
+        bind(loader, loads=[vc._LoadOp("load", base, toks, list(DST_BLOCKS), 0, 0, CT)])
+        loader.start_load_kv(None)
+        loader.flush()
+        r["load_errors"] = sorted(loader.get_block_ids_with_load_errors())
+        r["loaded_bit_exact"] = torch.equal(read_latents(dst, MLA_NAMES, DST_BLOCKS), lat)
+        # A non-MLA spec of the same chunk bytes ([4, 2, 1, T, 288]) or the same head_dim: misses
+        r["kv_spec_hits"] = [client.lookup(replace(base, kv_kind="kv", head_dim=hd), toks).cached_tokens
+                             for hd in (288, 576)]
+        sched = vc.PromptCacheConnector(cfg, KVConnectorRole.SCHEDULER, kc)
+        r["scheduler_disabled"] = sched.disabled
+        r["scheduler_hit"] = sched._lookup(vc._Lookup(0, 0.0, None, sched.base_spec, toks)) \
+            if sched.disabled is None else None
+        sched.shutdown()
+        # TP 2, rank 1 (vLLM's parallel state answered as rank 1 of 2 would): the same chunks, nothing saved by it
+        import vllm.distributed.parallel_state as ps
+
+        saved_fns = ps.get_tensor_model_parallel_rank, ps.get_pp_group
+        ps.get_tensor_model_parallel_rank = lambda: 1
+        ps.get_pp_group = lambda: types.SimpleNamespace(rank_in_group=0)
+        try:
+            cfg2 = config("bfloat16", layout, model=MLA_DIR, revision="tiny-random-mla")
+            cfg2.parallel_config.tensor_parallel_size = 2
+            rank1 = vc.PromptCacheConnector(cfg2, KVConnectorRole.WORKER, kc)
+            rank1.register_kv_caches(dst1)
+            r["tp2_rank1"] = {"disabled": rank1.disabled, "saves": rank1.saves,
+                              "spec_is_rank0s": rank1._rank_spec(rank1.base_spec) == base}
+            bind(rank1, loads=[vc._LoadOp("load", rank1.base_spec, toks, list(DST_BLOCKS), 0, 0, CT)])
+            rank1.start_load_kv(None)
+            rank1.flush()
+            r["tp2_rank1"]["load_errors"] = sorted(rank1.get_block_ids_with_load_errors())
+            r["tp2_rank1"]["loaded_bit_exact"] = torch.equal(read_latents(dst1, MLA_NAMES, DST_BLOCKS), lat)
+            toks2 = [t + 2000 for t in toks]
+            bind(rank1, saves=[vc._SaveOp("save", rank1.base_spec, toks2, list(DST_BLOCKS), 0, CT)])
+            rank1.wait_for_save()
+            rank1.flush()
+            r["tp2_rank1"]["stored_by_rank1"] = client.lookup(base, toks2).cached_tokens
+            rank1.shutdown()
+            s2 = vc.PromptCacheConnector(cfg2, KVConnectorRole.SCHEDULER, kc)
+            r["tp2_scheduler"] = {"disabled": s2.disabled, "lookup_shards": len(s2.lookup_shards),
+                                  "hit": s2._lookup(vc._Lookup(0, 0.0, None, s2.base_spec, toks))}
+            s2.shutdown()
+        finally:
+            ps.get_tensor_model_parallel_rank, ps.get_pp_group = saved_fns
+        client.close()
+        for c in (saver, loader):
+            c.shutdown()
+    # Plain K/V caches for the MLA model: inert
+    full = FullAttentionSpec(block_size=N, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    kc_f, src_f = caches(cfg, full, layout, names=MLA_NAMES)
+    c = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc_f)
+    c.register_kv_caches(src_f)
+    r["kv_caches_for_mla_model"] = c.disabled
+    c.shutdown()
+    out["mla"][layout]["connector"] = r
+    print(f"mla {layout}", r, file=sys.stderr, flush=True)
+shutil.rmtree(MLA_DIR, ignore_errors=True)
 
 out["seconds"] = round(time.perf_counter() - t_all, 1)
 print("@@" + json.dumps(out), flush=True)

@@ -1,8 +1,9 @@
 """Issue 29: the KV caches a CUDA worker gets from vLLM 0.32, built on this CPU with vLLM's own allocator, written by
 vLLM's own Triton cache-write kernel (in Triton's interpreter), saved by the connector's worker side to a real sidecar
 and loaded by a second connector's load path into a second, empty set of caches: bit for bit, for LBNHC and LBHNC in
-fp32, fp16 and bf16; fp8 and MLA caches through promptcache.client.vllm_paged (the connector stays inert for them,
-with its reason, until the chunk contract has their formats); negative controls. One vLLM-venv subprocess
+fp32, fp16 and bf16; fp8 (e4m3fn, e5m2) and MLA caches through the connector too (fp8: raw bytes under keys carrying
+the per-layer scales; MLA: latents of a small random DeepSeek-V3 config, TP rank 1 loading rank 0's chunks);
+negative controls. One vLLM-venv subprocess
 (tests/vllm/_cuda_layouts_probe.py) does it all, this side asserts."""
 from __future__ import annotations
 
@@ -113,11 +114,66 @@ def test_fp8_caches_convert_as_raw_bytes(probe, layout):
     e5m2 = probe["fp8"][f"{layout}-fp8_e5m2"]
     assert e5m2["round_trip"]
     assert e5m2["matches_torch_e4m3fn"] and not e5m2["matches_torch_fp8"]
-    assert "fp8" in probe["inert"]["fp8"]  # the connector: inert, said why
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_fp8_caches_round_trip_through_the_connector_and_a_real_sidecar(probe, layout, fmt):
+    """The connector is active for fp8: 30 layers (4 written by vLLM's Triton fp8 path, 26 holding every byte
+    pattern, NaN patterns included) saved as raw bytes, loaded into empty caches bit for bit; the scheduler computes
+    the same keys (the scales from the config, kv_scales) and finds the chunks."""
+    r = probe["fp8"][f"{layout}-{fmt}"]["connector"]
+    assert r["disabled"] is None and r["scheduler_disabled"] is None and r["layout"] == f"paged {layout}"
+    assert r["spec"] == ["float8_e4m3fn" if fmt == "fp8" else "float8_e5m2", "kv", 30, 3, 64]
+    assert r["nan_patterns"] and r["stored_chunks"] == 2 and r["stored_is_gather"]
+    assert r["load_errors"] == [] and r["blocks_equal"] and r["other_blocks_zero"]
+    assert r["scheduler_spec_is_workers"] and r["scheduler_hit"] == 64
+
+
+def test_fp8_chunks_stored_under_scales_a_are_a_miss_under_scales_b(probe):
+    c = probe["fp8_controls"]
+    assert c["scales_b_disabled"] is None and c["specs_differ_only_in_salt"]  # an active connector, other scales
+    assert c["scales_b_scheduler_hit"] == 0  # its Lookup misses
+    assert c["scales_b_load_errors"] == [3, 7, 1, 8] or sorted(c["scales_b_load_errors"]) == [1, 3, 7, 8]
+    assert c["scales_b_untouched"]  # and a load it was told to do writes nothing: the blocks are recomputed
+    assert c["unit_disabled"] == [None, None] and c["unit_hit_for_a"] == 0
+
+
+def test_fp8_scales_that_are_not_the_keys_leave_the_connector_inert_with_the_reason(probe):
+    inert, a = probe["inert"], probe["fp8_controls"]["scales_a_hex"]
+    assert f"is not the configured kv_scales {a}" in inert["fp8_scales_mismatch"]
+    assert "fp8 KV scales are not all 1.0" in inert["fp8_not_unit"] and a in inert["fp8_not_unit"]
+    assert "no attention layer" in inert["fp8_no_scales"]
+    assert "calculate_kv_scales" in inert["fp8_calculated"]
+    assert "kv_cache_scheme" in inert["fp8_checkpoint_scales"]
+    assert "quantization 'k8v8' with an fp8 KV cache" in inert["fp8_quantization"]
+    # vLLM's Triton backend writes e4m3fn bytes for "fp8_e5m2": not what an e5m2 key names
+    assert "fp8_e5m2 KV cache with attention backend TRITON_ATTN" in inert["fp8_e5m2_triton"]
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
 def test_mla_latents_convert_one_vector_per_token(probe, layout):
     m = probe["mla"][layout]
     assert m["shape"] == [30, 1, 1, 64, 576] and m["is_latent"] and m["round_trip"] and m["kv_format"] == "mla"
-    assert "MLA latent KV caches" in probe["inert"][f"mla-{layout}"]
+    # MLA caches for a non-MLA model (SmolLM2): inert
+    assert "KV cache spec MLAAttentionSpec for a non-MLA model" in probe["inert"][f"mla-{layout}"]
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_mla_latents_round_trip_through_the_connector_on_every_tp_rank(probe, layout):
+    """A small random DeepSeek-V3 config (vLLM: use_mla, head size 576): the connector is active, stores the
+    latents [4, 1, 1, T, 576] once and loads them bit for bit; TP rank 1 loads rank 0's chunks and stores nothing; a
+    non-MLA spec of the same chunk bytes or head size misses them; plain K/V caches for the MLA model are refused."""
+    r = probe["mla"][layout]["connector"]
+    # one latent "head": LBNHC and LBHNC are the same bytes, and the strides name the first (vllm_paged.physical_order)
+    assert r["use_mla"] and r["disabled"] is None and r["layout"] == "paged LBHNC"
+    assert r["spec"] == ["bfloat16", "mla", 4, 1, 576]
+    assert r["stored_chunks"] == 2 and r["stored_shape"] == [4, 1, 1, 64, 576] and r["stored_is_latent"]
+    assert r["load_errors"] == [] and r["loaded_bit_exact"]
+    assert r["kv_spec_hits"] == [0, 0]
+    assert r["scheduler_disabled"] is None and r["scheduler_hit"] == 64
+    t = r["tp2_rank1"]
+    assert t["disabled"] is None and not t["saves"] and t["spec_is_rank0s"]
+    assert t["load_errors"] == [] and t["loaded_bit_exact"] and t["stored_by_rank1"] == 0
+    assert r["tp2_scheduler"] == {"disabled": None, "lookup_shards": 1, "hit": 64}
+    assert "KV cache spec FullAttentionSpec for an MLA model" in r["kv_caches_for_mla_model"]

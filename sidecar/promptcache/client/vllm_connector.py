@@ -38,9 +38,12 @@ strides, checked against each other, and converted with whole-block gathers/scat
 format inside that shape, measured once at start-up by writing probe values through the backend's own cache-write
 kernel (promptcache.client.vllm_layout.identify). Sliding-window layers of a hybrid model are cached when vLLM's
 hybrid allocator is off (as vLLM sets it for this connector, which is not SupportsHMA): they are then allocated for
-every token. Several KV cache groups (the hybrid allocator on, Mamba layers), an MLA model, an fp8 KV cache (the
-chunk contract has no fp8 or latent format yet), KV heads that do not split over the TP ranks or a layout neither
-path recognises leaves the connector inert (said in vLLM's log): every request is
+every token. An fp8 KV cache (fp8/fp8_e4m3, fp8_e5m2) moves as its raw bytes (kv_dtype float8_e4m3fn /
+float8_e5m2), under keys that carry the per-layer K/V scales the config says (setting kv_scales; each worker checks
+its real scales against them, docs/keys.md "Request salt (v2)"); an MLA model's chunks are its latents (kv_kind mla),
+stored by TP rank 0 and loaded by every rank. Several KV cache groups (the hybrid allocator on, Mamba layers), fp8
+scales computed at run time or not the configured ones, KV heads that do not split over the TP ranks or a layout
+neither path recognises leaves the connector inert (said in vLLM's log): every request is
 a normal prefill. A chunk is never stored or served in a layout that was not identified.
 
 Counters reach vLLM's /metrics through vLLM's connector stats (get_kv_connector_stats, build_kv_connector_stats,
@@ -64,6 +67,9 @@ save_timeout       PROMPTCACHE_SAVE_TIMEOUT         seconds for one background P
 max_pending_saves  PROMPTCACHE_MAX_PENDING_SAVES    saves queued at most; more are dropped (default 8)
 tls_ca, token_file PROMPTCACHE_TLS_CA, ..._TOKEN_FILE  TLS CA (PEM path) and bearer token file (docs/security.md)
 kv_layout          PROMPTCACHE_KV_LAYOUT            auto (default: paged views on GPUs, the probe on CPU), paged, cpu
+kv_scales          PROMPTCACHE_KV_SCALES            fp8 KV cache: auto (default: unit, inert if the checkpoint has KV
+                                                    scales), unit (every scale 1.0) or the 64-hex scales digest a
+                                                    worker logs; each worker checks its real scales against it
 =================  ===============================  ==========================================================
 """
 from __future__ import annotations
@@ -410,12 +416,29 @@ class PromptCacheConnector(KVConnectorBase_V1):
         if not address:
             self.disabled = "no sidecar address (kv_connector_extra_config.address or PROMPTCACHE_ADDRESS)"
         kv_dtype = mc.dtype if cc.cache_dtype in ("auto", None) else cc.cache_dtype
+        self.fp8 = cc.cache_dtype in vllm_paged.FP8_FORMATS
+        if self.fp8:
+            # The raw bytes of an fp8 cache, stored as they are; which fp8 format they are is the cache dtype's
+            # (plain "fp8" is the platform's: e4m3fn on CUDA, e4m3fnuz on some ROCm GPUs, which has no wire dtype).
+            kv_dtype = vllm_paged.FP8_FORMATS[cc.cache_dtype]
+            if cc.cache_dtype in ("fp8", "fp8_e4m3"):
+                from vllm.platforms import current_platform
+
+                if current_platform.fp8_dtype() != kv_dtype:
+                    self.disabled = (f"fp8 KV cache in {current_platform.fp8_dtype()}: the chunk contract has "
+                                     "float8_e4m3fn and float8_e5m2 only")
         kv_dtype_name = DTYPE_NAMES.get(kv_dtype) if isinstance(kv_dtype, torch.dtype) else None
         if kv_dtype_name is None:
-            self.disabled = f"KV cache dtype {cc.cache_dtype!r} ({kv_dtype}) is not float32, float16 or bfloat16"
+            self.disabled = (f"KV cache dtype {cc.cache_dtype!r} ({kv_dtype}) is not float32, float16, bfloat16, "
+                             "fp8 (e4m3) or fp8_e5m2")
         tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
         total_heads, total_layers = mc.get_total_num_kv_heads(), mc.get_total_num_hidden_layers()
-        if total_heads % tp:
+        # MLA (DeepSeek V2/V3, Kimi K2, GLM 4.5+): one latent vector per token and layer, the same on every TP rank:
+        # chunks of kind "mla" [layers, 1, 1, tokens, latent], saved by TP rank 0 only, loaded by every rank.
+        self.mla = bool(getattr(mc, "use_mla", False))
+        if self.mla:
+            total_heads = 1
+        if total_heads % tp and not self.mla:
             self.disabled = (f"{total_heads} KV heads do not split over tensor parallel size {tp} (replicated KV heads "
                              "are not supported yet)")
         hf = mc.hf_text_config
@@ -423,6 +446,23 @@ class PromptCacheConnector(KVConnectorBase_V1):
         from promptcache.contract import quant
 
         self.rope_theta = quant.rope_theta_of(hf)  # k6v4z codes the keys with RoPE undone (quant.pack)
+        quantization = str(_setting(extra, "quantization", "none"))
+        if quantization != "none" and (self.fp8 or self.mla):
+            self.disabled = (f"quantization {quantization!r} with {'an MLA model' if self.mla else 'an fp8 KV cache'}: "
+                             "the quantization modes code float K/V heads; fp8 and MLA chunks are stored as they are "
+                             "(set quantization none)")
+            quantization = "none"
+        # fp8: what the bytes mean depends on every layer's K and V scale, which only the workers see (loaded with the
+        # weights). The keys carry the scales the deployment expects (request_salt kv_scales: docs/keys.md), from
+        # the config alone so that the scheduler's Lookups and the workers' Puts and Gets use the same keys; each
+        # worker checks its real scales against them when it registers its caches and stays inert if they differ.
+        self.expected_scales: bytes | None = None  # scales_digest the keys carry (fp8)
+        self.unit_scales = False  # expected: every scale 1.0 (vLLM's default when the checkpoint has none)
+        if self.fp8 and not self.disabled:
+            self.disabled = self._expect_scales(mc, cc, total_layers, pp)
+        tenant_salt = str(_setting(extra, "tenant_salt", "")).encode()
+        if self.expected_scales is not None:
+            tenant_salt = request_salt(tenant_salt, kv_scales=self.expected_scales)
         self.base_spec = ModelSpec(
             model_id=str(_setting(extra, "model_id", mc.served_model_name or mc.model)),
             revision=str(_setting(extra, "revision", mc.revision or weights_digest(mc.model))),
@@ -430,23 +470,34 @@ class PromptCacheConnector(KVConnectorBase_V1):
             num_layers=total_layers,  # the whole model's: a rank's chunks are its shard of it (shard_spec)
             num_kv_heads=total_heads,
             head_dim=mc.get_head_size() or hf.hidden_size // heads,
-            quantization=str(_setting(extra, "quantization", "none")),
-            tenant_salt=str(_setting(extra, "tenant_salt", "")).encode(),
+            quantization=quantization,
+            tenant_salt=tenant_salt,
+            kv_kind="mla" if self.mla else "kv",
         ).validate()
         # Each rank stores and loads its own KV heads [r*H/tp, (r+1)*H/tp) of its pipeline stage's layers, under
         # keys that say so (docs/keys.md, "Request salt (v2)"); the scheduler looks up every rank's shard.
         from vllm.distributed.utils import get_pp_indices
 
-        self.shards = [Shard(r * total_heads // tp, (r + 1) * total_heads // tp, total_heads,
-                             *get_pp_indices(total_layers, p, pp), total_layers) for p in range(pp) for r in range(tp)]
+        heads_of = (lambda r: (0, 1)) if self.mla else (lambda r: (r * total_heads // tp, (r + 1) * total_heads // tp))
+        self.shards = [Shard(*heads_of(r), total_heads, *get_pp_indices(total_layers, p, pp), total_layers)
+                       for p in range(pp) for r in range(tp)]
+        self.lookup_shards = list(dict.fromkeys(self.shards))  # MLA: the TP ranks of a stage hold the same chunks
         self.shard = self.shards[0]
+        self.saves = True  # whether this rank stores its chunks (MLA: TP rank 0 only, every rank loads)
         if role != KVConnectorRole.SCHEDULER and (tp > 1 or pp > 1):
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-            self.shard = self.shards[get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()]
+            tp_rank = get_tensor_model_parallel_rank()
+            self.shard = self.shards[get_pp_group().rank_in_group * tp + tp_rank]
+            self.saves = not (self.mla and tp_rank != 0)
         self.layout_desc = (f"TP {tp} x PP {pp}, this rank KV heads [{self.shard.head_start}, {self.shard.head_stop}) "
                             f"of {total_heads}, layers [{self.shard.layer_start}, {self.shard.layer_stop}) of "
                             f"{total_layers}")
+        if self.mla:
+            self.layout_desc += ", MLA latents" + ("" if self.saves else " (saved by TP rank 0, loaded here)")
+        if self.expected_scales is not None:
+            self.layout_desc += (", fp8 scales " + ("all 1.0" if self.unit_scales else "digest ")
+                                 + ("" if self.unit_scales else self.expected_scales.hex()))
         self._rank_specs: dict[ModelSpec, ModelSpec] = {}
         if self.disabled is None and role == KVConnectorRole.SCHEDULER:
             # The scheduler promises vLLM loaded tokens, so it must know the workers can write them: the same probe
@@ -531,6 +582,84 @@ class PromptCacheConnector(KVConnectorBase_V1):
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return PromptCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    def _expect_scales(self, mc, cc, total_layers: int, pp: int) -> str | None:
+        """Set the fp8 scales the keys carry from the config (setting kv_scales: "auto", "unit" or the 64-hex-digit
+        scales_digest a worker logs); None, or why the connector stays inert."""
+        from promptcache.contract.keys import scales_digest
+
+        if getattr(cc, "calculate_kv_scales", False) or getattr(mc, "calculate_kv_scales", False):
+            return ("fp8 KV scales computed at run time from the first batch (calculate_kv_scales): no two engines "
+                    "share them, and they are not known when the keys are")
+        setting = str(_setting(self._extra, "kv_scales", "auto")).strip().lower()
+        if setting in ("auto", "unit"):
+            qc = getattr(mc.hf_config, "quantization_config", None) or {}
+            qc = qc if isinstance(qc, dict) else vars(qc)
+            scheme = [k for k in ("kv_cache_scheme", "kv_cache_quant_algo", "kv_cache_group") if qc.get(k)]
+            if setting == "auto" and scheme:
+                return (f"the checkpoint's quantization config has {scheme[0]}: its fp8 KV scales are loaded with the "
+                        "weights, in the workers; set kv_scales to the digest a worker logs (or \"unit\" if they "
+                        "are all 1.0)")
+            self.unit_scales = True
+            self.expected_scales = scales_digest([1.0] * total_layers, [1.0] * total_layers)
+            return None
+        try:
+            digest = bytes.fromhex(setting)
+        except ValueError:
+            digest = b""
+        if len(digest) != 32:
+            raise ValueError(f"kv_scales {setting!r} is not auto, unit or a 64-hex-digit scales digest")
+        if pp > 1:
+            return ("fp8 scales given as a digest with pipeline parallelism: a stage cannot check the scales of the "
+                    "layers it does not hold (use kv_scales unit, or PP 1)")
+        self.expected_scales = digest
+        return None
+
+    # Attention backends known to store fp8_e5m2 bytes for --kv-cache-dtype fp8_e5m2 (vLLM's C++ reshape_and_cache_flash
+    # honours the string); vLLM 0.32's Triton writer (TRITON_ATTN) stores current_platform.fp8_dtype(), e4m3fn, for
+    # every fp8 string, so under "fp8_e5m2" its bytes are not what the key names.
+    E5M2_BACKENDS = ("FLASHINFER",)
+
+    def _check_scales(self, names: list[str]) -> None:
+        """Worker, fp8: this rank's layers' real K and V scales (vLLM's attention layers, loaded with the weights)
+        against those the keys carry; Unsupported (inert, the digest to set in the log) if they differ, so a chunk
+        is never stored or read under other scales. fp8_e5m2 also needs a backend that stores e5m2 bytes."""
+        from promptcache.contract.keys import scales_digest
+
+        ctx = getattr(self._vllm_config.compilation_config, "static_forward_context", None) or {}
+        ks, vs = [], []
+        for n in names:
+            layer = ctx.get(n)
+            if layer is None:
+                raise vllm_paged.Unsupported(f"fp8 KV cache: no attention layer {n!r} to read its K/V scales from")
+            if self.base_spec.kv_dtype == "float8_e5m2":
+                backend = getattr(getattr(layer, "attn_backend", None), "get_name", lambda: "unknown")()
+                if backend not in self.E5M2_BACKENDS:
+                    raise vllm_paged.Unsupported(
+                        f"fp8_e5m2 KV cache with attention backend {backend} (layer {n!r}): vLLM's Triton cache writer "
+                        "stores e4m3fn bytes for every fp8 dtype, so only backends known to store e5m2 "
+                        f"({', '.join(self.E5M2_BACKENDS)}) are cached")
+            scales = []
+            for which in ("k", "v"):
+                value = getattr(layer, f"_{which}_scale_float", None)
+                if value is None and getattr(layer, f"_{which}_scale", None) is not None:
+                    value = float(getattr(layer, f"_{which}_scale"))
+                if value is None:
+                    raise vllm_paged.Unsupported(f"fp8 KV cache: layer {n!r} has no {which.upper()} scale")
+                scales.append(float(value))
+            ks.append(scales[0])
+            vs.append(scales[1])
+        try:
+            real = scales_digest(ks, vs)
+        except ValueError as exc:
+            raise vllm_paged.Unsupported(str(exc)) from None
+        if self.unit_scales:
+            if any(x != 1.0 for x in ks + vs):
+                raise vllm_paged.Unsupported(f"fp8 KV scales are not all 1.0 (K {ks[:4]}..., V {vs[:4]}...); set "
+                                             f"kv_scales to their digest {real.hex()} on every process")
+        elif real != self.expected_scales:
+            raise vllm_paged.Unsupported(f"fp8 KV scales digest {real.hex()} is not the configured kv_scales "
+                                         f"{self.expected_scales.hex()}")
+
     def _rank_spec(self, spec: ModelSpec, shard: Shard | None = None) -> ModelSpec:
         """The spec of one rank's chunks of a request (shard_spec; the request's own spec at TP 1, PP 1)."""
         shard = shard or self.shard
@@ -576,10 +705,13 @@ class PromptCacheConnector(KVConnectorBase_V1):
                                          "full-attention group is cached")
         spec = groups[0].kv_cache_spec
         name = type(spec).__name__
+        if (name == "MLAAttentionSpec") != self.mla:
+            raise vllm_paged.Unsupported(f"KV cache spec {name} for a{'n MLA' if self.mla else ' non-MLA'} model")
         if name == "MLAAttentionSpec":
-            raise vllm_paged.Unsupported("MLA latent KV caches: the chunk contract has no latent format yet "
-                                         "(vllm_paged converts them; issue 29)")
-        if name != "FullAttentionSpec":
+            if getattr(spec, "alignment", None) or getattr(spec, "model_version", None) \
+                    or getattr(spec, "index_head_dim", None):
+                raise vllm_paged.Unsupported(f"MLA KV cache with padding or a sparse index ({spec})")
+        elif name != "FullAttentionSpec":
             raise vllm_paged.Unsupported(f"KV cache spec {name} (only FullAttentionSpec is cached)")
         # A FullAttentionSpec with a sliding window or attention chunk is a hybrid model's local layers promoted to
         # full allocation (the hybrid allocator off, as vLLM turns it off for a connector that is not SupportsHMA):
@@ -616,10 +748,12 @@ class PromptCacheConnector(KVConnectorBase_V1):
         cc = self._vllm_config.cache_config
         p = vllm_paged.plan(views, block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                             head_size=spec.head_size, head_size_v=spec.head_size_v,
-                            kv_cache_dtype=str(cc.cache_dtype or "auto"),
+                            kv_cache_dtype=str(cc.cache_dtype or "auto"), kind="mla" if self.mla else "kv",
                             engine_layout=getattr(cc, "kv_cache_layout", None))
         if p.dtype != TORCH_DTYPES[self.base_spec.kv_dtype]:
             raise vllm_paged.Unsupported(f"{p.dtype} KV caches for a {self.base_spec.kv_dtype} model spec")
+        if self.fp8:
+            self._check_scales(names)
         self._paged = p
         self._kv_caches = views
         self._layout = f"paged {p.order}" + (f", kernel blocks of {p.kernel_block_size}" if p.ratio > 1 else "")
@@ -631,6 +765,9 @@ class PromptCacheConnector(KVConnectorBase_V1):
         try:
             if self._paged_mode(vllm_config):
                 return self._check_paged_config()
+            if self.fp8 or self.mla:
+                return ("the CPU backend's path caches float32/float16/bfloat16 K/V only (fp8 and MLA caches on "
+                        "vLLM's paged views: kv_layout paged)")
             if self._kv_cache_config is not None:
                 self._paged_group()  # the same groups check (one group, every token's blocks kept) on the CPU
             spec = self.base_spec
@@ -731,7 +868,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
         """Background thread: the cached tokens (whole chunks from 0) of the request's prompt but its last token, on
         every rank (the fewest of any rank's shard)."""
         cached = None
-        for shard in self.shards:
+        for shard in self.lookup_shards:
             res = self.client.lookup(self._rank_spec(st.spec, shard), st.tokens, timeout=self.lookup_timeout)
             cached = res.cached_tokens if cached is None else min(cached, res.cached_tokens)
             if not cached:
@@ -834,6 +971,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
             self._log_state()
             return
         try:
+            if self.fp8 or self.mla:
+                raise ValueError("the CPU backend's path caches float32/float16/bfloat16 K/V only")
             if self._kv_cache_config is not None:
                 self._paged_group()  # one group, every token's blocks kept: as on a GPU
             names = sorted(kv_caches, key=layer_index)
@@ -973,7 +1112,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         meta = self._connector_metadata
         if not isinstance(meta, PromptCacheConnectorMetadata) or not meta.saves or self._layout is None \
-                or self._sleeping:
+                or self._sleeping or not self.saves:
             return
         for op in meta.saves:
             if not self._slots.acquire(blocking=False):
@@ -1004,7 +1143,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if self._paged is not None:
                 if ready is not None:
                     ready.synchronize()
-                kv = snapshot.cpu()  # already canonical [L, 2, H, T, D]
+                kv = snapshot.cpu()  # already canonical [L, 2, H, T, D] (MLA [L, 1, 1, T, latent])
             else:
                 L, nb, H, _ = snapshot.shape
                 kv = torch.empty((L, 2, H, nb * self.block_size, self.base_spec.head_dim), dtype=snapshot.dtype)
