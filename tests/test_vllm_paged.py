@@ -331,3 +331,15 @@ def test_the_transformers_integration_refuses_fp8_and_mla_chunks():
         with pytest.raises(ValueError, match=what):
             decode_prefix(spec, [torch.zeros(16, dtype=torch.uint8)], CHUNK, "cpu")
     assert check_spec(ModelSpec("m", "r", "bfloat16", 2, 2, 8))
+
+
+def test_mla_chunks_have_no_k_and_v_in_the_generic_client(client):
+    """client.put/get speak per-layer (K, V): an MLA spec is refused there with the way that works (blobs)."""
+    spec = ModelSpec("mla-model", "r", "bfloat16", 2, 1, 576, kv_kind="mla")
+    kv = [(torch.zeros(1, 1, CHUNK, 576, dtype=torch.bfloat16),) * 2] * 2
+    with pytest.raises(ValueError, match="mla chunks hold no K and V: put them as blobs"):
+        client.put(spec, list(range(CHUNK)), kv)
+    from promptcache.client.client import decode_chunks
+
+    with pytest.raises(ValueError, match="mla chunks hold no K and V: get them as blobs"):
+        decode_chunks(spec, [], CHUNK)

@@ -467,6 +467,8 @@ def encode_chunk(spec: ModelSpec, kv: KV, start: int, stop: int, rope_theta: flo
     """Tokens [start, stop) of every layer's K and V as one stored blob (1-D uint8, on the CPU)."""
     import torch
 
+    if spec.kv_kind != "kv":
+        raise ValueError(f"{spec.kv_kind} chunks hold no K and V: put them as blobs (put_blobs)")
     if len(kv) != spec.num_layers:
         raise ValueError(f"kv has {len(kv)} layers, the model spec says {spec.num_layers}")
     dtype = TORCH_DTYPES[spec.kv_dtype]
@@ -530,6 +532,8 @@ def decode_chunks(spec: ModelSpec, blobs: Sequence[torch.Tensor], chunk_tokens: 
     """Blobs of consecutive chunks -> per-layer (K, V), each [1, H, len(blobs) * chunk_tokens, D]."""
     import torch
 
+    if spec.kv_kind != "kv":
+        raise ValueError(f"{spec.kv_kind} chunks hold no K and V: get them as blobs (get_blobs, checked_chunks)")
     shape = chunk_shape(spec, chunk_tokens)
     expected = chunk_nbytes(spec, chunk_tokens)
     dtype = TORCH_DTYPES[spec.kv_dtype]
