@@ -615,6 +615,44 @@ for layout in ("LBNHC", "LBHNC"):
     c.shutdown()
     out["mla"][layout]["connector"] = r
     print(f"mla {layout}", r, file=sys.stderr, flush=True)
+    if layout != "LBNHC":
+        continue
+    # MLA with an fp8 cache (--kv-cache-dtype fp8: uint8 latents, every byte pattern), scales all 1.0 (kv_scales auto)
+    cfg = config("bfloat16", layout, cache_dtype="fp8", model=MLA_DIR, revision="tiny-random-mla")
+    set_scales(cfg, MLA_NAMES, 1.0, 1.0)
+    spec8 = MLAAttentionSpec(block_size=N, num_kv_heads=1, head_size=576, dtype=torch.uint8)
+    kc8, src8 = caches(cfg, spec8, layout, names=MLA_NAMES)
+    _, dst8 = caches(cfg, spec8, layout, names=MLA_NAMES)
+    g = torch.Generator().manual_seed(23)
+    for n in MLA_NAMES:
+        src8[n][SRC_BLOCKS] = torch.randint(0, 256, src8[n][SRC_BLOCKS].shape, generator=g, dtype=torch.uint8)
+    toks8 = [t + 4000 for t in toks]
+    saver = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc8)
+    saver.register_kv_caches(src8)
+    r8 = {"disabled": saver.disabled}
+    if saver.disabled is None:
+        b8 = saver.base_spec
+        r8["spec"] = [b8.kv_dtype, b8.kv_kind, b8.num_layers, b8.num_kv_heads, b8.head_dim]
+        bind(saver, saves=[vc._SaveOp("save", b8, toks8, list(SRC_BLOCKS), 0, CT)])
+        saver.wait_for_save()
+        saver.flush()
+        loader = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc8)
+        loader.register_kv_caches(dst8)
+        bind(loader, loads=[vc._LoadOp("load", b8, toks8, list(DST_BLOCKS), 0, 0, CT)])
+        loader.start_load_kv(None)
+        loader.flush()
+        r8["load_errors"] = sorted(loader.get_block_ids_with_load_errors())
+        r8["blocks_equal"] = all(torch.equal(src8[n][SRC_BLOCKS], dst8[n][DST_BLOCKS]) for n in MLA_NAMES)
+        sched = vc.PromptCacheConnector(cfg, KVConnectorRole.SCHEDULER, kc8)
+        r8["scheduler_hit"] = sched._lookup(vc._Lookup(0, 0.0, None, sched.base_spec, toks8))
+        for c in (saver, loader, sched):
+            c.shutdown()
+    out["mla"]["fp8-connector"] = r8
+    print("mla fp8", r8, file=sys.stderr, flush=True)
+    c = vc.PromptCacheConnector(config("bfloat16", layout, cache_dtype="fp8_ds_mla", model=MLA_DIR,
+                                       revision="tiny-random-mla"), KVConnectorRole.SCHEDULER, kc8)
+    out["inert"]["fp8_ds_mla"] = c.disabled
+    c.shutdown()
 shutil.rmtree(MLA_DIR, ignore_errors=True)
 
 out["seconds"] = round(time.perf_counter() - t_all, 1)

@@ -177,3 +177,12 @@ def test_mla_latents_round_trip_through_the_connector_on_every_tp_rank(probe, la
     assert t["load_errors"] == [] and t["loaded_bit_exact"] and t["stored_by_rank1"] == 0
     assert r["tp2_scheduler"] == {"disabled": None, "lookup_shards": 1, "hit": 64}
     assert "KV cache spec FullAttentionSpec for an MLA model" in r["kv_caches_for_mla_model"]
+
+
+def test_mla_latents_in_an_fp8_cache_round_trip_through_the_connector(probe):
+    """--kv-cache-dtype fp8 on the MLA model: uint8 latents (every byte pattern) stored as float8_e4m3fn mla chunks
+    under the unit scales' keys, loaded bit for bit, found by the scheduler; DeepSeek's packed fp8_ds_mla is inert."""
+    r = probe["mla"]["fp8-connector"]
+    assert r["disabled"] is None and r["spec"] == ["float8_e4m3fn", "mla", 4, 1, 576]
+    assert r["load_errors"] == [] and r["blocks_equal"] and r["scheduler_hit"] == 64
+    assert "fp8_ds_mla" in probe["inert"]["fp8_ds_mla"]
