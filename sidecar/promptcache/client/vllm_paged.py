@@ -18,8 +18,9 @@ A manager block (what the scheduler's block ids count, ``block_size`` tokens) ma
 Canonical chunks (promptcache.contract.layout): ``[layers, 2 (K, V), kv_heads, tokens, head_dim]``; for MLA
 ``[layers, 1, 1, tokens, latent]``. An fp8 cache (vLLM allocates it as uint8) moves as raw bytes, never converted:
 the chunk is the same bytes viewed as the cache's fp8 format (``torch.float8_e4m3fn`` / ``float8_e5m2``); the format
-and the per-layer scales are part of the chunks' identity (:func:`kv_format`), so chunks written under other
-scales are never read.
+(ModelSpec.kv_dtype) and the per-layer scales (request_salt's kv_scales, keys.scales_digest) are part of the chunks'
+keys, and MLA chunks are kv_kind "mla" (:func:`kv_format` names all three), so chunks written under other scales, in
+the other format or of the other kind are never read.
 """
 from __future__ import annotations
 
