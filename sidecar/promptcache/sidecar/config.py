@@ -52,6 +52,8 @@ class Settings:
     disk_bytes: int = 0
     disk_min_free_bytes: int = 256 << 20
     disk_lock_wait_seconds: float = 30.0
+    warmup_seconds: float = 0.0
+    warmup_snapshot: str = ""
     shm_dir: str = ""
     shm_max_buffers: int = 256
     shm_max_bytes: int = 16 << 30
@@ -130,6 +132,10 @@ class Settings:
             raise ValueError(f"--max-lifetime-seconds must be positive, got {self.max_lifetime_seconds}")
         if self.disk_lock_wait_seconds < 0:
             raise ValueError("--disk-lock-wait-seconds must not be negative")
+        if self.warmup_seconds < 0:
+            raise ValueError("--warmup-seconds must not be negative")
+        if self.warmup_snapshot and not os.path.isfile(self.warmup_snapshot):
+            raise ValueError(f"--warmup-snapshot {self.warmup_snapshot}: no such file")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.bulk_address:
@@ -316,6 +322,12 @@ HELP = {
     "disk_min_free_bytes": "spilling stops while the data folder's filesystem has less free space than this",
     "disk_lock_wait_seconds": "at start, how long to wait for another process (the pod being replaced) to "
                               "release the disk tier's RocksDB lock before exiting with an error",
+    "warmup_seconds": "at start, the health service says NOT_SERVING while warm-up fills the memory tier (from "
+                      "--warmup-snapshot, then the disk tier, hottest first), for at most this long; then serving "
+                      "anyway while it goes on (docs/warmup.md). 0: no warm-up from disk, and a snapshot loads without "
+                      "holding readiness",
+    "warmup_snapshot": "snapshot file (promptcache export) loaded into the memory tier at start, verified whole "
+                       "first (a bad file is logged and skipped); empty: none",
     "shm_dir": "existing folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which "
                "node-local clients pass chunk bytes instead of streaming them; empty disables the fast path. The sidecar "
                "creates the buffer files there itself, each for one caller (docs/security.md)",
