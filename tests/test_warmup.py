@@ -281,3 +281,44 @@ def test_export_then_a_new_sidecar_warms_from_the_snapshot_and_bad_files_are_ref
         _assert_hot_in_memory_bit_exact(node.address, kvs, 2, 4)
     finally:
         node.stop()
+
+
+@pytest.mark.slow  # a sidecar process on a disk tier of 20,000 chunks
+def test_a_sidecar_process_is_ready_at_its_bound_while_warm_up_goes_on(tmp_path):
+    """A disk tier holding more than warm-up can move in --warmup-seconds 0.3: the process is ready with warm-up
+    still running (the bound was reached), and warm-up then finishes in the background, memory filled."""
+    import numpy as np
+
+    from promptcache.sidecar.spill import encode_meta
+    from promptcache.sidecar.store import Entry
+
+    n, size = 20_000, 1024
+    data = tmp_path / "data"
+    with disktier.DiskTier(str(data / "rocksdb"), 256 << 20) as d:
+        parent = bytes(32)
+        for i in range(n):
+            payload = np.random.default_rng(i).integers(0, 255, size, dtype=np.uint8).tobytes()
+            key = i.to_bytes(4, "little") * 8
+            e = Entry(key, b"f" * 32, parent, i % 64, torch.frombuffer(bytearray(payload), dtype=torch.uint8),
+                      disktier.xxhash.xxh3_64_intdigest(payload), (size // 4,), 0, 0.0, 0.0, size)
+            while not d.put(key, payload, meta=encode_meta(e), parent=parent, hits=n - i, last_access=time.time()):
+                d.flush()
+            parent = key if i % 64 != 63 else bytes(32)
+        assert d.flush(60)
+    proc = SidecarProcess("--memory-bytes", str(2 * n * size), "--disk-bytes", "256Mi", "--data-dir", str(data),
+                          "--chunk-tokens", str(CHUNK), "--warmup-seconds", "0.3", "--log-format", "text").wait_ready()
+    try:
+        text = _metric_text(proc.metrics_port)
+        assert _sample(text, "promptcache_warmup_bound_reached_total") == 1
+        assert _sample(text, "promptcache_warmup_in_progress") == 1, "warm-up was over before the bound"
+        warmed = _sample(text, 'promptcache_warmup_chunks_total{source="disk"}')
+        assert 0 < warmed < n
+        deadline = time.monotonic() + 120
+        while _sample(_metric_text(proc.metrics_port), "promptcache_warmup_in_progress") == 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert _sample(_metric_text(proc.metrics_port), 'promptcache_warmup_chunks_total{source="disk"}') == n
+    finally:
+        proc.stop()
+    log = proc.proc.stdout.read()
+    assert "warm-up still running after 0.3 s" in log and "warm-up finished" in log, log[-2000:]

@@ -307,8 +307,9 @@ def add_arguments(sub) -> None:
     p = sub.add_parser("import", help="verify a snapshot file and put it into a (stopped) sidecar's disk tier",
                        description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     p.add_argument("snapshot", help="snapshot file written by `promptcache export`")
-    p.add_argument("--data-dir", required=True, help="the sidecar's --data-dir")
-    p.add_argument("--disk-bytes", type=parse_bytes, required=True, help="the sidecar's --disk-bytes")
+    p.add_argument("--data-dir", help="the sidecar's --data-dir (required unless --verify-only)")
+    p.add_argument("--disk-bytes", type=parse_bytes, help="the sidecar's --disk-bytes (required unless "
+                   "--verify-only)")
     p.add_argument("--verify-only", action="store_true", help="only check the file")
     p.set_defaults(admin_run=_run_import)
 
@@ -338,6 +339,9 @@ def _run_import(args) -> int:
         if args.verify_only:
             print(f"{args.snapshot}: {verify(args.snapshot)} chunks, verified", flush=True)
             return 0
+        if not args.data_dir or not args.disk_bytes:
+            print("promptcache import: --data-dir and --disk-bytes (positive) are required", flush=True)
+            return 2
         n, b = import_into_disk(args.snapshot, args.data_dir, args.disk_bytes)
     except (SnapshotError, DiskTierError, OSError) as exc:
         return _fail(exc)
