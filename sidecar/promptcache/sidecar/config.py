@@ -44,6 +44,7 @@ class Settings:
     chunk_tokens: int = 256
     ttl_seconds: float = 4 * 3600.0
     max_lifetime_seconds: float = 24 * 3600.0
+    max_ttl_hint_seconds: float = 24 * 3600.0
     eviction_policy: str = "rate-class"  # chosen by trace replay: docs/eviction.md
     quantization: Quantization = "any"
     tenancy: TenancyMode = "auto"
@@ -132,6 +133,8 @@ class Settings:
             raise ValueError(f"--max-lifetime-seconds must be positive, got {self.max_lifetime_seconds}")
         if self.disk_lock_wait_seconds < 0:
             raise ValueError("--disk-lock-wait-seconds must not be negative")
+        if not self.max_ttl_hint_seconds > 0:
+            raise ValueError(f"--max-ttl-hint-seconds must be positive, got {self.max_ttl_hint_seconds}")
         if self.warmup_seconds < 0:
             raise ValueError("--warmup-seconds must not be negative")
         if self.warmup_snapshot and not os.path.isfile(self.warmup_snapshot):
@@ -311,6 +314,8 @@ HELP = {
                    "promotion from disk): sliding, every hit extends it",
     "max_lifetime_seconds": "absolute cap: an entry never lives longer than this after it was first stored, "
                             "however often it is hit (on disk and across restarts too)",
+    "max_ttl_hint_seconds": "cap on a Put's retention hint (PutHeader.ttl_seconds, the client's put(ttl_seconds=)): "
+                            "a longer hint is cut to this, and counted (docs/retention.md)",
     "eviction_policy": "which entry goes first when the budget is full",
     "quantization": "the only KV quantization mode accepted (none, k8v8, k8v4, k6v4z; clients quantize, the mode is "
                     "part of every key); other models get FAILED_PRECONDITION. any: accept every mode",

@@ -144,6 +144,17 @@ class CacheEngine:
             self._event_models[scope.fingerprint] = spec.model_id if self._announced(owner) else None
         return scope
 
+    def ttl_hint(self, seconds: float) -> float | None:
+        """A Put's retention hint as the sliding TTL its chunks get (None: none given), capped at
+        --max-ttl-hint-seconds (counted); negative or NaN is refused."""
+        if seconds == 0:
+            return None
+        if not seconds > 0:  # NaN compares false
+            raise InvalidRequest(f"ttl_seconds is {seconds}: a retention hint must be positive (0: the server's TTL)")
+        cap = self.settings.max_ttl_hint_seconds
+        self.metrics.ttl_hints.labels("true" if seconds > cap else "false").inc()
+        return min(seconds, cap)
+
     def check_tokens(self, tokens) -> None:
         if len(tokens) == 0:
             raise InvalidRequest("tokens is empty")
@@ -336,7 +347,8 @@ class CacheEngine:
         the call, or None) is told what the session holds reserved and receives (--min-put-bytes-per-second)."""
         return PutSession(self, caller, header, watch)
 
-    def _store(self, incoming: "_Incoming", spec: ModelSpec, fp: bytes, owner: str, tokens) -> int:
+    def _store(self, incoming: "_Incoming", spec: ModelSpec, fp: bytes, owner: str, tokens,
+               ttl: float | None = None) -> int:
         begin = incoming.begin
         unquantized = spec.quantization == "none"
         if unquantized:  # checked once here, so no reader has to scan a lent chunk (it cannot change afterwards)
@@ -353,7 +365,8 @@ class CacheEngine:
         try:
             stored = self.tier.commit(reservation, key=incoming.key, fingerprint=fp, parent=incoming.parent,
                                       index=begin.index, data=data, checksum_value=value, shape=tuple(begin.shape),
-                                      dtype=begin.dtype, owner=owner, values_finite=finite)
+                                      dtype=begin.dtype, owner=owner, values_finite=finite, ttl=ttl,
+                                      sliding_ttl=ttl)
         finally:
             self.tenancy.release(owner, charged)  # a stored chunk is charged by the store's insert hook
         if not stored:
@@ -577,6 +590,7 @@ class PutSession:
         self.nbytes = chunk_nbytes(spec, ct)  # a layout scope() already checked
         self.dtype = NAME_TO_DTYPE[spec.kv_dtype]
         self.stored = self.skipped = self.rejected = self.stored_bytes = 0
+        self.ttl = e.ttl_hint(header.ttl_seconds)
         self.seen: set[int] = set()
         self.current: _Incoming | None = None
         self.shared = None
@@ -716,7 +730,7 @@ class PutSession:
     def _complete(self, current: _Incoming) -> None:
         if current.reservation is not None:
             self.stored_bytes += self.engine._store(current, self.scope.spec, self.scope.fingerprint,
-                                                    self.scope.owner, self.header.tokens)
+                                                    self.scope.owner, self.header.tokens, self.ttl)
             self.stored += 1
         self._unhold(current)
         self.current = None

@@ -67,6 +67,8 @@ class Metrics:
                                          "disk full): the chunk is dropped", registry=r)
         self.promotions = Counter("promptcache_promotions", "chunks moved from disk back into memory on a hit",
                                   registry=r)
+        self.ttl_hints = Counter("promptcache_ttl_hints", "Puts that carried a retention hint (ttl_seconds), by "
+                                 "whether it was capped at --max-ttl-hint-seconds", ["capped"], registry=r)
         for name, metric in list(vars(self).items()):
             if isinstance(metric, (Counter, Histogram)) and metric._labelnames:
                 setattr(self, name, _Children(metric))

@@ -82,6 +82,7 @@ class Entry:
     born: float | None = None  # first stored in any tier (memory clock; a promoted chunk keeps its age); None: created
     owner: str = ""  # whose quota it is charged to (promptcache.sidecar.tenancy)
     values_finite: bool = False  # an unquantized chunk whose values the store found finite (PutSession)
+    ttl: float | None = None  # its own sliding TTL (a Put's retention hint); None: the tier's
     hits: int = 0  # Gets that served it, in any tier since it was first stored (kept on disk: warm-up's order)
     _array: np.ndarray | None = field(default=None, repr=False)
     _lent_frame: tuple[pb.ChunkBegin, bytes] | None = field(default=None, repr=False)
@@ -299,11 +300,13 @@ class MemoryTier:
     def commit(self, reservation: Reservation, *, key: bytes, fingerprint: bytes, parent: bytes, index: int,
                data: torch.Tensor, checksum_value: int, shape: tuple[int, ...], dtype: int,
                ttl: float | None = None, born: float | None = None, owner: str = "",
-               values_finite: bool = False, hits: int = 0, last_access: float | None = None) -> bool:
+               values_finite: bool = False, hits: int = 0, last_access: float | None = None,
+               sliding_ttl: float | None = None) -> bool:
         """Insert a fully received, verified chunk (living `ttl` seconds, default the tier's TTL; a chunk
         promoted from disk keeps what it had left and its birth time `born`, so its maximum lifetime counts from
         its first store), charged to `owner`; `hits` and `last_access` (memory clock) carry how hot it was in the
-        tier it comes from. False if an equal key won the race (bytes released).
+        tier it comes from; `sliding_ttl`: its own TTL from now on (a retention hint; None: the tier's). False if
+        an equal key won the race (bytes released).
         A chunk stored in its reservation's memfd is sealed here: from now on its bytes cannot change."""
         memfd = reservation.memfd if data is reservation.host and reservation.memfd is not None else None
         if memfd is not None and not memfd.sealed and not memfd.seal():
@@ -324,7 +327,8 @@ class MemoryTier:
             entry = Entry(key, fingerprint, parent, index, data, checksum_value, shape, dtype, now,
                           min(now + (self.ttl if ttl is None else ttl), born + self.max_lifetime),
                           reservation.accounted, last_access=now if last_access is None else min(last_access, now),
-                          memfd=memfd, born=born, owner=owner, values_finite=values_finite, hits=hits)
+                          memfd=memfd, born=born, owner=owner, values_finite=values_finite, hits=hits,
+                          ttl=sliding_ttl)
             self._entries[key] = entry
             self._soonest_expiry = min(self._soonest_expiry, entry.expires)
             self._used += entry.accounted
@@ -373,7 +377,8 @@ class MemoryTier:
             entry.leases += 1
             entry.last_access = now
             entry.hits += 1
-            entry.expires = min(now + self.ttl, self.birth(entry) + self.max_lifetime)  # a hit extends its life
+            entry.expires = min(now + (self.ttl if entry.ttl is None else entry.ttl),  # a hit extends its life
+                                self.birth(entry) + self.max_lifetime)
             self.policy.accessed(key)
             return entry
 
