@@ -201,7 +201,8 @@ def test_a_restarted_sidecar_serves_its_hot_prefixes_from_memory_at_once(tmp_pat
         assert _sample(text, 'promptcache_warmup_chunks_total{source="disk"}') == 16  # memory filled, no more
         assert _sample(text, "promptcache_warmup_in_progress") == 0
         cold = _assert_hot_in_memory_bit_exact(warm.address, kvs, 3, 4)
-        assert [ch.tier for ch in cold if ch is not None].count("disk") >= 6  # 16 chunks of memory: the 12 hot ones and at most one more prompt
+        # 16 chunks of memory: the 12 hot ones and at most one more prompt
+        assert [ch.tier for ch in cold if ch is not None].count("disk") >= 6
     finally:
         warm.stop()
     cold_start = SidecarProcess(*_args(tmp_path / "data", 16)).wait_ready()
@@ -253,7 +254,8 @@ def test_export_then_a_new_sidecar_warms_from_the_snapshot_and_bad_files_are_ref
                            "--warmup-seconds", "30", "--warmup-snapshot", str(snap)).wait_ready()
     try:
         text = _metric_text(fresh.metrics_port)
-        assert _sample(text, 'promptcache_warmup_chunks_total{source="snapshot"}') == 8, [x for x in text.splitlines() if "warmup" in x]
+        assert _sample(text, 'promptcache_warmup_chunks_total{source="snapshot"}') == 8, \
+            [x for x in text.splitlines() if "warmup" in x]
         cold = _assert_hot_in_memory_bit_exact(fresh.address, kvs, 2, 4)
         assert cold == [None] * 4  # only what the snapshot held
     finally:

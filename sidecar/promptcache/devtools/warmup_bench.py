@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     t0 = rest[0]["timestamp"]
     window = [r for r in rest if r["timestamp"] < t0 + 1000 * args.window_seconds]
     tmp = Path(tempfile.mkdtemp(prefix="warmup-bench-"))
-    base = Settings(grpc_address="127.0.0.1:0", metrics_port=0, metrics_host="127.0.0.1", chunk_tokens=ct, memory_bytes=memory,
+    base = Settings(grpc_address="127.0.0.1:0", metrics_port=0, metrics_host="127.0.0.1", chunk_tokens=ct,
+                    memory_bytes=memory,
                     disk_bytes=1 << 30, log_level="warning", disk_min_free_bytes=0)
     try:
         s = Sidecar(dataclasses.replace(base, data_dir=str(tmp / "data"))).start()
