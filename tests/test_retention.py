@@ -89,3 +89,72 @@ def test_the_bulk_channel_carries_the_hint(sidecar_factory, tmp_path):
         assert c.lookup(SMALL, prompt(8)).cached_tokens == 0
     assert metric(s, 'promptcache_requests_total{code="OK",rpc="Put"}') == 0  # it went through the bulk channel
     assert metric(s, 'promptcache_ttl_hints_total{capped="false"}') == 1
+
+
+# --- priority: pinned prefixes -------------------------------------------------------------------------------
+NB = __import__("promptcache.contract.layout", fromlist=["chunk_nbytes"]).chunk_nbytes(SMALL, CHUNK)
+
+
+def _fill(c, first: int, n: int) -> None:
+    for p in range(first, first + n):
+        c.put(SMALL, prompt(p), make_kv(SMALL, 2 * CHUNK, seed=p))
+        c.get(SMALL, prompt(p))  # a hit each: the policies count them as reused, unlike the pinned prompt
+
+
+def test_a_pinned_prefix_survives_capacity_pressure_bit_exact(sidecar_factory):
+    s = sidecar_factory(memory_bytes=8 * NB, max_pinned_fraction=0.25)
+    system = make_kv(SMALL, 2 * CHUNK, seed=20)
+    with PromptCacheClient(s.address) as c:
+        c.put(SMALL, prompt(20), system, priority=1)
+        c.put(SMALL, prompt(21), make_kv(SMALL, 2 * CHUNK, seed=21))  # the same, unpinned
+        _fill(c, 100, 12)  # 24 chunks through an 8-chunk tier
+        assert c.lookup(SMALL, prompt(21)).cached_tokens == 0
+        assert [ch.tier for ch in c.lookup(SMALL, prompt(20)).chunks] == ["device"] * 2
+        cached, got = c.get(SMALL, prompt(20))
+    assert cached == 2 * CHUNK
+    for (k, v), (gk, gv) in zip(system, got):
+        assert torch.equal(bits(gk), bits(k)) and torch.equal(bits(gv), bits(v))
+    assert metric(s, 'promptcache_pins_total{result="pinned"}') == 2
+    assert metric(s, 'promptcache_pinned_bytes{owner=""}') == 2 * NB
+    assert s.tier.usage()["used"] <= 8 * NB
+
+
+def test_pins_are_bounded_per_owner_root_first_and_the_rest_is_evictable(sidecar_factory):
+    s = sidecar_factory(memory_bytes=8 * NB, max_pinned_fraction=0.25)  # 2 chunks may be pinned
+    long = [30 * 10_000 + t for t in range(4 * CHUNK)]
+    with PromptCacheClient(s.address) as c:
+        c.put(SMALL, long, make_kv(SMALL, 4 * CHUNK, seed=30), priority=7)  # levels above 1 read as 1
+        assert metric(s, 'promptcache_pins_total{result="pinned"}') == 2
+        assert metric(s, 'promptcache_pins_total{result="refused"}') == 2
+        c.put(SMALL, prompt(31), make_kv(SMALL, 2 * CHUNK, seed=31), priority=1)  # over the bound: not pinned
+        assert metric(s, 'promptcache_pins_total{result="refused"}') == 4
+        _fill(c, 200, 12)
+        assert c.lookup(SMALL, long).cached_tokens == 2 * CHUNK  # the pinned root pair, nothing after it
+    assert metric(s, 'promptcache_pinned_bytes{owner=""}') == 2 * NB
+
+
+def test_pinning_off_and_a_pinned_chunk_still_expires(sidecar_factory):
+    s = sidecar_factory(memory_bytes=8 * NB, max_pinned_fraction=0.0)
+    with PromptCacheClient(s.address) as c:
+        c.put(SMALL, prompt(40), make_kv(SMALL, 2 * CHUNK, seed=40), priority=1)
+        assert metric(s, 'promptcache_pins_total{result="refused"}') == 2
+    s2 = sidecar_factory(memory_bytes=8 * NB, max_pinned_fraction=0.25)
+    with PromptCacheClient(s2.address) as c:
+        c.put(SMALL, prompt(41), make_kv(SMALL, 2 * CHUNK, seed=41), priority=1, ttl_seconds=0.5)
+        assert s2.tier.pinned_usage() == {"": 2 * NB}
+        time.sleep(1.0)
+        assert c.lookup(SMALL, prompt(41)).cached_tokens == 0  # pinned is not forever: its TTL holds
+    s2.tier.expire()  # (what the TTL sweeper does): the expired pinned chunks leave, and their pin with them
+    assert s2.tier.pinned_usage() == {}
+
+
+def test_a_shrink_below_what_is_pinned_evicts_pinned_chunks_too(sidecar_factory):
+    s = sidecar_factory(memory_bytes=8 * NB, max_pinned_fraction=0.5)
+    with PromptCacheClient(s.address) as c:
+        c.put(SMALL, [50 * 10_000 + t for t in range(4 * CHUNK)], make_kv(SMALL, 4 * CHUNK, seed=50), priority=1)
+        assert s.tier.pinned_usage() == {"": 4 * NB}
+    assert s.tier.resize(2 * NB).done
+    assert s.tier.budget == 2 * NB and s.tier.usage()["used"] <= 2 * NB
+    assert s.tier.pinned_usage() == {"": 2 * NB}
+    with PromptCacheClient(s.address) as c:  # what is left is still a whole prefix from the root
+        assert c.lookup(SMALL, [50 * 10_000 + t for t in range(4 * CHUNK)]).cached_tokens == 2 * CHUNK

@@ -293,3 +293,28 @@ def test_warm_up_charges_each_chunk_to_its_recorded_owner_within_the_quota(sidec
         cached, got = alice.get(SMALL, mine)
     assert cached == 3 * CHUNK
     assert all(torch.equal(g[0], k[0]) and torch.equal(g[1], k[1]) for g, k in zip(got, kv))
+
+
+def test_pins_are_bounded_per_tenant_and_a_quota_evicts_the_unpinned_first(sidecar_factory, tokens):
+    """A priority hint pins within --max-pinned-fraction of the tenant's quota; the pinned chunks count in the
+    quota, and the quota's own evictions take the tenant's unpinned chunks first."""
+    sidecar = sidecar_factory(token_file=tokens, tenant_quotas=f"alice={4 * NBYTES}", memory_bytes=16 * NBYTES,
+                              max_pinned_fraction=0.5)
+    system = prefix(60, 2)
+    kv = make_kv(SMALL, len(system), seed=60)
+    with PromptCacheClient(sidecar.address, token="alice-token") as alice, \
+            PromptCacheClient(sidecar.address, token="bob-token") as bob:
+        assert alice.put(SMALL, system, kv, priority=1).stored_chunks == 2
+        other = prefix(61, 3)
+        alice.put(SMALL, other, make_kv(SMALL, len(other), seed=61), priority=1)  # past her 2-chunk pin bound
+        assert sidecar.tier.pinned_usage() == {"alice": 2 * NBYTES}
+        for seed in range(62, 66):  # her quota (4 chunks) evicts: never the pinned pair
+            t = prefix(seed, 2)
+            alice.put(SMALL, t, make_kv(SMALL, len(t), seed=seed))
+        assert sidecar.tenancy.usage("alice")["used"] <= 4 * NBYTES
+        cached, got = alice.get(SMALL, system)
+        assert cached == 2 * CHUNK
+        assert all(torch.equal(g[0], k[0]) and torch.equal(g[1], k[1]) for g, k in zip(got, kv))
+        theirs = prefix(70, 2)
+        bob.put(SMALL, theirs, make_kv(SMALL, len(theirs), seed=70), priority=1)  # bob's own bound (no quota)
+        assert sidecar.tier.pinned_usage() == {"alice": 2 * NBYTES, "bob": 2 * NBYTES}

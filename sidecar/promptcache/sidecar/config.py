@@ -45,6 +45,7 @@ class Settings:
     ttl_seconds: float = 4 * 3600.0
     max_lifetime_seconds: float = 24 * 3600.0
     max_ttl_hint_seconds: float = 24 * 3600.0
+    max_pinned_fraction: float = 0.1
     eviction_policy: str = "rate-class"  # chosen by trace replay: docs/eviction.md
     quantization: Quantization = "any"
     tenancy: TenancyMode = "auto"
@@ -133,6 +134,8 @@ class Settings:
             raise ValueError(f"--max-lifetime-seconds must be positive, got {self.max_lifetime_seconds}")
         if self.disk_lock_wait_seconds < 0:
             raise ValueError("--disk-lock-wait-seconds must not be negative")
+        if not 0 <= self.max_pinned_fraction <= 0.5:
+            raise ValueError(f"--max-pinned-fraction must be in 0..0.5, got {self.max_pinned_fraction}")
         if not self.max_ttl_hint_seconds > 0:
             raise ValueError(f"--max-ttl-hint-seconds must be positive, got {self.max_ttl_hint_seconds}")
         if self.warmup_seconds < 0:
@@ -316,6 +319,9 @@ HELP = {
                             "however often it is hit (on disk and across restarts too)",
     "max_ttl_hint_seconds": "cap on a Put's retention hint (PutHeader.ttl_seconds, the client's put(ttl_seconds=)): "
                             "a longer hint is cut to this, and counted (docs/retention.md)",
+    "max_pinned_fraction": "a Put's priority hint pins its prefix (capacity eviction passes it over) up to this "
+                           "fraction of the memory budget, or of the owner's quota when smaller, per owner; all "
+                           "owners together at most half the budget. 0: no pinning (docs/retention.md)",
     "eviction_policy": "which entry goes first when the budget is full",
     "quantization": "the only KV quantization mode accepted (none, k8v8, k8v4, k6v4z; clients quantize, the mode is "
                     "part of every key); other models get FAILED_PRECONDITION. any: accept every mode",

@@ -155,6 +155,29 @@ class CacheEngine:
         self.metrics.ttl_hints.labels("true" if seconds > cap else "false").inc()
         return min(seconds, cap)
 
+    def pin_limit(self, owner: str) -> int:
+        """Bytes `owner` may hold pinned: --max-pinned-fraction of the memory budget, or of its quota if smaller."""
+        quota = self.tenancy.quota(owner)
+        base = self.tier.budget if not quota else min(quota, self.tier.budget)
+        return int(self.settings.max_pinned_fraction * base)
+
+    def pin_prefix(self, scope: "Scope", keys: list[bytes]) -> int:
+        """A priority hint: pin `keys` (a prefix, root first) while they are held and fit the owner's bound;
+        stops at the first that is not held or does not fit, so what is pinned is always a whole prefix."""
+        limit = self.pin_limit(scope.owner)
+        pinned = 0
+        for i, key in enumerate(keys):
+            done = self.tier.pin(key, scope.fingerprint, limit)
+            if done is None:
+                break
+            if not done:
+                self.metrics.pins.labels("refused").inc(len(keys) - i)
+                break
+            pinned += 1
+        if pinned:
+            self.metrics.pins.labels("pinned").inc(pinned)
+        return pinned
+
     def check_tokens(self, tokens) -> None:
         if len(tokens) == 0:
             raise InvalidRequest("tokens is empty")
@@ -591,6 +614,7 @@ class PutSession:
         self.dtype = NAME_TO_DTYPE[spec.kv_dtype]
         self.stored = self.skipped = self.rejected = self.stored_bytes = 0
         self.ttl = e.ttl_hint(header.ttl_seconds)
+        self.priority = min(header.priority, 1)
         self.seen: set[int] = set()
         self.current: _Incoming | None = None
         self.shared = None
@@ -696,6 +720,8 @@ class PutSession:
         """The end of the Put: every chunk announced must be complete. Returns what was stored."""
         if self.current is not None:
             raise self._cut_short(self.current)
+        if self.priority and self.seen:
+            self.engine.pin_prefix(self.scope, self.keys[:max(self.seen) + 1])
         self.abort()
         self.engine.metrics.stored_chunks.inc(self.stored)
         return pb.PutResponse(stored_chunks=self.stored, skipped_chunks=self.skipped,

@@ -82,6 +82,7 @@ class Entry:
     born: float | None = None  # first stored in any tier (memory clock; a promoted chunk keeps its age); None: created
     owner: str = ""  # whose quota it is charged to (promptcache.sidecar.tenancy)
     values_finite: bool = False  # an unquantized chunk whose values the store found finite (PutSession)
+    pinned: bool = False  # a Put's priority hint: capacity eviction passes it over (out of the policy's sight)
     ttl: float | None = None  # its own sliding TTL (a Put's retention hint); None: the tier's
     hits: int = 0  # Gets that served it, in any tier since it was first stored (kept on disk: warm-up's order)
     _array: np.ndarray | None = field(default=None, repr=False)
@@ -164,6 +165,8 @@ class MemoryTier:
         self._budget = budget_bytes
         self._entry_overhead = entry_overhead  # bytes held elsewhere per chunk (KV events' token ids), counted here
         self._entries: dict[bytes, Entry] = {}
+        self._pinned: dict[str, int] = {}  # owner -> accounted bytes of its pinned entries
+        self._pinned_total = 0
         self._soonest_expiry = math.inf  # at most the earliest expiry of an entry (_expire)
         self._used = 0
         self._reserved = 0
@@ -190,6 +193,30 @@ class MemoryTier:
         with self._lock:
             return {"entries": len(self._entries), "used": self._used, "reserved": self._reserved,
                     "draining": self._draining, "budget": self._budget}
+
+    def pin(self, key: bytes, fingerprint: bytes, owner_limit: int) -> bool | None:
+        """Pin the live entry `key`: taken out of the eviction policy's sight, so capacity eviction passes it over
+        (TTL, deletes, purges and quotas still remove it). False when its owner's pinned bytes would pass
+        `owner_limit`, or all owners' half the budget; None when it is not held. Idempotent."""
+        now = self.clock()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.fingerprint != fingerprint or entry.expires <= now:
+                return None
+            if entry.pinned:
+                return True
+            mine = self._pinned.get(entry.owner, 0)
+            if mine + entry.accounted > owner_limit or self._pinned_total + entry.accounted > self._budget // 2:
+                return False
+            entry.pinned = True
+            self._pinned[entry.owner] = mine + entry.accounted
+            self._pinned_total += entry.accounted
+            self.policy.removed(key)
+            return True
+
+    def pinned_usage(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._pinned)
 
     def room(self) -> int:
         """Bytes that can be reserved now without evicting anything (warm-up fills only this)."""
@@ -230,6 +257,13 @@ class MemoryTier:
         """Drop `entry` from the index; its bytes stay accounted while a reader still holds a lease."""
         del self._entries[entry.key]
         self.policy.removed(entry.key)
+        if entry.pinned:
+            self._pinned_total -= entry.accounted
+            left = self._pinned[entry.owner] - entry.accounted
+            if left:
+                self._pinned[entry.owner] = left
+            else:
+                del self._pinned[entry.owner]
         self._used -= entry.accounted
         entry.evicted = True
         if entry.leases:
@@ -420,7 +454,13 @@ class MemoryTier:
         while self._used + self._reserved > size:
             victim = self.policy.victim()
             if victim is None:
-                break
+                # pins are hints: a shrink below what is pinned evicts pinned chunks too (deepest first)
+                pinned = [e for e in self._entries.values() if e.pinned]
+                if not pinned:
+                    break
+                self._remove(max(pinned, key=lambda e: e.index), "capacity")
+                evicted += 1
+                continue
             self._remove(self._entries[victim], "capacity")
             evicted += 1
         return evicted
