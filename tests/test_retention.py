@@ -158,3 +158,19 @@ def test_a_shrink_below_what_is_pinned_evicts_pinned_chunks_too(sidecar_factory)
     assert s.tier.pinned_usage() == {"": 2 * NB}
     with PromptCacheClient(s.address) as c:  # what is left is still a whole prefix from the root
         assert c.lookup(SMALL, [50 * 10_000 + t for t in range(4 * CHUNK)]).cached_tokens == 2 * CHUNK
+
+
+def test_a_ttl_hint_is_kept_through_the_disk_tier(sidecar_factory, tmp_path):
+    """Demoted to disk and promoted back, a hinted chunk still slides with its own TTL, not the server's."""
+    s = sidecar_factory(memory_bytes=2 * NB, disk_bytes=64 << 20, data_dir=str(tmp_path / "data"), ttl_seconds=0.6)
+    with PromptCacheClient(s.address) as c:
+        c.put(SMALL, prompt(60), make_kv(SMALL, 2 * CHUNK, seed=60), ttl_seconds=30)
+        c.put(SMALL, prompt(61), make_kv(SMALL, 2 * CHUNK, seed=61), ttl_seconds=30)  # 60 goes to disk
+        assert s.spill.disk.flush(10)
+        assert [ch.tier for ch in c.lookup(SMALL, prompt(60)).chunks] == ["disk", "disk"]
+        assert s.spill.disk.entry(c.lookup(SMALL, prompt(60)).chunks[0].key).ttl_hint == 30
+        time.sleep(0.8)  # past the server's TTL
+        assert c.get(SMALL, prompt(60))[0] == 2 * CHUNK  # promoted back
+        assert c.get(SMALL, prompt(60))[0] == 2 * CHUNK  # a hit in memory: slides by its own 30 s
+        time.sleep(0.8)
+        assert c.lookup(SMALL, prompt(60)).cached_tokens == 2 * CHUNK

@@ -46,11 +46,12 @@ def snapshot_index(r) -> int:
 # --- the disk index ------------------------------------------------------------------------------------------
 def test_index_records_keep_hits_last_access_and_owner_and_version_1_is_still_read():
     key = b"k" * 32
-    e = disktier.DiskEntry(0, 5, 123, 10.0, 99.0, b"meta", b"p" * 32, 12.5, 7, "tenant-a")
+    e = disktier.DiskEntry(0, 5, 123, 10.0, 99.0, b"meta", b"p" * 32, 12.5, 7, "tenant-a", 3600.0)
     got = disktier._decode_index(key, disktier._encode_index(key, e))
-    assert (got.last_access, got.hits, got.owner, got.meta, got.parent) == (12.5, 7, "tenant-a", b"meta", b"p" * 32)
+    assert (got.last_access, got.hits, got.owner, got.meta, got.parent, got.ttl_hint) == \
+        (12.5, 7, "tenant-a", b"meta", b"p" * 32, 3600.0)
     old = disktier._decode_index(key, disktier._encode_index(key, e, version=1))  # written before version 2
-    assert (old.last_access, old.hits, old.owner, old.created, old.length) == (10.0, 0, "", 10.0, 5)
+    assert (old.last_access, old.hits, old.owner, old.created, old.length, old.ttl_hint) == (10.0, 0, "", 10.0, 5, 0)
     rec = bytearray(disktier._encode_index(key, e))
     rec[6] ^= 1  # any flipped bit fails the record's checksum
     assert disktier._decode_index(key, bytes(rec)) is None

@@ -68,7 +68,7 @@ class Spill(StoreListener):
         last = self.disk.clock() - (now - entry.last_access)
         taken = self.disk.put(entry.key, host.numpy(), meta=encode_meta(entry), parent=entry.parent,
                               ttl_seconds=remaining, created=born, last_access=last, hits=entry.hits,
-                              owner=entry.owner)
+                              owner=entry.owner, ttl_hint=entry.ttl)
         if self.metrics is not None:
             (self.metrics.demotions if taken else self.metrics.demotion_failures).inc()
         return taken
@@ -130,7 +130,7 @@ class Spill(StoreListener):
         device_data = data if self.memory.device.type == "cpu" else data.to(self.memory.device)
         self.memory.commit(reservation, key=key, fingerprint=fp, parent=parent, index=index, data=device_data,
                            checksum_value=value, shape=shape, dtype=dtype, ttl=max(remaining, 0.001), born=born,
-                           owner=owner, hits=disk_entry.hits)
+                           owner=owner, hits=disk_entry.hits, sliding_ttl=disk_entry.ttl_hint or None)
         if self.tenancy is not None:
             self.tenancy.release(owner, charged)
         self.disk.delete(key)
@@ -185,7 +185,8 @@ class Spill(StoreListener):
             stored = self.memory.commit(reservation, key=key, fingerprint=fp, parent=parent, index=index,
                                         data=device_data, checksum_value=value, shape=shape, dtype=dtype,
                                         ttl=max(disk_entry.expires - now_disk, 0.001), born=born, owner=owner,
-                                        hits=disk_entry.hits, last_access=last)
+                                        hits=disk_entry.hits, last_access=last,
+                                        sliding_ttl=disk_entry.ttl_hint or None)
         finally:
             if self.tenancy is not None and charged:
                 self.tenancy.release(owner, charged)
