@@ -325,3 +325,25 @@ def test_a_sidecar_process_is_ready_at_its_bound_while_warm_up_goes_on(tmp_path)
         proc.stop()
     log = proc.proc.stdout.read()
     assert "warm-up still running after 0.3 s" in log and "warm-up finished" in log, log[-2000:]
+
+
+def test_warm_up_never_brings_a_chunk_without_its_parent(sidecar_factory, tmp_path):
+    """Memory for 5 chunks, a hot 4-chunk prompt and a 4-chunk one: the second's root fits but not its whole
+    chain; what is brought in is always whole prefixes from the root (nothing unreachable)."""
+    data = str(tmp_path / "data")
+    first = sidecar_factory(memory_bytes=64 * CHUNK_BYTES, disk_bytes=64 << 20, data_dir=data)
+    a, b = prompts(2, 4)
+    with PromptCacheClient(first.address) as c:
+        c.put(SMALL, a, make_kv(SMALL, len(a), seed=1))
+        c.put(SMALL, b, make_kv(SMALL, len(b), seed=2))
+        for _ in range(3):
+            c.get(SMALL, a)
+    first.stop()
+    second = sidecar_factory(memory_bytes=5 * CHUNK_BYTES, disk_bytes=64 << 20, data_dir=data, warmup_seconds=30.0)
+    assert second.warmup.done.wait(30)
+    with PromptCacheClient(second.address) as c:
+        assert [ch.tier for ch in c.lookup(SMALL, a).chunks] == ["device"] * 4
+        tiers = [ch.tier for ch in c.lookup(SMALL, b).chunks]
+    assert len(tiers) == 4 and tiers.count("device") <= 1 and tiers[1:] == ["disk"] * 3
+    held = {e.key: e for e in second.tier.snapshot()}
+    assert all(e.index == 0 or e.parent in held for e in held.values())

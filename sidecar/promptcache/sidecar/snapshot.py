@@ -271,6 +271,8 @@ def load_into_memory(tier, r: Record, tenancy=None) -> int:
     fp, parent, index, dtype, value, shape = decode_meta(r.meta)
     if tier.holds(r.key, fp) or not tier.room_for(len(r.payload)):
         return 0
+    if index and not tier.holds(parent, fp):  # unreachable without its parent (not loaded): not worth a byte
+        return 0
     born = now - max(0.0, wall - r.created)
     if born + tier.max_lifetime <= now:
         return 0

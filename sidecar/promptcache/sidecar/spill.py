@@ -153,6 +153,8 @@ class Spill(StoreListener):
         fp, parent, index, dtype, value, shape = decoded
         if self.memory.holds(key, fp):
             return 0
+        if index and not self.memory.holds(parent, fp):  # unreachable without its parent: not worth a byte
+            return 0
         if not self.memory.room_for(disk_entry.length):
             return 0
         now_disk, now = self.disk.clock(), self.memory.clock()
