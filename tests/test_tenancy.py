@@ -3,6 +3,8 @@ observable — not through results, status codes or timing — except through op
 quotas evict only the tenant's own chunks."""
 from __future__ import annotations
 
+import os
+
 import dataclasses
 import random
 import time
@@ -260,3 +262,59 @@ def test_chunks_promoted_from_disk_count_against_the_quota(sidecar_factory, toke
         assert sidecar.tenancy.usage("alice")["used"] == alice_in_memory() == quota
         total = sum(u["used"] for u in sidecar.tenancy.owners().values())
         assert total == sidecar.tier.usage()["used"]
+
+
+def test_warm_up_charges_each_chunk_to_its_recorded_owner_within_the_quota(sidecar_factory, tokens, tmp_path):
+    """Warm-up has no caller: each chunk it brings back from disk is charged to the owner its disk record names
+    (index version 2), within that owner's quota (never evicting), and stays in its owner's namespace."""
+    data = str(tmp_path / "data")
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))  # the same tenant salts after the restart
+    common = dict(token_file=tokens, tenant_secret_file=str(secret), memory_bytes=16 * NBYTES,
+                  disk_bytes=64 << 20, data_dir=data)
+    first = sidecar_factory(**common)
+    mine, theirs = prefix(50, 3), prefix(51, 2)
+    kv = make_kv(SMALL, len(mine), seed=50)
+    with PromptCacheClient(first.address, token="alice-token") as alice, \
+            PromptCacheClient(first.address, token="bob-token") as bob:
+        assert alice.put(SMALL, mine, kv).stored_chunks == 3
+        assert bob.put(SMALL, theirs, make_kv(SMALL, len(theirs), seed=51)).stored_chunks == 2
+    first.stop()  # graceful: everything is demoted with its owner
+    second = sidecar_factory(**common, tenant_quotas=f"alice={2 * NBYTES}", warmup_seconds=30.0)
+    assert second.warmup.ready.wait(30)
+    assert second.warmup.report["disk_chunks"] == 4  # bob's 2, alice's first 2: her quota holds no more
+    assert second.tenancy.usage("alice")["used"] == 2 * NBYTES
+    assert second.tenancy.usage("bob")["used"] == 2 * NBYTES
+    with PromptCacheClient(second.address, token="alice-token") as alice, \
+            PromptCacheClient(second.address, token="bob-token") as bob:
+        assert [ch.tier for ch in alice.lookup(SMALL, mine).chunks] == ["device", "device", "disk"]
+        assert [ch.tier for ch in bob.lookup(SMALL, theirs).chunks] == ["device", "device"]
+        assert bob.lookup(SMALL, mine).cached_tokens == 0  # still alice's namespace only
+        cached, got = alice.get(SMALL, mine)
+    assert cached == 3 * CHUNK
+    assert all(torch.equal(g[0], k[0]) and torch.equal(g[1], k[1]) for g, k in zip(got, kv))
+
+
+def test_pins_are_bounded_per_tenant_and_a_quota_evicts_the_unpinned_first(sidecar_factory, tokens):
+    """A priority hint pins within --max-pinned-fraction of the tenant's quota; the pinned chunks count in the
+    quota, and the quota's own evictions take the tenant's unpinned chunks first."""
+    sidecar = sidecar_factory(token_file=tokens, tenant_quotas=f"alice={4 * NBYTES}", memory_bytes=16 * NBYTES,
+                              max_pinned_fraction=0.5)
+    system = prefix(60, 2)
+    kv = make_kv(SMALL, len(system), seed=60)
+    with PromptCacheClient(sidecar.address, token="alice-token") as alice, \
+            PromptCacheClient(sidecar.address, token="bob-token") as bob:
+        assert alice.put(SMALL, system, kv, priority=1).stored_chunks == 2
+        other = prefix(61, 3)
+        alice.put(SMALL, other, make_kv(SMALL, len(other), seed=61), priority=1)  # past her 2-chunk pin bound
+        assert sidecar.tier.pinned_usage() == {"alice": 2 * NBYTES}
+        for seed in range(62, 66):  # her quota (4 chunks) evicts: never the pinned pair
+            t = prefix(seed, 2)
+            alice.put(SMALL, t, make_kv(SMALL, len(t), seed=seed))
+        assert sidecar.tenancy.usage("alice")["used"] <= 4 * NBYTES
+        cached, got = alice.get(SMALL, system)
+        assert cached == 2 * CHUNK
+        assert all(torch.equal(g[0], k[0]) and torch.equal(g[1], k[1]) for g, k in zip(got, kv))
+        theirs = prefix(70, 2)
+        bob.put(SMALL, theirs, make_kv(SMALL, len(theirs), seed=70), priority=1)  # bob's own bound (no quota)
+        assert sidecar.tier.pinned_usage() == {"alice": 2 * NBYTES, "bob": 2 * NBYTES}

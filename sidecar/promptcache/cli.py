@@ -85,6 +85,9 @@ def build_parser(bench: str | None = None) -> argparse.ArgumentParser:
     op = sub.add_parser("operator", help="run the Kubernetes operator (kopf)", add_help=False)
     op.add_argument("operator_args", nargs=argparse.REMAINDER)
     admin.add_arguments(sub)
+    from promptcache.sidecar import snapshot
+
+    snapshot.add_arguments(sub)
     return parser
 
 

@@ -230,15 +230,18 @@ class PromptCacheClient:
 
     # --- blobs ------------------------------------------------------------------------------------------
     def put_blobs(self, spec: ModelSpec, tokens, blobs: Mapping[int, torch.Tensor | bytes],
-                  timeout: float | None = None) -> PutResult:
-        """Store raw chunk blobs (already in the stored layout) under the chunk indices of `tokens`."""
+                  timeout: float | None = None, ttl_seconds: float = 0.0, priority: int = 0) -> PutResult:
+        """Store raw chunk blobs (already in the stored layout) under the chunk indices of `tokens`.
+        ttl_seconds: a retention hint, how long after its last hit each chunk is worth keeping (0: the sidecar's
+        --ttl-seconds; capped by its --max-ttl-hint-seconds; docs/retention.md). priority 1: pin the prefix (capacity
+        eviction passes it over), within the sidecar's --max-pinned-fraction for this caller."""
         token_list = _tokens(tokens)
         shape = list(chunk_shape(spec, self.chunk_tokens))
         dtype = NAME_TO_DTYPE[spec.kv_dtype]
         arrays = {i: _as_bytes_array(b) for i, b in sorted(blobs.items())}
         sums = {i: xxhash.xxh3_64_intdigest(arr) for i, arr in arrays.items()}
         if self._bulk is not None and arrays:
-            resp = self._bulk_put(spec, token_list, arrays, sums, shape, dtype, timeout)
+            resp = self._bulk_put(spec, token_list, arrays, sums, shape, dtype, timeout, ttl_seconds, priority)
             if resp is not None:
                 return PutResult(resp.stored_chunks, resp.skipped_chunks, resp.rejected_chunks, resp.stored_bytes)
 
@@ -251,7 +254,8 @@ class PromptCacheClient:
 
             def frames() -> Iterator[pb.PutRequest]:
                 yield pb.PutRequest(header=pb.PutHeader(model=model_to_proto(spec), tokens=token_list,
-                                                        shared_buffer=shared.name if shared else ""))
+                                                        shared_buffer=shared.name if shared else "",
+                                                        ttl_seconds=ttl_seconds, priority=priority))
                 for index, arr in arrays.items():
                     yield pb.PutRequest(chunk=pb.ChunkBegin(index=index, nbytes=arr.size, shape=shape, dtype=dtype,
                                                             xxh3_64=sums[index],
@@ -268,13 +272,15 @@ class PromptCacheClient:
             resp = put(None)
         return PutResult(resp.stored_chunks, resp.skipped_chunks, resp.rejected_chunks, resp.stored_bytes)
 
-    def _bulk_put(self, spec, token_list, arrays, sums, shape, dtype, timeout) -> pb.PutResponse | None:
+    def _bulk_put(self, spec, token_list, arrays, sums, shape, dtype, timeout,
+                  ttl_seconds: float = 0.0, priority: int = 0) -> pb.PutResponse | None:
         """Put over the bulk channel; None: the channel cannot take the call (no bulk channel on this sidecar, one
         without bulk Put, restarting, full, the connection broke), use gRPC Put, which has its own retries and
         skips the chunks already stored. After such a failure the channel is left alone for a few seconds."""
         if time.monotonic() < self._bulk_retry_at:
             return None
-        header = pb.PutHeader(model=model_to_proto(spec), tokens=token_list)
+        header = pb.PutHeader(model=model_to_proto(spec), tokens=token_list, ttl_seconds=ttl_seconds,
+                              priority=priority)
         chunks = [(pb.ChunkBegin(index=i, nbytes=arr.size, shape=shape, dtype=dtype, xxh3_64=sums[i]), arr)
                   for i, arr in arrays.items()]
         try:
@@ -365,14 +371,15 @@ class PromptCacheClient:
 
     # --- tensors ----------------------------------------------------------------------------------------
     def put(self, spec: ModelSpec, tokens, kv: KV, start_chunk: int = 0, timeout: float | None = None,
-            rope_theta: float = 0.0) -> PutResult:
-        """Store every whole chunk of `kv` (covering `tokens`) from start_chunk on. rope_theta: see encode_chunk."""
+            rope_theta: float = 0.0, ttl_seconds: float = 0.0, priority: int = 0) -> PutResult:
+        """Store every whole chunk of `kv` (covering `tokens`) from start_chunk on. rope_theta: see encode_chunk.
+        ttl_seconds, priority: retention hints (put_blobs)."""
         ct = self.chunk_tokens
         n_chunks = min(len(_tokens(tokens)), _kv_tokens(kv)) // ct
         blobs = {i: encode_chunk(spec, kv, i * ct, (i + 1) * ct, rope_theta) for i in range(start_chunk, n_chunks)}
         if not blobs:
             return PutResult(0, 0, 0, 0)
-        return self.put_blobs(spec, tokens, blobs, timeout)
+        return self.put_blobs(spec, tokens, blobs, timeout, ttl_seconds, priority)
 
     def get(self, spec: ModelSpec, tokens, start_chunk: int = 0, max_chunks: int = 0,
             device: torch.device | str = "cpu", timeout: float | None = None) -> tuple[int, list]:

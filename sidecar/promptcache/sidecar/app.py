@@ -39,6 +39,7 @@ from promptcache.sidecar.server import SERVICE_NAME, KVCacheServicer
 from promptcache.sidecar.shmbuffers import SharedBuffers
 from promptcache.sidecar.store import MemoryTier
 from promptcache.sidecar.tenancy import Tenancy, TenantCollector
+from promptcache.sidecar.warmup import Warmup, WarmupMetrics
 
 log = logging.getLogger("promptcache.sidecar")
 
@@ -204,6 +205,8 @@ class Sidecar:
         self.servicer = KVCacheServicer(self.engine, settings.frame_bytes)
         frames.add_service(self.servicer, self.server)
         self.health = health.HealthServicer()
+        for name in ("", SERVICE_NAME):  # (grpc's servicer starts with "" SERVING): ready once warm-up allows
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -215,6 +218,8 @@ class Sidecar:
                                 hello_seconds=settings.bulk_hello_seconds, watchdog=self.watchdog,
                                 frame_bytes=settings.frame_bytes)
                      for address in settings.bulk_addresses]
+        self.warmup = Warmup(tier, self.spill, WarmupMetrics(metrics.registry), settings.warmup_seconds,
+                             settings.warmup_snapshot, self.tenancy)
         self._stop = threading.Event()
         self._stop_lock = threading.Lock()
         self.stop_error: str | None = None
@@ -264,11 +269,16 @@ class Sidecar:
             self.cluster.start()
         if self.events is not None:
             self.events.start()
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.warmup.start(self._ready)  # SERVING once warm-up has filled the memory tier, or its bound passed
         threading.Thread(target=self._sweep, name="ttl-sweeper", daemon=True).start()
         self.observer.start()
         return self
+
+    def _ready(self) -> None:
+        if not self._stop.is_set():  # (after a graceful shutdown began, the health service ignores set())
+            for name in ("", SERVICE_NAME):
+                self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            log.info("ready", extra={"warmup": self.warmup.report})
 
     def _sweep(self) -> None:
         interval = min(max(self.settings.ttl_seconds / 4, 0.05), 30.0)
@@ -286,6 +296,8 @@ class Sidecar:
                 self._shutdown(grace)
 
     def _shutdown(self, grace: float) -> None:
+        self.warmup.stop()
+        self.warmup.done.wait(10.0)  # it moves chunks between the tiers: let the one in hand finish
         self.watchdog.stop()
         self.health.enter_graceful_shutdown()
         for b in self.bulk:

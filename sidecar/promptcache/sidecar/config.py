@@ -44,6 +44,8 @@ class Settings:
     chunk_tokens: int = 256
     ttl_seconds: float = 4 * 3600.0
     max_lifetime_seconds: float = 24 * 3600.0
+    max_ttl_hint_seconds: float = 24 * 3600.0
+    max_pinned_fraction: float = 0.1
     eviction_policy: str = "rate-class"  # chosen by trace replay: docs/eviction.md
     quantization: Quantization = "any"
     tenancy: TenancyMode = "auto"
@@ -52,6 +54,8 @@ class Settings:
     disk_bytes: int = 0
     disk_min_free_bytes: int = 256 << 20
     disk_lock_wait_seconds: float = 30.0
+    warmup_seconds: float = 0.0
+    warmup_snapshot: str = ""
     shm_dir: str = ""
     shm_max_buffers: int = 256
     shm_max_bytes: int = 16 << 30
@@ -130,6 +134,14 @@ class Settings:
             raise ValueError(f"--max-lifetime-seconds must be positive, got {self.max_lifetime_seconds}")
         if self.disk_lock_wait_seconds < 0:
             raise ValueError("--disk-lock-wait-seconds must not be negative")
+        if not 0 <= self.max_pinned_fraction <= 0.5:
+            raise ValueError(f"--max-pinned-fraction must be in 0..0.5, got {self.max_pinned_fraction}")
+        if not self.max_ttl_hint_seconds > 0:
+            raise ValueError(f"--max-ttl-hint-seconds must be positive, got {self.max_ttl_hint_seconds}")
+        if self.warmup_seconds < 0:
+            raise ValueError("--warmup-seconds must not be negative")
+        if self.warmup_snapshot and not os.path.isfile(self.warmup_snapshot):
+            raise ValueError(f"--warmup-snapshot {self.warmup_snapshot}: no such file")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.bulk_address:
@@ -305,6 +317,11 @@ HELP = {
                    "promotion from disk): sliding, every hit extends it",
     "max_lifetime_seconds": "absolute cap: an entry never lives longer than this after it was first stored, "
                             "however often it is hit (on disk and across restarts too)",
+    "max_ttl_hint_seconds": "cap on a Put's retention hint (PutHeader.ttl_seconds, the client's put(ttl_seconds=)): "
+                            "a longer hint is cut to this, and counted (docs/retention.md)",
+    "max_pinned_fraction": "a Put's priority hint pins its prefix (capacity eviction passes it over) up to this "
+                           "fraction of the memory budget, or of the owner's quota when smaller, per owner; all "
+                           "owners together at most half the budget. 0: no pinning (docs/retention.md)",
     "eviction_policy": "which entry goes first when the budget is full",
     "quantization": "the only KV quantization mode accepted (none, k8v8, k8v4, k6v4z; clients quantize, the mode is "
                     "part of every key); other models get FAILED_PRECONDITION. any: accept every mode",
@@ -316,6 +333,12 @@ HELP = {
     "disk_min_free_bytes": "spilling stops while the data folder's filesystem has less free space than this",
     "disk_lock_wait_seconds": "at start, how long to wait for another process (the pod being replaced) to "
                               "release the disk tier's RocksDB lock before exiting with an error",
+    "warmup_seconds": "at start, the health service says NOT_SERVING while warm-up fills the memory tier (from "
+                      "--warmup-snapshot, then the disk tier, hottest first), for at most this long; then serving "
+                      "anyway while it goes on (docs/warmup.md). 0: no warm-up from disk, and a snapshot loads without "
+                      "holding readiness",
+    "warmup_snapshot": "snapshot file (promptcache export) loaded into the memory tier at start, verified whole "
+                       "first (a bad file is logged and skipped); empty: none",
     "shm_dir": "existing folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which "
                "node-local clients pass chunk bytes instead of streaming them; empty disables the fast path. The sidecar "
                "creates the buffer files there itself, each for one caller (docs/security.md)",

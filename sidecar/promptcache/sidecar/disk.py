@@ -52,6 +52,12 @@ _DAT = b"d"
 _MAGIC = b"PCD1"
 # magic, version, flags, created, expires, payload length, payload xxh3, meta length, parent length
 _HDR = struct.Struct("<4sBBddQQIB")
+# version 2 appends what warm-up orders by (hottest first) and whose quota the chunk is charged to:
+# last access (wall time), hit count, owner length, the chunk's own sliding TTL (a Put's retention hint; 0: the
+# tier's); the owner's UTF-8 bytes follow the parent. Version 1 records (written before) are still read: last
+# access = created, no hits, the shared owner, no TTL of its own.
+_HDR2_TAIL = struct.Struct("<dIHd")
+INDEX_VERSION = 2
 _CHK = struct.Struct("<Q")
 RECORD_OVERHEAD = 128  # bytes counted per record on top of payload and meta (keys, headers, RocksDB framing)
 CODECS = ("none", "lz4", "zstd")
@@ -146,12 +152,25 @@ class DiskEntry:
     expires: float
     meta: bytes
     parent: bytes | None
+    last_access: float = 0.0  # wall time of its last hit in any tier (0: unknown, a version 1 record: created)
+    hits: int = 0  # hits it had in any tier since it was first stored (capped at 2^32 - 1)
+    owner: str = ""  # whose quota it is charged to once back in memory ("": the shared namespace)
+    ttl_hint: float = 0.0  # its own sliding TTL once back in memory (a Put's retention hint); 0: the tier's
+
+    def hotness(self) -> tuple:
+        """Warm-up's order, hottest first when sorted descending: hit count, then recency."""
+        return (self.hits, self.last_access or self.created)
 
 
-def _encode_index(key: bytes, e: DiskEntry) -> bytes:
+def _encode_index(key: bytes, e: DiskEntry, version: int = INDEX_VERSION) -> bytes:
     parent = e.parent or b""
-    body = _HDR.pack(_MAGIC, 1, 0, e.created, e.expires, e.length, e.checksum, len(e.meta), len(parent)) \
-        + e.meta + parent
+    body = _HDR.pack(_MAGIC, version, 0, e.created, e.expires, e.length, e.checksum, len(e.meta), len(parent))
+    if version >= 2:
+        owner = e.owner.encode()
+        body += _HDR2_TAIL.pack(e.last_access, min(e.hits, 0xFFFFFFFF), len(owner), e.ttl_hint) \
+            + e.meta + parent + owner
+    else:
+        body += e.meta + parent
     return body + _CHK.pack(xxhash.xxh3_64_intdigest(key + body))
 
 
@@ -162,11 +181,24 @@ def _decode_index(key: bytes, rec: bytes) -> DiskEntry | None:
     if xxhash.xxh3_64_intdigest(key + body) != chk:
         return None
     magic, version, _flags, created, expires, length, checksum, meta_len, parent_len = _HDR.unpack_from(body)
-    if magic != _MAGIC or version != 1 or len(body) != _HDR.size + meta_len + parent_len:
+    if magic != _MAGIC or version not in (1, 2):
         return None
-    meta = body[_HDR.size:_HDR.size + meta_len]
-    parent = body[_HDR.size + meta_len:] or None
-    return DiskEntry(length + meta_len + RECORD_OVERHEAD, length, checksum, created, expires, meta, parent)
+    at, last_access, hits, owner_len, ttl_hint = _HDR.size, created, 0, 0, 0.0
+    if version == 2:
+        if len(body) < at + _HDR2_TAIL.size:
+            return None
+        last_access, hits, owner_len, ttl_hint = _HDR2_TAIL.unpack_from(body, at)
+        at += _HDR2_TAIL.size
+    if len(body) != at + meta_len + parent_len + owner_len:
+        return None
+    meta = body[at:at + meta_len]
+    parent = body[at + meta_len:at + meta_len + parent_len] or None
+    try:
+        owner = body[at + meta_len + parent_len:].decode()
+    except UnicodeDecodeError:
+        return None
+    return DiskEntry(length + meta_len + RECORD_OVERHEAD, length, checksum, created, expires, meta, parent,
+                     last_access, hits, owner, ttl_hint if ttl_hint > 0 else 0.0)
 
 
 class DiskTier:
@@ -495,15 +527,20 @@ class DiskTier:
 
     # ------------------------------------------------------------------------------------------------ serving
     def put(self, key: bytes, payload, meta: bytes = b"", parent: bytes | None = None,
-            ttl_seconds: float | None = None, created: float | None = None) -> bool:
+            ttl_seconds: float | None = None, created: float | None = None, last_access: float | None = None,
+            hits: int = 0, owner: str = "", ttl_hint: float | None = None) -> bool:
         """Queue a chunk for writing. Returns False (and counts why) when it is not taken: too large, disk full,
         write queue full, or closed. Never blocks on I/O. `created`: when the chunk was first stored anywhere
-        (this tier's clock, wall time), kept in the record so its maximum lifetime survives restarts."""
+        (this tier's clock, wall time), kept in the record so its maximum lifetime survives restarts.
+        `last_access` (wall time) and `hits`: how hot it was in memory, what warm-up orders by; `owner`: whose
+        quota it is charged to when warm-up brings it back; `ttl_hint`: its own sliding TTL once back in memory."""
         payload = bytes(payload)
         now = self.clock()
+        born = now if created is None else min(created, now)
         e = DiskEntry(len(payload) + len(meta) + RECORD_OVERHEAD, len(payload), payload_checksum(key, payload),
-                      now if created is None else min(created, now),
-                      now + (self.ttl if ttl_seconds is None else ttl_seconds), bytes(meta), parent)
+                      born, now + (self.ttl if ttl_seconds is None else ttl_seconds), bytes(meta), parent,
+                      born if last_access is None else min(max(last_access, born), now), max(0, int(hits)), owner,
+                      float(ttl_hint or 0.0))
         with self._lock:
             if self._closed:
                 self.counters["put_rejected_closed"] += 1
@@ -580,6 +617,22 @@ class DiskTier:
             self.counters["hits"] += 1
             self.counters["hit_bytes"] += e.length
         return data
+
+    def entry(self, key: bytes) -> DiskEntry | None:
+        """The live (unexpired) record of `key`, written or still queued; no policy side effects."""
+        with self._lock:
+            p = self.pending.get(key)
+            e = self.index.get(key) if p is None else p[0]
+            return None if e is None or e.expires <= self.clock() else e
+
+    def hottest(self) -> list[tuple[bytes, DiskEntry]]:
+        """Every live record, hottest first (DiskEntry.hotness: hit count, then last access): warm-up's order."""
+        now = self.clock()
+        with self._lock:
+            live = [(k, e) for k, e in self.index.items() if e.expires > now]
+            live += [(k, p[0]) for k, p in self.pending.items() if p[0].expires > now]
+        live.sort(key=lambda ke: ke[1].hotness(), reverse=True)
+        return live
 
     def meta(self, key: bytes) -> bytes | None:
         with self._lock:

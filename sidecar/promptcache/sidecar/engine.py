@@ -144,6 +144,40 @@ class CacheEngine:
             self._event_models[scope.fingerprint] = spec.model_id if self._announced(owner) else None
         return scope
 
+    def ttl_hint(self, seconds: float) -> float | None:
+        """A Put's retention hint as the sliding TTL its chunks get (None: none given), capped at
+        --max-ttl-hint-seconds (counted); negative or NaN is refused."""
+        if seconds == 0:
+            return None
+        if not seconds > 0:  # NaN compares false
+            raise InvalidRequest(f"ttl_seconds is {seconds}: a retention hint must be positive (0: the server's TTL)")
+        cap = self.settings.max_ttl_hint_seconds
+        self.metrics.ttl_hints.labels("true" if seconds > cap else "false").inc()
+        return min(seconds, cap)
+
+    def pin_limit(self, owner: str) -> int:
+        """Bytes `owner` may hold pinned: --max-pinned-fraction of the memory budget, or of its quota if smaller."""
+        quota = self.tenancy.quota(owner)
+        base = self.tier.budget if not quota else min(quota, self.tier.budget)
+        return int(self.settings.max_pinned_fraction * base)
+
+    def pin_prefix(self, scope: "Scope", keys: list[bytes]) -> int:
+        """A priority hint: pin `keys` (a prefix, root first) while they are held and fit the owner's bound;
+        stops at the first that is not held or does not fit, so what is pinned is always a whole prefix."""
+        limit = self.pin_limit(scope.owner)
+        pinned = 0
+        for i, key in enumerate(keys):
+            done = self.tier.pin(key, scope.fingerprint, limit)
+            if done is None:
+                break
+            if not done:
+                self.metrics.pins.labels("refused").inc(len(keys) - i)
+                break
+            pinned += 1
+        if pinned:
+            self.metrics.pins.labels("pinned").inc(pinned)
+        return pinned
+
     def check_tokens(self, tokens) -> None:
         if len(tokens) == 0:
             raise InvalidRequest("tokens is empty")
@@ -336,7 +370,8 @@ class CacheEngine:
         the call, or None) is told what the session holds reserved and receives (--min-put-bytes-per-second)."""
         return PutSession(self, caller, header, watch)
 
-    def _store(self, incoming: "_Incoming", spec: ModelSpec, fp: bytes, owner: str, tokens) -> int:
+    def _store(self, incoming: "_Incoming", spec: ModelSpec, fp: bytes, owner: str, tokens,
+               ttl: float | None = None) -> int:
         begin = incoming.begin
         # fp8 chunks are a KV cache's raw bytes (layout.scanned): stored as they are, like packed codes
         unquantized = spec.quantization == "none" and scanned(spec.kv_dtype)
@@ -354,7 +389,8 @@ class CacheEngine:
         try:
             stored = self.tier.commit(reservation, key=incoming.key, fingerprint=fp, parent=incoming.parent,
                                       index=begin.index, data=data, checksum_value=value, shape=tuple(begin.shape),
-                                      dtype=begin.dtype, owner=owner, values_finite=finite)
+                                      dtype=begin.dtype, owner=owner, values_finite=finite, ttl=ttl,
+                                      sliding_ttl=ttl)
         finally:
             self.tenancy.release(owner, charged)  # a stored chunk is charged by the store's insert hook
         if not stored:
@@ -578,6 +614,8 @@ class PutSession:
         self.nbytes = chunk_nbytes(spec, ct)  # a layout scope() already checked
         self.dtype = NAME_TO_DTYPE[spec.kv_dtype]
         self.stored = self.skipped = self.rejected = self.stored_bytes = 0
+        self.ttl = e.ttl_hint(header.ttl_seconds)
+        self.priority = min(header.priority, 1)
         self.seen: set[int] = set()
         self.current: _Incoming | None = None
         self.shared = None
@@ -683,6 +721,8 @@ class PutSession:
         """The end of the Put: every chunk announced must be complete. Returns what was stored."""
         if self.current is not None:
             raise self._cut_short(self.current)
+        if self.priority and self.seen:
+            self.engine.pin_prefix(self.scope, self.keys[:max(self.seen) + 1])
         self.abort()
         self.engine.metrics.stored_chunks.inc(self.stored)
         return pb.PutResponse(stored_chunks=self.stored, skipped_chunks=self.skipped,
@@ -717,7 +757,7 @@ class PutSession:
     def _complete(self, current: _Incoming) -> None:
         if current.reservation is not None:
             self.stored_bytes += self.engine._store(current, self.scope.spec, self.scope.fingerprint,
-                                                    self.scope.owner, self.header.tokens)
+                                                    self.scope.owner, self.header.tokens, self.ttl)
             self.stored += 1
         self._unhold(current)
         self.current = None

@@ -67,6 +67,10 @@ class Metrics:
                                          "disk full): the chunk is dropped", registry=r)
         self.promotions = Counter("promptcache_promotions", "chunks moved from disk back into memory on a hit",
                                   registry=r)
+        self.ttl_hints = Counter("promptcache_ttl_hints", "Puts that carried a retention hint (ttl_seconds), by "
+                                 "whether it was capped at --max-ttl-hint-seconds", ["capped"], registry=r)
+        self.pins = Counter("promptcache_pins", "chunks a Put's priority hint asked to pin, by result (pinned, "
+                            "refused: over --max-pinned-fraction)", ["result"], registry=r)
         for name, metric in list(vars(self).items()):
             if isinstance(metric, (Counter, Histogram)) and metric._labelnames:
                 setattr(self, name, _Children(metric))
@@ -97,6 +101,8 @@ class _TierCollector:
                                       "flight plus held by Gets of evicted chunks; never above the budget",
                                       labels=["tier"])
         budget = GaugeMetricFamily("promptcache_budget_bytes", "byte budget, by tier", labels=["tier"])
+        pinned = GaugeMetricFamily("promptcache_pinned_bytes", "memory-tier bytes pinned by priority hints, by "
+                                   "owner", labels=["owner"])
         full = GaugeMetricFamily("promptcache_disk_full", "1 while spilling is stopped because the data "
                                  "folder's filesystem is full (or failing writes)", labels=["tier"])
         for name, tier in self.tiers.items():
@@ -107,4 +113,7 @@ class _TierCollector:
             budget.add_metric([name], u["budget"])
             if "disk_full" in u:
                 full.add_metric([name], u["disk_full"])
-        return [entries, used, committed, budget, full]
+            if hasattr(tier, "pinned_usage"):
+                for owner, n in sorted(tier.pinned_usage().items()):
+                    pinned.add_metric([owner], n)
+        return [entries, used, committed, budget, full, pinned]

@@ -64,8 +64,11 @@ class Spill(StoreListener):
         host = entry.data if entry.data.device.type == "cpu" else entry.data.cpu()
         # The disk keeps what is left of its sliding TTL and when it was born (in wall time, across restarts).
         born = self.disk.clock() - (now - self.memory.birth(entry))
+        # How hot it was (warm-up brings the hottest back first) and whose quota it is charged to.
+        last = self.disk.clock() - (now - entry.last_access)
         taken = self.disk.put(entry.key, host.numpy(), meta=encode_meta(entry), parent=entry.parent,
-                              ttl_seconds=remaining, created=born)
+                              ttl_seconds=remaining, created=born, last_access=last, hits=entry.hits,
+                              owner=entry.owner, ttl_hint=entry.ttl)
         if self.metrics is not None:
             (self.metrics.demotions if taken else self.metrics.demotion_failures).inc()
         return taken
@@ -127,7 +130,7 @@ class Spill(StoreListener):
         device_data = data if self.memory.device.type == "cpu" else data.to(self.memory.device)
         self.memory.commit(reservation, key=key, fingerprint=fp, parent=parent, index=index, data=device_data,
                            checksum_value=value, shape=shape, dtype=dtype, ttl=max(remaining, 0.001), born=born,
-                           owner=owner)
+                           owner=owner, hits=disk_entry.hits, sliding_ttl=disk_entry.ttl_hint or None)
         if self.tenancy is not None:
             self.tenancy.release(owner, charged)
         self.disk.delete(key)
@@ -138,6 +141,61 @@ class Spill(StoreListener):
             now = time.monotonic()
             return Entry(key, fp, parent, index, data, value, shape, dtype, now, now, 0, leases=1, evicted=True)
         return entry
+
+    def warm(self, key: bytes) -> int:
+        """Warm-up: move `key` from disk into memory if it fits without evicting anything and within its owner's
+        quota (the owner recorded with it). Returns the bytes moved (0: not moved: gone, expired, past its
+        lifetime, failed a checksum, or no room). Its hit count and last access come with it."""
+        disk_entry = self.disk.entry(key)
+        decoded = decode_meta(disk_entry.meta) if disk_entry is not None else None
+        if decoded is None:
+            return 0
+        fp, parent, index, dtype, value, shape = decoded
+        if self.memory.holds(key, fp):
+            return 0
+        if index and not self.memory.holds(parent, fp):  # unreachable without its parent: not worth a byte
+            return 0
+        if not self.memory.room_for(disk_entry.length):
+            return 0
+        now_disk, now = self.disk.clock(), self.memory.clock()
+        born = now - (now_disk - disk_entry.created)
+        if born + self.memory.max_lifetime <= now:
+            self.disk.delete(key)
+            return 0
+        owner = disk_entry.owner
+        charged = self.tenancy.charge_if_room(owner, disk_entry.length) if self.tenancy is not None else 0
+        if charged is None:
+            return 0
+        try:
+            payload = self.disk.get(key)
+            if payload is None or len(payload) != disk_entry.length:
+                return 0
+            raw = np.frombuffer(payload, dtype=np.uint8)
+            if checksum(raw) != value:
+                self.disk.delete(key)
+                if self.metrics is not None:
+                    self.metrics.checksum_failures.labels("disk").inc()
+                return 0
+            try:
+                reservation = self.memory.reserve(raw.size, key, parent)
+            except StoreError:
+                return 0
+            data = self.memory.host_buffer(reservation)
+            data.numpy()[:] = raw
+            device_data = data if self.memory.device.type == "cpu" else data.to(self.memory.device)
+            last = now - max(0.0, now_disk - (disk_entry.last_access or disk_entry.created))
+            stored = self.memory.commit(reservation, key=key, fingerprint=fp, parent=parent, index=index,
+                                        data=device_data, checksum_value=value, shape=shape, dtype=dtype,
+                                        ttl=max(disk_entry.expires - now_disk, 0.001), born=born, owner=owner,
+                                        hits=disk_entry.hits, last_access=last,
+                                        sliding_ttl=disk_entry.ttl_hint or None)
+        finally:
+            if self.tenancy is not None and charged:
+                self.tenancy.release(owner, charged)
+        if not stored:
+            return 0
+        self.disk.delete(key)
+        return raw.size
 
     def delete(self, keys: list[bytes], fingerprint: bytes) -> int:
         return sum(self.disk.delete(k) for k in keys if self.contains(k, fingerprint) is not None)

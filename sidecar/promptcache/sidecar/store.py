@@ -82,6 +82,9 @@ class Entry:
     born: float | None = None  # first stored in any tier (memory clock; a promoted chunk keeps its age); None: created
     owner: str = ""  # whose quota it is charged to (promptcache.sidecar.tenancy)
     values_finite: bool = False  # an unquantized chunk whose values the store found finite (PutSession)
+    pinned: bool = False  # a Put's priority hint: capacity eviction passes it over (out of the policy's sight)
+    ttl: float | None = None  # its own sliding TTL (a Put's retention hint); None: the tier's
+    hits: int = 0  # Gets that served it, in any tier since it was first stored (kept on disk: warm-up's order)
     _array: np.ndarray | None = field(default=None, repr=False)
     _lent_frame: tuple[pb.ChunkBegin, bytes] | None = field(default=None, repr=False)
 
@@ -162,6 +165,8 @@ class MemoryTier:
         self._budget = budget_bytes
         self._entry_overhead = entry_overhead  # bytes held elsewhere per chunk (KV events' token ids), counted here
         self._entries: dict[bytes, Entry] = {}
+        self._pinned: dict[str, int] = {}  # owner -> accounted bytes of its pinned entries
+        self._pinned_total = 0
         self._soonest_expiry = math.inf  # at most the earliest expiry of an entry (_expire)
         self._used = 0
         self._reserved = 0
@@ -188,6 +193,39 @@ class MemoryTier:
         with self._lock:
             return {"entries": len(self._entries), "used": self._used, "reserved": self._reserved,
                     "draining": self._draining, "budget": self._budget}
+
+    def pin(self, key: bytes, fingerprint: bytes, owner_limit: int) -> bool | None:
+        """Pin the live entry `key`: taken out of the eviction policy's sight, so capacity eviction passes it over
+        (TTL, deletes, purges and quotas still remove it). False when its owner's pinned bytes would pass
+        `owner_limit`, or all owners' half the budget; None when it is not held. Idempotent."""
+        now = self.clock()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.fingerprint != fingerprint or entry.expires <= now:
+                return None
+            if entry.pinned:
+                return True
+            mine = self._pinned.get(entry.owner, 0)
+            if mine + entry.accounted > owner_limit or self._pinned_total + entry.accounted > self._budget // 2:
+                return False
+            entry.pinned = True
+            self._pinned[entry.owner] = mine + entry.accounted
+            self._pinned_total += entry.accounted
+            self.policy.removed(key)
+            return True
+
+    def pinned_usage(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._pinned)
+
+    def room(self) -> int:
+        """Bytes that can be reserved now without evicting anything (warm-up fills only this)."""
+        with self._lock:
+            return self._limit() - self._committed()
+
+    def room_for(self, nbytes: int) -> bool:
+        with self._lock:
+            return self._committed() + self._accounted(nbytes) <= self._limit()
 
     def snapshot(self) -> list[Entry]:
         """The entries stored now (a consistent copy of the index; no policy side effects)."""
@@ -219,6 +257,13 @@ class MemoryTier:
         """Drop `entry` from the index; its bytes stay accounted while a reader still holds a lease."""
         del self._entries[entry.key]
         self.policy.removed(entry.key)
+        if entry.pinned:
+            self._pinned_total -= entry.accounted
+            left = self._pinned[entry.owner] - entry.accounted
+            if left:
+                self._pinned[entry.owner] = left
+            else:
+                del self._pinned[entry.owner]
         self._used -= entry.accounted
         entry.evicted = True
         if entry.leases:
@@ -289,10 +334,13 @@ class MemoryTier:
     def commit(self, reservation: Reservation, *, key: bytes, fingerprint: bytes, parent: bytes, index: int,
                data: torch.Tensor, checksum_value: int, shape: tuple[int, ...], dtype: int,
                ttl: float | None = None, born: float | None = None, owner: str = "",
-               values_finite: bool = False) -> bool:
+               values_finite: bool = False, hits: int = 0, last_access: float | None = None,
+               sliding_ttl: float | None = None) -> bool:
         """Insert a fully received, verified chunk (living `ttl` seconds, default the tier's TTL; a chunk
         promoted from disk keeps what it had left and its birth time `born`, so its maximum lifetime counts from
-        its first store), charged to `owner`. False if an equal key won the race (bytes released).
+        its first store), charged to `owner`; `hits` and `last_access` (memory clock) carry how hot it was in the
+        tier it comes from; `sliding_ttl`: its own TTL from now on (a retention hint; None: the tier's). False if
+        an equal key won the race (bytes released).
         A chunk stored in its reservation's memfd is sealed here: from now on its bytes cannot change."""
         memfd = reservation.memfd if data is reservation.host and reservation.memfd is not None else None
         if memfd is not None and not memfd.sealed and not memfd.seal():
@@ -312,8 +360,9 @@ class MemoryTier:
             born = now if born is None else born
             entry = Entry(key, fingerprint, parent, index, data, checksum_value, shape, dtype, now,
                           min(now + (self.ttl if ttl is None else ttl), born + self.max_lifetime),
-                          reservation.accounted, last_access=now, memfd=memfd, born=born, owner=owner,
-                          values_finite=values_finite)
+                          reservation.accounted, last_access=now if last_access is None else min(last_access, now),
+                          memfd=memfd, born=born, owner=owner, values_finite=values_finite, hits=hits,
+                          ttl=sliding_ttl)
             self._entries[key] = entry
             self._soonest_expiry = min(self._soonest_expiry, entry.expires)
             self._used += entry.accounted
@@ -361,7 +410,9 @@ class MemoryTier:
                 return None
             entry.leases += 1
             entry.last_access = now
-            entry.expires = min(now + self.ttl, self.birth(entry) + self.max_lifetime)  # a hit extends its life
+            entry.hits += 1
+            entry.expires = min(now + (self.ttl if entry.ttl is None else entry.ttl),  # a hit extends its life
+                                self.birth(entry) + self.max_lifetime)
             self.policy.accessed(key)
             return entry
 
@@ -403,7 +454,13 @@ class MemoryTier:
         while self._used + self._reserved > size:
             victim = self.policy.victim()
             if victim is None:
-                break
+                # pins are hints: a shrink below what is pinned evicts pinned chunks too (deepest first)
+                pinned = [e for e in self._entries.values() if e.pinned]
+                if not pinned:
+                    break
+                self._remove(max(pinned, key=lambda e: e.index), "capacity")
+                evicted += 1
+                continue
             self._remove(self._entries[victim], "capacity")
             evicted += 1
         return evicted

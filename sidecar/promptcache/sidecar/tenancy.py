@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import logging
 import secrets
 import threading
@@ -188,7 +189,10 @@ class Tenancy:
                     raise TenancyError("quota", f"a chunk of {nbytes} bytes exceeds the quota of {limit} bytes "
                                                 f"of {owner or 'the anonymous tenant'}")
                 victims, freed = [], 0
-                for key, entry in u.entries.items():
+                # its oldest first, its pinned ones (a priority hint) only when the others are not enough
+                ordered = itertools.chain((e for e in u.entries.values() if not e.pinned),
+                                          (e for e in u.entries.values() if e.pinned))
+                for entry in ordered:
                     if u.used + u.reserved + need - freed <= limit:
                         break
                     victims.append(entry)

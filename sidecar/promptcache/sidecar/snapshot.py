@@ -1,0 +1,351 @@
+"""Snapshot files: the hottest chunks of a sidecar's data folder, to warm another (or a rebuilt) one with.
+
+`promptcache export --data-dir DIR --output FILE [--max-bytes N]` writes the hottest N bytes of the disk tier in
+DIR (a stopped sidecar: a graceful stop demotes its memory tier there, so that is all it held; a running one
+holds the folder's lock and is named in the error). `promptcache import FILE --data-dir DIR --disk-bytes N` puts
+a snapshot into a disk tier (the sidecar warms its memory from it at start), and `serve --warmup-snapshot FILE`
+loads one straight into the memory tier at start (promptcache.sidecar.warmup).
+
+Format (version 1, little-endian):
+  header   8s magic b"PCSNAP\\0\\1", u32 version
+  record   u8 key length, key, u32 meta length, meta (promptcache.sidecar.spill's chunk meta: fingerprint, parent,
+           index, dtype, shape, the chunk's own xxh3), u8 parent length, parent, u16 owner length, owner (UTF-8),
+           f64 created, f64 expires, f64 last access (wall time), u32 hits, u64 payload length,
+           u64 payload xxh3 (seeded with the key, as the disk tier's), payload
+  trailer  8s b"PCSNAPEN", u64 record count, u64 xxh3_64 of every byte before the trailer
+Records are hottest first, each chunk's ancestors before it. A reader verifies the whole file (magic, version,
+every record's framing and both checksums, the count and the file checksum) before it stores anything: a
+truncated, corrupt or foreign file is refused with a SnapshotError naming the file, and nothing of it is stored.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import xxhash
+
+MAGIC = b"PCSNAP\x00\x01"
+END = b"PCSNAPEN"
+VERSION = 1
+_HEAD = struct.Struct("<8sI")
+_TIMES = struct.Struct("<dddIQQ")  # created, expires, last access, hits, payload length, payload xxh3
+_TRAILER = struct.Struct("<8sQQ")
+MAX_PAYLOAD = 1 << 34  # a length past this is a corrupt file, not a chunk
+
+
+class SnapshotError(ValueError):
+    """A snapshot file that cannot be used (the message names the file and what is wrong)."""
+
+
+@dataclass
+class Record:
+    key: bytes
+    meta: bytes
+    parent: bytes | None
+    owner: str
+    created: float
+    expires: float
+    last_access: float
+    hits: int
+    payload: bytes
+
+
+def _encode(r: Record) -> bytes:
+    from promptcache.sidecar.disk import payload_checksum
+
+    parent, owner = r.parent or b"", r.owner.encode()
+    return (struct.pack("<B", len(r.key)) + r.key + struct.pack("<I", len(r.meta)) + r.meta
+            + struct.pack("<B", len(parent)) + parent + struct.pack("<H", len(owner)) + owner
+            + _TIMES.pack(r.created, r.expires, r.last_access, r.hits, len(r.payload),
+                          payload_checksum(r.key, r.payload)) + r.payload)
+
+
+class _Reader:
+    def __init__(self, path: str, f):
+        self.path, self.f = path, f
+        self.hash = xxhash.xxh3_64()
+
+    def take(self, n: int, what: str) -> bytes:
+        b = self.f.read(n)
+        if len(b) != n:
+            raise SnapshotError(f"snapshot {self.path}: truncated ({what}: {len(b)} of {n} bytes)")
+        self.hash.update(b)
+        return b
+
+
+def _records(path: str, verify_only: bool) -> Iterator[Record]:
+    from promptcache.sidecar.disk import payload_checksum
+    from promptcache.sidecar.spill import decode_meta
+
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise SnapshotError(f"snapshot {path}: cannot be read: {exc.strerror or exc}") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        r = _Reader(path, f)
+        head = f.read(_HEAD.size)
+        if len(head) < _HEAD.size or head[:6] != MAGIC[:6]:
+            raise SnapshotError(f"snapshot {path}: not a PromptCache snapshot (no {MAGIC[:6]!r} header; written "
+                                "by `promptcache export`?)")
+        magic, version = _HEAD.unpack(head)
+        if magic != MAGIC or version != VERSION:
+            raise SnapshotError(f"snapshot {path}: format version {version} is not supported (this build reads "
+                                f"version {VERSION})")
+        r.hash.update(head)
+        count = 0
+        while True:
+            if f.tell() + _TRAILER.size > size:
+                raise SnapshotError(f"snapshot {path}: truncated (no trailer after {count} records)")
+            if f.tell() + _TRAILER.size == size:
+                tail = f.read(_TRAILER.size)
+                end, n, chk = _TRAILER.unpack(tail)
+                if end != END:
+                    raise SnapshotError(f"snapshot {path}: corrupt (bad trailer after {count} records)")
+                if n != count:
+                    raise SnapshotError(f"snapshot {path}: corrupt (the trailer counts {n} records, the file "
+                                        f"holds {count})")
+                if chk != r.hash.intdigest():
+                    raise SnapshotError(f"snapshot {path}: corrupt (file checksum mismatch)")
+                return
+            (klen,) = struct.unpack("<B", r.take(1, "record"))
+            key = r.take(klen, "key")
+            (mlen,) = struct.unpack("<I", r.take(4, "record"))
+            if mlen > 1 << 16:
+                raise SnapshotError(f"snapshot {path}: corrupt (record {count}: meta length {mlen})")
+            meta = r.take(mlen, "meta")
+            (plen,) = struct.unpack("<B", r.take(1, "record"))
+            parent = r.take(plen, "parent") or None
+            (olen,) = struct.unpack("<H", r.take(2, "record"))
+            try:
+                owner = r.take(olen, "owner").decode()
+            except UnicodeDecodeError:
+                raise SnapshotError(f"snapshot {path}: corrupt (record {count}: owner is not UTF-8)") from None
+            created, expires, last, hits, length, chk = _TIMES.unpack(r.take(_TIMES.size, "record"))
+            if length > MAX_PAYLOAD or f.tell() + length > size:
+                raise SnapshotError(f"snapshot {path}: truncated (record {count}: payload of {length} bytes "
+                                    "runs past the end)")
+            payload = r.take(length, "payload")
+            decoded = decode_meta(meta)
+            if decoded is None:
+                raise SnapshotError(f"snapshot {path}: corrupt (record {count}: chunk meta)")
+            if payload_checksum(key, payload) != chk or xxhash.xxh3_64_intdigest(payload) != decoded[4]:
+                raise SnapshotError(f"snapshot {path}: corrupt (record {count}: payload checksum mismatch)")
+            count += 1
+            if not verify_only:
+                yield Record(key, meta, parent, owner, created, expires, last, hits, payload)
+
+
+def verify(path: str) -> int:
+    """Check the whole file; returns its record count. SnapshotError when it is not usable."""
+    n = 0
+    for n, _ in enumerate(_records(path, False), start=1):
+        pass
+    return n
+
+
+def read_snapshot(path: str) -> Iterator[Record]:
+    """The records of a verified file (verified whole first; each record is checked again as it is read, so a
+    file changed between the two reads stops at the first bad record, never serves it)."""
+    verify(path)
+    return _records(path, False)
+
+
+def write_snapshot(path: str, records) -> tuple[int, int]:
+    """Write `records` to `path` (atomically: a temporary file renamed into place). Returns (records, bytes)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    h = xxhash.xxh3_64()
+    count = payload = 0
+    try:
+        with open(tmp, "wb") as f:
+            def put(b: bytes) -> None:
+                h.update(b)
+                f.write(b)
+            put(_HEAD.pack(MAGIC, VERSION))
+            for r in records:
+                put(_encode(r))
+                count += 1
+                payload += len(r.payload)
+            f.write(_TRAILER.pack(END, count, h.intdigest()))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return count, payload
+
+
+def hottest_chains(disk) -> list[bytes]:
+    """The disk tier's keys hottest first (DiskTier.hottest), each one's ancestors (those it holds) before it."""
+    out, seen = [], set()
+    for key, e in disk.hottest():
+        chain, parent = [key], e.parent
+        while parent is not None and parent not in seen and (pe := disk.entry(parent)) is not None:
+            chain.append(parent)
+            parent = pe.parent
+        for k in reversed(chain):
+            if k not in seen:
+                seen.add(k)
+                out.append(k)
+    return out
+
+
+def _open_disk(data_dir: str, budget: int):
+    from promptcache.sidecar.disk import DiskTier
+
+    return DiskTier(os.path.join(data_dir, "rocksdb"), budget, lock_wait_seconds=0.0, min_free_bytes=0)
+
+
+def export(data_dir: str, out: str, max_bytes: int) -> tuple[int, int]:
+    """The hottest `max_bytes` of payload (0: all) in the disk tier of `data_dir` to the file `out`."""
+    if not os.path.isdir(os.path.join(data_dir, "rocksdb")):
+        raise SnapshotError(f"--data-dir {data_dir}: no disk tier there (no rocksdb folder)")
+    disk = _open_disk(data_dir, 1 << 60)  # no record is dropped over a budget
+    try:
+        def records():
+            total = 0
+            for key in hottest_chains(disk):
+                e = disk.entry(key)
+                if e is None:
+                    continue
+                if max_bytes and total + e.length > max_bytes:
+                    break
+                payload = disk.get(key)  # verified against its checksum
+                if payload is None:
+                    continue
+                total += e.length
+                yield Record(key, e.meta, e.parent, e.owner, e.created, e.expires, e.last_access or e.created,
+                             e.hits, payload)
+        return write_snapshot(out, records())
+    finally:
+        disk.close()
+
+
+def import_into_disk(path: str, data_dir: str, budget: int) -> tuple[int, int]:
+    """Put a verified snapshot's records into the disk tier of `data_dir` (budget `budget`), in the file's order
+    (hottest first) until the next would not fit; what is there already stays. Returns (records, bytes)."""
+    from promptcache.sidecar.disk import RECORD_OVERHEAD
+
+    records = read_snapshot(path)
+    disk = _open_disk(data_dir, budget)
+    count = nbytes = 0
+    try:
+        now = time.time()
+        for r in records:
+            if r.expires <= now or disk.entry(r.key) is not None:
+                continue
+            if disk.used + len(r.payload) + len(r.meta) + RECORD_OVERHEAD > disk.budget:
+                break
+            for _ in range(2):
+                if disk.put(r.key, r.payload, meta=r.meta, parent=r.parent, ttl_seconds=r.expires - now,
+                            created=r.created, last_access=r.last_access, hits=r.hits, owner=r.owner):
+                    count += 1
+                    nbytes += len(r.payload)
+                    break
+                disk.flush()  # the write queue was full
+        if not disk.flush(timeout=600):
+            raise SnapshotError(f"--data-dir {data_dir}: the disk tier did not finish its writes")
+    finally:
+        disk.close()
+    return count, nbytes
+
+
+def load_into_memory(tier, r: Record, tenancy=None) -> int:
+    """Store one snapshot record in the memory tier if it fits without evicting (and in its owner's quota).
+    Returns the bytes stored (0: not stored)."""
+    import numpy as np
+
+    from promptcache.sidecar.spill import decode_meta
+    from promptcache.sidecar.store import StoreError
+
+    wall, now = time.time(), tier.clock()
+    if r.expires <= wall:
+        return 0
+    fp, parent, index, dtype, value, shape = decode_meta(r.meta)
+    if tier.holds(r.key, fp) or not tier.room_for(len(r.payload)):
+        return 0
+    if index and not tier.holds(parent, fp):  # unreachable without its parent (not loaded): not worth a byte
+        return 0
+    born = now - max(0.0, wall - r.created)
+    if born + tier.max_lifetime <= now:
+        return 0
+    charged = tenancy.charge_if_room(r.owner, len(r.payload)) if tenancy is not None else 0
+    if charged is None:
+        return 0
+    try:
+        try:
+            reservation = tier.reserve(len(r.payload), r.key, parent)
+        except StoreError:
+            return 0
+        data = tier.host_buffer(reservation)
+        data.numpy()[:] = np.frombuffer(r.payload, dtype=np.uint8)
+        device_data = data if tier.device.type == "cpu" else data.to(tier.device)
+        stored = tier.commit(reservation, key=r.key, fingerprint=fp, parent=parent, index=index, data=device_data,
+                             checksum_value=value, shape=shape, dtype=dtype, ttl=r.expires - wall, born=born,
+                             owner=r.owner, hits=r.hits, last_access=now - max(0.0, wall - r.last_access))
+    finally:
+        if tenancy is not None and charged:
+            tenancy.release(r.owner, charged)
+    return len(r.payload) if stored else 0
+
+
+def add_arguments(sub) -> None:
+    from promptcache.sidecar.config import parse_bytes
+
+    p = sub.add_parser("export", help="write the hottest chunks of a (stopped) sidecar's disk tier to a snapshot "
+                       "file", description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", required=True, help="the sidecar's --data-dir")
+    p.add_argument("--output", required=True, help="snapshot file to write")
+    p.add_argument("--max-bytes", type=parse_bytes, default=0, help="at most this many payload bytes, hottest "
+                   "first (a quantity such as 4Gi; 0: everything)")
+    p.set_defaults(admin_run=_run_export)
+    p = sub.add_parser("import", help="verify a snapshot file and put it into a (stopped) sidecar's disk tier",
+                       description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("snapshot", help="snapshot file written by `promptcache export`")
+    p.add_argument("--data-dir", help="the sidecar's --data-dir (required unless --verify-only)")
+    p.add_argument("--disk-bytes", type=parse_bytes, help="the sidecar's --disk-bytes (required unless "
+                   "--verify-only)")
+    p.add_argument("--verify-only", action="store_true", help="only check the file")
+    p.set_defaults(admin_run=_run_import)
+
+
+def _fail(exc: Exception) -> int:
+    print(f"promptcache: {exc}", flush=True)
+    return 2
+
+
+def _run_export(args) -> int:
+    from promptcache.sidecar.disk import DiskTierError
+
+    t = time.monotonic()
+    try:
+        n, b = export(args.data_dir, args.output, args.max_bytes)
+    except (SnapshotError, DiskTierError, OSError) as exc:
+        return _fail(exc)
+    print(f"exported {n} chunks ({b} bytes) to {args.output} in {time.monotonic() - t:.2f} s", flush=True)
+    return 0
+
+
+def _run_import(args) -> int:
+    from promptcache.sidecar.disk import DiskTierError
+
+    t = time.monotonic()
+    try:
+        if args.verify_only:
+            print(f"{args.snapshot}: {verify(args.snapshot)} chunks, verified", flush=True)
+            return 0
+        if not args.data_dir or not args.disk_bytes:
+            print("promptcache import: --data-dir and --disk-bytes (positive) are required", flush=True)
+            return 2
+        n, b = import_into_disk(args.snapshot, args.data_dir, args.disk_bytes)
+    except (SnapshotError, DiskTierError, OSError) as exc:
+        return _fail(exc)
+    print(f"imported {n} chunks ({b} bytes) from {args.snapshot} in {time.monotonic() - t:.2f} s", flush=True)
+    return 0

@@ -1,0 +1,164 @@
+"""Warm-up: a new or restarted sidecar fills its memory tier before it reports itself ready (docs/warmup.md).
+
+Sources, in this order, each until the memory tier has no room left without evicting:
+* a snapshot file (--warmup-snapshot, written by `promptcache export`; promptcache.sidecar.snapshot), read and
+  verified whole before anything of it is stored, its chunks in the order they were written (hottest first);
+* its own disk tier: the records it holds, hottest first (DiskTier.hottest: hit count, then last access, as
+  recorded when the chunk left memory), not in key order. A chunk's ancestors are brought in before it (a
+  prefix is only reachable from its root), so a hot deep chunk never sits in memory without its parents.
+Warming moves a chunk (it leaves the disk tier, as a promotion does), charged to the owner recorded with it.
+
+The gRPC health service says NOT_SERVING until warm-up ends or --warmup-seconds pass, whichever is first; then
+SERVING (a bound, not a promise: what is not warm yet is still served from disk). Calls are answered meanwhile.
+--warmup-seconds 0 (the default) turns warm-up from the disk tier off; a --warmup-snapshot is then loaded in the
+background without holding readiness back.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from prometheus_client import Counter, Gauge
+
+log = logging.getLogger("promptcache.sidecar.warmup")
+
+
+class WarmupMetrics:
+    def __init__(self, registry):
+        self.chunks = Counter("promptcache_warmup_chunks", "chunks warm-up brought into the memory tier, by "
+                              "source (disk, snapshot)", ["source"], registry=registry)
+        self.bytes = Counter("promptcache_warmup_bytes", "bytes warm-up brought into the memory tier, by source",
+                             ["source"], registry=registry)
+        self.seconds = Gauge("promptcache_warmup_duration_seconds", "how long warm-up ran (so far, while it runs)",
+                             registry=registry)
+        self.running = Gauge("promptcache_warmup_in_progress", "1 while warm-up runs (the health service says "
+                             "NOT_SERVING until it ends or --warmup-seconds pass)", registry=registry)
+        self.bounded = Counter("promptcache_warmup_bound_reached", "warm-ups that --warmup-seconds cut short "
+                               "(ready before the memory tier was filled)", registry=registry)
+
+
+class Warmup:
+    """Run once at start (start()); `ready` is set when it ends or its bound passes."""
+
+    def __init__(self, tier, spill, metrics: WarmupMetrics, seconds: float, snapshot_path: str = "",
+                 tenancy=None, clock=time.monotonic):
+        self.tier = tier
+        self.spill = spill
+        self.metrics = metrics
+        self.seconds = seconds
+        self.snapshot_path = snapshot_path
+        self.tenancy = tenancy
+        self.clock = clock
+        self.ready = threading.Event()
+        self.done = threading.Event()
+        self.report: dict = {"disk_chunks": 0, "disk_bytes": 0, "snapshot_chunks": 0, "snapshot_bytes": 0,
+                             "seconds": 0.0, "bound_reached": False, "error": ""}
+        self._stop = threading.Event()
+        self._started = 0.0
+
+    @property
+    def needed(self) -> bool:
+        return (self.seconds > 0 and self.spill is not None) or bool(self.snapshot_path)
+
+    def start(self, on_ready) -> None:
+        """Warm in a thread; call on_ready() once, when warm-up ends or the bound passes."""
+        self._started = self.clock()
+        if not self.needed:
+            self.ready.set()
+            self.done.set()
+            on_ready()
+            return
+        self.metrics.running.set(1)
+
+        def ready_once():
+            if not self.ready.is_set():
+                self.ready.set()
+                on_ready()
+
+        def bound():
+            if not self.done.wait(self.seconds) and self.seconds > 0:
+                self.report["bound_reached"] = True
+                self.metrics.bounded.inc()
+                log.warning("warm-up still running after %g s (--warmup-seconds): ready anyway, it goes on "
+                            "in the background", self.seconds, extra=self._progress())
+                ready_once()
+
+        def run():
+            try:
+                self._run()
+            except Exception as exc:  # noqa: BLE001 - warm-up is an optimisation: never keep the node unready
+                self.report["error"] = str(exc)
+                log.exception("warm-up failed; serving without it")
+            finally:
+                self.report["seconds"] = round(self.clock() - self._started, 3)
+                self.metrics.seconds.set(self.report["seconds"])
+                self.metrics.running.set(0)
+                self.done.set()
+                log.info("warm-up finished", extra=self._progress())
+                ready_once()
+
+        threading.Thread(target=bound, name="warmup-bound", daemon=True).start()
+        threading.Thread(target=run, name="warmup", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _progress(self) -> dict:
+        return {k: v for k, v in self.report.items() if k != "error" or v}
+
+    def _tick(self) -> None:
+        self.metrics.seconds.set(self.clock() - self._started)
+
+    def _run(self) -> None:
+        if self.snapshot_path:
+            self._from_snapshot()
+        if self.spill is not None and self.seconds > 0:
+            self._from_disk()
+
+    def _from_snapshot(self) -> None:
+        from promptcache.sidecar.snapshot import SnapshotError, load_into_memory, read_snapshot
+
+        try:
+            records = read_snapshot(self.snapshot_path)  # verified whole before anything is stored
+        except SnapshotError as exc:
+            self.report["error"] = str(exc)
+            log.error("warm-up: %s; nothing of it was stored", exc)
+            return
+        for rec in records:
+            if self._stop.is_set() or self.tier.room() <= 0:
+                break
+            n = load_into_memory(self.tier, rec, self.tenancy)
+            if n:
+                self.report["snapshot_chunks"] += 1
+                self.report["snapshot_bytes"] += n
+                self.metrics.chunks.labels("snapshot").inc()
+                self.metrics.bytes.labels("snapshot").inc(n)
+            self._tick()
+
+    def _from_disk(self) -> None:
+        disk = self.spill.disk
+        order = disk.hottest()
+        tried: set[bytes] = set()
+        for key, _entry in order:
+            if self._stop.is_set() or self.tier.room() <= 0:
+                break
+            # its ancestors first, root down (they are at least as hot: every request for it asked for them)
+            chain = [key]
+            parent = _entry.parent
+            while parent is not None and parent not in tried and disk.entry(parent) is not None:
+                chain.append(parent)
+                parent = disk.entry(parent).parent
+                if len(chain) > 1 << 16:
+                    break
+            for k in reversed(chain):
+                if k in tried:
+                    continue
+                tried.add(k)
+                n = self.spill.warm(k)
+                if n:
+                    self.report["disk_chunks"] += 1
+                    self.report["disk_bytes"] += n
+                    self.metrics.chunks.labels("disk").inc()
+                    self.metrics.bytes.labels("disk").inc(n)
+            self._tick()
