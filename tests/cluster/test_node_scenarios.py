@@ -571,3 +571,102 @@ def test_sidecar_oom_killed_mid_traffic_inference_pod_falls_back_and_hits_resume
     assert restarts(cluster.get("pod", "-n", inf["ns"], inf["pod"])) == 0, "the inference pod restarted"
     print(json.dumps({"oom_chunks_stored_before_kill": stored, "oom_seconds_to_kill": round(oom_at - started, 1),
                       "oom_seconds_back": round(back_at - oom_at, 1), "oom_error": str(killed_by)[:200]}))
+
+
+def privileged_namespace(cluster, name: str) -> None:
+    cluster.apply({"apiVersion": "v1", "kind": "Namespace",
+                   "metadata": {"name": name, "labels": {"pod-security.kubernetes.io/enforce": "privileged"}}})
+
+
+def test_zero_copy_through_the_node_directory_lends_chunks_to_another_pod(cluster, release, gpu_node):
+    """spec.zeroCopy.hostPath on the real node: in a `privileged` namespace the DaemonSet's sidecar serves its bulk
+    channel on /run/promptcache/<ns>.<name>/bulk.sock (the directory 65532:65532 0750, the socket 0660, made by the
+    operator's init container). A pod of another namespace, another uid (1000) in group 65532, mounts the directory
+    read-only and Gets over the socket: the chunks are lent as memfds (the sidecar's
+    promptcache_bulk_lent_chunks_total), byte for byte; TCP bulk and gRPC through the node-local Service in the
+    same run (bench-results/cluster-get-node.json). The same cache in a `restricted` namespace is refused by Pod
+    Security and says PodSecurityViolation; a hostPath the chart does not allow is InvalidSpec."""
+    import stat
+
+    ns, apps_ns, name, host_root = "zero-copy", "zero-copy-apps", "node-zc", Path("/run/promptcache")
+    host_dir = host_root / f"{ns}.{name}"
+    made_root = not host_root.exists()
+    privileged_namespace(cluster, ns)
+    privileged_namespace(cluster, apps_ns)
+    restricted_namespace(cluster, "zero-copy-restricted")
+    doc = {"apiVersion": "promptcache.io/v1alpha1", "kind": "PromptCache", "metadata": {"name": name},
+           "spec": {"model": {"name": MODEL.model_id, "revision": MODEL.revision}, "memory": {"host": "512Mi"},
+                    "zeroCopy": {"hostPath": str(host_root)}}}
+    try:
+        cluster.apply(doc, namespace=ns)
+        cluster.apply(doc, namespace="zero-copy-restricted")
+        cluster.apply({**doc, "metadata": {"name": "not-allowed"},
+                       "spec": {**doc["spec"], "zeroCopy": {"hostPath": "/var/lib/kubelet"}}}, namespace=ns)
+        pod = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 240,
+                       f"a Ready sidecar of {ns}/{name}")[0]
+        st, sock = host_dir.stat(), (host_dir / "bulk.sock").stat()
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (65532, 65532, 0o750)
+        assert stat.S_ISSOCK(sock.st_mode) and (sock.st_uid, sock.st_gid, stat.S_IMODE(sock.st_mode)) == \
+            (65532, 65532, 0o660)
+        svc = cluster.get("service", "-n", ns, name)["spec"]["clusterIP"]
+        ip = pod["status"]["podIP"]
+        targets = [{"name": "bulk-lent (node directory, DaemonSet sidecar)", "grpc": f"{svc}:50051",
+                    "bulk": "unix:/run/promptcache/bulk.sock", "metrics": f"http://{ip}:9400/metrics"},
+                   {"name": "bulk-tcp (node-local Service)", "grpc": f"{svc}:50051", "bulk": f"{svc}:50052"},
+                   {"name": "gRPC (node-local Service)", "grpc": f"{svc}:50051", "bulk": None}]
+        cluster.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "get-bench"},
+                       "data": {"get_bench.py": (Path(__file__).parent / "get_bench.py").read_text()}},
+                      namespace=apps_ns)
+        bench = "get-bench-node"
+        cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": bench},
+                       "spec": {"restartPolicy": "Never", "enableServiceLinks": False,
+                                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+                                                    "supplementalGroups": [65532],
+                                                    "seccompProfile": {"type": "RuntimeDefault"}},
+                                "containers": [{"name": "bench",
+                                                "image": "ghcr.io/promptcache/promptcache-sidecar:0.1.0",
+                                                "imagePullPolicy": "IfNotPresent",
+                                                "command": ["python3", "/bench/get_bench.py", json.dumps(targets)],
+                                                "env": [{"name": "HOME", "value": "/tmp"}],
+                                                "securityContext": RESTRICTED_CONTAINER,
+                                                "volumeMounts": [{"name": "socket", "mountPath": "/run/promptcache",
+                                                                  "readOnly": True},
+                                                                 {"name": "bench", "mountPath": "/bench"},
+                                                                 {"name": "tmp", "mountPath": "/tmp"}]}],
+                                "volumes": [{"name": "socket", "hostPath": {"path": str(host_dir),
+                                                                            "type": "Directory"}},
+                                            {"name": "bench", "configMap": {"name": "get-bench"}},
+                                            {"name": "tmp", "emptyDir": {}}]}}, namespace=apps_ns)
+        phase = wait_for(lambda: (lambda p: p if p in ("Succeeded", "Failed") else None)(
+            (cluster.get("pod", "-n", apps_ns, bench).get("status") or {}).get("phase")), 420,
+            "the Get benchmark over the node directory's socket")
+        logs = cluster.kubectl("logs", "-n", apps_ns, bench, check=False).stdout
+        assert phase == "Succeeded", logs[-3000:]
+        got = json.loads(logs.strip().splitlines()[-1])
+        out = ROOT / "bench-results" / "cluster-get-node.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps(got, indent=1))
+        print(json.dumps(got, indent=1))
+        assert set(got) == {t["name"] for t in targets}
+        assert got[targets[0]["name"]]["lent_chunks"] >= 1 + 8, "Gets on the node directory's socket were not lent"
+        # Refusals: Pod Security in the restricted namespace, the operator for a hostPath the chart does not allow.
+        psa = wait_for(lambda: (lambda c: c if c.get("reason") == "PodSecurityViolation" else None)(
+            _condition(cluster, "zero-copy-restricted", name)), 120, "PodSecurityViolation on the restricted cache")
+        assert psa["status"] == "False" and "privileged Pod Security level" in psa["message"], psa
+        assert sidecar_pods(cluster, "zero-copy-restricted", name) == []
+        bad = wait_for(lambda: (lambda c: c if c.get("reason") == "InvalidSpec" else None)(
+            _condition(cluster, ns, "not-allowed")), 60, "InvalidSpec on the cache with a hostPath not allowed")
+        assert "/var/lib/kubelet is not allowed" in bad["message"], bad
+        assert cluster.get("daemonset", "-n", ns, "-l", "promptcache.io/cache=not-allowed")["items"] == []
+    finally:
+        for n in (apps_ns, "zero-copy-restricted", ns):
+            cluster.kubectl("delete", "namespace", n, "--wait=false", check=False)
+        # The node directory is the node's (a hostPath outlives its pods): removed as an admin would.
+        try:
+            wait_for(lambda: not sidecar_pods(cluster, ns, name), 120, "the zero-copy sidecar gone")
+        except AssertionError:
+            pass  # the test's own failure, if any, is the one to report
+        import shutil
+        shutil.rmtree(host_dir, ignore_errors=True)
+        if made_root:
+            shutil.rmtree(host_root, ignore_errors=True)
