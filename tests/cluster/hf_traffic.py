@@ -45,7 +45,9 @@ while True:
             refs[i % 4] = model(ids).logits[0, -1]
     with torch.no_grad():
         res = pc.prefill(ids)
-    pc.flush(10)
+    # Let this request's store land before the next one (so it can hit), but never hold the next answer long: a store
+    # to a sidecar that just went away can hang until its store_timeout (30 s), which a real server never waits for.
+    pc.flush(2)
     logits = res.logits[0, -1]
     fallbacks = sum(s.value for m in REGISTRY.collect() if m.name == "promptcache_client_fallbacks"
                     for s in m.samples if s.name.endswith("_total"))
