@@ -684,3 +684,49 @@ def test_owned_blobs_are_not_overwritten_by_later_gets(sidecar_factory, tmp_path
         assert bytes(view.numpy()) == kept[1][10:20]
         assert [bytes(b.numpy()) for b in c.get_blobs(SMALL, TOKENS)] == kept
         assert all(bytes(b.numpy()) != k for b, k in zip(second, kept))
+
+
+@pytest.mark.parametrize("mode", ["0660", None])
+def test_bulk_socket_mode_sets_who_may_connect(sidecar_factory, mode):
+    """--bulk-socket-mode 0660 (what the operator's spec.zeroCopy sets): the socket's group may connect, others
+    may not; without it the umask decides (022: only the owner). Checked with real processes of other uids."""
+    import os
+    import subprocess
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the connecting processes as other uids")
+    python = "/usr/bin/python3"  # one other uids may run (the venv's may sit in root's home)
+    if not os.access(python, os.X_OK):
+        pytest.skip(f"no {python} for the connecting processes")
+    folder = tempfile.mkdtemp(prefix="pc-bulk-mode-")
+    os.chmod(folder, 0o755)  # traversable by the other uids; the socket's own bits decide
+    path = f"{folder}/bulk.sock"
+    try:
+        sidecar = sidecar_factory(bulk_address=f"unix:{path}", **({"bulk_socket_mode": mode} if mode else {}))
+        st = os.stat(path)
+        umask = os.umask(0)
+        os.umask(umask)
+        assert st.st_mode & 0o777 == (0o660 if mode else 0o777 & ~umask)
+
+        def connects(**who) -> bool:
+            code = ("import socket; s = socket.socket(socket.AF_UNIX); s.connect(%r); s.close()" % path)
+            return subprocess.run([python, "-c", code], capture_output=True, **who).returncode == 0
+        group_member = connects(user=54321, group=54321, extra_groups=[st.st_gid])
+        other = connects(user=54321, group=54321, extra_groups=[])
+        assert (group_member, other) == ((True, False) if mode else (False, False))
+        with PromptCacheClient(sidecar.address, bulk_address=f"unix:{path}") as c:  # the owner, as always
+            assert c.get(SMALL, list(range(CHUNK)))[0] == 0
+    finally:
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"bulk_address": "unix:/tmp/x.sock", "bulk_socket_mode": "rw"}, "--bulk-socket-mode must be octal"),
+    ({"bulk_address": "unix:/tmp/x.sock", "bulk_socket_mode": "0999"}, "--bulk-socket-mode must be octal"),
+    ({"bulk_address": "127.0.0.1:0", "bulk_socket_mode": "0660"}, "needs a unix-socket --bulk-address"),
+])
+def test_bad_bulk_socket_mode_is_refused(overrides, words):
+    with pytest.raises(ValueError, match=words):
+        Settings(grpc_address="127.0.0.1:0", metrics_port=0, **overrides).validate()

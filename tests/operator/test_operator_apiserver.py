@@ -37,6 +37,11 @@ def example(name: str = "minimal") -> dict:
     return yaml.safe_load((ROOT / "examples" / f"promptcache-{name}.yaml").read_text())
 
 
+def _restricted_spec(doc: dict) -> dict:
+    """An example's spec less spec.zeroCopy, whose hostPath needs the privileged Pod Security level."""
+    return {k: v for k, v in doc["spec"].items() if k != "zeroCopy"}
+
+
 def apply_pc(kube, namespace: str, doc: dict, name: str | None = None) -> dict:
     doc = copy.deepcopy(doc)
     if name:
@@ -247,7 +252,7 @@ def test_daemonset_draws_no_pod_security_warning(kube, crd, namespace):
                                                "pod-security.kubernetes.io/audit": "restricted"}}})
     owner = Owner("llama-8b", namespace, "00000000-0000-0000-0000-000000000009")
     for name in ("minimal", "full"):
-        spec = PromptCacheSpec.from_dict(example(name)["spec"])
+        spec = PromptCacheSpec.from_dict(_restricted_spec(example(name)))
         ds = builders.desired_children(spec, owner, Capabilities(), OperatorDefaults())[1]
         assert ds["kind"] == "DaemonSet"
         if name == "full":  # spec.security: the Secrets are mounted as volumes, probes are tcpSocket
@@ -263,6 +268,17 @@ def test_daemonset_draws_no_pod_security_warning(kube, crd, namespace):
     bad["spec"]["template"]["spec"]["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
     _, _, warnings = kube.apply(bad, with_headers=True)
     assert any("restricted" in w for w in warnings), warnings
+    # spec.zeroCopy (the full example sets it): what `restricted` refuses is exactly its socket directory (a hostPath)
+    # and the init container that hands it to uid 65532 (root, CHOWN and FOWNER): docs/operator.md says privileged.
+    zc = builders.desired_children(PromptCacheSpec.from_dict(example("full")["spec"]), owner, Capabilities(),
+                                   OperatorDefaults())[1]
+    zc["metadata"].pop("ownerReferences")
+    zc["metadata"]["name"] = "zero-copy"
+    _, _, warnings = kube.apply(zc, with_headers=True)
+    (w,) = warnings
+    w = w.replace('\\"', '"')
+    named = re.findall(r'(?:container|volume) "([^"]+)"', w)
+    assert "restricted:latest" in w and '"hostPath"' in w and set(named) == {"socket-dir", "bulk-socket"}, w
 
 
 def test_operator_created_daemonset_passes_restricted(start_operator, crd, kube, namespace):
@@ -272,7 +288,9 @@ def test_operator_created_daemonset_passes_restricted(start_operator, crd, kube,
                  body={"metadata": {"labels": {"pod-security.kubernetes.io/warn": "restricted",
                                                "pod-security.kubernetes.io/enforce": "restricted"}}})
     op = start_operator("--standalone", env=FAST)
-    apply_pc(kube, namespace, example("full"))
+    full = example("full")
+    full["spec"] = _restricted_spec(full)  # spec.zeroCopy needs privileged (test_daemonset_draws_no_pod_security_...)
+    apply_pc(kube, namespace, full)
     got = wait_for(lambda: all_present(kube, namespace, "qwen-32b", CORE_CHILDREN + CLUSTER_CHILDREN), timeout=30,
                    what="children")
     for kind, name in (("DaemonSet", "qwen-32b"), ("Deployment", "qwen-32b-mooncake-master")):

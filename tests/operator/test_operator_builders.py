@@ -50,8 +50,16 @@ def _pod(ds):
     return ds["spec"]["template"]["spec"]
 
 
+def full_without_zero_copy() -> dict:
+    """The full example's spec less spec.zeroCopy: every other field, and the `restricted` Pod Security level
+    (zero copy's hostPath needs `privileged`: test_zero_copy_* check exactly what it adds)."""
+    spec = example("full")["spec"]
+    del spec["zeroCopy"]
+    return spec
+
+
 def test_restricted_pod_security_fields():
-    spec = PromptCacheSpec.from_dict(example("full")["spec"])
+    spec = PromptCacheSpec.from_dict(full_without_zero_copy())
     ds = builders.daemon_set(spec, OWNER, OperatorDefaults(), "h")
     pod = _pod(ds)
     assert not pod["hostNetwork"] and not pod["hostPID"] and not pod["hostIPC"]
@@ -265,7 +273,7 @@ def test_bulk_channel_is_served_only_without_tls():
     """The bulk channel (docs/bulk-channel.md) is plaintext: the operator opens it when gRPC is plaintext too,
     and with TLS leaves every trace of it out (env, container port, Service port)."""
     plain = PromptCacheSpec.from_dict(example("minimal")["spec"])
-    tls = PromptCacheSpec.from_dict(example("full")["spec"])
+    tls = PromptCacheSpec.from_dict(full_without_zero_copy())  # with zero copy: its unix socket only (below)
     assert tls.security.tls is not None and plain.security.tls is None
     for spec, served in ((plain, True), (tls, False)):
         env = builders.sidecar_env(spec)
@@ -387,3 +395,108 @@ def test_ha_cluster_masters_elect_a_leader_through_etcd_and_the_sidecars_follow_
     assert "-enable_ha=true" not in one["Deployment/c1-mooncake-master"]["spec"]["template"]["spec"]["containers"][0][
         "args"]
     assert "PROMPTCACHE_CLUSTER_ID" not in one["ConfigMap/c1-config"]["data"]
+
+
+def _zero_copy(extra: dict | None = None, host_path: str = "/run/promptcache") -> PromptCacheSpec:
+    return PromptCacheSpec.from_dict({**example("minimal")["spec"], "zeroCopy": {"hostPath": host_path},
+                                      **(extra or {})})
+
+
+def test_zero_copy_puts_the_bulk_socket_in_a_node_directory_per_cache():
+    """spec.zeroCopy.hostPath: the DaemonSet mounts <hostPath>/<namespace>.<name> (DirectoryOrCreate) at
+    /run/promptcache, the sidecar serves its bulk channel there on a unix socket (0660) besides TCP, and a root
+    init container with only CHOWN and FOWNER hands the directory to uid/gid 65532 (0750). Everything else stays as
+    `restricted` wants it; the Service is unchanged (the socket is reached through the node's filesystem)."""
+    spec = _zero_copy()
+    env = builders.sidecar_env(spec)
+    assert env["PROMPTCACHE_BULK_ADDRESS"] == f"0.0.0.0:{builders.BULK_PORT},unix:/run/promptcache/bulk.sock"
+    assert env["PROMPTCACHE_BULK_SOCKET_MODE"] == "0660"
+    pod = _pod(builders.daemon_set(spec, OWNER, OperatorDefaults(), "h"))
+    (vol,) = [v for v in pod["volumes"] if "hostPath" in v]
+    assert vol == {"name": "bulk-socket", "hostPath": {"path": "/run/promptcache/NS.NAME", "type": "DirectoryOrCreate"}}
+    assert builders.socket_host_dir(spec, OWNER) == "/run/promptcache/NS.NAME"
+    (c,) = pod["containers"]
+    assert {"name": "bulk-socket", "mountPath": "/run/promptcache"} in c["volumeMounts"]
+    assert c["securityContext"] == builders.restricted_container_security()
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["sh", "-c", 'chmod 0750 "$0" && chown 65532:65532 "$0"', "/run/promptcache"]
+    sc = init["securityContext"]
+    assert sc["runAsUser"] == 0 and sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]} and sc["readOnlyRootFilesystem"]
+    assert init["volumeMounts"] == [{"name": "bulk-socket", "mountPath": "/run/promptcache"}]
+    assert init["image"] == c["image"]
+    ports = [p["name"] for p in builders.node_local_service(spec, OWNER)["spec"]["ports"]]
+    assert ports == ["grpc", "bulk"]
+    # Without zero copy: no hostPath, no init container, no unix socket (the minimal golden file stays as it was).
+    plain = _pod(builders.daemon_set(PromptCacheSpec.from_dict(example("minimal")["spec"]), OWNER,
+                                     OperatorDefaults(), "h"))
+    assert "initContainers" not in plain and not [v for v in plain["volumes"] if "hostPath" in v]
+    # The sidecar accepts what the operator sets.
+    from promptcache.sidecar.config import Settings
+
+    Settings(bulk_address=env["PROMPTCACHE_BULK_ADDRESS"], bulk_socket_mode=env["PROMPTCACHE_BULK_SOCKET_MODE"],
+             allow_insecure_remote=True).validate()
+
+
+def test_zero_copy_with_tls_serves_only_the_unix_socket():
+    """TLS keeps the plaintext bulk channel off TCP (no port, no Service port) but the node-local unix socket is
+    served: the sidecar allows a unix bulk address with TLS, and its clients authenticate by bearer token."""
+    spec = _zero_copy({"security": {"tls": {"secretName": "t"}, "tokens": {"secretName": "k"}}})
+    env = builders.sidecar_env(spec)
+    assert env["PROMPTCACHE_BULK_ADDRESS"] == "unix:/run/promptcache/bulk.sock"
+    pod = _pod(builders.daemon_set(spec, OWNER, OperatorDefaults(), "h"))
+    assert not [p for p in pod["containers"][0]["ports"] if p["name"] == "bulk"]
+    assert [p["name"] for p in builders.node_local_service(spec, OWNER)["spec"]["ports"]] == ["grpc"]
+    from promptcache.sidecar.config import Settings
+
+    Settings(bulk_address=env["PROMPTCACHE_BULK_ADDRESS"], tls_cert_file="/c", tls_key_file="/k",
+             token_file="/t", grpc_address="0.0.0.0:50051").validate()
+
+
+def test_zero_copy_change_rolls_pods_and_two_caches_never_share_a_socket():
+    a = builders.desired_children(PromptCacheSpec.from_dict(example("minimal")["spec"]), OWNER, NONE)
+    b = builders.desired_children(_zero_copy(), OWNER, NONE)
+    assert a[1]["spec"]["template"]["metadata"]["annotations"] != b[1]["spec"]["template"]["metadata"]["annotations"]
+    other = Owner(name="NAME", namespace="NS2", uid=OWNER.uid)
+    assert builders.socket_host_dir(_zero_copy(), other) != builders.socket_host_dir(_zero_copy(), OWNER)
+
+
+@pytest.mark.parametrize("allowed,path,ok", [
+    (("/run/promptcache",), "/run/promptcache", True),
+    (("/run/promptcache",), "/run/promptcache/team-a", True),
+    (("/run/promptcache",), "/run/promptcache2", False),
+    (("/run/promptcache",), "/var/lib/kubelet", False),
+    (("/run/promptcache", "/var/run/pc"), "/var/run/pc/x", True),
+    ((), "/run/promptcache", False),
+])
+def test_zero_copy_host_path_must_be_one_the_operator_allows(allowed, path, ok):
+    spec = _zero_copy(host_path=path)
+    defaults = OperatorDefaults(zero_copy_host_paths=allowed)
+    if ok:
+        builders.check_operator_policy(spec, defaults)
+    else:
+        with pytest.raises(SpecError, match=r"spec\.zeroCopy\.hostPath .* is not allowed by this operator.*"
+                                            r"zeroCopy\.allowedHostPaths"):
+            builders.check_operator_policy(spec, defaults)
+    builders.check_operator_policy(PromptCacheSpec.from_dict(example("minimal")["spec"]), defaults)  # no zero copy
+
+
+def test_zero_copy_allowed_host_paths_from_the_chart_env():
+    env = {"PROMPTCACHE_OPERATOR_ZERO_COPY_HOST_PATHS": "/run/promptcache, /var/run/pc/"}
+    assert OperatorDefaults.from_env(env).zero_copy_host_paths == ("/run/promptcache", "/var/run/pc")
+    assert OperatorDefaults.from_env({"PROMPTCACHE_OPERATOR_ZERO_COPY_HOST_PATHS": ""}).zero_copy_host_paths == ()
+    assert OperatorDefaults.from_env({}).zero_copy_host_paths == ("/run/promptcache",)
+
+
+@pytest.mark.parametrize("patch,words", [
+    ({"zeroCopy": {"hostPath": "run/promptcache"}}, "spec.zeroCopy.hostPath 'run/promptcache' must be an absolute"),
+    ({"zeroCopy": {"hostPath": "/"}}, "must be an absolute"),
+    ({"zeroCopy": {"hostPath": "/run/../etc"}}, "must be an absolute"),
+    ({"zeroCopy": {"hostPath": "/run/promptcache/"}}, "must be an absolute"),
+    ({"zeroCopy": {"hostPath": "/" + "a" * 128}}, "must be an absolute"),
+    ({"zeroCopy": {"hostPath": "/run/pc"}, "security": {"tls": {"secretName": "t", "mutual": True}}},
+     "spec.zeroCopy with spec.security.tls.mutual needs spec.security.tokens"),
+])
+def test_model_rejects_bad_zero_copy(patch, words):
+    with pytest.raises(SpecError, match=re.escape(words)):
+        PromptCacheSpec.from_dict({**example("minimal")["spec"], **patch})

@@ -199,3 +199,17 @@ def test_chart_readme_is_current():
     import sys
     r = subprocess.run([sys.executable, str(ROOT / "hack" / "gen-chart-readme.py"), "--check"])
     assert r.returncode == 0, "charts/promptcache-operator/README.md is stale: run hack/gen-chart-readme.py"
+
+
+def test_zero_copy_host_paths_agree_across_chart_crd_and_operator():
+    """The chart's default zeroCopy.allowedHostPaths is the operator's built-in default, and the chart's, the
+    CRD's and the model's host path rule are one pattern."""
+    from promptcache.operator import builders
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert tuple(values["zeroCopy"]["allowedHostPaths"]) == OperatorDefaults().zero_copy_host_paths \
+        == builders.DEFAULT_ZERO_COPY_HOST_PATHS
+    crd = spec_schema()["properties"]["zeroCopy"]["properties"]["hostPath"]
+    chart = json.loads((CHART / "values.schema.json").read_text())["properties"]["zeroCopy"]["properties"]
+    assert crd["pattern"] == chart["allowedHostPaths"]["items"]["pattern"] == model._HOST_PATH.pattern
+    assert crd["maxLength"] == chart["allowedHostPaths"]["items"]["maxLength"] == model.HOST_PATH_MAX

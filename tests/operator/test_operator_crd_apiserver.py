@@ -101,6 +101,13 @@ INVALID = [
      "spec.cluster.master.replicas"),
     ("cluster etcd endpoint not HOST:PORT", {"cluster": {"master": {"etcdEndpoints": ["http://etcd:2379"]}}},
      "spec.cluster.master.etcdEndpoints"),
+    ("zeroCopy hostPath relative", {"zeroCopy": {"hostPath": "run/promptcache"}}, "spec.zeroCopy.hostPath"),
+    ("zeroCopy hostPath root", {"zeroCopy": {"hostPath": "/"}}, "spec.zeroCopy.hostPath"),
+    ("zeroCopy hostPath with ..", {"zeroCopy": {"hostPath": "/run/../etc"}}, "spec.zeroCopy.hostPath"),
+    ("zeroCopy hostPath trailing /", {"zeroCopy": {"hostPath": "/run/promptcache/"}}, "spec.zeroCopy.hostPath"),
+    ("zeroCopy with mTLS and no tokens", {"zeroCopy": {"hostPath": "/run/pc"},
+                                          "security": {"tls": {"secretName": "t", "mutual": True}}},
+     "spec.zeroCopy.hostPath"),
 ]
 
 

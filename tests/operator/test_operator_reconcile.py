@@ -168,3 +168,49 @@ def test_quota_refusal_makes_the_cache_degraded_and_not_ready():
     assert "exceeded quota" in c["Ready"]["message"]
     c = {x["type"]: x for x in compute_conditions(spec, 3, Capabilities(), ds, [], True, None)[0]}
     assert c["Ready"]["reason"] == "RollingOut" and c["Degraded"]["status"] == "False"  # negative control
+
+
+def test_zero_copy_host_path_the_operator_does_not_allow_is_invalid_spec_not_applied():
+    """spec.zeroCopy.hostPath outside the chart's zeroCopy.allowedHostPaths: nothing applied, InvalidSpec naming
+    the value; an allowed one is applied with its hostPath volume."""
+    from promptcache.operator.builders import OperatorDefaults
+
+    k = FakeKube()
+    out = reconcile(k, body({"zeroCopy": {"hostPath": "/var/lib/kubelet"}}),
+                    OperatorDefaults(zero_copy_host_paths=("/run/promptcache",)))
+    assert out.invalid_spec and not k.applied
+    ready = conds(out.status)["Ready"]
+    assert ready["reason"] == "InvalidSpec" and "/var/lib/kubelet is not allowed" in ready["message"]
+    k = FakeKube()
+    out = reconcile(k, body({"zeroCopy": {"hostPath": "/run/promptcache"}}), OperatorDefaults())
+    assert not out.invalid_spec and "DaemonSet/llama-8b" in k.applied
+
+
+PSA_REFUSAL = ('Error creating: pods "zc-abcde" is forbidden: violates PodSecurity "restricted:latest": '
+               'restricted volume types (volume "bulk-socket" uses restricted volume type "hostPath"), '
+               'runAsNonRoot != true (container "socket-dir" must not set securityContext.runAsNonRoot=false)')
+
+
+def test_pod_security_refusal_makes_the_cache_degraded_not_ready_and_says_what_zero_copy_needs():
+    """A namespace whose Pod Security level refuses the sidecar pods (a spec.zeroCopy cache outside a
+    privileged namespace): Ready=False/Degraded=True PodSecurityViolation with the API server's message and, with
+    zero copy, the level it needs. Only while pods are missing; quota refusals stay QuotaExceeded."""
+    from promptcache.operator.model import PromptCacheSpec
+    from promptcache.operator.reconcile import compute_conditions, pod_security_refused, quota_exceeded
+
+    zc = PromptCacheSpec.from_dict(body({"zeroCopy": {"hostPath": "/run/promptcache"}})["spec"])
+    plain = PromptCacheSpec.from_dict(body()["spec"])
+    got = pod_security_refused(zc, _ds(1, 0), [_event(REFUSAL), _event(PSA_REFUSAL)])
+    assert got.startswith("1/1 sidecar pods not created: " + PSA_REFUSAL.removeprefix("Error creating: "))
+    assert "needs the privileged Pod Security level" in got
+    assert "privileged" not in pod_security_refused(plain, _ds(1, 0), [_event(PSA_REFUSAL)])
+    assert pod_security_refused(zc, _ds(1, 1), [_event(PSA_REFUSAL)]) is None
+    assert pod_security_refused(zc, _ds(1, 0), [_event(REFUSAL)]) is None
+    assert quota_exceeded(_ds(1, 0), [_event(PSA_REFUSAL)]) is None
+    ds = {"metadata": {"generation": 1},
+          "status": {"observedGeneration": 1, "desiredNumberScheduled": 1, "currentNumberScheduled": 0,
+                     "numberReady": 0, "updatedNumberScheduled": 0}}
+    c = {x["type"]: x for x in compute_conditions(zc, 3, Capabilities(), ds, [], True, None, got)[0]}
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "PodSecurityViolation")
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "PodSecurityViolation")
+    assert "violates PodSecurity" in c["Ready"]["message"]

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from . import alerts
-from .model import GROUP, KIND, VERSION, PromptCacheSpec, isolated_identity, quantity_bytes, to_dict
+from .model import GROUP, KIND, VERSION, PromptCacheSpec, SpecError, isolated_identity, quantity_bytes, to_dict
 
 GRPC_PORT = 50051
 BULK_PORT = 50052  # the bulk channel (docs/bulk-channel.md); plaintext, so only without TLS
@@ -41,6 +41,12 @@ TLS_DIR = f"{SECRETS_DIR}/tls"
 TOKENS_DIR = f"{SECRETS_DIR}/tokens"
 TENANT_SECRET_DIR = f"{SECRETS_DIR}/tenant-secret"
 SECRET_MODE = 0o440  # owner and fsGroup (65532) read; the kubelet applies fsGroup to Secret volumes
+# spec.zeroCopy: the bulk channel's unix socket, in the node directory <hostPath>/<namespace>.<name> mounted here.
+SOCKET_DIR = "/run/promptcache"
+BULK_SOCKET = f"{SOCKET_DIR}/bulk.sock"
+SOCKET_MODE = "0660"  # the sidecar's uid and group 65532 connect; inference pods join the group (supplementalGroups)
+SOCKET_DIR_MODE = "0750"
+DEFAULT_ZERO_COPY_HOST_PATHS = ("/run/promptcache",)
 
 VPA = ("autoscaling.k8s.io/v1", "VerticalPodAutoscaler")
 SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
@@ -64,6 +70,9 @@ class OperatorDefaults:
     # The tenant the operator authenticates as towards secured sidecars (its token's file name in a cache's
     # tokens Secret, or its client certificate's common name); made an admin tenant of every such cache.
     operator_tenant: str = "promptcache-operator"
+    # Node directories a PromptCache's spec.zeroCopy.hostPath may be or be under (chart value
+    # zeroCopy.allowedHostPaths); empty: zero copy is refused.
+    zero_copy_host_paths: tuple[str, ...] = DEFAULT_ZERO_COPY_HOST_PATHS
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "OperatorDefaults":
@@ -75,6 +84,9 @@ class OperatorDefaults:
             monitoring_labels=tuple(sorted(alerts.monitoring_labels_from_env(env).items())),
             runbook_base_url=env.get("PROMPTCACHE_OPERATOR_RUNBOOK_BASE_URL", d.runbook_base_url),
             operator_tenant=env.get("PROMPTCACHE_OPERATOR_TENANT", d.operator_tenant),
+            zero_copy_host_paths=(tuple(p.strip().rstrip("/") or "/" for p in
+                                        env["PROMPTCACHE_OPERATOR_ZERO_COPY_HOST_PATHS"].split(",") if p.strip())
+                                  if "PROMPTCACHE_OPERATOR_ZERO_COPY_HOST_PATHS" in env else d.zero_copy_host_paths),
         )
 
 
@@ -182,14 +194,67 @@ def sidecar_env(spec: PromptCacheSpec, defaults: OperatorDefaults = OperatorDefa
         env["PROMPTCACHE_ADMIN_TENANTS"] = defaults.operator_tenant
     if spec.security.tls is not None:
         del env["PROMPTCACHE_ALLOW_INSECURE_REMOTE"]  # TLS: never fall back to plaintext
-    elif _bulk_channel(spec):
-        env["PROMPTCACHE_BULK_ADDRESS"] = f"0.0.0.0:{BULK_PORT}"
+    bulk = ([f"0.0.0.0:{BULK_PORT}"] if _bulk_channel(spec) else []) + ([f"unix:{BULK_SOCKET}"] if
+                                                                        spec.zeroCopy.hostPath else [])
+    if bulk:
+        env["PROMPTCACHE_BULK_ADDRESS"] = ",".join(bulk)
+    if spec.zeroCopy.hostPath:
+        env["PROMPTCACHE_BULK_SOCKET_MODE"] = SOCKET_MODE
     return dict(sorted(env.items()))
 
 
 def _bulk_channel(spec: PromptCacheSpec) -> bool:
-    """The bulk channel has no TLS (and so no client certificates): served only where gRPC is plaintext too."""
+    """The bulk channel has no TLS (and so no client certificates): served on TCP only where gRPC is plaintext
+    too. Its unix socket (spec.zeroCopy) never leaves the node, so it is served with TLS as well."""
     return spec.security.tls is None
+
+
+def socket_host_dir(spec: PromptCacheSpec, owner: Owner) -> str | None:
+    """The node directory of this cache's bulk socket (spec.zeroCopy.hostPath): one per cache, so two caches on a
+    node never share a socket. Inference pods mount it (hostPath, type Directory) and dial
+    unix:<their mount>/bulk.sock. None without zero copy."""
+    if not spec.zeroCopy.hostPath:
+        return None
+    return f"{spec.zeroCopy.hostPath}/{owner.namespace}.{owner.name}"
+
+
+def check_operator_policy(spec: PromptCacheSpec, defaults: OperatorDefaults) -> None:
+    """What the cluster's operator allows beyond the CRD (chart values): spec.zeroCopy.hostPath must be one of
+    zeroCopy.allowedHostPaths or under one. Raises SpecError (the PromptCache's InvalidSpec condition)."""
+    path = spec.zeroCopy.hostPath
+    if path is None:
+        return
+    allowed = defaults.zero_copy_host_paths
+    if not any(path == a or path.startswith(a.rstrip("/") + "/") for a in allowed):
+        raise SpecError(f"spec.zeroCopy.hostPath {path} is not allowed by this operator: it must be "
+                        + (f"one of, or under, {', '.join(allowed)}" if allowed else "empty (zero copy is off)")
+                        + " (chart value zeroCopy.allowedHostPaths)")
+
+
+def socket_dir_init_container(image: str, pull: str) -> dict[str, Any]:
+    """Root for one command, two capabilities: the hostPath directory the kubelet creates root-owned 0755 becomes
+    the sidecar's (uid and group 65532, 0750), so the non-root sidecar can create its socket there and only the
+    group reaches it. chmod before chown: once 65532 owns it, root would need FOWNER (kept for a restarted pod,
+    whose directory 65532 already owns)."""
+    return {
+        "name": "socket-dir",
+        "image": image,
+        "imagePullPolicy": pull,
+        "command": ["sh", "-c", f'chmod {SOCKET_DIR_MODE} "$0" && chown {RUN_AS}:{RUN_AS} "$0"', SOCKET_DIR],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "16Mi"}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": False,
+            "runAsUser": 0,
+            "runAsGroup": 0,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [{"name": "bulk-socket", "mountPath": SOCKET_DIR}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
 
 
 def security_env(spec: PromptCacheSpec) -> dict[str, str]:
@@ -287,6 +352,11 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
     volumes.insert(0, data_volume)
     secret_volumes, secret_mounts = security_volumes(spec)
     volumes += secret_volumes
+    socket_mounts: list[dict[str, Any]] = []
+    host_dir = socket_host_dir(spec, owner)
+    if host_dir:
+        volumes.append({"name": "bulk-socket", "hostPath": {"path": host_dir, "type": "DirectoryOrCreate"}})
+        socket_mounts = [{"name": "bulk-socket", "mountPath": SOCKET_DIR}]
     container = {
         "name": CONTAINER,
         "image": image,
@@ -302,7 +372,7 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
         "resources": _resources(spec),
         "securityContext": restricted_container_security(),
         "volumeMounts": [data_mount, {"name": "tmp", "mountPath": "/tmp"},
-                         *secret_mounts],
+                         *secret_mounts, *socket_mounts],
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec: dict[str, Any] = {
@@ -326,6 +396,8 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
         "containers": [container],
         "volumes": volumes,
     }
+    if host_dir:
+        pod_spec["initContainers"] = [socket_dir_init_container(image, pull)]
     if spec.pod.imagePullSecrets:
         pod_spec["imagePullSecrets"] = to_dict(spec.pod.imagePullSecrets)
     if spec.placement.affinity:

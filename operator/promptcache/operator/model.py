@@ -241,6 +241,24 @@ class Cluster:
     master: ClusterMaster = field(default_factory=ClusterMaster)
 
 
+# A node directory for spec.zeroCopy.hostPath: absolute, no empty, '.' or '..' component, no trailing '/' (the CRD's
+# pattern and rule say the same).
+_HOST_PATH = re.compile(r"^(/[A-Za-z0-9_.-]+)+$")
+HOST_PATH_MAX = 128
+ZERO_COPY_MTLS_MESSAGE = ("spec.zeroCopy with spec.security.tls.mutual needs spec.security.tokens: bulk-channel "
+                          "clients authenticate with a bearer token (they present no certificate)")
+
+
+@dataclass(frozen=True)
+class ZeroCopy:
+    """Zero copy for inference pods on the sidecar's node (docs/operator.md, "Zero copy on Kubernetes"): the bulk
+    channel's unix socket in a node directory, <hostPath>/<namespace>.<name>/bulk.sock, that inference pods mount
+    (hostPath), so a Get lends the stored chunks as sealed memfds. None: the bulk channel on TCP only. A hostPath
+    needs the `privileged` Pod Security level in the cache's namespace and in the inference pods'."""
+
+    hostPath: str | None = None
+
+
 @dataclass(frozen=True)
 class PromptCacheSpec:
     model: Model
@@ -257,6 +275,7 @@ class PromptCacheSpec:
     pod: Pod = field(default_factory=Pod)
     monitoring: Monitoring = field(default_factory=Monitoring)
     cluster: Cluster = field(default_factory=Cluster)
+    zeroCopy: ZeroCopy = field(default_factory=ZeroCopy)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PromptCacheSpec":
@@ -312,6 +331,15 @@ class PromptCacheSpec:
                 raise SpecError(f"spec.security.{name}.secretName must be a Secret name (DNS-1123 subdomain)")
         if self.tenancy.mode == "Isolated" and not isolated_identity(sec):
             raise SpecError(ISOLATED_MESSAGE)
+        host_path = self.zeroCopy.hostPath
+        if host_path is not None:
+            if (len(host_path) > HOST_PATH_MAX or not _HOST_PATH.match(host_path)
+                    or any(part in (".", "..") for part in host_path.split("/"))):
+                raise SpecError(f"spec.zeroCopy.hostPath {host_path!r} must be an absolute node directory of at most "
+                                f"{HOST_PATH_MAX} characters (letters, digits, '_', '.', '-' between '/', no '.' or "
+                                "'..' component, no trailing '/')")
+            if sec.tls is not None and sec.tls.mutual and sec.tokens is None:
+                raise SpecError(ZERO_COPY_MTLS_MESSAGE)
         pod = self.pod
         for name in (pod.serviceAccountName, *(r.name for r in pod.imagePullSecrets)):
             if len(name) > 253 or not _SECRET_NAME.match(name):

@@ -48,16 +48,15 @@ def merge_conditions(old: list[dict[str, Any]], new: list[dict[str, Any]], stamp
     return out
 
 
-def quota_exceeded(ds: dict[str, Any] | None, events: list[dict[str, Any]]) -> str | None:
-    """Pure: why sidecar pods are missing because a ResourceQuota refused them, or None. `events` are the
-    DaemonSet's FailedCreate events (the DaemonSet controller records the API server's refusal there; the DaemonSet
-    status has no condition for it). Only while pods are missing (currentNumberScheduled < desiredNumberScheduled):
-    an old refusal after the quota was raised says nothing."""
+def _refused(ds: dict[str, Any] | None, events: list[dict[str, Any]], words: str) -> str | None:
+    """Pure: the latest FailedCreate event of the DaemonSet whose message has `words`, as "N/M sidecar pods not
+    created: <the API server's message>", or None. Only while pods are missing (currentNumberScheduled <
+    desiredNumberScheduled): an old refusal after the cause was fixed says nothing."""
     st = (ds or {}).get("status") or {}
     desired, current = int(st.get("desiredNumberScheduled") or 0), int(st.get("currentNumberScheduled") or 0)
     if current >= desired:
         return None
-    refused = [e for e in events if e.get("reason") == "FailedCreate" and "exceeded quota" in (e.get("message") or "")]
+    refused = [e for e in events if e.get("reason") == "FailedCreate" and words in (e.get("message") or "")]
     if not refused:
         return None
     latest = max(refused, key=lambda e: e.get("lastTimestamp") or e.get("eventTime")
@@ -66,11 +65,32 @@ def quota_exceeded(ds: dict[str, Any] | None, events: list[dict[str, Any]]) -> s
     return f"{desired - current}/{desired} sidecar pods not created: {msg}"
 
 
+def quota_exceeded(ds: dict[str, Any] | None, events: list[dict[str, Any]]) -> str | None:
+    """Pure: why sidecar pods are missing because a ResourceQuota refused them, or None. `events` are the
+    DaemonSet's FailedCreate events (the DaemonSet controller records the API server's refusal there; the DaemonSet
+    status has no condition for it). Only while pods are missing (currentNumberScheduled < desiredNumberScheduled):
+    an old refusal after the quota was raised says nothing."""
+    return _refused(ds, events, "exceeded quota")
+
+
+def pod_security_refused(spec: PromptCacheSpec, ds: dict[str, Any] | None,
+                         events: list[dict[str, Any]]) -> str | None:
+    """Pure: why sidecar pods are missing because the namespace's Pod Security level refused them (as
+    quota_exceeded), or None. With spec.zeroCopy the message says which level its hostPath needs."""
+    msg = _refused(ds, events, "violates PodSecurity")
+    if msg and spec.zeroCopy.hostPath:
+        msg += (" (spec.zeroCopy.hostPath mounts a hostPath and runs a root init container: the namespace needs "
+                "the privileged Pod Security level, docs/operator.md)")
+    return msg
+
+
 def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilities, ds: dict[str, Any] | None,
                        errors: list[str], priority_class_ok: bool,
-                       quota: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                       quota: str | None = None, pod_security: str | None = None
+                       ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Pure: what the conditions and node counts say, given what the API server returned. `quota`: what
-    quota_exceeded() found (a ResourceQuota refusing sidecar pods), or None."""
+    quota_exceeded() found (a ResourceQuota refusing sidecar pods), or None; `pod_security`: what
+    pod_security_refused() found."""
     ds_status = (ds or {}).get("status") or {}
     ds_gen = ((ds or {}).get("metadata") or {}).get("generation")
     observed = ds_status.get("observedGeneration")
@@ -100,6 +120,8 @@ def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilitie
                                  "rejects the cache pods until it does (the chart installs it)"))
     if quota:
         degraded_reasons.append(("QuotaExceeded", quota))
+    if pod_security:
+        degraded_reasons.append(("PodSecurityViolation", pod_security))
     if spec.autoscaling.enabled and not caps.vpa:
         degraded_reasons.append(("OptionalCRDMissing",
                                  f"spec.autoscaling.enabled is true but {OPTIONAL_CRDS['VerticalPodAutoscaler']} "
@@ -110,7 +132,8 @@ def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilitie
     else:
         deg = condition("Degraded", False, "AsExpected", "all children applied", generation)
 
-    if degraded_reasons and degraded_reasons[0][0] in ("ApplyFailed", "PriorityClassNotFound", "QuotaExceeded"):
+    if degraded_reasons and degraded_reasons[0][0] in ("ApplyFailed", "PriorityClassNotFound", "QuotaExceeded",
+                                                        "PodSecurityViolation"):
         rdy = condition("Ready", False, degraded_reasons[0][0], deg["message"], generation)
     elif progressing:
         rdy = condition("Ready", False, prog["reason"], prog["message"], generation)
@@ -154,6 +177,7 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults = Ope
 
     try:
         spec = PromptCacheSpec.from_dict(body.get("spec") or {})
+        builders.check_operator_policy(spec, defaults)
     except SpecError as exc:
         conds = [condition("Ready", False, "InvalidSpec", str(exc), generation),
                  condition("Progressing", False, "InvalidSpec", str(exc), generation),
@@ -217,10 +241,12 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults = Ope
         usage.update(obs.usage())
     # (no pod scheduled anywhere: nothing to list or scrape)
     pc_ok = kube.priority_class_exists(spec.placement.priorityClassName)
-    quota = None
+    quota = pod_security = None
     if int(ds_status.get("currentNumberScheduled") or 0) < int(ds_status.get("desiredNumberScheduled") or 0):
-        quota = quota_exceeded(ds, kube.failed_creates(owner.namespace, "DaemonSet", owner.name))
-    conds, counts = compute_conditions(spec, generation, caps, ds, out.errors, pc_ok, quota)
+        failed = kube.failed_creates(owner.namespace, "DaemonSet", owner.name)
+        quota = quota_exceeded(ds, failed)
+        pod_security = pod_security_refused(spec, ds, failed)
+    conds, counts = compute_conditions(spec, generation, caps, ds, out.errors, pc_ok, quota, pod_security)
     out.status = {
         "observedGeneration": generation,
         **counts,

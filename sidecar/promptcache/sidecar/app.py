@@ -216,7 +216,8 @@ class Sidecar:
                                 lend=tier.host_memory is not None,
                                 max_connections_per_peer=settings.bulk_max_connections_per_peer,
                                 hello_seconds=settings.bulk_hello_seconds, watchdog=self.watchdog,
-                                frame_bytes=settings.frame_bytes)
+                                frame_bytes=settings.frame_bytes,
+                                socket_mode=int(settings.bulk_socket_mode, 8) if settings.bulk_socket_mode else None)
                      for address in settings.bulk_addresses]
         self.warmup = Warmup(tier, self.spill, WarmupMetrics(metrics.registry), settings.warmup_seconds,
                              settings.warmup_snapshot, self.tenancy)

@@ -100,8 +100,9 @@ class BulkServer:
     def __init__(self, address: str, engine, authenticator, metrics, max_connections: int = 64,
                  idle_seconds: float = 30.0, max_call_seconds: float = 0.0, lend: bool = False,
                  max_connections_per_peer: int = 16, hello_seconds: float = 5.0, watchdog=None,
-                 frame_bytes: int = 1 << 20):
+                 frame_bytes: int = 1 << 20, socket_mode: int | None = None):
         self.family, self.sockaddr = bulkwire.parse_address(address)
+        self.socket_mode = socket_mode  # a unix socket's permission bits (--bulk-socket-mode); None: the umask's
         self.engine = engine  # promptcache.sidecar.engine.CacheEngine
         self.frame_bytes = frame_bytes  # a Put's bytes are received in pieces of at most this (progress, rate)
         self.authenticator = authenticator
@@ -140,6 +141,8 @@ class BulkServer:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             bulkwire.large_buffers(sock)  # connections accepted from it inherit them
             sock.bind(self.sockaddr)
+            if self.family == socket.AF_UNIX and self.socket_mode is not None:
+                os.chmod(self.sockaddr, self.socket_mode)  # before listen(): no connection sees other bits
             sock.listen(128)
         except OSError as exc:
             sock.close()

@@ -65,6 +65,7 @@ class Settings:
     bulk_max_connections_per_peer: int = 16
     bulk_hello_seconds: float = 5.0
     bulk_zero_copy: BulkZeroCopy = "auto"
+    bulk_socket_mode: str = ""
     workers: int = 32
     frame_bytes: int = 1 << 20
     log_level: LogLevel = "info"
@@ -175,6 +176,12 @@ class Settings:
             raise ValueError(f"--max-request-tokens must be in 1..{1 << 22}, got {self.max_request_tokens}")
         if self.max_large_requests < 1:
             raise ValueError("--max-large-requests must be at least 1")
+        if self.bulk_socket_mode:
+            if not re.fullmatch(r"0?[0-7]{3}", self.bulk_socket_mode):
+                raise ValueError(f"--bulk-socket-mode must be octal permission bits such as 0660, got "
+                                 f"{self.bulk_socket_mode!r}")
+            if not any(a.startswith("unix:") for a in self.bulk_addresses):
+                raise ValueError("--bulk-socket-mode needs a unix-socket --bulk-address (unix:/PATH)")
         if self.bulk_zero_copy not in get_args(BulkZeroCopy):
             raise ValueError(f"--bulk-zero-copy must be {one_of(BulkZeroCopy)}, got {self.bulk_zero_copy!r}")
         if self.workers < 1:
@@ -361,6 +368,9 @@ HELP = {
                       "instead of copying them (docs/bulk-channel.md); a client can then keep an evicted "
                       "chunk's memory alive. auto: on with a CPU tier and shared tenancy, off with isolated "
                       "tenants; on: also with isolated tenants",
+    "bulk_socket_mode": "permission bits of the bulk channel's unix socket file, octal (0660: the socket's group "
+                        "may connect too; the operator's spec.zeroCopy sets it); empty: as the process umask "
+                        "makes it (with the usual 022 only the owner may connect)",
     "workers": "gRPC worker threads (concurrent calls served at once)",
     "frame_bytes": "bytes per streamed data frame in Put and Get",
     "log_level": "debug, info, warning or error",
