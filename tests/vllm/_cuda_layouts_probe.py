@@ -136,6 +136,27 @@ def bind(conn, **meta):
     conn.bind_connector_metadata(vc.PromptCacheConnectorMetadata(**meta))
 
 
+def saved(cfg, kc, caches, tokens, block_ids):
+    """A worker connector on `caches` that saved `tokens` from `block_ids` (when it is active) and flushed."""
+    saver = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
+    saver.register_kv_caches(caches)
+    if saver.disabled is None:
+        bind(saver, saves=[vc._SaveOp("save", saver.base_spec, tokens, list(block_ids), 0, CT)])
+        saver.wait_for_save()
+        saver.flush()
+    return saver
+
+
+def loaded(cfg, kc, caches, spec, tokens, block_ids):
+    """A worker connector on `caches` that loaded `tokens` (under `spec`) into `block_ids` and flushed."""
+    loader = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
+    loader.register_kv_caches(caches)
+    bind(loader, loads=[vc._LoadOp("load", spec, tokens, list(block_ids), 0, 0, CT)])
+    loader.start_load_kv(None)
+    loader.flush()
+    return loader
+
+
 t_all = time.perf_counter()
 tokens = list(range(2000, 2000 + T))
 for layout in ("LBNHC", "LBHNC"):
@@ -162,27 +183,19 @@ for layout in ("LBNHC", "LBHNC"):
         kernel_ok = all(torch.equal(bits(a), bits(b)) for a, b in zip(read_back(src_views, SRC_BLOCKS, dtype), (K, V)))
         canonical = torch.stack([K, V], dim=1).permute(0, 1, 3, 2, 4).contiguous()  # [L, 2, H, T, D]
 
-        saver = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
-        saver.register_kv_caches(src)
+        saver = saved(cfg, kc, src, tokens, SRC_BLOCKS)
         r = {"disabled": saver.disabled, "layout": saver._layout, "kernel_wrote_what_it_was_given": kernel_ok,
              "paged_views_match_vllm": paged_views_match,
              "strides": list(src_views[0].stride())}
         if saver.disabled is None:
             base = saver.base_spec
-            bind(saver, saves=[vc._SaveOp("save", base, tokens, list(SRC_BLOCKS), 0, CT)])
-            saver.wait_for_save()
-            saver.flush()
             client = PromptCacheClient(args["address"])
             blobs = client.get_blobs(base, tokens, copy=True)
             stored = torch.cat(checked_chunks(base, blobs, CT), dim=3) if blobs else None
             r["stored_chunks"] = len(blobs)
             r["stored_is_canonical"] = stored is not None and torch.equal(bits(stored), bits(canonical))
 
-            loader = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
-            loader.register_kv_caches(dst)
-            bind(loader, loads=[vc._LoadOp("load", base, tokens, list(DST_BLOCKS), 0, 0, CT)])
-            loader.start_load_kv(None)
-            loader.flush()
+            loader = loaded(cfg, kc, dst, base, tokens, DST_BLOCKS)
             r["load_errors"] = sorted(loader.get_block_ids_with_load_errors())
             r["finished"] = sorted(loader.get_finished(set())[1] or [])
             dst_views = [dst[n] for n in NAMES]
@@ -216,20 +229,12 @@ def round_trip(cfg, kc, src, dst, src_ids, dst_ids, block_size, dtype, seed):
     for i, name in enumerate(NAMES):
         kcache, vcache = kernel_views(src[name])
         write_kernel(K[i], V[i], kcache, vcache, slots(src_ids, block_size), "auto", one, one)
-    saver = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
-    saver.register_kv_caches(src)
+    toks = list(range(seed * 100, seed * 100 + T2))
+    saver = saved(cfg, kc, src, toks, src_ids)
     r = {"disabled": saver.disabled, "layout": saver._layout, "view_shape": list(src[NAMES[0]].shape)}
     if saver.disabled is None:
         base = saver.base_spec
-        toks = list(range(seed * 100, seed * 100 + T2))
-        bind(saver, saves=[vc._SaveOp("save", base, toks, list(src_ids), 0, CT)])
-        saver.wait_for_save()
-        saver.flush()
-        loader = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
-        loader.register_kv_caches(dst)
-        bind(loader, loads=[vc._LoadOp("load", base, toks, list(dst_ids), 0, 0, CT)])
-        loader.start_load_kv(None)
-        loader.flush()
+        loader = loaded(cfg, kc, dst, base, toks, dst_ids)
         r["load_errors"] = sorted(loader.get_block_ids_with_load_errors())
         got_k, got_v = read_back([dst[n] for n in NAMES], dst_ids, dtype, block_size)
         r["loaded_bit_exact"] = torch.equal(bits(got_k), bits(K)) and torch.equal(bits(got_v), bits(V))
@@ -316,15 +321,11 @@ def set_scales(cfg, names, k, v, backend="FLASHINFER"):
 
 
 def fp8_connector_round_trip(cfg, kc, src, dst, src_ids, dst_ids, toks):
-    saver = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
-    saver.register_kv_caches(src)
+    saver = saved(cfg, kc, src, toks, src_ids)
     r = {"disabled": saver.disabled, "layout": saver._layout}
     if saver.disabled is None:
         base = saver.base_spec
         r["spec"] = [base.kv_dtype, base.kv_kind, base.num_layers, base.num_kv_heads, base.head_dim]
-        bind(saver, saves=[vc._SaveOp("save", base, toks, list(src_ids), 0, CT)])
-        saver.wait_for_save()
-        saver.flush()
         client = PromptCacheClient(args["address"])
         blobs = client.get_blobs(base, toks, copy=True)
         r["stored_chunks"] = len(blobs)
@@ -333,11 +334,7 @@ def fp8_connector_round_trip(cfg, kc, src, dst, src_ids, dst_ids, toks):
             r["stored_is_gather"] = torch.equal(stored, vp.gather([src[n] for n in NAMES], saver._paged,
                                                                   src_ids).view(torch.uint8))
         client.close()
-        loader = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
-        loader.register_kv_caches(dst)
-        bind(loader, loads=[vc._LoadOp("load", base, toks, list(dst_ids), 0, 0, CT)])
-        loader.start_load_kv(None)
-        loader.flush()
+        loader = loaded(cfg, kc, dst, base, toks, dst_ids)
         r["load_errors"] = sorted(loader.get_block_ids_with_load_errors())
         r["blocks_equal"] = all(torch.equal(src[n][list(src_ids)], dst[n][list(dst_ids)]) for n in NAMES)
         untouched = [b for b in range(dst[NAMES[0]].shape[0]) if b not in dst_ids]
@@ -542,15 +539,11 @@ for layout in ("LBNHC", "LBHNC"):
     write_latents(src, MLA_NAMES, lat, SRC_BLOCKS)
     first = 7000 + 100 * ("LBNHC", "LBHNC").index(layout)
     toks = list(range(first, first + T))
-    saver = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
-    saver.register_kv_caches(src)
+    saver = saved(cfg, kc, src, toks, SRC_BLOCKS)
     r["disabled"], r["layout"] = saver.disabled, saver._layout
     if saver.disabled is None:
         base = saver.base_spec
         r["spec"] = [base.kv_dtype, base.kv_kind, base.num_layers, base.num_kv_heads, base.head_dim]
-        bind(saver, saves=[vc._SaveOp("save", base, toks, list(SRC_BLOCKS), 0, CT)])
-        saver.wait_for_save()
-        saver.flush()
         client = PromptCacheClient(args["address"])
         blobs = client.get_blobs(base, toks, copy=True)
         r["stored_chunks"] = len(blobs)
@@ -558,11 +551,7 @@ for layout in ("LBNHC", "LBHNC"):
             stored = torch.cat(checked_chunks(base, blobs, CT), dim=3)
             r["stored_shape"] = list(stored.shape)
             r["stored_is_latent"] = torch.equal(stored[:, 0, 0], lat)
-        loader = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc)
-        loader.register_kv_caches(dst)
-        bind(loader, loads=[vc._LoadOp("load", base, toks, list(DST_BLOCKS), 0, 0, CT)])
-        loader.start_load_kv(None)
-        loader.flush()
+        loader = loaded(cfg, kc, dst, base, toks, DST_BLOCKS)
         r["load_errors"] = sorted(loader.get_block_ids_with_load_errors())
         r["loaded_bit_exact"] = torch.equal(read_latents(dst, MLA_NAMES, DST_BLOCKS), lat)
         # A non-MLA spec of the same chunk bytes ([4, 2, 1, T, 288]) or the same head_dim: misses
@@ -627,20 +616,12 @@ for layout in ("LBNHC", "LBHNC"):
     for n in MLA_NAMES:
         src8[n][SRC_BLOCKS] = torch.randint(0, 256, src8[n][SRC_BLOCKS].shape, generator=g, dtype=torch.uint8)
     toks8 = [t + 4000 for t in toks]
-    saver = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc8)
-    saver.register_kv_caches(src8)
+    saver = saved(cfg, kc8, src8, toks8, SRC_BLOCKS)
     r8 = {"disabled": saver.disabled}
     if saver.disabled is None:
         b8 = saver.base_spec
         r8["spec"] = [b8.kv_dtype, b8.kv_kind, b8.num_layers, b8.num_kv_heads, b8.head_dim]
-        bind(saver, saves=[vc._SaveOp("save", b8, toks8, list(SRC_BLOCKS), 0, CT)])
-        saver.wait_for_save()
-        saver.flush()
-        loader = vc.PromptCacheConnector(cfg, KVConnectorRole.WORKER, kc8)
-        loader.register_kv_caches(dst8)
-        bind(loader, loads=[vc._LoadOp("load", b8, toks8, list(DST_BLOCKS), 0, 0, CT)])
-        loader.start_load_kv(None)
-        loader.flush()
+        loader = loaded(cfg, kc8, dst8, b8, toks8, DST_BLOCKS)
         r8["load_errors"] = sorted(loader.get_block_ids_with_load_errors())
         r8["blocks_equal"] = all(torch.equal(src8[n][SRC_BLOCKS], dst8[n][DST_BLOCKS]) for n in MLA_NAMES)
         sched = vc.PromptCacheConnector(cfg, KVConnectorRole.SCHEDULER, kc8)
