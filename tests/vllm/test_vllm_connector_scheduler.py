@@ -8,15 +8,13 @@ KV.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from promptcache.devtools import models
-from support import REPO, SidecarProcess
+from support import SidecarProcess, run_vllm_probe
 
 VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")
 pytestmark = [
@@ -36,16 +34,9 @@ def probe(tmp_path_factory):
     (tmp / "empty").mkdir()
     sidecar = SidecarProcess("--memory-bytes", "512Mi", "--chunk-tokens", "256").wait_ready(60)
     try:
-        arg = json.dumps({"model_dir": str(model_dir), "address": sidecar.address, "empty_dir": str(tmp / "empty"),
-                          "sidecar_pid": sidecar.proc.pid,
-                          "loras": {k: str(v) for k, v in loras.items()}})
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / d) for d in ("sidecar", "proto", "operator")),
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        run = subprocess.run([VLLM_PYTHON, str(Path(__file__).with_name("_connector_probe.py")), arg],
-                             capture_output=True, text=True, timeout=800, env=env, cwd=str(REPO))
-        line = next((x for x in run.stdout.splitlines() if x.startswith("@@")), None)
-        assert line is not None, run.stdout[-3000:] + run.stderr[-6000:]
-        yield json.loads(line[2:])
+        arg = {"model_dir": str(model_dir), "address": sidecar.address, "empty_dir": str(tmp / "empty"),
+               "sidecar_pid": sidecar.proc.pid, "loras": {k: str(v) for k, v in loras.items()}}
+        yield run_vllm_probe(VLLM_PYTHON, Path(__file__).with_name("_connector_probe.py"), arg)
     finally:
         import signal
 

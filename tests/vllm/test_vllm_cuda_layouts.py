@@ -7,15 +7,13 @@ negative controls. One vLLM-venv subprocess
 (tests/vllm/_cuda_layouts_probe.py) does it all, this side asserts."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from promptcache.devtools import models
-from support import REPO, SidecarProcess
+from support import SidecarProcess, run_vllm_probe
 
 VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")
 pytestmark = [
@@ -31,14 +29,8 @@ CASES = [f"{layout}-{dtype}" for layout in ("LBNHC", "LBHNC") for dtype in ("flo
 def probe():
     sidecar = SidecarProcess("--memory-bytes", "512Mi", "--chunk-tokens", "32").wait_ready(60)
     try:
-        arg = json.dumps({"model_dir": str(models.smollm2_dir()), "address": sidecar.address, "chunk_tokens": 32})
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / d) for d in ("sidecar", "proto", "operator")),
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        run = subprocess.run([VLLM_PYTHON, str(Path(__file__).with_name("_cuda_layouts_probe.py")), arg],
-                             capture_output=True, text=True, timeout=800, env=env, cwd=str(REPO))
-        line = next((x for x in run.stdout.splitlines() if x.startswith("@@")), None)
-        assert line is not None, run.stdout[-3000:] + run.stderr[-6000:]
-        yield json.loads(line[2:])
+        arg = {"model_dir": str(models.smollm2_dir()), "address": sidecar.address, "chunk_tokens": 32}
+        yield run_vllm_probe(VLLM_PYTHON, Path(__file__).with_name("_cuda_layouts_probe.py"), arg)
     finally:
         sidecar.stop()
 
