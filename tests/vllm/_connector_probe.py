@@ -102,6 +102,25 @@ for name, r in bad.items():
     except vc.Unidentifiable as exc:
         out["bad"][name] = exc.reason
 
+# Retention hints from the request's kv_transfer_params (as the OpenAI API passes them, through extra_args):
+# well-formed ones are read, malformed ones ignored (the request is still served and stored, without hints).
+def hinted(kv_transfer_params):
+    return Request(f"h{len(out.setdefault('hints', {}))}", tokens,
+                   SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": kv_transfer_params}), None)
+
+
+for name, hint_params in {"none": None, "other_connector": {"do_remote_prefill": True},
+                     "ttl_and_pin": {"promptcache": {"ttl_seconds": 3600, "priority": 1}},
+                     "ttl_only": {"promptcache": {"ttl_seconds": 2.5}},
+                     "negative_ttl": {"promptcache": {"ttl_seconds": -1}},
+                     "nan_ttl": {"promptcache": {"ttl_seconds": float("nan")}},
+                     "string_ttl": {"promptcache": {"ttl_seconds": "1h"}},
+                     "priority_7": {"promptcache": {"priority": 7}},
+                     "priority_true": {"promptcache": {"priority": True}},
+                     "unknown_key": {"promptcache": {"ttl": 60}},
+                     "not_an_object": {"promptcache": [1]}}.items():
+    out.setdefault("hints", {})[name] = list(vc.retention_hints(hinted(hint_params)))
+
 # A real connector against a real sidecar: chunks stored under the base spec (what every one of these requests
 # would have been keyed with before) for `tokens`; which requests does the connector load them for?
 client = PromptCacheClient(args["address"], timeout=10)

@@ -113,3 +113,15 @@ def test_the_sidecar_is_used_again_once_it_answers(probe):
 def test_a_prefix_loading_for_one_request_is_not_fetched_again_for_another(probe):
     assert probe["dedupe_enabled"] is True  # vLLM's prefix cache is on by default
     assert probe["dedupe"] == {"first": 512, "second_while_loading": None, "second_after": 512}
+
+
+def test_retention_hints_come_from_kv_transfer_params_and_bad_ones_are_ignored(probe):
+    """Issue 32: a request's kv_transfer_params["promptcache"] (the OpenAI API's field, through vLLM's extra_args)
+    gives its chunks a TTL and a priority; another connector's params or none give none; malformed hints are ignored
+    (never an engine error; the sidecar caps what it accepts)."""
+    hints = probe["hints"]
+    assert hints["ttl_and_pin"] == [3600.0, 1]
+    assert hints["ttl_only"] == [2.5, 0]
+    for name in ("none", "other_connector", "negative_ttl", "nan_ttl", "string_ttl", "priority_7", "priority_true",
+                 "unknown_key", "not_an_object"):
+        assert hints[name] == [0.0, 0], name

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from promptcache.devtools import models
-from support import REPO, SidecarProcess
+from support import REPO, SidecarProcess, metric
 
 VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")
 pytestmark = [
@@ -58,8 +58,11 @@ def total(metrics: dict, prefix: str) -> float:
     return sum(v for k, v in metrics.items() if k.startswith(prefix + "_total"))
 
 
-def complete(port: int, model: str, prompt: list[int]) -> str:
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+def complete(port: int, model: str, prompt: list[int], kv_transfer_params: dict | None = None) -> str:
+    request = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    if kv_transfer_params is not None:
+        request["kv_transfer_params"] = kv_transfer_params
+    body = json.dumps(request).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
@@ -132,6 +135,19 @@ def test_readme_vllm_serve_hits_and_shows_connector_metrics(tmp_path):
         assert total(m, "vllm:promptcache_reused_tokens") >= 512
         assert total(m, "vllm:promptcache_loaded_tokens") >= 512
         assert total(m, "vllm:promptcache_stores") >= 1
+        # Retention hints through the OpenAI API's kv_transfer_params (issue 32): a new prefix stored pinned; a
+        # malformed hint is answered and stored without it.
+        assert complete(port, models.SMOLLM2_ID, ids[1400:1700] + [7], {"promptcache": {"priority": "high"}})
+        assert complete(port, models.SMOLLM2_ID, ids[100:400] + ids[1000:1050],
+                        {"promptcache": {"ttl_seconds": 600, "priority": 1}})
+        deadline = time.monotonic() + 30
+        while metric(sidecar, 'promptcache_pins_total{result="pinned"}') < 1:
+            assert time.monotonic() < deadline, "the hinted request's chunk was never pinned"
+            time.sleep(0.5)
+        pinned = [line for line in urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics",
+                                                          timeout=10).read().decode().splitlines()
+                  if line.startswith("promptcache_pinned_bytes{")]
+        assert sum(float(line.split()[-1]) for line in pinned) > 0, pinned
         text = log_path.read_text()
         assert "PromptCacheConnector (scheduler) is ACTIVE" in text and "PromptCacheConnector (worker) is ACTIVE" in text
     finally:

@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import re
 import threading
@@ -245,6 +246,38 @@ def request_spec(base: ModelSpec, request) -> ModelSpec:
     return base if salt == base.tenant_salt else replace(base, tenant_salt=salt)
 
 
+def retention_hints(request) -> tuple[float, int]:
+    """(ttl_seconds, priority) of a request's chunks: its `kv_transfer_params["promptcache"]`, e.g. the OpenAI API's
+    `"kv_transfer_params": {"promptcache": {"ttl_seconds": 3600, "priority": 1}}` (docs/retention.md). Hints steer
+    eviction and TTL only, and the sidecar caps them; a malformed one is ignored with a warning (the request is
+    served and stored without it), never an engine error. Pure."""
+    params = getattr(request, "kv_transfer_params", None)
+    hints = params.get("promptcache") if isinstance(params, dict) else None
+    if hints is None:
+        return 0.0, 0
+    problem = None
+    ttl, priority = 0.0, 0
+    if not isinstance(hints, dict):
+        problem = f"kv_transfer_params.promptcache is a {type(hints).__name__}, not an object"
+    else:
+        unknown = sorted(set(hints) - {"ttl_seconds", "priority"})
+        raw_ttl, raw_priority = hints.get("ttl_seconds", 0), hints.get("priority", 0)
+        if unknown:
+            problem = f"kv_transfer_params.promptcache has unknown keys {unknown} (ttl_seconds, priority)"
+        elif (isinstance(raw_ttl, bool) or not isinstance(raw_ttl, (int, float)) or not math.isfinite(raw_ttl)
+              or raw_ttl < 0):
+            problem = f"kv_transfer_params.promptcache.ttl_seconds must be a number >= 0, not {raw_ttl!r}"
+        elif isinstance(raw_priority, bool) or raw_priority not in (0, 1):
+            problem = f"kv_transfer_params.promptcache.priority must be 0 or 1, not {raw_priority!r}"
+        else:
+            ttl, priority = float(raw_ttl), int(raw_priority)
+    if problem is not None:
+        _warn.warning("bad-hints", "promptcache: request %s: %s; its chunks are stored without hints",
+                      getattr(request, "request_id", "?"), problem)
+        return 0.0, 0
+    return ttl, priority
+
+
 def prompt_tokens(request) -> list[int]:
     """The token ids the chunk keys are computed over: the prompt's, or (prompt embeddings only) vLLM's placeholder
     zeros, whose identity is in the salt."""
@@ -353,6 +386,8 @@ class _SaveOp:
     block_ids: list[int]  # blocks of chunks [first_chunk, len(tokens) / chunk_tokens)
     first_chunk: int
     chunk_tokens: int
+    ttl_seconds: float = 0.0  # the request's retention hints (retention_hints)
+    priority: int = 0
 
 
 @dataclass
@@ -945,8 +980,9 @@ class PromptCacheConnector(KVConnectorBase_V1):
             ids = block_ids[tracked.loaded_chunks * per_chunk:n_chunks * per_chunk]
             if len(ids) != (n_chunks - tracked.loaded_chunks) * per_chunk:
                 continue
+            ttl, priority = retention_hints(request)
             meta.saves.append(_SaveOp(req_id, tracked.spec, prompt[:n_chunks * ct], list(ids),
-                                      tracked.loaded_chunks, ct))
+                                      tracked.loaded_chunks, ct, ttl, priority))
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -1156,7 +1192,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
 
                 chunks = [quant.pack(spec.quantization, c, self.rope_theta) for c in chunks]
             blobs = {op.first_chunk + i: c for i, c in enumerate(chunks)}
-            self.client.put_blobs(spec, op.tokens, blobs, timeout=self.save_timeout)
+            self.client.put_blobs(spec, op.tokens, blobs, timeout=self.save_timeout, ttl_seconds=op.ttl_seconds,
+                                  priority=op.priority)
             self._succeeded()
             self._inc(STORES, "stores", 1, "ok")
             SAVE_SECONDS.observe(time.perf_counter() - t0)
