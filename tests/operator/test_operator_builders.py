@@ -131,6 +131,8 @@ def test_config_change_rolls_pods():
     ({"cluster": {"master": {"etcdEndpoints": ["http://etcd:2379"]}}}, "spec.cluster.master.etcdEndpoints"),
     ({"memory": {"host": "1Gi", "diskClaim": "disk"}}, "spec.memory.diskClaim needs spec.memory.disk"),
     ({"memory": {"host": "1Gi", "disk": "1Gi", "diskClaim": "Disk_1"}}, "spec.memory.diskClaim 'Disk_1'"),
+    ({"memory": {"host": "1Gi", "disk": "1Gi", "warmupSeconds": 91}}, "spec.memory.warmupSeconds"),
+    ({"memory": {"host": "1Gi", "disk": "1Gi", "warmupSeconds": -1}}, "spec.memory.warmupSeconds"),
 ])
 def test_model_rejects_what_the_crd_rejects(patch, field):
     spec = {**example("minimal")["spec"], **patch}
@@ -148,6 +150,21 @@ def _probe_kinds(ds) -> set[str]:
     c = _pod(ds)["containers"][0]
     return {k for name in ("startupProbe", "readinessProbe", "livenessProbe") for k in c[name]
             if k in ("grpc", "tcpSocket", "httpGet", "exec")}
+
+
+def test_warm_up_is_on_with_a_disk_tier_and_within_the_startup_probe():
+    """spec.memory.warmupSeconds (default 30) reaches the sidecar only with a disk tier to warm from, and stays
+    below what the startup probe allows (periodSeconds x failureThreshold)."""
+    minimal = example("minimal")["spec"]
+    assert builders.sidecar_env(PromptCacheSpec.from_dict(minimal))["PROMPTCACHE_WARMUP_SECONDS"] == "0"
+    with_disk = {**minimal, "memory": {**minimal["memory"], "disk": "10Gi"}}
+    assert builders.sidecar_env(PromptCacheSpec.from_dict(with_disk))["PROMPTCACHE_WARMUP_SECONDS"] == "30"
+    off = {**minimal, "memory": {**minimal["memory"], "disk": "10Gi", "warmupSeconds": 0}}
+    assert builders.sidecar_env(PromptCacheSpec.from_dict(off))["PROMPTCACHE_WARMUP_SECONDS"] == "0"
+    ds = builders.daemon_set(PromptCacheSpec.from_dict(with_disk), OWNER, OperatorDefaults(), "h")
+    startup = _pod(ds)["containers"][0]["startupProbe"]
+    from promptcache.operator.model import MAX_WARMUP_SECONDS
+    assert MAX_WARMUP_SECONDS + 10 <= startup["periodSeconds"] * startup["failureThreshold"]
 
 
 def test_no_security_keeps_plaintext_grpc_probes_and_no_secrets():

@@ -73,6 +73,8 @@ INVALID = [
     ("diskClaim without disk", {"memory": {"host": "1Gi", "diskClaim": "disk"}}, "spec.memory"),
     ("diskClaim not a claim name", {"memory": {"host": "1Gi", "disk": "1Gi", "diskClaim": "Disk_1"}},
      "spec.memory.diskClaim"),
+    ("warm-up past the startup probe", {"memory": {"host": "1Gi", "disk": "1Gi", "warmupSeconds": 91}},
+     "spec.memory.warmupSeconds"),
     ("unknown quantization", {"cachePolicy": {"quantization": "int3"}}, "spec.cachePolicy.quantization"),
     ("unknown eviction policy", {"cachePolicy": {"evictionPolicy": "random"}}, "spec.cachePolicy.evictionPolicy"),
     ("chunk not power of two", {"cachePolicy": {"chunkTokens": 300}}, "spec.cachePolicy.chunkTokens"),

@@ -68,6 +68,8 @@ def _positive_quantity(path: str, value: str | None) -> None:
         raise SpecError(f"{path} must be a positive quantity, got {value!r}")
 
 
+MAX_WARMUP_SECONDS = 90  # spec.memory.warmupSeconds: under the sidecar startup probe's 120 s
+
 @dataclass(frozen=True)
 class Toleration:
     key: str | None = None
@@ -102,6 +104,9 @@ class Memory:
     # replacement (rolling update, eviction, deletion); each node's sidecar uses its own subdirectory (the node's
     # name). None: an emptyDir (lost with the pod). docs/operator.md, "The disk tier across pod replacement".
     diskClaim: str | None = None
+    # At most this long after a start the sidecar fills its memory tier from its disk tier, hottest first, before it
+    # reports ready (docs/warmup.md); below the startup probe's 120 s. 0: no warm-up.
+    warmupSeconds: int = 30
 
 
 @dataclass(frozen=True)
@@ -295,6 +300,9 @@ class PromptCacheSpec:
             if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", self.memory.diskClaim):
                 raise SpecError(f"spec.memory.diskClaim {self.memory.diskClaim!r} is not a PersistentVolumeClaim "
                                 "name (lowercase letters, digits, '-' and '.')")
+        if not 0 <= self.memory.warmupSeconds <= MAX_WARMUP_SECONDS:
+            raise SpecError(f"spec.memory.warmupSeconds must be between 0 and {MAX_WARMUP_SECONDS} (the startup "
+                            f"probe allows 120 s), not {self.memory.warmupSeconds}")
         _positive_quantity("spec.cachePolicy.maxChunkBytes", self.cachePolicy.maxChunkBytes)
         _positive_quantity("spec.cluster.segmentMemory", self.cluster.segmentMemory)
         if self.cluster.protocol not in CLUSTER_PROTOCOLS:
