@@ -1,5 +1,7 @@
-"""paged: the connector's worker-side save and load on vLLM's paged KV views in GB/s, next to a pinned-memory copy of
-the same bytes (cudaMemcpy on a GPU); torch alone, no vLLM (a lent GPU machine cannot receive vLLM's wheel).
+"""paged: the connector's worker-side save and load on vLLM's paged KV views (CUDA layouts) in GB/s, next to a pinned-memory copy; torch alone.
+
+The pinned-memory copy is of the same bytes (cudaMemcpy on a GPU); no vLLM (a lent GPU machine cannot receive
+vLLM's wheel).
 
 The caches are what vLLM 0.32 hands a CUDA worker (vllm_paged.paged_views: per-layer [B, H, N, K|V] views of one
 flat buffer in a KVCacheLayout; tests/vllm checks them against vLLM's allocator), filled with random bytes on the
