@@ -323,11 +323,14 @@ class Node:
         log("importing images into containerd (k8s.io namespace)")
         p = subprocess.Popen(["ctr", "-a", str(sock), "-n", "k8s.io", "images", "import", "-"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        images.build_archive(p.stdin)
-        p.stdin.close()
+        try:
+            images.build_archive(p.stdin)
+            p.stdin.close()
+        except BrokenPipeError:  # ctr stopped reading: what it said is the reason
+            pass
         out = p.stdout.read().decode(errors="replace")
         if p.wait():
-            raise RuntimeError(f"ctr images import failed:\n{out[-3000:]}")
+            raise RuntimeError(f"ctr images import failed (exit {p.returncode}):\n{out[-3000:]}")
         have = sh("ctr", "-a", str(sock), "-n", "k8s.io", "images", "ls", "-q").stdout.split()
         missing = [w for w in wanted if w not in have]
         if missing:
