@@ -451,14 +451,16 @@ class MemoryTier:
         """Evict by policy until what is stored and reserved fits in `size`; bytes of evicted entries that
         readers still lease (draining) are left to their leases."""
         evicted = 0
+        pinned = None  # collected once, deepest last, when the policy has nothing left to offer
         while self._used + self._reserved > size:
             victim = self.policy.victim()
             if victim is None:
                 # pins are hints: a shrink below what is pinned evicts pinned chunks too (deepest first)
-                pinned = [e for e in self._entries.values() if e.pinned]
+                if pinned is None:
+                    pinned = sorted((e for e in self._entries.values() if e.pinned), key=lambda e: e.index)
                 if not pinned:
                     break
-                self._remove(max(pinned, key=lambda e: e.index), "capacity")
+                self._remove(pinned.pop(), "capacity")
                 evicted += 1
                 continue
             self._remove(self._entries[victim], "capacity")
