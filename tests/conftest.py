@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -54,3 +57,29 @@ def pytest_collection_modifyitems(config, items):
     if unmarked:
         raise pytest.UsageError("tests using a tool fixture (" + ", ".join(sorted(TOOL_FIXTURES)) + ") must be "
                                 "marked @pytest.mark.tools:\n  " + "\n  ".join(unmarked))
+
+
+# Disk tiers in tmp_path refuse to spill below --disk-min-free-bytes (256 MiB) plus their reserve: a volume that
+# runs low makes warm-up, export and spill tests fail far from the cause (CI lost four that way). Say how much
+# there is at the start, and refuse to start with too little rather than fail late. (tmp_path_retention_policy in
+# pyproject.toml keeps only failed tests' folders, so a run no longer piles up every tier it made.)
+MIN_FREE_FOR_TESTS = 2 << 30
+
+
+def _free(path: str) -> int:
+    while not os.path.exists(path):  # an xdist worker's basetemp is made later
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def pytest_report_header(config):
+    tmp = str(config.option.basetemp or tempfile.gettempdir())
+    return [f"free space: {_free(tmp) >> 20} MiB in {tmp} (tmp_path), {_free(str(config.rootpath)) >> 20} MiB "
+            f"in {config.rootpath}"]
+
+
+def pytest_sessionstart(session):
+    tmp = str(session.config.option.basetemp or tempfile.gettempdir())
+    if _free(tmp) < MIN_FREE_FOR_TESTS:
+        raise pytest.UsageError(f"{tmp} has {_free(tmp) >> 20} MiB free; the tests' disk tiers need at least "
+                                f"{MIN_FREE_FOR_TESTS >> 20} MiB (set TMPDIR or --basetemp to a roomier volume)")

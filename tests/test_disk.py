@@ -185,6 +185,29 @@ def test_a_purge_gives_its_space_back_however_small(tmp_path):
         assert not blobs, blobs
 
 
+def test_making_room_on_a_full_volume_counts_the_space_already_coming_back(tmp_path):
+    """CI: a tier that filled its volume evicted again for every batch that found no room before the deletes it
+    had already made were compacted (free space lags them), and emptied itself: 0 of 11 spilled prompts were
+    left. Making room twice for the same need, with no reclaim between, evicts once."""
+    with DiskTier(str(tmp_path / "db"), 1 << 30) as d:
+        d.plan = disk_mod.space_plan(20 << 20)  # the plan of a 20 MiB volume: 1 MiB memtables
+        for i in range(64):
+            assert d.put(bytes([i]) * 32, _payload(i, 64 << 10))
+        assert d.flush()
+        need = 3 * (64 << 10)
+        with d._lock:  # the writer thread's own call, made here while it waits for work
+            d._make_room_locked(need)
+            first = d.counters["evicted_space"]
+            d._make_room_locked(need)
+            d._make_room_locked(need)
+            assert d.counters["evicted_space"] == first > 0
+            assert 0 < first < 32 and len(d.index) + len(d.pending) == 64 - first
+        assert d.flush()  # the deletes are written (and, being counted, still coming back until a reclaim)
+        with d._lock:
+            d._make_room_locked(need)
+            assert d.counters["evicted_space"] == first
+
+
 def test_unwritable_path_names_it(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -5,6 +5,7 @@ and version 1 records still are."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -304,7 +305,10 @@ def test_a_sidecar_process_is_ready_at_its_bound_while_warm_up_goes_on(tmp_path)
             key = i.to_bytes(4, "little") * 8
             e = Entry(key, b"f" * 32, parent, i % 64, torch.frombuffer(bytearray(payload), dtype=torch.uint8),
                       disktier.xxhash.xxh3_64_intdigest(payload), (size // 4,), 0, 0.0, 0.0, size)
+            deadline = time.monotonic() + 60
             while not d.put(key, payload, meta=encode_meta(e), parent=parent, hits=n - i, last_access=time.time()):
+                assert not d.disk_full and time.monotonic() < deadline, (
+                    f"chunk {i} was never taken: disk_full={d.disk_full}, {shutil.disk_usage(data).free} bytes free")
                 d.flush()
             parent = key if i % 64 != 63 else bytes(32)
         assert d.flush(60)

@@ -706,8 +706,14 @@ class DiskTier:
     def _make_room_locked(self, need: int) -> None:
         """The volume is full before the budget is: from now on the budget is what the volume holds (less
         room for `need` and two memtables), and the oldest records go (eviction, as for the budget) so their
-        space comes back (the deletes are compacted at once while full) and spilling resumes."""
-        cap = max(0, self.used - need - self.plan.write_buffer)
+        space comes back (the deletes are compacted at once while full) and spilling resumes. Deletes already
+        queued or written but not yet compacted count as room coming back: the free space lags them until the
+        next reclaim, and evicting again for each batch that finds no room before then would empty the tier
+        (a slow reclaim under load evicted all of it)."""
+        coming_back = self._deleted_since_reclaim + sum(op[2] for op in self._ops if op[0] == "del")
+        if coming_back >= need:
+            return
+        cap = max(0, self.used - (need - coming_back) - self.plan.write_buffer)
         self._space_cap = cap if self._space_cap is None else min(cap, self._space_cap)
         while self.used > self._space_cap:
             v = self.policy.victim()
