@@ -72,14 +72,19 @@ def _free(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
+def _tmp_root(config) -> str:
+    return str(config.option.basetemp or tempfile.gettempdir())
+
+
 def pytest_report_header(config):
-    tmp = str(config.option.basetemp or tempfile.gettempdir())
+    tmp = _tmp_root(config)
     return [f"free space: {_free(tmp) >> 20} MiB in {tmp} (tmp_path), {_free(str(config.rootpath)) >> 20} MiB "
             f"in {config.rootpath}"]
 
 
 def pytest_sessionstart(session):
-    tmp = str(session.config.option.basetemp or tempfile.gettempdir())
-    if _free(tmp) < MIN_FREE_FOR_TESTS:
-        raise pytest.UsageError(f"{tmp} has {_free(tmp) >> 20} MiB free; the tests' disk tiers need at least "
+    tmp = _tmp_root(session.config)
+    free = _free(tmp)
+    if free < MIN_FREE_FOR_TESTS:
+        raise pytest.UsageError(f"{tmp} has {free >> 20} MiB free; the tests' disk tiers need at least "
                                 f"{MIN_FREE_FOR_TESTS >> 20} MiB (set TMPDIR or --basetemp to a roomier volume)")
