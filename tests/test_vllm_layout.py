@@ -2,6 +2,10 @@
 independent construction of the block from its description (reshape/permute, not the position formulas)."""
 from __future__ import annotations
 
+import ctypes
+import itertools
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -195,3 +199,50 @@ def test_block_runs_group_consecutive_block_ids():
     assert vl.block_runs([]) == []
     assert vl.block_runs([7]) == [(0, 7, 1)]
     assert vl.block_runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
+
+
+def layout_isa(want: int) -> int:
+    """The compiled writer's instruction set (_layoutc.c pc_layout_isa): 0 SSE2 or scalar, 1 AVX2, 2 AVX-512; want >= 0
+    caps it (at what the CPU has), want < 0 asks. The library native() loaded (dlopen gives the same one)."""
+    for path in sorted(Path(vl.__file__).parent.glob("_layoutc*.so")):
+        try:
+            fn = ctypes.CDLL(str(path)).pc_layout_isa
+        except (OSError, AttributeError):
+            continue
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+        return fn(want)
+    raise AssertionError("the compiled layout writer was not built")
+
+
+# (block size, head dim): vLLM's CPU block (128), GPU-sized blocks, head dims 80/96/256, and shapes that leave
+# tails after each kernel's whole tiles (rows and columns; odd sizes take the scalar loops, without streaming)
+SHAPES = [(128, 64), (16, 128), (32, 80), (48, 96), (128, 256), (40, 70), (24, 36), (20, 18), (8, 6)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_each_instruction_set_writes_the_portable_bits_for_every_shape(level, dtype, monkeypatch):
+    """Each kernel (SSE2, AVX2, AVX-512, as far as this CPU has them) with and without streaming stores, for every
+    layout, against write_chunks_portable on random bit patterns (NaN payloads included)."""
+    assert vl.native() is not None, "the compiled layout writer was not built: run make install (needs a C compiler)"
+    best = layout_isa(-1)
+    if level > best:
+        pytest.skip(f"this CPU has instruction set level {best}")
+    bits = {4: torch.int32, 2: torch.int16}[dtype.itemsize]
+    try:
+        assert layout_isa(level) == level
+        for (n, d), layout, stream in itertools.product(SHAPES, vl.LAYOUTS, (False, True)):
+            if layout == "cpu_amx" and (dtype.itemsize != 2 or n % 16 or d % 32):
+                continue
+            monkeypatch.setattr(vl, "STREAM_BYTES", 0 if stream else 1 << 62)
+            chunks = [random_bits((2, 2, 2, 2 * n, d), dtype, 100 + seed) for seed in range(3)]  # 6 blocks
+            chunks[0].view(bits)[0, 0, 0, n, 0] = 0x7FC1 if dtype.itemsize == 2 else 0x7FC00001  # a NaN payload
+            ids = [7, 2, 3, 4, 0]
+            fast = [torch.zeros(9, 2, 2 * n * d, dtype=dtype) for _ in range(2)]
+            slow = [torch.zeros(9, 2, 2 * n * d, dtype=dtype) for _ in range(2)]
+            vl.write_chunks(fast, chunks, n, ids, layout, n)
+            vl.write_chunks_portable(slow, chunks, n, ids, layout, n)
+            for a, b in zip(fast, slow):
+                assert torch.equal(a.view(bits), b.view(bits)), (n, d, layout, stream)
+    finally:
+        layout_isa(best)

@@ -228,7 +228,8 @@ def write_chunks(caches: list[torch.Tensor], chunks: list[torch.Tensor], skip: i
                  layout: str, block_size: int) -> None:
     """Copy canonical chunks [layers, 2, H, C, D] (consecutive; from token `skip` of the first on) into the blocks
     `block_ids` of every layer's cache [blocks, H, 2*N*D], straight from the chunks' bytes. With the compiled writer
-    (native()) one blocked pass per chunk (register-tile transposes, 3x the numpy copy's speed); otherwise, or for
+    (native()) one blocked pass per chunk (register-tile transposes picked by the CPU's
+    instruction set, at about memcpy speed with AVX2 or AVX-512); otherwise, or for
     what it does not handle (non-contiguous tensors, other value sizes), write_chunks_portable: the same bits."""
     N = block_size
     fn = native()
