@@ -16,7 +16,7 @@ help:
 	@echo "make test-gpu the GPU lane: tests marked cuda and the TTFT benchmark on CUDA, in one call (docs/gpu-lane.md)"
 	@echo "make test-vllm vLLM (CPU) with the KV connector against a real sidecar, end to end (part of make test)"
 	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT, load path); not part of make test"
-	@echo "make plots    regenerate the README's plots in docs/img/ (replay, throughput, TTFT, closed loop)"
+	@echo "make plots    regenerate the plots of docs/benchmarks.md in docs/img/ (replay, throughput, TTFT, closed loop)"
 	@echo "make demo     real model over requests sharing a long system prompt, through a local sidecar"
 	@echo "make fuzz     100,000 generated and mutated requests against a real sidecar"
 	@echo "make loadtest concurrent clients, mixed lookup/get/put, for a bounded time"
@@ -104,7 +104,8 @@ bench-vllm: install vllm-env
 	$(PY) -m promptcache.devtools.models > /dev/null
 	PROMPTCACHE_VLLM_PYTHON=$$(hack/vllm-env.sh) $(VENV)/bin/promptcache bench vllm
 
-# The README's pictures, regenerated (a few minutes; the TTFT one runs the real model, the closed loop the API server).
+# The pictures of docs/benchmarks.md, regenerated (a few minutes; the TTFT one runs the real model, the closed loop
+# the API server).
 plots: install system-deps tools
 	@mkdir -p docs/img
 	$(VENV)/bin/promptcache bench replay --trace ../shared/traces/mooncake-fast25-synthetic.jsonl --split half \

@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Write the README's generated blocks from the code, the one source of truth:
+"""Write the generated blocks of docs/configuration.md from the code, the one source of truth:
 
 * `settings`: the sidecar's configuration table, from `Settings` and `HELP` in promptcache.sidecar.config;
 * `metrics`: every Prometheus metric the sidecar, the client and the operator declare, found by reading their source
   (each `Counter(`, `Gauge(`, `Histogram(`, `Summary(` and `*MetricFamily(` call whose name is a `promptcache_`
   literal): name as scraped, type, labels and its help text.
 
-Each block sits between `<!-- BEGIN GENERATED <block> ... -->` and `<!-- END GENERATED <block> -->` in README.md;
-the text around them is hand-written. tests/test_readme_tables.py runs `--check` (and compares the metrics with what a
-running sidecar exposes).
+Each block sits between `<!-- BEGIN GENERATED <block> ... -->` and `<!-- END GENERATED <block> -->` in
+docs/configuration.md (the README links it; the script keeps the name it had when they were in the README); the text
+around them is hand-written. tests/test_readme_tables.py runs `--check` (and compares the metrics with what a running
+sidecar exposes).
 
 Usage: .venv/bin/python hack/gen-readme-tables.py [--check]
 """
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+DOC = ROOT / "docs" / "configuration.md"
 
 # Where metrics are declared, and the heading each package's metrics go under (first match wins).
 METRIC_SOURCES = (
@@ -116,9 +117,9 @@ def metrics_block(metrics: list[Metric]) -> str:
 
 
 def _cell(text: str) -> str:
-    """Markdown table cell: pipes escaped, docs/*.md named in the text linked."""
+    """Markdown table cell: pipes escaped, docs/*.md named in the text linked (from docs/, where the table is)."""
     text = text.replace("|", "\\|")
-    return re.sub(r"(?<!\]\()(?<![\[/\w])(docs/[\w.-]+\.md)", r"[\1](\1)", text)
+    return re.sub(r"(?<!\]\()(?<![\[/\w])docs/([\w.-]+\.md)", r"[docs/\1](\1)", text)
 
 
 def quantity(n: int) -> str:
@@ -150,28 +151,28 @@ def blocks() -> dict[str, str]:
     return {"settings": settings_block(), "metrics": metrics_block(declared_metrics())}
 
 
-def render(readme: str, generated: dict[str, str]) -> str:
+def render(doc: str, generated: dict[str, str]) -> str:
     for name, body in generated.items():
         pattern = re.compile(rf"(<!-- BEGIN GENERATED {name}\b[^\n]*-->\n).*?(\n<!-- END GENERATED {name} -->)",
                              re.S)
-        if not pattern.search(readme):
-            raise SystemExit(f"README.md has no <!-- BEGIN GENERATED {name} ... --> ... "
+        if not pattern.search(doc):
+            raise SystemExit(f"docs/configuration.md has no <!-- BEGIN GENERATED {name} ... --> ... "
                              f"<!-- END GENERATED {name} --> block")
-        readme = pattern.sub(lambda m: m.group(1) + "\n" + body + "\n" + m.group(2), readme)
-    return readme
+        doc = pattern.sub(lambda m: m.group(1) + "\n" + body + "\n" + m.group(2), doc)
+    return doc
 
 
 def main(argv: list[str]) -> int:
-    current = README.read_text()
+    current = DOC.read_text()
     text = render(current, blocks())
     if "--check" in argv:
         if text != current:
-            print("README.md's generated tables are stale: run .venv/bin/python hack/gen-readme-tables.py",
-                  file=sys.stderr)
+            print("docs/configuration.md's generated tables are stale: run "
+                  ".venv/bin/python hack/gen-readme-tables.py", file=sys.stderr)
             return 1
         return 0
-    README.write_text(text)
-    print(f"wrote {README}")
+    DOC.write_text(text)
+    print(f"wrote {DOC}")
     return 0
 
 

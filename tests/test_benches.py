@@ -1,5 +1,5 @@
 """Short runs of the throughput and latency benchmarks (`make bench` runs them in full): they keep working and
-print what the README quotes. Real sidecar and real redis-server subprocesses; the figures are not checked."""
+print what docs/benchmarks.md quotes. Real sidecar and real redis-server subprocesses; the figures are not checked."""
 from __future__ import annotations
 
 import shutil

@@ -74,7 +74,8 @@ def test_load_text_builtins_and_files(tmp_path):
 @pytest.mark.model
 @pytest.mark.parametrize("text", ["en", "zh"])
 def test_fidelity_thresholds_on_smollm2_slice(text):
-    """The real model, the README's 3 windows (512 cached + 256 scored tokens) per text: none exact, k8v4 top-1 >= 99 %.
+    """The real model, docs/benchmarks.md's 3 windows (512 cached + 256 scored tokens) per text: none exact, k8v4
+    top-1 >= 99 %.
     (One window is too few: 99 % of 256 positions allows 2 misses, and the first Chinese window has 3.)"""
     try:
         model, tok = models.load_smollm2("float32")

@@ -1,5 +1,5 @@
 """`promptcache bench vllm` in miniature (`make test-vllm`): four real vLLM engine processes and a sidecar, one
-512-token prefix, so the benchmark behind the README's vLLM table keeps running. It raises when the connector
+512-token prefix, so the benchmark behind docs/benchmarks.md's vLLM table keeps running. It raises when the connector
 engine does not load the whole cached prefix from the sidecar."""
 from __future__ import annotations
 

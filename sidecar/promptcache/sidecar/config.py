@@ -18,7 +18,7 @@ Byte sizes accept Kubernetes quantities: 512Mi, 4Gi, 1G, or plain integers.
 
 from promptcache.contract.quantity import parse_bytes  # noqa: E402,F401 - byte flags are Kubernetes quantities
 
-# The settings that take one of a few words: the words are written once, here (validate() and the README's table
+# The settings that take one of a few words: the words are written once, here (validate() and docs/configuration.md
 # read them through typing.get_args).
 Quantization = Literal["any", "none", "k8v8", "k8v4", "k6v4z"]  # any, or one of promptcache.contract.keys.QUANT_MODES
 TenancyMode = Literal["auto", "isolated", "shared"]
