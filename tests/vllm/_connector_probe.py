@@ -161,7 +161,7 @@ client.put_blobs(base, long_tokens[:15 * CT], {i: torch.randn(L, 2, H, CT, D) fo
 r = req(long_tokens)
 out["matched"]["long"] = matched(r)
 conn.update_state_after_alloc(r, KVCacheBlocks(blocks=([KVCacheBlock(i) for i in range(32)],)), out["matched"]["long"])
-meta = conn.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+meta = conn.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
                                                  scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
 out["meta_loads"] = [(len(op.block_ids), len(op.tokens), op.first_chunk) for op in meta.loads]
 out["meta_bytes"] = len(pickle.dumps(meta))
@@ -173,7 +173,7 @@ out["dedupe_enabled"] = conn._dedupe
 r1, r2 = req(), req()
 first_hit = matched(r1)
 conn.update_state_after_alloc(r1, KVCacheBlocks(blocks=([KVCacheBlock(i) for i in range(32, 40)],)), first_hit)
-conn.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+conn.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
                                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
 out["dedupe"] = {"first": first_hit, "second_while_loading": matched(r2, deadline=1.0)}
 conn.update_connector_output(SimpleNamespace(finished_recving={r1.request_id}))

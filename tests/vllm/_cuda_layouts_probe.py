@@ -213,6 +213,30 @@ for layout in ("LBNHC", "LBHNC"):
             wk, wv = read_back([wrong_dst[n] for n in NAMES], DST_BLOCKS, dtype)
             r["wrong_conversion_matches"] = torch.equal(bits(wk), bits(K)) and torch.equal(bits(wv), bits(V))
             client.close()
+            if case == "LBNHC-float32":
+                # A step that computes nothing waits (idle_wait) for the load in flight instead of returning at
+                # once; with nothing loading it does not wait at all.
+                idle = vc.PromptCacheConnector(config(dtype_name, layout, idle_wait=60.0), KVConnectorRole.WORKER, kc)
+                idle.register_kv_caches(dst)
+                bind(idle, loads=[vc._LoadOp("idle", base, tokens, list(DST_BLOCKS), 0, 0, CT)], idle=True)
+                idle.start_load_kv(None)
+                r["idle_step_finished"] = sorted(idle.get_finished(set())[1] or [])
+                t_idle = time.perf_counter()
+                idle.get_finished(set())
+                r["idle_step_nothing_loading_seconds"] = time.perf_counter() - t_idle
+                idle.shutdown()
+                # The second of two chunks evicted after the Lookup: the load fetches them in two Gets (LOAD_BATCHES),
+                # writes the first chunk's blocks and reports exactly the second's as load errors.
+                with PromptCacheClient(args["address"]) as deleter:
+                    deleter.delete(base, tokens, start_chunk=1)
+                _, part = caches(cfg, spec, layout)
+                partial = loaded(cfg, kc, part, base, tokens, DST_BLOCKS)
+                r["partial_load_errors"] = sorted(partial.get_block_ids_with_load_errors())
+                pk, pv = read_back([part[n] for n in NAMES], DST_BLOCKS[:2], dtype)
+                half = T // 2
+                r["partial_first_chunk_exact"] = (torch.equal(bits(pk), bits(K[:, :half]))
+                                                  and torch.equal(bits(pv), bits(V[:, :half])))
+                partial.shutdown()
             for c in (saver, loader):
                 c.shutdown()
         r["seconds"] = round(time.perf_counter() - t0, 2)

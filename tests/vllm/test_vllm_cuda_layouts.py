@@ -22,6 +22,7 @@ pytestmark = [
     pytest.mark.timeout(900),
     pytest.mark.skipif(not VLLM_PYTHON, reason="needs the vLLM virtualenv: run `make test-vllm`"),
 ]
+DST_BLOCKS = [3, 7, 1, 8]  # _cuda_layouts_probe.py: two chunks of 32 tokens in blocks of 16
 CASES = [f"{layout}-{dtype}" for layout in ("LBNHC", "LBHNC") for dtype in ("float32", "float16", "bfloat16")]
 
 
@@ -58,6 +59,18 @@ def test_manager_blocks_split_into_kernel_blocks_round_trip(probe, layout):
     assert r["layout"] == f"paged {layout}, kernel blocks of 16"
     assert r["view_shape"][0] % 2 == 0 and r["view_shape"][2] == 16
     assert r["load_errors"] == [] and r["loaded_bit_exact"]
+
+
+def test_an_idle_step_waits_for_the_load_in_flight_and_only_then(probe):
+    r = probe["cases"]["LBNHC-float32"]
+    assert r["idle_step_finished"] == ["idle"]  # reported by the first get_finished: it waited for the load
+    assert r["idle_step_nothing_loading_seconds"] < 1.0  # idle_wait is 60 s: nothing loading, no wait
+
+
+def test_a_chunk_evicted_after_the_lookup_fails_only_its_own_blocks(probe):
+    r = probe["cases"]["LBNHC-float32"]
+    assert r["partial_load_errors"] == sorted(DST_BLOCKS[2:])  # the evicted second chunk's blocks: recomputed
+    assert r["partial_first_chunk_exact"]  # the first chunk's blocks, fetched in the Get before, are written
 
 
 def test_the_two_layouts_are_really_different_strides(probe):
