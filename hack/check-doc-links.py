@@ -7,6 +7,7 @@ Usage: .venv/bin/python hack/check-doc-links.py   (prints the broken links, exit
 """
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from pathlib import Path
@@ -19,10 +20,13 @@ def documents(root: Path = ROOT) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 
 
+def _without_fences(text: str) -> str:
+    return re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", text, flags=re.S | re.M)
+
+
 def _prose(text: str) -> str:
     """The text outside fenced code blocks and inline code spans."""
-    text = re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", text, flags=re.S | re.M)
-    return re.sub(r"`[^`\n]*`", "", text)
+    return re.sub(r"`[^`\n]*`", "", _without_fences(text))
 
 
 def slug(heading: str) -> str:
@@ -32,11 +36,12 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def anchors(path: Path) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def anchors(path: Path) -> frozenset[str]:
+    """The anchors of a document's headings (read once per run)."""
     seen: dict[str, int] = {}
     out = set()
-    text = re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", path.read_text(), flags=re.S | re.M)
-    for line in text.splitlines():
+    for line in _without_fences(path.read_text()).splitlines():
         m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
         if not m:
             continue
@@ -44,7 +49,7 @@ def anchors(path: Path) -> set[str]:
         n = seen.get(base, 0)
         seen[base] = n + 1
         out.add(base if n == 0 else f"{base}-{n}")
-    return out
+    return frozenset(out)
 
 
 def broken(root: Path = ROOT) -> list[str]:
