@@ -14,7 +14,7 @@ import torch
 
 from promptcache.client import PromptCacheClient, errors
 from promptcache.contract.layout import chunk_nbytes
-from support import CHUNK, SMALL, SidecarProcess, make_kv
+from support import CHUNK, SMALL, SidecarProcess, make_kv, metric
 
 CHUNK_BYTES = chunk_nbytes(SMALL, CHUNK)
 
@@ -57,6 +57,26 @@ def test_capacity_eviction_demotes_and_a_hit_promotes_bit_identical(tiered):
     in_memory = set(sidecar.tier._entries)
     assert not any(k in sidecar.spill.disk for k in in_memory)
     assert len(stats) == 2
+
+
+def test_write_queue_gauge_shows_demotions_waiting_for_the_writer(tiered):
+    """promptcache_disk_write_queue_bytes: what memory demoted and the disk has not written yet (served from the
+    queue meanwhile); it drains to 0 once written."""
+    sidecar = tiered()
+    disk = sidecar.spill.disk
+    held, write_batch = threading.Event(), disk._write_batch
+    disk._write_batch = lambda *a: (held.wait(30), write_batch(*a))  # the writer waits until released
+    gauge = 'promptcache_disk_write_queue_bytes{tier="disk"}'
+    tokens = list(range(5 * CHUNK))
+    kv = make_kv(SMALL, len(tokens), seed=12)
+    with PromptCacheClient(sidecar.address) as c:
+        assert c.put(SMALL, tokens, kv).stored_chunks == 5
+        assert metric(sidecar, gauge) >= 2 * CHUNK_BYTES  # three demoted, one maybe taken by the writer already
+        cached, got = c.get(SMALL, tokens)  # served from the queue meanwhile
+        assert cached == 5 * CHUNK and all(torch.equal(a, b) for (a, _), (b, _) in zip(got, kv))
+        held.set()
+        wait_written(sidecar)
+        assert metric(sidecar, gauge) == 0
 
 
 def test_restart_serves_what_was_stored_before(tiered, tmp_path):

@@ -105,6 +105,9 @@ class _TierCollector:
                                    "owner", labels=["owner"])
         full = GaugeMetricFamily("promptcache_disk_full", "1 while spilling is stopped because the data "
                                  "folder's filesystem is full (or failing writes)", labels=["tier"])
+        queued = GaugeMetricFamily("promptcache_disk_write_queue_bytes", "bytes of demoted chunks waiting for the "
+                                   "disk tier's writer (served from the queue meanwhile; dropped if the write fails)",
+                                   labels=["tier"])
         for name, tier in self.tiers.items():
             u = tier.usage()
             entries.add_metric([name], u["entries"])
@@ -113,7 +116,9 @@ class _TierCollector:
             budget.add_metric([name], u["budget"])
             if "disk_full" in u:
                 full.add_metric([name], u["disk_full"])
+            if "queued" in u:
+                queued.add_metric([name], u["queued"])
             if hasattr(tier, "pinned_usage"):
                 for owner, n in sorted(tier.pinned_usage().items()):
                     pinned.add_metric([owner], n)
-        return [entries, used, committed, budget, full, pinned]
+        return [entries, used, committed, budget, full, queued, pinned]

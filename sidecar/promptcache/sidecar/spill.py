@@ -206,4 +206,4 @@ class Spill(StoreListener):
     def usage(self) -> dict[str, int]:
         s = self.disk.stats()
         return {"entries": s["entries"], "used": s["bytes_used"], "budget": s["budget_bytes"],
-                "disk_full": int(s["disk_full"])}
+                "disk_full": int(s["disk_full"]), "queued": s["queued_bytes"]}
