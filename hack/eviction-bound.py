@@ -17,7 +17,7 @@ The gap between the last two is what knowing *which* conversation it is is worth
 Not part of `make test` (tests/test_eviction_bound.py checks its features and labels): it needs scikit-learn,
 which PromptCache does not depend on.
   python3 -m venv ~/.cache/promptcache/bound-venv && ~/.cache/promptcache/bound-venv/bin/pip install scikit-learn
-  PYTHONPATH=sidecar ~/.cache/promptcache/bound-venv/bin/python hack/eviction-bound.py \
+  PYTHONPATH=sidecar:devtools ~/.cache/promptcache/bound-venv/bin/python hack/eviction-bound.py \
       --trace ../shared/traces/mooncake-fast25-synthetic.jsonl
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from promptcache.devtools.bench import replay, traces
 from promptcache.sidecar.policies import LRU, ReuseRate, key_hash64
+from promptcache_devtools.bench import replay, traces
 
 FEATURES = ("requests", "silence_s", "last_gap_s", "mean_gap_s", "age_s", "last_blocks", "first_blocks")
 

@@ -14,8 +14,8 @@ import argparse
 import os
 import sys
 
-from promptcache.devtools.bench import replay, traces
 from promptcache.sidecar.policies import LRU, ClassRate, ReuseRate
+from promptcache_devtools.bench import replay, traces
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.join(HERE, "..", "..", "shared", "traces")

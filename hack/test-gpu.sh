@@ -28,14 +28,14 @@ started=$(date +%s)
 
 if ! "$PYTHON" -c "import promptcache.sidecar.server" 2> /dev/null; then
   # Not installed (a borrowed machine): the wheels carried in .whl/, and the namespace package's three source roots
-  # (pyproject.toml), the generated stubs included when they were carried.
+  # (pyproject.toml), the generated stubs included when they were carried, and devtools/ (the benchmarks).
   if compgen -G ".whl/*.whl" > /dev/null; then
     site=${TMPDIR:-/tmp}/promptcache-gpu-site
     "$PYTHON" -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
       .whl/*.whl || { echo "test-gpu: installing .whl/ failed" >&2; exit 2; }
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
   fi
-  export PYTHONPATH=$ROOT/sidecar:$ROOT/proto:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$ROOT/sidecar:$ROOT/proto:$ROOT/operator:$ROOT/devtools${PYTHONPATH:+:$PYTHONPATH}
 fi
 if ! "$PYTHON" -c "import promptcache.sidecar.server, promptcache.v1.kvcache_pb2_grpc" > "$RESULTS/import.log" 2>&1; then
   echo "test-gpu: the package does not import (missing wheels, or proto stubs not generated/carried):" >&2

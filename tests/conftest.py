@@ -1,6 +1,7 @@
 """Shared fixtures: a real sidecar (real gRPC server on loopback, real store) and a real client."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -18,10 +19,13 @@ from support import CHUNK
 def sidecar_factory():
     started: list[Sidecar] = []
 
-    def start(**overrides) -> Sidecar:
+    def start(clock=None, **overrides) -> Sidecar:
+        """clock: a support.FakeClock to run the sidecar's tiers on (TTL tests), instead of the real clocks."""
         settings = dataclasses.replace(Settings(grpc_address="127.0.0.1:0", metrics_port=0,
                                                 chunk_tokens=CHUNK, memory_bytes=8 << 20), **overrides)
-        sidecar = Sidecar(settings).start()
+        with clock.installed() if clock is not None else contextlib.nullcontext():
+            sidecar = Sidecar(settings)
+        sidecar.start()
         started.append(sidecar)
         return sidecar
 

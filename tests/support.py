@@ -2,6 +2,8 @@
 modules in one run would shadow each other)."""
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 import subprocess
 import sys
@@ -10,7 +12,7 @@ from pathlib import Path
 import torch
 
 from promptcache.contract.keys import ModelSpec
-from promptcache.devtools.procs import free_port, stop_process, wait_healthy  # noqa: F401 - free_port re-exported
+from promptcache_devtools.procs import free_port, stop_process, wait_healthy  # noqa: F401 - free_port re-exported
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ModelSpec("test/tiny-llama", "rev-1", "float32", num_layers=2, num_kv_heads=2, head_dim=8)
@@ -26,6 +28,60 @@ def make_kv(spec: ModelSpec, tokens: int, seed: int = 0) -> list[tuple[torch.Ten
     shape = (1, spec.num_kv_heads, tokens, spec.head_dim)
     return [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
             for _ in range(spec.num_layers)]
+
+
+class FakeClock:
+    """Time that moves only when the test advances it, for TTL tests without sleeps. Two clocks from different
+    origins move together, as the sidecar's do: `monotonic` (the memory tier's, MemoryTier(clock=)) and `wall`
+    (the disk tier's, DiskTier(clock=), kept in its records across restarts). sidecar_factory(clock=...) builds an
+    in-process sidecar whose tiers run on them (installed)."""
+
+    def __init__(self, monotonic: float = 1000.0, wall: float = 1.7e9):
+        self.elapsed = 0.0
+        self._monotonic, self._wall = monotonic, wall
+
+    def monotonic(self) -> float:
+        return self._monotonic + self.elapsed
+
+    def wall(self) -> float:
+        return self._wall + self.elapsed
+
+    __call__ = monotonic
+
+    def advance(self, seconds: float) -> None:
+        self.elapsed += seconds
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Within it, a MemoryTier or DiskTier built without a clock gets these (the default of its `clock=`),
+        as a Sidecar constructed here builds them. The sidecar's TTL sweeper still wakes up in real time, and
+        removes what has expired by these clocks."""
+        from promptcache.sidecar.disk import DiskTier
+        from promptcache.sidecar.store import MemoryTier
+
+        with _default(MemoryTier.__init__, "clock", self.monotonic), _default(DiskTier.__init__, "clock", self.wall):
+            yield self
+
+
+@contextlib.contextmanager
+def _default(fn, name: str, value):
+    """`fn`'s parameter `name` defaults to `value` within."""
+    if inspect.signature(fn).parameters[name].kind is inspect.Parameter.KEYWORD_ONLY:
+        saved = fn.__kwdefaults__
+        fn.__kwdefaults__ = {**saved, name: value}
+        try:
+            yield
+        finally:
+            fn.__kwdefaults__ = saved
+        return
+    positional = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    saved = fn.__defaults__
+    at = positional.index(name) - (len(positional) - len(saved))
+    fn.__defaults__ = saved[:at] + (value,) + saved[at + 1:]
+    try:
+        yield
+    finally:
+        fn.__defaults__ = saved
 
 
 class SidecarProcess:

@@ -6,13 +6,14 @@ import os
 import subprocess
 import sys
 
-from promptcache.contract import keys as keyspec
-from promptcache.devtools.bench import traces
-from promptcache.devtools.bench.replay import prepare, simulate_policy
 from promptcache.client import PromptCacheClient
+from promptcache.contract import keys as keyspec
 from promptcache.contract.keys import ModelSpec
 from promptcache.sidecar.accesslog import AccessLog, log_sampled
 from promptcache.sidecar.policies import make_policy
+from promptcache.sidecar.trace import simulate_policy
+from promptcache_devtools.bench import traces
+from promptcache_devtools.bench.replay import prepare
 
 CHUNK_TOKENS = 16
 SPEC = ModelSpec("test/accesslog", "rev-1", "float16", num_layers=1, num_kv_heads=1, head_dim=8)

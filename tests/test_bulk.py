@@ -730,3 +730,35 @@ def test_bulk_socket_mode_sets_who_may_connect(sidecar_factory, mode):
 def test_bad_bulk_socket_mode_is_refused(overrides, words):
     with pytest.raises(ValueError, match=words):
         Settings(grpc_address="127.0.0.1:0", metrics_port=0, **overrides).validate()
+
+
+def test_bulk_calls_count_against_max_calls_per_client_like_grpc(sidecar_factory, token_dir, tmp_path):  # noqa: F811
+    """One call context for both transports (calls.Call): a Put in flight on the bulk channel holds one of the
+    tenant's --max-calls-per-client, so a second call is refused, on the bulk channel as over gRPC, while another
+    tenant's are not; the slot comes back when the Put ends."""
+    sidecar = sidecar_factory(token_file=str(token_dir), bulk_address=f"unix:{tmp_path}/bulk.sock",
+                              max_calls_per_client=1, stream_idle_seconds=5)
+    holder, other = _raw(sidecar), _raw(sidecar)
+    assert _hello(holder, "Bearer alice-token-1").code == 0 and _hello(other, "Bearer alice-token-1").code == 0
+    data = _blob(2)
+    header = pb.PutHeader(model=model_to_proto(SMALL), tokens=TOKENS)
+    bulkwire.send(holder, pb.BulkFrame(put=pb.BulkPut(header=header, chunks=1)))
+    bulkwire.send(holder, pb.BulkFrame(chunk=_begin(0, data)))
+    holder.sendall(data[:100])  # alice's Put is in flight
+    deadline = time.monotonic() + 5
+    while sidecar.limiter.active("tenant:alice") < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    request = pb.GetRequest(model=model_to_proto(SMALL), tokens=TOKENS)
+    chunks, status = _get(other, request)
+    assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], status
+    assert "--max-calls-per-client" in status.message and chunks == []
+    with PromptCacheClient(sidecar.address, token="alice-token-1", retries=0) as alice, \
+            PromptCacheClient(sidecar.address, token="bob-token-1", retries=0) as bob:
+        with pytest.raises(errors.PromptCacheError, match="max-calls-per-client"):
+            alice.lookup(SMALL, TOKENS)
+        assert bob.lookup(SMALL, TOKENS).cached_tokens == 0  # bob's calls are his own
+    holder.sendall(data[100:])  # the Put ends: its slot is given back
+    assert bulkwire.recv(holder).status.code == 0
+    chunks, status = _get(other, request)
+    assert status.code == 0 and chunks == [data]
+    assert metric(sidecar, 'promptcache_requests_total{code="RESOURCE_EXHAUSTED",rpc="BulkGet"}') == 1

@@ -181,7 +181,7 @@ def test_disk_tier_behind_a_cuda_tier_demotes_and_promotes_bit_exact(cuda_sideca
 
 
 def test_hf_prefill_on_the_gpu_reuses_the_prefix(cuda_sidecar):
-    from promptcache.devtools import models
+    from promptcache_devtools import models
     from promptcache.client.hf import PromptCacheHF
 
     sidecar = cuda_sidecar(memory_bytes=64 << 20)

@@ -4,7 +4,7 @@ what they say."""
 import importlib.util
 from pathlib import Path
 
-from promptcache.devtools.bench.traces import Request
+from promptcache_devtools.bench.traces import Request
 
 SCRIPT = Path(__file__).resolve().parents[1] / "hack" / "eviction-bound.py"
 

@@ -16,8 +16,8 @@ import torch
 
 from support import CHUNK, SMALL, free_port, make_kv
 from promptcache.client import PromptCacheClient, errors
-from promptcache.devtools.procs import stop_process
 from promptcache.client.credentials import client_channel
+from promptcache_devtools.procs import stop_process
 
 KILLS = int(os.environ.get("PROMPTCACHE_TEST_KILLS", "4"))
 
@@ -128,7 +128,7 @@ def test_kill_9_under_load_and_restart():
 @pytest.mark.slow  # a sidecar process and 64 clients; test_sidecar.py checks the budget under concurrency quickly
 @pytest.mark.timeout(600)
 def test_memory_budget_under_64_concurrent_clients():
-    from promptcache.devtools.bench import loadtest
+    from promptcache_devtools.bench import loadtest
 
     p = argparse.ArgumentParser()
     loadtest.add_arguments(p)

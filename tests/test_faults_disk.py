@@ -216,7 +216,7 @@ class _LoggedSidecar:
     def __init__(self, log_path, *args: str):
         import sys
 
-        from promptcache.devtools.procs import free_port
+        from promptcache_devtools.procs import free_port
 
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -227,7 +227,7 @@ class _LoggedSidecar:
                                       *args], stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60.0) -> "_LoggedSidecar":
-        from promptcache.devtools.procs import wait_healthy
+        from promptcache_devtools.procs import wait_healthy
 
         wait_healthy(self.address, self.proc, timeout, lambda: f": {open(self.log_path).read()[-2000:]}")
         return self

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from promptcache.devtools import models
-from promptcache.devtools.bench import fidelity, ttft
+from promptcache_devtools import models
+from promptcache_devtools.bench import fidelity, ttft
 from support import CHUNK
 
 

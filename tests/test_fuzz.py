@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from promptcache.devtools import fuzz
+from promptcache_devtools import fuzz
 
 FUZZ_SECONDS = float(os.environ.get("PROMPTCACHE_TEST_FUZZ_SECONDS", "45"))
 
@@ -28,7 +28,7 @@ def _assert_clean(report):
 @pytest.mark.timeout(240)
 def test_fuzz_cli_with_auth(tmp_path):
     out = tmp_path / "fuzz.json"
-    proc = subprocess.run([sys.executable, "-m", "promptcache.devtools.fuzz", "--requests", "200000", "--max-seconds",
+    proc = subprocess.run([sys.executable, "-m", "promptcache_devtools.fuzz", "--requests", "200000", "--max-seconds",
                            str(FUZZ_SECONDS), "--workers", "3", "--seed", "11", "--json", str(out)],
                           capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -10,9 +10,9 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from promptcache.devtools import models
+from promptcache_devtools import models
 
-from promptcache.contract import quant
+from promptcache import codec
 from promptcache.client import PromptCacheClient, errors
 from promptcache.client.client import encode_chunk
 from promptcache.client.hf import PromptCacheHF, cache_kv, cache_kwargs, output_cache
@@ -112,12 +112,12 @@ def test_quantized_modes_reuse(mode, tiny, client):
     # a different mode is a different fingerprint: nothing shared
     assert PromptCacheHF(tiny, client, revision="t4", quantization="none").fetch(ids).cached_tokens == 0
     if mode == "k6v4z":  # the model's RoPE base reaches the encoder: its keys are coded with RoPE undone
-        from promptcache.contract import quant
+        from promptcache import codec
 
         assert pc.rope_theta == tiny.config.rope_parameters["rope_theta"] == 10000.0
         blobs = client.get_blobs(pc.spec, ids[0].tolist()[:4 * CT])
         assert len(blobs) == 4
-        bases = {quant.Z_HEADER.unpack(bytes(b[quant.HEADER_BYTES:quant.HEADER_BYTES + quant.Z_HEADER.size].tolist()))[-1]
+        bases = {codec.Z_HEADER.unpack(bytes(b[codec.HEADER_BYTES:codec.HEADER_BYTES + codec.Z_HEADER.size].tolist()))[-1]
                  for b in blobs}
         assert bases == {10000.0}  # even this random model's keys have a smaller RMS with RoPE undone
 
@@ -235,7 +235,7 @@ def test_corrupt_quantized_chunk_rejected(damage, tiny, client):
             import struct
             import zlib
 
-            off = quant.HEADER_BYTES + pc.spec.num_layers * pc.spec.num_kv_heads * CT * pc.spec.head_dim
+            off = codec.HEADER_BYTES + pc.spec.num_layers * pc.spec.num_kv_heads * CT * pc.spec.head_dim
             b[off:off + 2] = torch.tensor([float("inf")], dtype=torch.float32).to(torch.float16).view(torch.uint8)
             b[8:12] = torch.frombuffer(bytearray(struct.pack("<I", zlib.crc32(b[16:].numpy()))), dtype=torch.uint8)
         else:  # header claims another quantization mode

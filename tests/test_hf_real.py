@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from promptcache.devtools import models
 from promptcache.client import PromptCacheClient
 from promptcache.client.hf import PromptCacheHF
+from promptcache_devtools import models
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 

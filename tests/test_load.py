@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from promptcache.devtools.bench import loadtest
+from promptcache_devtools.bench import loadtest
 
 
 def args(**overrides) -> argparse.Namespace:

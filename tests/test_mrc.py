@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from promptcache.devtools.bench import traces
-from promptcache.devtools.bench.replay import simulate_policy
 from promptcache.client import PromptCacheClient
 from promptcache.contract.keys import ModelSpec
 from promptcache.contract.layout import chunk_nbytes
+from promptcache.sidecar.app import Sidecar
 from promptcache.sidecar.config import Settings
 from promptcache.sidecar.mrc import MissRatioCurve, default_sizes, parse_sizes, sampled
 from promptcache.sidecar.policies import make_policy
-from promptcache.sidecar.app import Sidecar
+from promptcache.sidecar.trace import simulate_policy
+from promptcache_devtools.bench import traces
 from support import REPO, metrics_text
 
 FRACTIONS = (0.02, 0.05, 0.10, 0.25, 0.50)
@@ -45,7 +45,7 @@ def shared_traces() -> Path | None:
 
 
 def exact_curve(reqs, chunk_bytes: int, sizes: list[int], policy: str = POLICY) -> list[float]:
-    """The exact replay (promptcache.devtools.bench.replay) with every chunk `chunk_bytes` long, at each size."""
+    """The exact replay (promptcache_devtools.bench.replay) with every chunk `chunk_bytes` long, at each size."""
     prepared = [(r.hash_ids, [chunk_bytes] * len(r.hash_ids)) for r in reqs]
     out = []
     for s in sizes:

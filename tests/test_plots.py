@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from promptcache.devtools.bench import plots
+from promptcache_devtools.bench import plots
 
 pytest.importorskip("matplotlib")
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from promptcache.devtools.bench.replay import simulate_policy
+from promptcache.sidecar.trace import simulate_policy
 from promptcache.sidecar.policies import (DEFAULT_POLICY, LRU, POLICIES, ROOT_PARENT, ClassRate, FrequencySketch,
                                           WTinyLFU, make_policy)
 
@@ -217,7 +217,7 @@ def test_sketch_of_a_huge_budget_stays_bounded_and_consistent():
 
 def test_default_beats_lru_on_a_small_chat_trace():
     """Issue #3's target on a small draw of the chat generator (the cell the 50 % start window lost on)."""
-    from promptcache.devtools.bench import replay, traces
+    from promptcache_devtools.bench import replay, traces
 
     reqs, ws = replay.prepare(traces.generate("chat", seed=0, scale=0.2))
     for fraction in (0.05, 0.10):
@@ -229,7 +229,7 @@ def test_default_beats_lru_on_a_small_chat_trace():
 
 def test_wtinylfu_window_stays_within_bounds():
     """The hill climber never takes the window past max_window: a TinyLFU-filtered main space always remains."""
-    from promptcache.devtools.bench import replay, traces
+    from promptcache_devtools.bench import replay, traces
 
     reqs, ws = replay.prepare(traces.generate("agent", seed=1, scale=0.1))
     cap = int(ws * 0.1)
@@ -454,7 +454,7 @@ CONVERSATION_TRACE = (pathlib.Path(__file__).resolve().parents[1] / ".." / "shar
 def test_rate_class_beats_rate_at_10_percent_on_the_tuning_quarter_of_the_conversation_trace():
     """Why the classes (docs/eviction.md, fifth round): on the first half of the conversation trace's first half,
     `rate` is 1.18x LRU at 10 %, `rate-class` 1.28x."""
-    from promptcache.devtools.bench import replay, traces
+    from promptcache_devtools.bench import replay, traces
 
     first, _ = replay.split_halves(traces.read_trace(str(CONVERSATION_TRACE)))
     reqs, ws = replay.prepare(first)
@@ -472,7 +472,7 @@ MOONCAKE_TRACE = (pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" 
 @pytest.mark.slow
 def test_rate_beats_lru_on_the_tuning_half_of_the_mooncake_trace():
     """What it was chosen for (docs/eviction.md, "Held out"): 1.61x LRU at 5 % and 1.27x at 10 % on the first half."""
-    from promptcache.devtools.bench import replay, traces
+    from promptcache_devtools.bench import replay, traces
 
     first, _ = replay.split_halves(traces.read_trace(str(MOONCAKE_TRACE)))
     reqs, ws = replay.prepare(first)

@@ -1,4 +1,4 @@
-"""Quantized chunk formats: exact length, round-trip error bounds, corrupt blobs rejected."""
+"""Quantized chunk formats (promptcache.codec): exact length, round-trip error bounds, corrupt blobs rejected."""
 from __future__ import annotations
 
 import struct
@@ -9,7 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from promptcache.contract import quant
+from promptcache import codec
+from promptcache.codec import entropy, formats, quantizers, rope
 from promptcache.contract.keys import ModelSpec
 from promptcache.contract.layout import chunk_nbytes
 
@@ -35,24 +36,24 @@ def chunks(draw):
 
 
 def _check_roundtrip(mode, x, dtype, rope_theta=0.0):
-    blob = quant.pack(mode, x, rope_theta)
+    blob = codec.pack(mode, x, rope_theta)
     assert blob.dtype == torch.uint8 and blob.dim() == 1
-    assert blob.numel() == quant.packed_nbytes(mode, tuple(x.shape), dtype)
-    y = quant.unpack(mode, blob, tuple(x.shape), dtype)
+    assert blob.numel() == codec.packed_nbytes(mode, tuple(x.shape), dtype)
+    y = codec.unpack(mode, blob, tuple(x.shape), dtype)
     assert y.dtype == x.dtype and y.shape == x.shape
     assert torch.isfinite(y).all()
     err = (y.float() - x.float()).abs()
     # quantization bound plus the final rounding to the KV dtype
-    bound = quant.error_bound(mode, x, rope_theta) * 1.0001 + y.float().abs() * torch.finfo(x.dtype).eps + 1e-30
+    bound = codec.error_bound(mode, x, rope_theta) * 1.0001 + y.float().abs() * torch.finfo(x.dtype).eps + 1e-30
     assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
     L, _, H, T, D = x.shape
     if mode == "k6v4z":  # the 4-bit coded tokens: each group's L2 error within its bound
-        g = quant.v_group_size(D)
-        low = quant.low_bit_value_tokens(x)
+        g = codec.v_group_size(D)
+        low = codec.low_bit_value_tokens(x)
         assert int(low.sum()) == L * H * max(0, T - 1 - min(32, T - 1))
         e = (y.float() - x.float())[:, 1].reshape(L, H, T, D // g, g)
         slack = y.float()[:, 1].abs().reshape(L, H, T, D // g, g).amax(-1) * torch.finfo(x.dtype).eps * g
-        assert (e.norm(dim=-1) <= quant.value_group_l2_bound(x) + slack)[low].all()
+        assert (e.norm(dim=-1) <= codec.value_group_l2_bound(x) + slack)[low].all()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -71,7 +72,7 @@ def test_k6v4z_roundtrip_with_rope_undone_within_bound(data, theta, rotated):
     x, dtype = data
     if rotated and x.shape[-1] % 2 == 0:
         x = x.float()
-        x[:, 0] = quant._rope(x[:, 0], theta, 1.0)
+        x[:, 0] = rope._rope(x[:, 0], theta, 1.0)
         x = x.to(DTYPES[dtype])
     _check_roundtrip("k6v4z", x, dtype, theta)
 
@@ -79,7 +80,7 @@ def test_k6v4z_roundtrip_with_rope_undone_within_bound(data, theta, rotated):
 @pytest.mark.parametrize("mode", MODES)
 def test_zero_is_exact_and_constant_groups(mode):
     x = torch.zeros(2, 2, 3, 8, 64)
-    y = quant.unpack(mode, quant.pack(mode, x), x.shape, "float32")
+    y = codec.unpack(mode, codec.pack(mode, x), x.shape, "float32")
     assert torch.equal(y, x)
     x = torch.full((1, 2, 1, 4, 64), 3.25)  # all-positive constant groups still covered
     _check_roundtrip(mode, x, "float32")
@@ -87,13 +88,13 @@ def test_zero_is_exact_and_constant_groups(mode):
 
 def test_compression_for_smollm2_geometry():
     shape = (30, 2, 3, 256, 64)
-    assert quant.packed_nbytes("k6v4z", shape, "bfloat16") == 5898240 * 2 // 7  # the fixed slot: fp16 bytes / 3.5
-    assert quant.compression_vs_fp16("k6v4z", shape) >= 3.5
-    assert quant.packed_nbytes("k8v4", shape, "bfloat16") == 5898240 * 2 // 5  # format 3's slot: fp16 bytes / 2.5
-    assert quant.compression_vs_fp16("k8v4", shape) >= 2.5  # format 2 was 2.496x, format 1 2.602x
-    assert quant.compression_vs_fp16("k8v8", shape) >= 1.9
+    assert codec.packed_nbytes("k6v4z", shape, "bfloat16") == 5898240 * 2 // 7  # the fixed slot: fp16 bytes / 3.5
+    assert codec.compression_vs_fp16("k6v4z", shape) >= 3.5
+    assert codec.packed_nbytes("k8v4", shape, "bfloat16") == 5898240 * 2 // 5  # format 3's slot: fp16 bytes / 2.5
+    assert codec.compression_vs_fp16("k8v4", shape) >= 2.5  # format 2 was 2.496x, format 1 2.602x
+    assert codec.compression_vs_fp16("k8v8", shape) >= 1.9
     spec = ModelSpec("m", "r", "float16", 30, 3, 64, quantization="k8v4")
-    assert chunk_nbytes(spec, 256) == quant.packed_nbytes("k8v4", shape, "float16")
+    assert chunk_nbytes(spec, 256) == codec.packed_nbytes("k8v4", shape, "float16")
 
 
 def test_k8v4_spends_finer_value_steps_on_the_tokens_attention_favours():
@@ -101,23 +102,23 @@ def test_k8v4_spends_finer_value_steps_on_the_tokens_attention_favours():
     value step floor V_FINE times the others'; every value group's error is within half its step (rotated back:
     sqrt(G) times that), and the step index the encoder chose is the finest whose code streams fit the slot."""
     x = _keys_like(T=256, L=2, H=2)
-    blob = quant.pack("k8v4", x)
-    top, step = blob[quant.HEADER_BYTES].item(), blob[quant.HEADER_BYTES + 1].item()
-    assert top == 255 and step < len(quant.CODED_STEPS)
-    y = quant.unpack("k8v4", blob, x.shape, "float32")
-    g = quant.v_group_size(64)
-    rot = quant._rotation(g, "cpu")
+    blob = codec.pack("k8v4", x)
+    top, step = blob[codec.HEADER_BYTES].item(), blob[codec.HEADER_BYTES + 1].item()
+    assert top == 255 and step < len(codec.CODED_STEPS)
+    y = codec.unpack("k8v4", blob, x.shape, "float32")
+    g = codec.v_group_size(64)
+    rot = quantizers._rotation(g, "cpu")
     err = (((y - x)[:, 1].reshape(2, 2, 256, 1, g) @ rot)).abs().amax(-1).squeeze(-1)  # [L, H, T], rotated domain
     fine = torch.zeros(2, 2, 256, dtype=torch.bool)
     fine[:, :, 0] = True
-    fine[:, :, -quant.DENSE_V_RECENT:] = True
-    fine.scatter_(2, quant._dense_value_tokens(x[:, 0]), True)
-    assert int(fine.sum()) == 2 * 2 * (1 + quant.DENSE_V_RECENT + quant.DENSE_V_SELECT)
+    fine[:, :, -codec.DENSE_V_RECENT:] = True
+    fine.scatter_(2, entropy._dense_value_tokens(x[:, 0]), True)
+    assert int(fine.sum()) == 2 * 2 * (1 + codec.DENSE_V_RECENT + codec.DENSE_V_SELECT)
     rms = (x[:, 1].reshape(2, 2, 256, 1, g) @ rot).square().mean(-1).sqrt().squeeze(-1)
     assert (err / rms)[fine].mean() < 0.5 * (err / rms)[~fine].mean()  # V_FINE = 1/4 of the step: far finer
     # one step coarser would have fit too? no: the encoder picked the finest that fits (its streams fill the slot)
     off, size = _section_offset("k8v4", "float32", "streams", x.shape)
-    n_k, n_v = quant.Z_HEADER.unpack(bytes(blob[quant.HEADER_BYTES:quant.HEADER_BYTES + quant.Z_HEADER.size]
+    n_k, n_v = codec.Z_HEADER.unpack(bytes(blob[codec.HEADER_BYTES:codec.HEADER_BYTES + codec.Z_HEADER.size]
                                            .tolist()))[3:5]
     assert n_k + n_v <= size
     _check_roundtrip("k8v4", x, "float32")
@@ -149,38 +150,38 @@ def test_k8v4_old_format_chunks_are_never_misread(fmt, blob, retired):
     assert QUANT_FORMATS["k8v4"] == "k8v4.3"
     assert fingerprint(spec).hex() not in (K8V4_FORMAT1_FINGERPRINT, K8V4_FORMAT2_FINGERPRINT)
     old = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    assert quant.read_header(old)["mode"] == f"k8v4 format {fmt} (retired)"
+    assert codec.read_header(old)["mode"] == f"k8v4 format {fmt} (retired)"
     shape = (2, 2, 1, 4, 4)
-    n = quant.packed_nbytes("k8v4", shape, "float32")
+    n = codec.packed_nbytes("k8v4", shape, "float32")
     assert n != old.numel()
-    with pytest.raises(quant.CorruptChunk, match=f"must be {n} bytes, got {old.numel()}"):
-        quant.unpack("k8v4", old, shape, "float32")
+    with pytest.raises(codec.CorruptChunk, match=f"must be {n} bytes, got {old.numel()}"):
+        codec.unpack("k8v4", old, shape, "float32")
     forged = _refresh_crc(torch.cat([old, torch.zeros(max(0, n - old.numel()), dtype=torch.uint8)])[:n])
-    with pytest.raises(quant.CorruptChunk, match=f"{retired}, expected k8v4"):
-        quant.unpack("k8v4", forged, shape, "float32")
+    with pytest.raises(codec.CorruptChunk, match=f"{retired}, expected k8v4"):
+        codec.unpack("k8v4", forged, shape, "float32")
 
 
 def test_format_header_mode_ids():
     x = torch.randn(1, 2, 1, 20, 64)
-    assert quant.pack("k8v8", x)[5].item() == 1
-    assert quant.pack("k8v4", x)[5].item() == 6  # format 3 (format 2 was id 3, format 1 id 2)
-    assert quant.pack("k6v4z", x)[5].item() == 5  # format 2 (format 1 was id 4)
+    assert codec.pack("k8v8", x)[5].item() == 1
+    assert codec.pack("k8v4", x)[5].item() == 6  # format 3 (format 2 was id 3, format 1 id 2)
+    assert codec.pack("k6v4z", x)[5].item() == 5  # format 2 (format 1 was id 4)
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown quantization mode"):
-        quant.packed_nbytes("k4v2", (1, 2, 1, 1, 64), "float32")
+        codec.packed_nbytes("k4v2", (1, 2, 1, 1, 64), "float32")
     with pytest.raises(ValueError, match="even head_dim"):
-        quant.packed_nbytes("k8v4", (1, 2, 1, 1, 63), "float32")
+        codec.packed_nbytes("k8v4", (1, 2, 1, 1, 63), "float32")
     with pytest.raises(ValueError, match="shape"):
-        quant.pack("k8v4", torch.zeros(1, 3, 1, 1, 64))
+        codec.pack("k8v4", torch.zeros(1, 3, 1, 1, 64))
     with pytest.raises(ValueError, match="NaN or Inf"):
-        quant.pack("k8v4", torch.tensor([float("nan")]).expand(1, 2, 1, 1, 64).contiguous())
+        codec.pack("k8v4", torch.tensor([float("nan")]).expand(1, 2, 1, 1, 64).contiguous())
     with pytest.raises(ValueError, match="dtype"):
-        quant.pack("k8v4", torch.zeros(1, 2, 1, 1, 64, dtype=torch.float64))
+        codec.pack("k8v4", torch.zeros(1, 2, 1, 1, 64, dtype=torch.float64))
     for theta in (float("nan"), float("inf"), -1.0):
         with pytest.raises(ValueError, match="rope_theta"):
-            quant.pack("k6v4z", torch.zeros(1, 2, 1, 1, 64), theta)
+            codec.pack("k6v4z", torch.zeros(1, 2, 1, 1, 64), theta)
 
 
 # ------------------------------------------------------------------------------------------------ corrupt blobs
@@ -189,12 +190,12 @@ SHAPE = (2, 2, 3, 48, 64)  # 48 tokens: k6v4z has 4-bit middle tokens (1..15)
 
 def _blob(mode="k8v4", dtype="float16"):
     x = (torch.randn(SHAPE) * 2).to(DTYPES[dtype])
-    return quant.pack(mode, x)
+    return codec.pack(mode, x)
 
 
 def _section_offset(mode, dtype, name, shape=SHAPE):
     off = 0
-    for sec, size in quant._sections(mode, shape, dtype):
+    for sec, size in formats._sections(mode, shape, dtype):
         if sec == name:
             return off, size
         off += size
@@ -204,7 +205,7 @@ def _section_offset(mode, dtype, name, shape=SHAPE):
 def _refresh_crc(blob: torch.Tensor) -> torch.Tensor:
     """Re-seal a deliberately edited blob so that the scale/zero checks (not the checksum) must catch it."""
     blob = blob.clone()
-    crc = zlib.crc32(blob[quant.HEADER_BYTES:].numpy())
+    crc = zlib.crc32(blob[codec.HEADER_BYTES:].numpy())
     blob[8:12] = torch.frombuffer(bytearray(struct.pack("<I", crc)), dtype=torch.uint8)
     return blob
 
@@ -212,37 +213,37 @@ def _refresh_crc(blob: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("mode", MODES)
 def test_wrong_length_rejected(mode):
     blob = _blob(mode)
-    with pytest.raises(quant.CorruptChunk, match="must be .* bytes"):
-        quant.unpack(mode, blob[:-1], SHAPE, "float16")
-    with pytest.raises(quant.CorruptChunk, match="must be .* bytes"):
-        quant.unpack(mode, torch.cat([blob, blob[:1]]), SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="must be .* bytes"):
+        codec.unpack(mode, blob[:-1], SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="must be .* bytes"):
+        codec.unpack(mode, torch.cat([blob, blob[:1]]), SHAPE, "float16")
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_flipped_byte_rejected(mode):
     blob = _blob(mode).clone()
-    blob[quant.HEADER_BYTES + 100] ^= 0x10
-    with pytest.raises(quant.CorruptChunk, match="checksum"):
-        quant.unpack(mode, blob, SHAPE, "float16")
+    blob[codec.HEADER_BYTES + 100] ^= 0x10
+    with pytest.raises(codec.CorruptChunk, match="checksum"):
+        codec.unpack(mode, blob, SHAPE, "float16")
 
 
 def test_wrong_mode_dtype_shape_magic_rejected():
     forged = _blob("k8v4").clone()
     forged[5] = 1  # header says k8v8 (the lengths differ too, so only a forged header gets this far)
-    with pytest.raises(quant.CorruptChunk, match="mode k8v8, expected k8v4"):
-        quant.unpack("k8v4", forged, SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="mode k8v8, expected k8v4"):
+        codec.unpack("k8v4", forged, SHAPE, "float16")
     blob = _blob("k8v4", "bfloat16")
-    with pytest.raises(quant.CorruptChunk, match="packed from bfloat16, expected float16"):
-        quant.unpack("k8v4", blob, SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="packed from bfloat16, expected float16"):
+        codec.unpack("k8v4", blob, SHAPE, "float16")
     other_shape = (2, 2, 3, 24, 128)  # same element count, different layout
-    with pytest.raises(quant.CorruptChunk):
-        quant.unpack("k8v4", blob, other_shape, "bfloat16")
+    with pytest.raises(codec.CorruptChunk):
+        codec.unpack("k8v4", blob, other_shape, "bfloat16")
     bad = blob.clone()
     bad[0] = ord("X")
-    with pytest.raises(quant.CorruptChunk, match="magic"):
-        quant.unpack("k8v4", bad, SHAPE, "bfloat16")
-    with pytest.raises(quant.CorruptChunk, match="1-D uint8"):
-        quant.unpack("k8v4", blob.view(torch.int8), SHAPE, "bfloat16")
+    with pytest.raises(codec.CorruptChunk, match="magic"):
+        codec.unpack("k8v4", bad, SHAPE, "bfloat16")
+    with pytest.raises(codec.CorruptChunk, match="1-D uint8"):
+        codec.unpack("k8v4", blob.view(torch.int8), SHAPE, "bfloat16")
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -1.0])
@@ -252,14 +253,14 @@ def test_bad_fp16_scales_rejected(mode, value):
     off, _ = _section_offset(mode, "float16", "k_scale")
     bad = blob.clone()
     bad[off:off + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
-    with pytest.raises(quant.CorruptChunk, match="key scales"):
-        quant.unpack(mode, _refresh_crc(bad), SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="key scales"):
+        codec.unpack(mode, _refresh_crc(bad), SHAPE, "float16")
     for sec in (["v8_scale"] if mode == "k6v4z" else ["v_scale"]):
         off, _ = _section_offset(mode, "float16", sec)
         bad = blob.clone()
         bad[off:off + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
-        with pytest.raises(quant.CorruptChunk, match="value scales"):
-            quant.unpack(mode, _refresh_crc(bad), SHAPE, "float16")
+        with pytest.raises(codec.CorruptChunk, match="value scales"):
+            codec.unpack(mode, _refresh_crc(bad), SHAPE, "float16")
 
 
 def test_out_of_range_scales_and_zeros_rejected():
@@ -268,40 +269,40 @@ def test_out_of_range_scales_and_zeros_rejected():
     off, _ = _section_offset("k6v4z", "float16", "v_scale")
     bad = blob.clone()
     bad[off] = 255
-    with pytest.raises(quant.CorruptChunk, match="overflow float16"):
-        quant.unpack("k6v4z", _refresh_crc(bad), SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="overflow float16"):
+        codec.unpack("k6v4z", _refresh_crc(bad), SHAPE, "float16")
     # the same code is fine for float32
     x = torch.randn(SHAPE)
-    b32 = quant.pack("k6v4z", x)
+    b32 = codec.pack("k6v4z", x)
     off32, _ = _section_offset("k6v4z", "float32", "v_scale")
     bad = b32.clone()
     bad[off32] = 255
-    y = quant.unpack("k6v4z", _refresh_crc(bad), SHAPE, "float32")
+    y = codec.unpack("k6v4z", _refresh_crc(bad), SHAPE, "float32")
     assert torch.isfinite(y).all()
     # k8v4: a float16 value scale whose 255 levels (sqrt(64) times, rotated back) overflow float16
     blob = _blob("k8v4")
     off, _ = _section_offset("k8v4", "float16", "v_scale")
     bad = blob.clone()
     bad[off:off + 2] = torch.tensor([60.0], dtype=torch.float16).view(torch.uint8)
-    with pytest.raises(quant.CorruptChunk, match="value scales out of range"):
-        quant.unpack("k8v4", _refresh_crc(bad), SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="value scales out of range"):
+        codec.unpack("k8v4", _refresh_crc(bad), SHAPE, "float16")
     # zero points beyond the format's range
     off, _ = _section_offset("k8v4", "float16", "v_zero")
     bad = blob.clone()
     bad[off] = 0xFF
-    with pytest.raises(quant.CorruptChunk, match="value zero points"):
-        quant.unpack("k8v4", _refresh_crc(bad), SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="value zero points"):
+        codec.unpack("k8v4", _refresh_crc(bad), SHAPE, "float16")
     off, _ = _section_offset("k8v4", "float16", "k_zero")
     bad = blob.clone()
     bad[off] = 255
-    with pytest.raises(quant.CorruptChunk, match="key zero points"):
-        quant.unpack("k8v4", _refresh_crc(bad), SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="key zero points"):
+        codec.unpack("k8v4", _refresh_crc(bad), SHAPE, "float16")
     # large fp16 key scale: 255 * 60000 overflows float16
     off, _ = _section_offset("k8v4", "float16", "k_scale")
     bad = blob.clone()
     bad[off:off + 2] = torch.tensor([60000.0], dtype=torch.float16).view(torch.uint8)
-    with pytest.raises(quant.CorruptChunk, match="overflow"):
-        quant.unpack("k8v4", _refresh_crc(bad), SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="overflow"):
+        codec.unpack("k8v4", _refresh_crc(bad), SHAPE, "float16")
 
 
 # ------------------------------------------------------------------------------------------------ k6v4z
@@ -313,9 +314,9 @@ def test_old_format_bytes_unchanged():
     g = torch.Generator().manual_seed(16)
     x = (torch.randn((2, 2, 3, 48, 64), generator=g) * 2).to(torch.bfloat16)
     for mode, crc, digest in (("k8v8", 3948144445, "18d8263cb985f07b"),):
-        blob = quant.pack(mode, x)
+        blob = codec.pack(mode, x)
         assert zlib.crc32(blob.numpy()) == crc, mode
-        y = quant.unpack(mode, blob, x.shape, "bfloat16")
+        y = codec.unpack(mode, blob, x.shape, "bfloat16")
         assert hashlib.sha256(y.view(torch.int16).numpy().tobytes()).hexdigest()[:16] == digest, mode
 
 
@@ -334,28 +335,28 @@ def test_k6v4z_rate_control_picks_the_finest_key_step_that_fits():
     a chunk too small for zstd to pay falls back to raw 4-bit key codes. Every blob fills exactly the fixed slot and
     stays within the error bound."""
     def relative_key_error(x):  # key RMS error over the keys' RMS about their channels' medians
-        y = quant.unpack("k6v4z", quant.pack("k6v4z", x), x.shape, "float32")
-        return float((y - x)[:, 0].square().mean().sqrt() / quant._rms(x[:, 0]).square().mean().sqrt())
+        y = codec.unpack("k6v4z", codec.pack("k6v4z", x), x.shape, "float32")
+        return float((y - x)[:, 0].square().mean().sqrt() / quantizers._rms(x[:, 0]).square().mean().sqrt())
 
     smooth = _keys_like()
-    blob = quant.pack("k6v4z", smooth)
-    assert blob[quant.HEADER_BYTES].item() == 255 and blob[quant.HEADER_BYTES + 1].item() < len(quant.DENSE_KEY_STEPS)
+    blob = codec.pack("k6v4z", smooth)
+    assert blob[codec.HEADER_BYTES].item() == 255 and blob[codec.HEADER_BYTES + 1].item() < len(codec.DENSE_KEY_STEPS)
     _check_roundtrip("k6v4z", smooth, "float32")
     noisy = smooth.clone()
     noisy[:, 0] = torch.rand(noisy[:, 0].shape, generator=torch.Generator().manual_seed(1)) * 100 - 50
-    blob = quant.pack("k6v4z", noisy)
-    assert blob[quant.HEADER_BYTES].item() == 255 and blob[quant.HEADER_BYTES + 1].item() < len(quant.DENSE_KEY_STEPS)
+    blob = codec.pack("k6v4z", noisy)
+    assert blob[codec.HEADER_BYTES].item() == 255 and blob[codec.HEADER_BYTES + 1].item() < len(codec.DENSE_KEY_STEPS)
     assert relative_key_error(smooth) < relative_key_error(noisy)  # the compressible keys: finer (0.032 vs 0.051)
     _check_roundtrip("k6v4z", noisy, "float32")
     tiny = noisy[:1, :, :1, :8, :8].contiguous()  # too small for zstd to pay, too random to fit at 8 bits
-    blob = quant.pack("k6v4z", tiny)
-    assert (blob[quant.HEADER_BYTES].item(), blob[quant.HEADER_BYTES + 1].item()) == (15, len(quant.DENSE_KEY_STEPS))
+    blob = codec.pack("k6v4z", tiny)
+    assert (blob[codec.HEADER_BYTES].item(), blob[codec.HEADER_BYTES + 1].item()) == (15, len(codec.DENSE_KEY_STEPS))
     _check_roundtrip("k6v4z", tiny, "float32")
 
 
 def _dense_parts(blob, shape=SHAPE, dtype="float16"):
     off, _ = _section_offset("k6v4z", dtype, "z_header")
-    top, step, _, n_k, n_v8, n_v4, _ = quant.Z_HEADER.unpack(bytes(blob[off:off + quant.Z_HEADER.size].tolist()))
+    top, step, _, n_k, n_v8, n_v4, _ = codec.Z_HEADER.unpack(bytes(blob[off:off + codec.Z_HEADER.size].tolist()))
     s_off, s_size = _section_offset("k6v4z", dtype, "streams")
     return off, top, (n_k, n_v8, n_v4), s_off, s_size
 
@@ -363,7 +364,7 @@ def _dense_parts(blob, shape=SHAPE, dtype="float16"):
 def _reseal_dense(blob, top, lengths, streams, dtype="float16", theta=0.0):
     off, _, _, s_off, s_size = _dense_parts(blob, dtype=dtype)
     bad = blob.clone()
-    bad[off:off + quant.Z_HEADER.size] = torch.frombuffer(bytearray(quant.Z_HEADER.pack(top, 0, 0, *lengths, theta)),
+    bad[off:off + codec.Z_HEADER.size] = torch.frombuffer(bytearray(codec.Z_HEADER.pack(top, 0, 0, *lengths, theta)),
                                                           dtype=torch.uint8)
     body = bytes(streams) + bytes(s_size - len(streams))
     bad[s_off:s_off + s_size] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
@@ -376,26 +377,26 @@ def test_k6v4z_corrupt_streams_rejected():
     blob = _blob("k6v4z")
     _, top, lengths, s_off, s_size = _dense_parts(blob)
     streams = bytes(blob[s_off:s_off + sum(lengths)].tolist())
-    assert quant.unpack("k6v4z", _reseal_dense(blob, top, lengths, streams), SHAPE, "float16") is not None
-    with pytest.raises(quant.CorruptChunk, match="key code top 17"):
-        quant.unpack("k6v4z", _reseal_dense(blob, 17, lengths, streams), SHAPE, "float16")
+    assert codec.unpack("k6v4z", _reseal_dense(blob, top, lengths, streams), SHAPE, "float16") is not None
+    with pytest.raises(codec.CorruptChunk, match="key code top 17"):
+        codec.unpack("k6v4z", _reseal_dense(blob, 17, lengths, streams), SHAPE, "float16")
     for theta in (float("nan"), float("inf"), -1.0):
-        with pytest.raises(quant.CorruptChunk, match="RoPE base"):
-            quant.unpack("k6v4z", _reseal_dense(blob, top, lengths, streams, theta=theta), SHAPE, "float16")
-    with pytest.raises(quant.CorruptChunk, match="exceed the slot"):
-        quant.unpack("k6v4z", _reseal_dense(blob, top, (s_size, *lengths[1:]), streams), SHAPE, "float16")
+        with pytest.raises(codec.CorruptChunk, match="RoPE base"):
+            codec.unpack("k6v4z", _reseal_dense(blob, top, lengths, streams, theta=theta), SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="exceed the slot"):
+        codec.unpack("k6v4z", _reseal_dense(blob, top, (s_size, *lengths[1:]), streams), SHAPE, "float16")
     padded = blob.clone()
     padded[s_off + s_size - 1] = 1  # padding must be zero
-    with pytest.raises(quant.CorruptChunk, match="padding"):
-        quant.unpack("k6v4z", _refresh_crc(padded), SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="padding"):
+        codec.unpack("k6v4z", _refresh_crc(padded), SHAPE, "float16")
     garbage = bytes(range(256)) * (lengths[0] // 256) + bytes(lengths[0] % 256)
-    with pytest.raises(quant.CorruptChunk, match="k_codes stream does not decompress"):
-        quant.unpack("k6v4z", _reseal_dense(blob, top, lengths, garbage + streams[lengths[0]:]), SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="k_codes stream does not decompress"):
+        codec.unpack("k6v4z", _reseal_dense(blob, top, lengths, garbage + streams[lengths[0]:]), SHAPE, "float16")
     # a well-formed frame of the wrong size
     n = SHAPE[0] * SHAPE[2] * SHAPE[3] * SHAPE[4]
     z = zstandard.ZstdCompressor().compress(bytes(n - 1))
-    with pytest.raises(quant.CorruptChunk, match="holds"):
-        quant.unpack("k6v4z", _reseal_dense(blob, top, (len(z), *lengths[1:]), z + streams[lengths[0]:]),
+    with pytest.raises(codec.CorruptChunk, match="holds"):
+        codec.unpack("k6v4z", _reseal_dense(blob, top, (len(z), *lengths[1:]), z + streams[lengths[0]:]),
                      SHAPE, "float16")
 
 
@@ -405,33 +406,33 @@ def test_k8v4_corrupt_sub_header_and_streams_rejected():
     blob = _blob("k8v4")
     h_off, _ = _section_offset("k8v4", "float16", "z_header")
     s_off, s_size = _section_offset("k8v4", "float16", "streams")
-    top, step, _, n_k, n_v, _, theta = quant.Z_HEADER.unpack(bytes(blob[h_off:h_off + quant.Z_HEADER.size].tolist()))
+    top, step, _, n_k, n_v, _, theta = codec.Z_HEADER.unpack(bytes(blob[h_off:h_off + codec.Z_HEADER.size].tolist()))
     streams = bytes(blob[s_off:s_off + n_k + n_v].tolist())
 
     def resealed(top=top, lengths=(n_k, n_v, 0), body=streams, theta=theta, step=step):
         bad = blob.clone()
-        bad[h_off:h_off + quant.Z_HEADER.size] = torch.frombuffer(
-            bytearray(quant.Z_HEADER.pack(top, step, 0, *lengths, theta)), dtype=torch.uint8)
+        bad[h_off:h_off + codec.Z_HEADER.size] = torch.frombuffer(
+            bytearray(codec.Z_HEADER.pack(top, step, 0, *lengths, theta)), dtype=torch.uint8)
         bad[s_off:s_off + s_size] = torch.frombuffer(bytearray(body + bytes(s_size - len(body))), dtype=torch.uint8)
         return _refresh_crc(bad)
 
-    assert torch.equal(quant.unpack("k8v4", resealed(), SHAPE, "float16"), quant.unpack("k8v4", blob, SHAPE, "float16"))
+    assert torch.equal(codec.unpack("k8v4", resealed(), SHAPE, "float16"), codec.unpack("k8v4", blob, SHAPE, "float16"))
     for bad, match in ((resealed(top=17), "code top 17"), (resealed(step=200), "step 200"),
                        (resealed(lengths=(n_k, n_v, 1)), "reserved"), (resealed(theta=float("nan")), "RoPE base"),
                        (resealed(lengths=(s_size, n_v, 0)), "exceed the slot")):
-        with pytest.raises(quant.CorruptChunk, match=match):
-            quant.unpack("k8v4", bad, SHAPE, "float16")
+        with pytest.raises(codec.CorruptChunk, match=match):
+            codec.unpack("k8v4", bad, SHAPE, "float16")
     padded = blob.clone()
     padded[s_off + s_size - 1] = 1  # padding must be zero
-    with pytest.raises(quant.CorruptChunk, match="padding"):
-        quant.unpack("k8v4", _refresh_crc(padded), SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="padding"):
+        codec.unpack("k8v4", _refresh_crc(padded), SHAPE, "float16")
     garbage = bytes(range(256)) * (n_k // 256) + bytes(n_k % 256)
-    with pytest.raises(quant.CorruptChunk, match="k_codes stream does not decompress"):
-        quant.unpack("k8v4", resealed(body=garbage + streams[n_k:]), SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="k_codes stream does not decompress"):
+        codec.unpack("k8v4", resealed(body=garbage + streams[n_k:]), SHAPE, "float16")
     n_values = SHAPE[0] * SHAPE[2] * SHAPE[3] * SHAPE[4]
     z = zstandard.ZstdCompressor().compress(bytes(n_values - 1))  # a well-formed frame of the wrong size
-    with pytest.raises(quant.CorruptChunk, match="v_codes stream holds"):
-        quant.unpack("k8v4", resealed(lengths=(n_k, len(z), 0), body=streams[:n_k] + z), SHAPE, "float16")
+    with pytest.raises(codec.CorruptChunk, match="v_codes stream holds"):
+        codec.unpack("k8v4", resealed(lengths=(n_k, len(z), 0), body=streams[:n_k] + z), SHAPE, "float16")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -453,33 +454,33 @@ def test_k6v4z_codes_keys_with_rope_undone():
     x = _keys_like(T=256, seed=3)
     x[:, 0, :, 0] -= 10  # no sink token here: the channels' constant components are what RoPE smears
     rotated = x.clone()
-    rotated[:, 0] = quant._rope(x[:, 0], theta, 1.0)
-    off = quant.HEADER_BYTES  # the sub-header follows the header
+    rotated[:, 0] = rope._rope(x[:, 0], theta, 1.0)
+    off = codec.HEADER_BYTES  # the sub-header follows the header
     key_mse = {}
     for base in (0.0, theta):
-        blob = quant.pack("k6v4z", rotated, base)
-        assert quant.Z_HEADER.unpack(bytes(blob[off:off + quant.Z_HEADER.size].tolist()))[-1] == base
-        y = quant.unpack("k6v4z", blob, rotated.shape, "float32")
+        blob = codec.pack("k6v4z", rotated, base)
+        assert codec.Z_HEADER.unpack(bytes(blob[off:off + codec.Z_HEADER.size].tolist()))[-1] == base
+        y = codec.unpack("k6v4z", blob, rotated.shape, "float32")
         key_mse[base] = float((y - rotated)[:, 0].square().mean())
         _check_roundtrip("k6v4z", rotated, "float32", base)
     assert key_mse[theta] < 0.5 * key_mse[0.0], key_mse
-    blob = quant.pack("k6v4z", x, theta)  # not rotated: undoing a rotation would smear it, so none is undone
-    assert quant.Z_HEADER.unpack(bytes(blob[off:off + quant.Z_HEADER.size].tolist()))[-1] == 0.0
+    blob = codec.pack("k6v4z", x, theta)  # not rotated: undoing a rotation would smear it, so none is undone
+    assert codec.Z_HEADER.unpack(bytes(blob[off:off + codec.Z_HEADER.size].tolist()))[-1] == 0.0
     _check_roundtrip("k6v4z", x, "float32", theta)
-    blob = quant.pack("k6v4z", rotated, 1e39)  # beyond float32: not used (the decoder would refuse an infinite base)
-    assert quant.Z_HEADER.unpack(bytes(blob[off:off + quant.Z_HEADER.size].tolist()))[-1] == 0.0
+    blob = codec.pack("k6v4z", rotated, 1e39)  # beyond float32: not used (the decoder would refuse an infinite base)
+    assert codec.Z_HEADER.unpack(bytes(blob[off:off + codec.Z_HEADER.size].tolist()))[-1] == 0.0
     _check_roundtrip("k6v4z", rotated, "float32", 1e39)
 
 
 def test_rope_theta_of_model_configs():
     from transformers import LlamaConfig
 
-    assert quant.rope_theta_of(LlamaConfig(rope_theta=100000.0)) == 100000.0
-    assert quant.rope_theta_of(LlamaConfig()) == 10000.0
+    assert codec.rope_theta_of(LlamaConfig(rope_theta=100000.0)) == 100000.0
+    assert codec.rope_theta_of(LlamaConfig()) == 10000.0
     scaled = LlamaConfig(max_position_embeddings=131072, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192})
-    assert quant.rope_theta_of(scaled) == 0.0  # scaled frequencies: not the rotation k6v4z undoes
+    assert codec.rope_theta_of(scaled) == 0.0  # scaled frequencies: not the rotation k6v4z undoes
 
 
 # A k6v4z chunk in format 1 (keys coded as stored, after RoPE; 16-byte sub-header), packed by that code from
@@ -496,15 +497,15 @@ def test_k6v4z_format1_chunks_are_never_misread():
 
     assert QUANT_FORMATS["k6v4z"] == "k6v4z.2"
     old = torch.frombuffer(bytearray(K6V4Z_FORMAT1), dtype=torch.uint8)
-    assert quant.read_header(old)["mode"] == "k6v4z format 1 (retired)"
+    assert codec.read_header(old)["mode"] == "k6v4z format 1 (retired)"
     shape = (2, 2, 1, 4, 4)
-    n = quant.packed_nbytes("k6v4z", shape, "float32")
+    n = codec.packed_nbytes("k6v4z", shape, "float32")
     assert n != old.numel()
-    with pytest.raises(quant.CorruptChunk, match=f"must be {n} bytes, got {old.numel()}"):
-        quant.unpack("k6v4z", old, shape, "float32")
+    with pytest.raises(codec.CorruptChunk, match=f"must be {n} bytes, got {old.numel()}"):
+        codec.unpack("k6v4z", old, shape, "float32")
     forged = _refresh_crc(torch.cat([old, torch.zeros(n - old.numel(), dtype=torch.uint8)]))
-    with pytest.raises(quant.CorruptChunk, match="k6v4z format 1 \\(retired\\), expected k6v4z"):
-        quant.unpack("k6v4z", forged, shape, "float32")
+    with pytest.raises(codec.CorruptChunk, match="k6v4z format 1 \\(retired\\), expected k6v4z"):
+        codec.unpack("k6v4z", forged, shape, "float32")
 
 
 def test_k6v4z_keeps_the_values_of_tokens_whose_keys_oppose_the_mean_key_at_8_bits():
@@ -515,13 +516,13 @@ def test_k6v4z_keeps_the_values_of_tokens_whose_keys_oppose_the_mean_key_at_8_bi
     x[:, 0] += 2.0  # a common key direction (the chunk's mean key)
     chosen = torch.randperm(96 - 17, generator=g)[:16] + 1  # middle tokens 1..78
     x[:, 0, :, chosen] = -3.0  # keys against it
-    blob = quant.pack("k6v4z", x)
+    blob = codec.pack("k6v4z", x)
     sel_off, sel_size = _section_offset_for("k6v4z", x.shape, "float32", "v_sel")
     stored = blob[sel_off:sel_off + sel_size].view(torch.int16).reshape(2, 3, 16)
     assert torch.equal(stored.long(), chosen.sort().values.expand(2, 3, 16))
-    low = quant.low_bit_value_tokens(x)
+    low = codec.low_bit_value_tokens(x)
     assert not low[:, :, chosen].any() and int(low.sum()) == 2 * 3 * (96 - 1 - 16 - 16)
-    y = quant.unpack("k6v4z", blob, x.shape, "float32")
+    y = codec.unpack("k6v4z", blob, x.shape, "float32")
     step8 = (x[:, 1].amax(-1) - x[:, 1].amin(-1)) / 254
     assert ((y - x)[:, 1, :, chosen].abs().amax(-1) <= step8[:, :, chosen] * 0.5 * 1.01).all()
     _check_roundtrip("k6v4z", x, "float32")
@@ -529,7 +530,7 @@ def test_k6v4z_keeps_the_values_of_tokens_whose_keys_oppose_the_mean_key_at_8_bi
 
 def _section_offset_for(mode, shape, dtype, name):
     off = 0
-    for sec, size in quant._sections(mode, tuple(shape), dtype):
+    for sec, size in formats._sections(mode, tuple(shape), dtype):
         if sec == name:
             return off, size
         off += size
@@ -541,11 +542,11 @@ def test_k6v4z_bad_selected_value_tokens_rejected(sel):
     """Selected tokens must be ascending, distinct middle tokens; anything else is CorruptChunk, never a wrong
     scatter."""
     shape = (1, 2, 1, 48, 64)  # recent 16, selected 16, middle tokens 1..31
-    blob = quant.pack("k6v4z", torch.randn(shape, generator=torch.Generator().manual_seed(2)))
+    blob = codec.pack("k6v4z", torch.randn(shape, generator=torch.Generator().manual_seed(2)))
     off, size = _section_offset_for("k6v4z", shape, "float32", "v_sel")
     bad = blob.clone()
     bad[off:off + 4] = torch.tensor(sel, dtype=torch.int16).view(torch.uint8)
     if sel == [40, 41]:  # beyond the middle: the last two slots
         bad[off:off + size] = torch.tensor(list(range(1, 15)) + sel, dtype=torch.int16).view(torch.uint8)
-    with pytest.raises(quant.CorruptChunk, match="selected value tokens"):
-        quant.unpack("k6v4z", _refresh_crc(bad), shape, "float32")
+    with pytest.raises(codec.CorruptChunk, match="selected value tokens"):
+        codec.unpack("k6v4z", _refresh_crc(bad), shape, "float32")

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from promptcache.devtools.bench import opt, replay, traces
 from promptcache.sidecar.policies import DEFAULT_POLICY, POLICIES, make_policy
+from promptcache_devtools.bench import opt, replay, traces
 
 
 @pytest.mark.parametrize("name", list(traces.GENERATORS))

@@ -1,17 +1,16 @@
 """Retention hints (docs/retention.md): a Put's ttl_seconds gives its chunks their own sliding TTL, shorter or
 longer than --ttl-seconds, capped at --max-ttl-hint-seconds (and the maximum lifetime); a bad hint is refused;
 a hinted chunk is served exactly like any other. Against a real sidecar (gRPC server and client, and the bulk
-channel)."""
+channel). TTLs run on a fake clock (support.FakeClock) the tests advance."""
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
 
 from promptcache.client import PromptCacheClient, errors
-from support import CHUNK, SMALL, make_kv, metric
+from support import CHUNK, SMALL, FakeClock, make_kv, metric
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -23,52 +22,63 @@ def prompt(p: int, chunks: int = 2) -> list[int]:
 
 
 def test_a_short_hint_expires_before_the_servers_ttl(sidecar_factory):
-    s = sidecar_factory(ttl_seconds=3600.0)
+    clock = FakeClock()
+    s = sidecar_factory(ttl_seconds=3600.0, clock=clock)
     with PromptCacheClient(s.address) as c:
         c.put(SMALL, prompt(1), make_kv(SMALL, 2 * CHUNK, seed=1), ttl_seconds=0.5)
         c.put(SMALL, prompt(2), make_kv(SMALL, 2 * CHUNK, seed=2))
+        clock.advance(0.4)
         assert c.lookup(SMALL, prompt(1)).cached_tokens == 2 * CHUNK
-        time.sleep(1.0)
+        clock.advance(0.2)
         assert c.lookup(SMALL, prompt(1)).cached_tokens == 0
         assert c.lookup(SMALL, prompt(2)).cached_tokens == 2 * CHUNK
     assert metric(s, 'promptcache_ttl_hints_total{capped="false"}') == 1
 
 
 def test_a_long_hint_outlives_the_servers_ttl_and_slides_with_hits_bit_exact(sidecar_factory):
-    s = sidecar_factory(ttl_seconds=0.6)
+    clock = FakeClock()
+    s = sidecar_factory(ttl_seconds=0.6, clock=clock)
     kv = make_kv(SMALL, 2 * CHUNK, seed=3)
     with PromptCacheClient(s.address) as c:
         c.put(SMALL, prompt(3), kv, ttl_seconds=30)
         c.put(SMALL, prompt(4), make_kv(SMALL, 2 * CHUNK, seed=4))
-        time.sleep(1.2)
+        clock.advance(1.2)
         assert c.lookup(SMALL, prompt(4)).cached_tokens == 0
         cached, got = c.get(SMALL, prompt(3))  # a hit: its own TTL again from now, not the server's 0.6 s
         assert cached == 2 * CHUNK
         for (k, v), (gk, gv) in zip(kv, got):
             assert torch.equal(bits(gk), bits(k)) and torch.equal(bits(gv), bits(v))
-        time.sleep(1.0)
+        clock.advance(1.0)
         assert c.lookup(SMALL, prompt(3)).cached_tokens == 2 * CHUNK
+        clock.advance(28.9)  # 29.9 s after the hit: still within its own TTL ...
+        assert c.lookup(SMALL, prompt(3)).cached_tokens == 2 * CHUNK
+        clock.advance(0.2)  # ... which is not forever
+        assert c.lookup(SMALL, prompt(3)).cached_tokens == 0
 
 
 @pytest.mark.parametrize("hint", [1e9, math.inf])
 def test_an_abusive_hint_is_capped(sidecar_factory, hint):
-    s = sidecar_factory(ttl_seconds=0.5, max_ttl_hint_seconds=0.8)
+    clock = FakeClock()
+    s = sidecar_factory(ttl_seconds=0.5, max_ttl_hint_seconds=0.8, clock=clock)
     with PromptCacheClient(s.address) as c:
         c.put(SMALL, prompt(5), make_kv(SMALL, 2 * CHUNK, seed=5), ttl_seconds=hint)
-        time.sleep(0.6)
+        clock.advance(0.7)
         assert c.lookup(SMALL, prompt(5)).cached_tokens == 2 * CHUNK  # longer than the server's TTL ...
-        time.sleep(0.6)
+        clock.advance(0.2)
         assert c.lookup(SMALL, prompt(5)).cached_tokens == 0  # ... but no longer than the cap
     assert metric(s, 'promptcache_ttl_hints_total{capped="true"}') == 1
 
 
 def test_the_maximum_lifetime_still_bounds_a_hinted_chunk(sidecar_factory):
-    s = sidecar_factory(ttl_seconds=30.0, max_lifetime_seconds=0.8, max_ttl_hint_seconds=3600.0)
+    clock = FakeClock()
+    s = sidecar_factory(ttl_seconds=30.0, max_lifetime_seconds=0.8, max_ttl_hint_seconds=3600.0, clock=clock)
     with PromptCacheClient(s.address) as c:
         c.put(SMALL, prompt(6), make_kv(SMALL, 2 * CHUNK, seed=6), ttl_seconds=3600)
-        time.sleep(0.5)
+        clock.advance(0.5)
         assert c.get(SMALL, prompt(6))[0] == 2 * CHUNK
-        time.sleep(0.5)
+        clock.advance(0.2)
+        assert c.lookup(SMALL, prompt(6)).cached_tokens == 2 * CHUNK
+        clock.advance(0.2)
         assert c.lookup(SMALL, prompt(6)).cached_tokens == 0
 
 
@@ -82,10 +92,13 @@ def test_a_bad_hint_is_refused_and_nothing_is_stored(sidecar_factory, hint):
 
 
 def test_the_bulk_channel_carries_the_hint(sidecar_factory, tmp_path):
-    s = sidecar_factory(ttl_seconds=3600.0, bulk_address=f"unix:{tmp_path}/bulk.sock")
+    clock = FakeClock()
+    s = sidecar_factory(ttl_seconds=3600.0, bulk_address=f"unix:{tmp_path}/bulk.sock", clock=clock)
     with PromptCacheClient(s.address, bulk_address=s.bulk_address) as c:
         assert c.put(SMALL, prompt(8), make_kv(SMALL, 2 * CHUNK, seed=8), ttl_seconds=0.5).stored_chunks == 2
-        time.sleep(1.0)
+        clock.advance(0.4)
+        assert c.lookup(SMALL, prompt(8)).cached_tokens == 2 * CHUNK
+        clock.advance(0.2)
         assert c.lookup(SMALL, prompt(8)).cached_tokens == 0
     assert metric(s, 'promptcache_requests_total{code="OK",rpc="Put"}') == 0  # it went through the bulk channel
     assert metric(s, 'promptcache_ttl_hints_total{capped="false"}') == 1
@@ -138,11 +151,12 @@ def test_pinning_off_and_a_pinned_chunk_still_expires(sidecar_factory):
     with PromptCacheClient(s.address) as c:
         c.put(SMALL, prompt(40), make_kv(SMALL, 2 * CHUNK, seed=40), priority=1)
         assert metric(s, 'promptcache_pins_total{result="refused"}') == 2
-    s2 = sidecar_factory(memory_bytes=8 * NB, max_pinned_fraction=0.25)
+    clock = FakeClock()
+    s2 = sidecar_factory(memory_bytes=8 * NB, max_pinned_fraction=0.25, clock=clock)
     with PromptCacheClient(s2.address) as c:
         c.put(SMALL, prompt(41), make_kv(SMALL, 2 * CHUNK, seed=41), priority=1, ttl_seconds=0.5)
         assert s2.tier.pinned_usage() == {"": 2 * NB}
-        time.sleep(1.0)
+        clock.advance(0.6)
         assert c.lookup(SMALL, prompt(41)).cached_tokens == 0  # pinned is not forever: its TTL holds
     s2.tier.expire()  # (what the TTL sweeper does): the expired pinned chunks leave, and their pin with them
     assert s2.tier.pinned_usage() == {}
@@ -162,15 +176,19 @@ def test_a_shrink_below_what_is_pinned_evicts_pinned_chunks_too(sidecar_factory)
 
 def test_a_ttl_hint_is_kept_through_the_disk_tier(sidecar_factory, tmp_path):
     """Demoted to disk and promoted back, a hinted chunk still slides with its own TTL, not the server's."""
-    s = sidecar_factory(memory_bytes=2 * NB, disk_bytes=64 << 20, data_dir=str(tmp_path / "data"), ttl_seconds=0.6)
+    clock = FakeClock()
+    s = sidecar_factory(memory_bytes=2 * NB, disk_bytes=64 << 20, data_dir=str(tmp_path / "data"), ttl_seconds=0.6,
+                        clock=clock)
     with PromptCacheClient(s.address) as c:
         c.put(SMALL, prompt(60), make_kv(SMALL, 2 * CHUNK, seed=60), ttl_seconds=30)
         c.put(SMALL, prompt(61), make_kv(SMALL, 2 * CHUNK, seed=61), ttl_seconds=30)  # 60 goes to disk
         assert s.spill.disk.flush(10)
         assert [ch.tier for ch in c.lookup(SMALL, prompt(60)).chunks] == ["disk", "disk"]
         assert s.spill.disk.entry(c.lookup(SMALL, prompt(60)).chunks[0].key).ttl_hint == 30
-        time.sleep(0.8)  # past the server's TTL
+        clock.advance(0.8)  # past the server's TTL
         assert c.get(SMALL, prompt(60))[0] == 2 * CHUNK  # promoted back
         assert c.get(SMALL, prompt(60))[0] == 2 * CHUNK  # a hit in memory: slides by its own 30 s
-        time.sleep(0.8)
+        clock.advance(0.8)
         assert c.lookup(SMALL, prompt(60)).cached_tokens == 2 * CHUNK
+        clock.advance(29.4)  # 30.2 s after that hit
+        assert c.lookup(SMALL, prompt(60)).cached_tokens == 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from support import CHUNK, SMALL, make_kv, metric, metrics_text
+from support import CHUNK, SMALL, FakeClock, make_kv, metric, metrics_text
 from promptcache.client import PromptCacheClient, errors
 from promptcache.contract.layout import chunk_nbytes
 from promptcache.sidecar.auth import ANONYMOUS
@@ -89,14 +89,19 @@ def test_purge_removes_only_that_fingerprint(client):
 
 
 def test_ttl_expiry(sidecar_factory):
-    sidecar = sidecar_factory(ttl_seconds=0.3)
+    clock = FakeClock()
+    sidecar = sidecar_factory(ttl_seconds=0.3, clock=clock)
     with PromptCacheClient(sidecar.address) as client:
         tokens = list(range(2 * CHUNK))
         client.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
+        clock.advance(0.29)
         assert client.lookup(SMALL, tokens).cached_tokens == 2 * CHUNK
-        time.sleep(0.8)
+        clock.advance(0.02)
         assert client.lookup(SMALL, tokens).cached_tokens == 0
         assert client.get_blobs(SMALL, tokens) == []
+    deadline = time.monotonic() + 10  # the sweeper wakes every 0.075 s (real time) and frees what has expired
+    while sidecar.tier.usage()["used"] and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert sidecar.tier.usage()["used"] == 0  # the sweeper freed the bytes too
     assert metric(sidecar, 'promptcache_evictions_total{reason="ttl",tier="device"}') == 2
 

@@ -14,7 +14,7 @@ import torch
 
 from promptcache.client import PromptCacheClient, errors
 from promptcache.contract.layout import chunk_nbytes
-from support import CHUNK, SMALL, SidecarProcess, make_kv, metric
+from support import CHUNK, SMALL, FakeClock, SidecarProcess, make_kv, metric
 
 CHUNK_BYTES = chunk_nbytes(SMALL, CHUNK)
 
@@ -109,13 +109,16 @@ def test_purge_and_delete_reach_the_disk_tier(tiered):
 
 
 def test_ttl_applies_on_disk(tiered):
-    sidecar = tiered(ttl_seconds=1.0)
+    clock = FakeClock()
+    sidecar = tiered(ttl_seconds=1.0, clock=clock)
     tokens = list(range(4 * CHUNK))
     with PromptCacheClient(sidecar.address) as c:
         c.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
         wait_written(sidecar)
+        clock.advance(0.9)
         assert c.lookup(SMALL, tokens).chunks[0].tier == "disk"
-        time.sleep(1.5)
+        assert c.lookup(SMALL, tokens).cached_tokens == 4 * CHUNK
+        clock.advance(0.2)
         assert c.lookup(SMALL, tokens).cached_tokens == 0
         assert c.get_blobs(SMALL, tokens) == []
 

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from promptcache import cli
-from promptcache.devtools import procs
-from promptcache.devtools.bench.startup import imported_modules
+from promptcache_devtools import procs
+from promptcache_devtools.bench.startup import imported_modules
 from support import REPO
 
 
@@ -26,7 +26,7 @@ def test_version_answers_before_anything_heavy_is_imported():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("promptcache ")
     assert "promptcache" in modules
-    assert not {"torch", "numpy", "grpc"} & modules
+    assert not {"torch", "numpy", "grpc", "promptcache_devtools"} & modules
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["stats", "--help"],
@@ -37,6 +37,7 @@ def test_the_cli_answers_without_importing_torch(argv):
     assert "promptcache" in out.stdout
     assert "promptcache.sidecar.config" in modules  # the report is read right (and the negative control below)
     assert "torch" not in modules
+    assert "promptcache_devtools" not in modules  # the benchmarks are another distribution, imported on use only
 
 
 def test_the_import_report_shows_torch_when_something_loads_it():
@@ -50,12 +51,12 @@ def test_admin_stats_answers_a_sidecar_without_importing_torch(sidecar):
     out, modules = importtime("-m", "promptcache.cli", "stats", "--address", sidecar.address, "-o", "json")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "chunk_tokens" in out.stdout or json.loads(out.stdout)
-    assert "torch" not in modules
+    assert not {"torch", "promptcache_devtools"} & modules
 
 
 def test_bench_help_lines_are_the_modules_own():
     for name, (module_name, help_line) in cli.BENCHES.items():
-        path = REPO / "sidecar" / (module_name.replace(".", "/") + ".py")
+        path = REPO / "devtools" / (module_name.replace(".", "/") + ".py")
         doc = ast.get_docstring(ast.parse(path.read_text()))
         assert doc.strip().splitlines()[0] == help_line, name
 
@@ -68,9 +69,29 @@ def test_a_named_bench_gets_its_flags_and_only_it_is_imported():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--repeats" in out.stdout
     modules = set(json.loads(out.stdout.splitlines()[-1]))
-    assert "promptcache.devtools.bench.startup" in modules
-    assert "promptcache.devtools.bench.throughput" not in modules
+    assert "promptcache_devtools.bench.startup" in modules
+    assert "promptcache_devtools.bench.throughput" not in modules
     assert "torch" not in modules
+
+
+HIDE_DEVTOOLS = "import sys\nsys.modules['promptcache_devtools'] = None  # as if not installed\nfrom promptcache import cli\n"
+
+
+@pytest.mark.parametrize("argv", [["bench", "replay", "--synthetic", "chat"], ["bench", "startup", "--help"]])
+def test_a_bench_without_promptcache_devtools_exits_2_naming_the_package(argv):
+    out = subprocess.run([sys.executable, "-c", HIDE_DEVTOOLS + f"sys.exit(cli.main({argv!r}))"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "promptcache-devtools" in out.stderr and "pip install -e devtools/" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_help_version_and_serve_flags_work_without_promptcache_devtools():
+    for argv in (["--version"], ["--help"], ["bench", "--help"], ["serve", "--help"]):
+        out = subprocess.run([sys.executable, "-c", HIDE_DEVTOOLS + f"sys.exit(cli.main({argv!r}))"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, (argv, out.stderr[-2000:])
+        assert "promptcache" in out.stdout
 
 
 def test_a_wait_ends_at_once_when_the_process_exits():

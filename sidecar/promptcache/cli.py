@@ -6,39 +6,43 @@ import importlib
 import sys
 
 # Sub-benchmarks: name -> (module with add_arguments(parser) and run(args) -> int, the first line of its docstring).
-# Only the benchmark a command names is imported (most import torch: seconds), so `promptcache --help`,
-# `bench --help`, `--version` and the admin commands start in a fraction of a second; tests/test_startup.py checks
-# that these help lines are the modules' own.
+# The benchmarks are not part of this package: they are promptcache_devtools, the promptcache-devtools distribution
+# (devtools/ in the repository; `make venv` installs it). Only the benchmark a command names is imported (most
+# import torch: seconds), so `promptcache --help`, `bench --help`, `--version` and the admin commands start in a
+# fraction of a second and work without it; tests/test_startup.py checks that these help lines are the modules' own.
+DEVTOOLS = "promptcache_devtools"
+DEVTOOLS_MISSING = ("promptcache bench: the benchmarks are in the promptcache-devtools package ({module}), which is "
+                    "not installed; install it from a checkout with `pip install -e devtools/` (or `make venv`)")
 BENCHES = {
-    "throughput": ("promptcache.devtools.bench.throughput",
+    "throughput": ("promptcache_devtools.bench.throughput",
                    "Put/Get throughput of 1, 8 and 64 MB prefixes over TCP and a unix socket (gRPC, shared memory, "
                    "and the bulk"),
-    "latency": ("promptcache.devtools.bench.latency",
+    "latency": ("promptcache_devtools.bench.latency",
                 "Where the time of one Get goes: gRPC's fixed cost, and a 1 MiB bulk-channel Get alone and between "
                 "Redis GETs."),
-    "replay": ("promptcache.devtools.bench.replay",
+    "replay": ("promptcache_devtools.bench.replay",
                "Replay a Mooncake-format trace against the eviction policies; token hit ratio beside OPT and "
                "infinite."),
-    "cluster": ("promptcache.devtools.bench.cluster",
+    "cluster": ("promptcache_devtools.bench.cluster",
                 "Fleet-wide token hit ratio of N node caches, with and without the cluster tier, requests routed at "
                 "random or"),
-    "fidelity": ("promptcache.devtools.bench.fidelity",
+    "fidelity": ("promptcache_devtools.bench.fidelity",
                  "fidelity: cached-prefix reuse vs full prefill per quantization mode, on SmolLM2-135M over real "
                  "text, per text."),
-    "ttft": ("promptcache.devtools.bench.ttft",
+    "ttft": ("promptcache_devtools.bench.ttft",
              "ttft: time to first token with and without prefix reuse, on SmolLM2-135M over real English text."),
-    "loadtest": ("promptcache.devtools.bench.loadtest",
+    "loadtest": ("promptcache_devtools.bench.loadtest",
                  "Load test: N concurrent clients, mixed lookup/get/put, for a bounded time; throughput, p50/p99, "
                  "errors."),
-    "vllm": ("promptcache.devtools.bench.vllm",
+    "vllm": ("promptcache_devtools.bench.vllm",
              "vllm: vLLM (CPU backend) TTFT and throughput with and without PromptCacheConnector, and vLLM's own "
              "prefix cache."),
-    "startup": ("promptcache.devtools.bench.startup",
+    "startup": ("promptcache_devtools.bench.startup",
                 "startup: `promptcache --version` and a default sidecar's time to healthy, in fresh processes."),
-    "loadpath": ("promptcache.devtools.bench.loadpath",
+    "loadpath": ("promptcache_devtools.bench.loadpath",
                  "loadpath: the vLLM connector's load path in GB/s, next to memcpy of the same bytes in the same "
                  "run; no vLLM needed."),
-    "paged": ("promptcache.devtools.bench.paged",
+    "paged": ("promptcache_devtools.bench.paged",
               "paged: the connector's worker-side save and load on vLLM's paged KV views (CUDA layouts) in GB/s, next "
               "to a pinned-memory copy; torch alone."),
 }
@@ -66,7 +70,9 @@ def build_parser(bench: str | None = None) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the node-local cache sidecar",
                            description=config.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     config.add_arguments(serve)
-    bench_parser = sub.add_parser("bench", help="run a benchmark")
+    bench_parser = sub.add_parser("bench", help="run a benchmark (needs promptcache-devtools)",
+                                  description="Benchmarks, from the promptcache-devtools package (pip install -e "
+                                              "devtools/ in a checkout, or make venv).")
     bench_sub = bench_parser.add_subparsers(dest="bench", required=True)
     for name, (module_name, help_line) in BENCHES.items():
         if name != bench:
@@ -98,6 +104,17 @@ def _named_bench(argv: list[str]) -> str | None:
     return next((a for a in argv[1:] if not a.startswith("-")), None)
 
 
+def devtools_installed() -> bool:
+    """Is promptcache_devtools importable (its top-level package only: a one-line module)?"""
+    try:
+        importlib.import_module(DEVTOOLS)
+    except ModuleNotFoundError as exc:
+        if exc.name != DEVTOOLS:
+            raise
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["operator"]:
@@ -107,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv == ["--version"]:  # the parser below is cheap too; this answers before anything else is imported
         print(f"promptcache {version()}")
         return 0
-    args = build_parser(_named_bench(argv)).parse_args(argv)
+    bench = _named_bench(argv)
+    if bench in BENCHES and not devtools_installed():
+        print(DEVTOOLS_MISSING.format(module=DEVTOOLS), file=sys.stderr)
+        return 2
+    args = build_parser(bench).parse_args(argv)
     if args.command == "serve":
         from promptcache.sidecar import app
 

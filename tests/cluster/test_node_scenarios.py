@@ -340,7 +340,7 @@ def apps(cluster, release, gpu_node, tmp_path_factory):
                    "data": {"hf_traffic.py": (Path(__file__).parent / "hf_traffic.py").read_text()}}, namespace=ns)
     # A copy readable by the pod's uid (the conversion writes model.safetensors 0600).
     import shutil
-    from promptcache.devtools import models
+    from promptcache_devtools import models
     model_dir = tmp_path_factory.mktemp("model") / "smollm2"
     shutil.copytree(models.smollm2_dir(), model_dir)
     for f in model_dir.iterdir():

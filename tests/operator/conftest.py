@@ -4,4 +4,4 @@ from opharness import *  # noqa: F401,F403  (fixtures and helpers)
 
 def pytest_addoption(parser):
     parser.addoption("--closed-loop-plot", default="", help="test_closed_loop writes a PNG of the autoscaler's "
-                     "trajectory here (needs matplotlib: the bench extra)")
+                     "trajectory here (needs matplotlib: promptcache-devtools[plots])")

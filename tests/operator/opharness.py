@@ -26,7 +26,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from promptcache.devtools.procs import free_port
+from promptcache_devtools.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "hack" / "tools" / "build.sh"

@@ -1,10 +1,13 @@
 """Autoscaler pieces without an API server: metrics parsing and aggregation, the rates from the fleet's scrapes, the
 Prometheus source (against a stand-in HTTP server answering the query API), the tuned children, config from env,
-and Resize over raw gRPC against a real sidecar process."""
+and Resize over gRPC (the generated promptcache.v1 messages) against a stand-in server and a real sidecar process."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
+from concurrent import futures
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -222,3 +225,47 @@ def test_grpc_resize_against_a_real_sidecar(tmp_path):
         s.stop()
     with pytest.raises(autoscale.ResizeError, match="UNAVAILABLE"):
         autoscale.grpc_resize(s.address, 32 * Mi, 2)
+
+
+def test_grpc_resize_speaks_the_generated_messages():
+    """What the operator sends is exactly kvcache_pb2.ResizeRequest's encoding, and what it returns is the server's
+    ResizeResponse decoded by the stub (no hand-written varints: a budget over 32 bits and 64-bit counters too)."""
+    import grpc
+    from promptcache.v1 import kvcache_pb2 as pb
+
+    seen: list[bytes] = []
+    reply = pb.ResizeResponse(previous_bytes=(1 << 40) + 3, memory_bytes=(5 << 32) + 1, evicted_chunks=300,
+                              bytes_used=(1 << 63) + 7, committed_bytes=12, waited_milliseconds=4)
+
+    def resize(raw: bytes, context) -> bytes:   # raw bytes both ways: no deserializer on the server
+        seen.append(raw)
+        return reply.SerializeToString()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "promptcache.v1.KVCache", {"Resize": grpc.unary_unary_rpc_method_handler(resize)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        for budget in (1, 127, 128, 300 * Mi, (5 << 32) + 1, (1 << 63) - 1, -1):
+            r = autoscale.grpc_resize(f"127.0.0.1:{port}", budget, 5)
+            assert seen[-1] == pb.ResizeRequest(memory_bytes=budget).SerializeToString()
+            assert pb.ResizeRequest.FromString(seen[-1]).memory_bytes == budget
+            assert r == {"previous_bytes": reply.previous_bytes, "memory_bytes": reply.memory_bytes,
+                         "evicted_chunks": reply.evicted_chunks, "bytes_used": reply.bytes_used}
+        with pytest.raises(autoscale.ResizeError, match="budget"):   # not an int64: refused before any call
+            autoscale.grpc_resize(f"127.0.0.1:{port}", 1 << 63, 5)
+        assert len(seen) == 7
+    finally:
+        server.stop(None)
+
+
+def test_operator_imports_neither_torch_nor_the_sidecar():
+    """The operator image has no torch and no sidecar or client code: the autoscaler and the stubs it uses import
+    without them."""
+    code = ("import sys, promptcache.operator.autoscale, promptcache.v1.kvcache_pb2\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'"
+            " or m.startswith(('promptcache.sidecar', 'promptcache.client')))\n"
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -214,7 +214,7 @@ def test_closed_loop(crd, kube, operator_kubeconfig, namespace, tmp_path, secure
         print("\n" + _table(rows))
         plot = request.config.getoption("--closed-loop-plot")
         if plot and not secured:  # the trajectory as a picture: `make plots` (docs/img/closed-loop.png)
-            from promptcache.devtools.bench import plots
+            from promptcache_devtools.bench import plots
 
             plots.closed_loop(rows, TARGET, plot)
         assert rows[-1][1] == MIN and rows[-1][2] == MIN, _table(rows)

@@ -65,3 +65,27 @@ def test_final_user_has_a_passwd_entry(name):
         f"no /etc/passwd entry for uid {uid} in the final stage"
     assert re.search(rf"'[a-z][a-z0-9_-]*:x:{gid or uid}:' >> /etc/group", final, re.M), \
         f"no /etc/group entry for gid {gid or uid} in the final stage"
+
+
+def test_operator_image_ships_the_resize_stubs():
+    """The operator's Resize uses the generated promptcache.v1 messages (kvcache_pb2), never committed: the build
+    stage generates them from proto/ into /app with the grpcio-tools the package build pins (in a throwaway
+    virtualenv, not /venv), /venv gets protobuf at least the operator extra's, and the final stage copies /app."""
+    text = (DOCKER / "operator.Dockerfile").read_text()
+    st = stages(text)
+    build, final = "\n".join(line for s in st[:-1] for line in s), "\n".join(st[-1])
+    assert re.search(r"^COPY proto/promptcache/v1/kvcache\.proto (\S+)$", build, re.M)
+    protoc = re.search(r"(\S+)/bin/python -m grpc_tools\.protoc (.*)$", build, re.M)
+    assert protoc and "--python_out=/app" in protoc.group(2) and "promptcache/v1/kvcache.proto" in protoc.group(2)
+    assert protoc.group(1) != "/venv", "grpcio-tools belongs to the build only"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    tools = re.search(r'"grpcio-tools==([\d.]+)"', pyproject).group(1)
+    assert f"grpcio-tools=={tools}" in build
+    venv_install = re.search(r"/venv/bin/pip install (.*?)(?:&&|$)", build.replace("\\\n", " "), re.S).group(1)
+    assert "grpcio-tools" not in venv_install
+    pinned = re.search(r"\bprotobuf==([\d.]+)", venv_install)
+    assert pinned, "protobuf (the stubs' runtime) in /venv"
+    floor = re.search(r'^operator = \[.*"protobuf>=([\d.]+)"', pyproject, re.M).group(1)
+    as_tuple = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
+    assert as_tuple(pinned.group(1)) >= as_tuple(floor)
+    assert "COPY --from=build /app /app" in final

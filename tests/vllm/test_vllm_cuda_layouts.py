@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from promptcache.devtools import models
+from promptcache_devtools import models
 from support import SidecarProcess, run_vllm_probe
 
 VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")

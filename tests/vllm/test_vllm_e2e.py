@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from promptcache.devtools import models
+from promptcache_devtools import models
 
 from promptcache.client import vllm_layout
 from promptcache.client import PromptCacheClient
 from promptcache.client.hf import PromptCacheHF, adopt_cache, cache_kwargs, decode_prefix
-from promptcache.devtools.vllm_engine import EngineProcess
+from promptcache_devtools.vllm_engine import EngineProcess
 from support import SidecarProcess
 
 VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")

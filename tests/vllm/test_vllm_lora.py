@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from promptcache.devtools import models
-from promptcache.devtools.vllm_engine import EngineProcess
+from promptcache_devtools import models
+from promptcache_devtools.vllm_engine import EngineProcess
 from support import SidecarProcess
 
 VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")

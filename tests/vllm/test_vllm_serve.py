@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from promptcache.devtools import models
+from promptcache_devtools import models
 from support import REPO, SidecarProcess, metric
 
 VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")

@@ -16,8 +16,8 @@ import torch
 from promptcache.client import PromptCacheClient
 from promptcache.client.client import checked_chunks
 from promptcache.contract.keys import ModelSpec, Shard, shard_spec
-from promptcache.devtools import models
-from promptcache.devtools.vllm_engine import EngineProcess
+from promptcache_devtools import models
+from promptcache_devtools.vllm_engine import EngineProcess
 from support import SidecarProcess
 
 VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")

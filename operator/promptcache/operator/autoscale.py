@@ -162,37 +162,8 @@ def effective_limits(kube: Kube, owner: Owner, caps: Capabilities,
     return {e.pod: pods.get(e.pod, shared) for e in eps}
 
 
-# --- Resize over gRPC (no generated stubs: the operator image carries grpcio only) ------------------------------
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    n &= (1 << 64) - 1
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _decode_fields(data: bytes) -> dict[int, int]:
-    fields_, i = {}, 0
-    while i < len(data):
-        key, i = _read_varint(data, i)
-        if key & 7 != 0:
-            raise ValueError("unexpected wire type in ResizeResponse")
-        fields_[key >> 3], i = _read_varint(data, i)
-    return fields_
-
-
-def _read_varint(data: bytes, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        b = data[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, i
-        shift += 7
+# --- Resize over gRPC, with the generated promptcache.v1 messages (protobuf only: no torch, no sidecar code) ------
+RESIZE_METHOD = "/promptcache.v1.KVCache/Resize"
 
 
 class ResizeError(Exception):
@@ -220,12 +191,17 @@ def grpc_resize(target: str, budget_bytes: int, timeout: float, *, tls: bool = F
     it) for `server_name` (the cache's Service name: pods are dialled by IP), and tls.crt/tls.key are presented
     for mTLS; a token file becomes the bearer token. The operator's tenant must be in the sidecars'
     --admin-tenants (the operator sets it on every cache that authenticates)."""
-    try:
-        import grpc  # the operator's only gRPC use; imported here so the rest runs without it
-    except ImportError:
-        raise ResizeError("grpcio is not installed in the operator image: cannot call Resize") from None
+    try:  # the operator's only gRPC use; imported here so the rest runs without grpcio or protobuf
+        import grpc
+        from promptcache.v1 import kvcache_pb2 as pb
+    except ImportError as exc:
+        raise ResizeError(f"cannot call Resize: {exc} (the operator image needs grpcio, protobuf and the "
+                          "promptcache.v1 stubs)") from None
 
-    request = b"\x08" + _varint(budget_bytes)   # field 1 (memory_bytes), varint
+    try:
+        request = pb.ResizeRequest(memory_bytes=budget_bytes)
+    except (TypeError, ValueError) as exc:   # not an int64
+        raise ResizeError(f"{target}: budget {budget_bytes!r}: {exc}") from None
     token = _credential(credentials_dir, "token")
     metadata = [("authorization", "Bearer " + token.decode().strip())] if token else None
     if tls:
@@ -237,15 +213,14 @@ def grpc_resize(target: str, budget_bytes: int, timeout: float, *, tls: bool = F
     else:
         channel = grpc.insecure_channel(target)
     with channel as ch:
-        call = ch.unary_unary("/promptcache.v1.KVCache/Resize", request_serializer=None,
-                              response_deserializer=None)
+        call = ch.unary_unary(RESIZE_METHOD, request_serializer=pb.ResizeRequest.SerializeToString,
+                              response_deserializer=pb.ResizeResponse.FromString)
         try:
-            raw = call(request, timeout=timeout, metadata=metadata)
+            r = call(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
             raise ResizeError(f"{target}: {exc.code().name}: {exc.details()}") from None
-    f = _decode_fields(raw)
-    return {"previous_bytes": f.get(1, 0), "memory_bytes": f.get(2, 0), "evicted_chunks": f.get(3, 0),
-            "bytes_used": f.get(4, 0)}
+    return {"previous_bytes": r.previous_bytes, "memory_bytes": r.memory_bytes, "evicted_chunks": r.evicted_chunks,
+            "bytes_used": r.bytes_used}
 
 
 # --- one tick ---------------------------------------------------------------------------------------------------

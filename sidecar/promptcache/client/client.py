@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass
 import sys
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
 import grpc
 import numpy as np
@@ -19,9 +19,12 @@ import xxhash
 
 from promptcache.contract import frames
 from promptcache.client import errors
+from promptcache.client.fallback import HOLD_SECONDS, retry_delay
+from promptcache.client.transport import (BulkTransport, GetCall, PutCall, SharedFileTransport, StreamTransport,
+                                          TransportChain)
 from promptcache.contract.keys import ModelSpec
 from promptcache.contract.layout import TORCH_DTYPES, all_finite, chunk_nbytes, chunk_shape, scanned
-from promptcache.contract.shm import ClientBuffers, SharedBufferError
+from promptcache.contract.shm import ClientBuffers
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
 from promptcache.contract.wire import NAME_TO_DTYPE, TIER_NAMES, model_to_proto
@@ -32,8 +35,7 @@ if TYPE_CHECKING:  # torch loads on first use (a tensor passed in or returned), 
 log = logging.getLogger("promptcache.client")
 T = TypeVar("T")
 KV = Sequence[tuple["torch.Tensor", "torch.Tensor"]]  # per layer (K, V), each [H, T, D] or [1, H, T, D]
-BULK_RETRY_SECONDS = 5.0
-SHM_RETRY_SECONDS = 5.0  # after the sidecar refused a shared buffer (its limits), stream for this long
+BULK_RETRY_SECONDS = SHM_RETRY_SECONDS = HOLD_SECONDS  # a transport that failed is left alone this long (fallback)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -90,6 +92,10 @@ class PromptCacheClient:
     socket the bytes go through memfds unless bulk_shared_memory is False: the chunks' own, lent read-only by a
     sidecar with zero copy on (unless bulk_zero_copy is False; mappings kept for reuse, up to
     bulk_lent_cache_bytes, 0 for none), or one this client shares with the sidecar, which copies the chunks in.
+
+    Put and Get try these transports in that order, bulk channel, shared memory, gRPC stream (whichever are
+    configured; promptcache.client.transport), with one fallback policy (promptcache.client.fallback): a
+    transport that cannot take a call is left alone for a few seconds, the next one serves it.
     """
 
     def __init__(self, target: str, *, timeout: float = 5.0, retries: int = 2, backoff: float = 0.05,
@@ -116,9 +122,7 @@ class PromptCacheClient:
         # Node-local fast path: chunk bytes go through shared memory in this folder (the sidecar's --shm-dir),
         # in buffers the sidecar creates for this client (docs/security.md).
         self._shm = ClientBuffers(shm_dir, self._open_shared_buffer, self._close_shared_buffer) if shm_dir else None
-        self._shm_retry_at = 0.0
         self._bulk = None
-        self._bulk_retry_at = 0.0
         if bulk_address:
             from promptcache.client.bulk import BulkClient
             from promptcache.client.credentials import TokenSource
@@ -130,6 +134,11 @@ class PromptCacheClient:
             self._bulk = BulkClient(bulk_address, (lambda: f"Bearer {source.get()}") if source else (lambda: ""),
                                     shared_memory=bulk_shared_memory, zero_copy=bulk_zero_copy,
                                     lent_cache_bytes=bulk_lent_cache_bytes)
+        transports = [BulkTransport(self._bulk)] if self._bulk is not None else []
+        if self._shm is not None:
+            transports.append(SharedFileTransport(self._shm, self._stub, self._call))
+        transports.append(StreamTransport(self._stub, self._get, self._call, frame_bytes))
+        self._transports = TransportChain(transports)
 
     def close(self) -> None:
         if self._shm is not None:
@@ -159,8 +168,7 @@ class PromptCacheClient:
                 if exc.code() not in retryable or attempt >= self.retries:
                     raise errors.from_rpc_error(exc) from None
             attempt += 1
-            time.sleep(min(self.backoff * (2 ** attempt) * random.uniform(0.5, 1.0),
-                           max(0.0, deadline - time.monotonic())))
+            time.sleep(retry_delay(attempt, self.backoff, deadline - time.monotonic(), random.uniform(0.5, 1.0)))
 
     @property
     def chunk_tokens(self) -> int:
@@ -204,30 +212,6 @@ class PromptCacheClient:
     def _close_shared_buffer(self, handle: str) -> None:
         self._stub.CloseSharedBuffer(pb.CloseSharedBufferRequest(handle=handle), timeout=min(self.timeout, 1.0))
 
-    def _shared_buffer(self, size: int):
-        """This thread's shared buffer of at least `size` bytes, or None: stream the bytes instead (no shm
-        configured, or the sidecar refused a buffer a moment ago)."""
-        if self._shm is None or time.monotonic() < self._shm_retry_at:
-            return None
-        try:
-            return self._shm.get(size)
-        except (errors.ResourceExhausted, SharedBufferError) as exc:
-            self._shm_retry_at = time.monotonic() + SHM_RETRY_SECONDS
-            log.warning("no shared-memory buffer, streaming for %.0f s: %s", SHM_RETRY_SECONDS, exc)
-            return None
-
-    def _with_shared_buffer(self, size: int, call: Callable[[object], T]) -> T:
-        """call(buffer or None). A buffer the sidecar no longer knows (restarted, or closed it after
-        --shm-idle-seconds unused) is replaced once."""
-        shared = self._shared_buffer(size)
-        try:
-            return call(shared)
-        except errors.NotFound:
-            if shared is None:
-                raise
-            self._shm.discard()
-            return call(self._shared_buffer(size))
-
     # --- blobs ------------------------------------------------------------------------------------------
     def put_blobs(self, spec: ModelSpec, tokens, blobs: Mapping[int, torch.Tensor | bytes],
                   timeout: float | None = None, ttl_seconds: float = 0.0, priority: int = 0) -> PutResult:
@@ -240,55 +224,9 @@ class PromptCacheClient:
         dtype = NAME_TO_DTYPE[spec.kv_dtype]
         arrays = {i: _as_bytes_array(b) for i, b in sorted(blobs.items())}
         sums = {i: xxhash.xxh3_64_intdigest(arr) for i, arr in arrays.items()}
-        if self._bulk is not None and arrays:
-            resp = self._bulk_put(spec, token_list, arrays, sums, shape, dtype, timeout, ttl_seconds, priority)
-            if resp is not None:
-                return PutResult(resp.stored_chunks, resp.skipped_chunks, resp.rejected_chunks, resp.stored_bytes)
-
-        def put(shared) -> pb.PutResponse:
-            offsets, pos = {}, 0
-            if shared is not None:
-                for i, arr in arrays.items():
-                    shared.array[pos:pos + arr.size] = arr
-                    offsets[i], pos = pos, pos + arr.size
-
-            def frames() -> Iterator[pb.PutRequest]:
-                yield pb.PutRequest(header=pb.PutHeader(model=model_to_proto(spec), tokens=token_list,
-                                                        shared_buffer=shared.name if shared else "",
-                                                        ttl_seconds=ttl_seconds, priority=priority))
-                for index, arr in arrays.items():
-                    yield pb.PutRequest(chunk=pb.ChunkBegin(index=index, nbytes=arr.size, shape=shape, dtype=dtype,
-                                                            xxh3_64=sums[index],
-                                                            buffer_offset=offsets[index] if shared else 0))
-                    if shared is None:
-                        for off in range(0, arr.size, self.frame_bytes):
-                            yield pb.PutRequest(data=arr[off:off + self.frame_bytes].tobytes())
-
-            return self._call(lambda t: self._stub.Put(frames(), timeout=t), timeout)
-
-        if self._shm is not None and arrays:
-            resp = self._with_shared_buffer(sum(a.size for a in arrays.values()), put)
-        else:
-            resp = put(None)
+        resp = self._transports.put(PutCall(spec, token_list, arrays, sums, shape, dtype, timeout or self.timeout,
+                                             ttl_seconds, priority))
         return PutResult(resp.stored_chunks, resp.skipped_chunks, resp.rejected_chunks, resp.stored_bytes)
-
-    def _bulk_put(self, spec, token_list, arrays, sums, shape, dtype, timeout,
-                  ttl_seconds: float = 0.0, priority: int = 0) -> pb.PutResponse | None:
-        """Put over the bulk channel; None: the channel cannot take the call (no bulk channel on this sidecar, one
-        without bulk Put, restarting, full, the connection broke), use gRPC Put, which has its own retries and
-        skips the chunks already stored. After such a failure the channel is left alone for a few seconds."""
-        if time.monotonic() < self._bulk_retry_at:
-            return None
-        header = pb.PutHeader(model=model_to_proto(spec), tokens=token_list, ttl_seconds=ttl_seconds,
-                              priority=priority)
-        chunks = [(pb.ChunkBegin(index=i, nbytes=arr.size, shape=shape, dtype=dtype, xxh3_64=sums[i]), arr)
-                  for i, arr in arrays.items()]
-        try:
-            return self._bulk.put(header, chunks, timeout or self.timeout)
-        except errors.Unavailable as exc:
-            self._bulk_retry_at = time.monotonic() + BULK_RETRY_SECONDS
-            log.warning("bulk channel not usable, using gRPC for %.0f s: %s", BULK_RETRY_SECONDS, exc)
-            return None
 
     def get_blobs(self, spec: ModelSpec, tokens, start_chunk: int = 0, max_chunks: int = 0,
                   timeout: float | None = None, copy: bool = True, keep_sealed: bool = False) -> list[torch.Tensor]:
@@ -328,46 +266,13 @@ class PromptCacheClient:
         token_list = _tokens(tokens)
         req = pb.GetRequest(model=model_to_proto(spec), tokens=token_list, start_chunk=start_chunk,
                             max_chunks=max_chunks)
-        if self._bulk is not None:
-            got = self._bulk_get(spec, req, token_list, timeout, owned)
-            if got is not None:
-                return got
-        if self._shm is None:  # a tensor per chunk
-            return self._call(lambda t: _receive(self._get(req, timeout=t), start_chunk), timeout), True
-        size = self._expected_bytes(spec, token_list, start_chunk, max_chunks)
-        if size == 0:
-            return [], True
-
-        def get(shared) -> tuple[list[torch.Tensor], bool]:
-            if shared is None:  # streamed: a tensor per chunk, the caller's own
-                req.ClearField("shared_buffer")
-                return self._call(lambda t: _receive(self._get(req, timeout=t), start_chunk), timeout), True
-            req.shared_buffer.name, req.shared_buffer.length = shared.name, size
-            return self._call(lambda t: _receive_shared(self._stub.GetShared(req, timeout=t), start_chunk,
-                                                        shared.array), timeout), False
-
-        return self._with_shared_buffer(size, get)
+        nbytes = self._expected_bytes(spec, token_list, start_chunk, max_chunks) if self._transports.sized else None
+        return self._transports.get(GetCall(req, timeout or self.timeout, owned, nbytes))
 
     def _expected_bytes(self, spec: ModelSpec, token_list: list[int], start_chunk: int, max_chunks: int) -> int:
         n = len(token_list) // self.chunk_tokens - start_chunk
         n = min(n, max_chunks) if max_chunks else n
         return max(n, 0) * chunk_nbytes(spec, self.chunk_tokens)
-
-    def _bulk_get(self, spec, req, token_list, timeout, owned) -> tuple[list[torch.Tensor], bool] | None:
-        """(blobs, owned) over the bulk channel; None: the channel cannot take the call (not configured on this
-        sidecar, restarting, full), use gRPC, which has its own retries. After such a failure the bulk channel
-        is left alone for a few seconds so a sidecar without one costs nothing."""
-        size = self._expected_bytes(spec, token_list, req.start_chunk, req.max_chunks)
-        if size == 0:
-            return [], True
-        if time.monotonic() < self._bulk_retry_at:
-            return None
-        try:
-            return self._bulk.get(req, size, timeout or self.timeout, owned)
-        except (errors.Unavailable, errors.ResourceExhausted) as exc:
-            self._bulk_retry_at = time.monotonic() + BULK_RETRY_SECONDS
-            log.warning("bulk channel not usable, using gRPC Get for %.0f s: %s", BULK_RETRY_SECONDS, exc)
-            return None
 
     # --- tensors ----------------------------------------------------------------------------------------
     def put(self, spec: ModelSpec, tokens, kv: KV, start_chunk: int = 0, timeout: float | None = None,
@@ -407,65 +312,6 @@ def _as_bytes_array(blob: torch.Tensor | bytes) -> np.ndarray:
     return blob.detach().reshape(-1).view(torch.uint8).cpu().numpy()
 
 
-def _receive(stream: Iterable, start_chunk: int) -> list[torch.Tensor]:
-    import torch
-
-    blobs: list[torch.Tensor] = []
-    current = buf = None
-    offset = 0
-
-    def finish():
-        if offset != current.nbytes:
-            raise errors.CorruptChunk(f"chunk {current.index} ended after {offset} of {current.nbytes} bytes")
-        if xxhash.xxh3_64_intdigest(buf) != current.xxh3_64:
-            raise errors.CorruptChunk(f"chunk {current.index} failed its checksum in transit")
-
-    for msg in stream:
-        if isinstance(msg, memoryview):  # a data frame (promptcache.contract.frames), or a parsed message otherwise
-            data = msg
-        elif msg.WhichOneof("frame") == "chunk":
-            if current is not None:
-                finish()
-            current = msg.chunk
-            if current.index != start_chunk + len(blobs):
-                raise errors.CorruptChunk(f"expected chunk {start_chunk + len(blobs)}, got {current.index}")
-            blobs.append(torch.empty(current.nbytes, dtype=torch.uint8))
-            buf, offset = blobs[-1].numpy(), 0
-            continue
-        elif msg.WhichOneof("frame") == "data":
-            data = memoryview(msg.data)
-        else:
-            raise errors.CorruptChunk(f"unexpected {msg.WhichOneof('frame')} frame in a streamed Get")
-        n = data.nbytes
-        if current is None or offset + n > current.nbytes:
-            raise errors.CorruptChunk("data frame outside a chunk's announced length")
-        buf[offset:offset + n] = np.frombuffer(data, dtype=np.uint8)
-        offset += n
-    if current is not None:
-        finish()
-    return blobs
-
-
-def _receive_shared(batch: pb.ChunkBatch, start_chunk: int, buffer: np.ndarray) -> list[torch.Tensor]:
-    blobs = []
-    for c in batch.chunks:
-        blobs.append(_shared_chunk(c, start_chunk + len(blobs), buffer))
-    return blobs
-
-
-def _shared_chunk(c: pb.ChunkBegin, expected_index: int, buffer: np.ndarray) -> torch.Tensor:
-    if c.index != expected_index:
-        raise errors.CorruptChunk(f"expected chunk {expected_index}, got {c.index}")
-    if c.buffer_offset + c.nbytes > buffer.size:
-        raise errors.CorruptChunk(f"chunk {c.index} was placed outside the shared buffer")
-    view = buffer[c.buffer_offset:c.buffer_offset + c.nbytes]
-    if xxhash.xxh3_64_intdigest(view) != c.xxh3_64:
-        raise errors.CorruptChunk(f"chunk {c.index} failed its checksum in shared memory")
-    import torch
-
-    return torch.from_numpy(view)
-
-
 def _kv_tokens(kv: KV) -> int:
     return kv[0][0].shape[-2]
 
@@ -491,9 +337,9 @@ def encode_chunk(spec: ModelSpec, kv: KV, start: int, stop: int, rope_theta: flo
                          for k, v in kv]).cpu()
     if spec.quantization == "none":
         return chunk.contiguous().view(torch.uint8).reshape(-1)
-    from promptcache.contract import quant
+    from promptcache import codec  # (torch-heavy quantizers: loaded only for quantized models)
 
-    return quant.pack(spec.quantization, chunk, rope_theta)
+    return codec.pack(spec.quantization, chunk, rope_theta)
 
 
 def decode_chunk(spec: ModelSpec, index: int, blob: torch.Tensor, expected: int, shape, dtype) -> torch.Tensor:
@@ -503,11 +349,11 @@ def decode_chunk(spec: ModelSpec, index: int, blob: torch.Tensor, expected: int,
         raise errors.CorruptChunk(f"chunk {index} has {blob.numel()} bytes; this model's layout needs {expected}")
     if spec.quantization == "none":
         return blob.view(dtype).reshape(shape)
-    from promptcache.contract import quant
+    from promptcache import codec
 
     try:
-        return quant.unpack(spec.quantization, blob, shape, spec.kv_dtype)
-    except quant.CorruptChunk as exc:
+        return codec.unpack(spec.quantization, blob, shape, spec.kv_dtype)
+    except codec.CorruptChunk as exc:
         raise errors.CorruptChunk(f"chunk {index}: {exc}") from None
 
 

@@ -190,7 +190,7 @@ def decode_prefix(spec: ModelSpec, blobs, chunk_tokens: int, device) -> list[tup
     """Blobs of consecutive chunks -> per-layer (K, V) [1, H, C*chunk_tokens, D], decoded straight into one buffer
     (one copy for mode none; quantized chunks are dequantized in place). CorruptChunk on any bad chunk; ValueError
     for fp8 or MLA chunks (check_spec)."""
-    from promptcache.contract import quant
+    from promptcache import codec
     from promptcache.contract.layout import TORCH_DTYPES, chunk_nbytes, chunk_shape
 
     check_spec(spec)
@@ -207,8 +207,8 @@ def decode_prefix(spec: ModelSpec, blobs, chunk_tokens: int, device) -> list[tup
             dst.copy_(blob.view(dtype).reshape(shape))
         else:
             try:
-                quant.unpack(spec.quantization, blob, shape, spec.kv_dtype, out=dst)
-            except quant.CorruptChunk as exc:
+                codec.unpack(spec.quantization, blob, shape, spec.kv_dtype, out=dst)
+            except codec.CorruptChunk as exc:
                 raise errors.CorruptChunk(f"chunk {i}: {exc}") from None
     return [(buf[layer, 0], buf[layer, 1]) for layer in range(L)]
 
@@ -227,7 +227,7 @@ class PromptCacheHF:
                  model_id: str | None = None, revision: str = "", tenant_salt: bytes = b"",
                  fetch_timeout: float = 1.0, store_timeout: float = 30.0, store: bool = True,
                  max_pending_stores: int = 8, verify_finite: bool = True):
-        from promptcache.contract import quant
+        from promptcache import codec
         from promptcache.contract.layout import DTYPE_NAMES
 
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -246,7 +246,7 @@ class PromptCacheHF:
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             quantization=quantization, tenant_salt=tenant_salt).validate()
         check_spec(self.spec)
-        self.rope_theta = quant.rope_theta_of(cfg)  # k6v4z codes the keys with RoPE undone (quant.pack)
+        self.rope_theta = codec.rope_theta_of(cfg)  # k6v4z codes the keys with RoPE undone (codec.pack)
         self._owns_client = isinstance(client, str)
         self.client = PromptCacheClient(client, timeout=fetch_timeout, retries=1) if isinstance(client, str) else client
         self.fetch_timeout = fetch_timeout

@@ -482,9 +482,9 @@ class PromptCacheConnector(KVConnectorBase_V1):
                              "are not supported yet)")
         hf = mc.hf_text_config
         heads = hf.num_attention_heads
-        from promptcache.contract import quant
+        from promptcache import codec
 
-        self.rope_theta = quant.rope_theta_of(hf)  # k6v4z codes the keys with RoPE undone (quant.pack)
+        self.rope_theta = codec.rope_theta_of(hf)  # k6v4z codes the keys with RoPE undone (codec.pack)
         quantization = str(_setting(extra, "quantization", "none"))
         if quantization != "none" and (self.fp8 or self.mla):
             self.disabled = (f"quantization {quantization!r} with {'an MLA model' if self.mla else 'an fp8 KV cache'}: "
@@ -1242,9 +1242,9 @@ class PromptCacheConnector(KVConnectorBase_V1):
             chunks = vllm_layout.split_chunks(kv, op.chunk_tokens)
             spec = self._rank_spec(op.spec)
             if spec.quantization != "none":
-                from promptcache.contract import quant
+                from promptcache import codec
 
-                chunks = [quant.pack(spec.quantization, c, self.rope_theta) for c in chunks]
+                chunks = [codec.pack(spec.quantization, c, self.rope_theta) for c in chunks]
             blobs = {op.first_chunk + i: c for i, c in enumerate(chunks)}
             self.client.put_blobs(spec, op.tokens, blobs, timeout=self.save_timeout, ttl_seconds=op.ttl_seconds,
                                   priority=op.priority)

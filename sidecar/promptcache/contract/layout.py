@@ -4,7 +4,7 @@ A chunk holds the K and V of `chunk_tokens` tokens for every layer as one contig
 is [num_layers, 2 (K, V), num_kv_heads, chunk_tokens, head_dim] ([num_layers, 1, 1, chunk_tokens, head_dim] for an
 MLA model's latent chunks, kv_kind "mla"). With quantization "none" the blob is that tensor in the model's KV dtype
 (an fp8 dtype: its raw bytes, never scanned for finite values); quantized modes pack it as
-promptcache.contract.quant describes.
+promptcache.codec describes.
 """
 from __future__ import annotations
 
@@ -137,6 +137,6 @@ def chunk_nbytes(spec: ModelSpec, chunk_tokens: int) -> int:
     shape = chunk_shape(spec, chunk_tokens)
     if spec.quantization == "none":
         return math.prod(shape) * ITEMSIZES[spec.kv_dtype]
-    from promptcache.contract import quant  # quantized formats live with their (de)quantizers
+    from promptcache import codec  # quantized formats live with their (de)quantizers (torch: imported on use)
 
-    return quant.packed_nbytes(spec.quantization, shape, spec.kv_dtype)
+    return codec.packed_nbytes(spec.quantization, shape, spec.kv_dtype)

@@ -9,7 +9,7 @@ DTYPE_TO_NAME = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16", pb.DT
 KIND_TO_NAME = {pb.KV_KIND_KV: "kv", pb.KV_KIND_MLA: "mla"}
 NAME_TO_KIND = {v: k for k, v in KIND_TO_NAME.items()}
 NAME_TO_DTYPE = {v: k for k, v in DTYPE_TO_NAME.items()}
-TIER_NAMES = {pb.TIER_DEVICE: "device", pb.TIER_DISK: "disk"}
+TIER_NAMES = {pb.TIER_DEVICE: "device", pb.TIER_DISK: "disk", pb.TIER_CLUSTER: "cluster"}
 AUTHORIZATION = "authorization"  # the bearer token's gRPC metadata key (the bulk channel's hello carries the same value)
 POD_METADATA = "x-promptcache-pod"  # gRPC metadata naming the calling inference pod (for KV events)
 

@@ -1,7 +1,7 @@
 """Opt-in access log: the sidecar's real traffic as a replayable trace (--access-log-path), rotated by size.
 
 One JSON object per line in the trace format that `promptcache bench replay --trace FILE` reads
-(promptcache.devtools.bench.traces.read_trace):
+(promptcache.sidecar.trace.read_trace):
 
     {"timestamp": ms since the epoch, "input_length": prompt tokens, "output_length": 0,
      "hash_ids": [one integer per whole chunk], "block_tokens": tokens per chunk}

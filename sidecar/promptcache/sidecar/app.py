@@ -28,6 +28,8 @@ from promptcache.sidecar.bulk import BulkServer
 from promptcache.sidecar.config import Settings, settings_from_args
 from promptcache.sidecar.disk import DiskTierError
 from promptcache.sidecar.engine import CacheEngine
+from promptcache.sidecar.tiers import TierStack
+from promptcache.sidecar.tiers.cluster import ClusterLowerTier
 from promptcache.sidecar.guard import Guard
 from promptcache.sidecar.limits import CallLimiter, Watchdog
 from promptcache.sidecar.memfd import ChunkMemory
@@ -123,15 +125,15 @@ def kv_events(settings: Settings, device: torch.device, metrics: Metrics):
         raise OSError(f"cannot listen on --kv-events-address {settings.kv_events_address}: {exc}") from None
 
 
-def disk_spill(settings: Settings, tier: MemoryTier, metrics: Metrics, tenancy: Tenancy):
+def disk_tier(settings: Settings, tier: MemoryTier, metrics: Metrics):
     from promptcache.sidecar.disk import DiskTier  # rocksdict loads only when the disk tier is on
-    from promptcache.sidecar.spill import Spill
+    from promptcache.sidecar.tiers.disk import DiskLowerTier
 
     disk = DiskTier(os.path.join(settings.data_dir, "rocksdb"), settings.disk_bytes,
                     ttl_seconds=settings.ttl_seconds, min_free_bytes=settings.disk_min_free_bytes,
                     lock_wait_seconds=settings.disk_lock_wait_seconds)
     log.info("disk tier open", extra={"path": disk.path, "disk_bytes": settings.disk_bytes, **disk.open_report})
-    return Spill(tier, disk, metrics, tenancy)
+    return DiskLowerTier(disk, tier.clock, metrics)
 
 
 def grpc_server(settings: Settings, guard: Guard) -> tuple[grpc.Server, int]:
@@ -186,22 +188,24 @@ class Sidecar:
                                  on_expire=lambda rpc, limit: cancelled.labels(rpc, limit).inc(),
                                  min_put_bytes_per_second=settings.min_put_bytes_per_second,
                                  put_rate_window_seconds=settings.put_rate_window_seconds)
-        self.server, self.port = grpc_server(settings, Guard(self.authenticator,
-                                                             CallLimiter(settings.max_calls_per_client),
+        self.limiter = CallLimiter(settings.max_calls_per_client)  # gRPC and the bulk channel alike (calls.py)
+        self.server, self.port = grpc_server(settings, Guard(self.authenticator, self.limiter,
                                                              self.watchdog, metrics))
         self.events = kv_events(settings, self.device, metrics) if settings.kv_events_address else None
         if self.events is not None:
             tier.subscribe(self.events)
-        self.spill = disk_spill(settings, tier, metrics, self.tenancy) if settings.disk_bytes > 0 else None
+        # The tier stack: memory, then disk (capacity evictions are demoted to it), then the cluster.
+        self.spill = disk_tier(settings, tier, metrics) if settings.disk_bytes > 0 else None
+        self.cluster = cluster_tier(settings, metrics) if settings.cluster_master else None
+        lowers = [t for t in (self.spill, self.cluster and ClusterLowerTier(self.cluster)) if t]
+        self.stack = TierStack(tier, lowers, self.tenancy)  # subscribes to memory's evictions
         if self.spill is not None:
-            tier.subscribe(self.spill)  # capacity evictions are demoted to disk
             metrics.watch({"disk": self.spill})
         tier.subscribe(metrics)
-        self.cluster = cluster_tier(settings, metrics) if settings.cluster_master else None
         buffers = (SharedBuffers(settings.shm_dir, settings.shm_max_buffers, settings.shm_max_bytes,
                                  settings.shm_idle_seconds) if settings.shm_dir else None)
-        self.engine = CacheEngine(settings, tier, metrics, self.tenancy, self.observer, spill=self.spill,
-                                  cluster=self.cluster, events=self.events, buffers=buffers)
+        self.engine = CacheEngine(settings, tier, metrics, self.tenancy, self.observer, stack=self.stack,
+                                  events=self.events, buffers=buffers)
         self.servicer = KVCacheServicer(self.engine, settings.frame_bytes)
         frames.add_service(self.servicer, self.server)
         self.health = health.HealthServicer()
@@ -217,10 +221,11 @@ class Sidecar:
                                 max_connections_per_peer=settings.bulk_max_connections_per_peer,
                                 hello_seconds=settings.bulk_hello_seconds, watchdog=self.watchdog,
                                 frame_bytes=settings.frame_bytes,
-                                socket_mode=int(settings.bulk_socket_mode, 8) if settings.bulk_socket_mode else None)
+                                socket_mode=int(settings.bulk_socket_mode, 8) if settings.bulk_socket_mode else None,
+                                limiter=self.limiter)
                      for address in settings.bulk_addresses]
-        self.warmup = Warmup(tier, self.spill, WarmupMetrics(metrics.registry), settings.warmup_seconds,
-                             settings.warmup_snapshot, self.tenancy)
+        self.warmup = Warmup(self.stack, self.spill, WarmupMetrics(metrics.registry), settings.warmup_seconds,
+                             settings.warmup_snapshot)
         self._stop = threading.Event()
         self._stop_lock = threading.Lock()
         self.stop_error: str | None = None
@@ -317,7 +322,7 @@ class Sidecar:
         if self.spill is not None:
             # A graceful stop (upgrade, rescheduling) keeps the cache: memory goes to disk for the next start.
             disk = self.spill.disk
-            demoted = self.spill.demote_all()
+            demoted = self.stack.demote_all()
             flushed = disk.flush()
             try:
                 disk.close()

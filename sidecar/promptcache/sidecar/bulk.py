@@ -27,9 +27,11 @@ import grpc
 import numpy as np
 
 from promptcache.contract import bulkwire
-from promptcache.sidecar.errors import CacheError, Cancelled, InvalidRequest, TimedOut
+from promptcache.sidecar.calls import Call
+from promptcache.sidecar.errors import Cancelled, InvalidRequest, TimedOut
 from promptcache.sidecar.identity import Caller
 from promptcache.sidecar.limits import LARGE_REQUEST_TOKENS
+from promptcache.sidecar.sinks import ArraySink, ChunkSink
 from promptcache.v1 import kvcache_pb2 as pb
 
 log = logging.getLogger("promptcache.sidecar.bulk")
@@ -100,7 +102,7 @@ class BulkServer:
     def __init__(self, address: str, engine, authenticator, metrics, max_connections: int = 64,
                  idle_seconds: float = 30.0, max_call_seconds: float = 0.0, lend: bool = False,
                  max_connections_per_peer: int = 16, hello_seconds: float = 5.0, watchdog=None,
-                 frame_bytes: int = 1 << 20, socket_mode: int | None = None):
+                 frame_bytes: int = 1 << 20, socket_mode: int | None = None, limiter=None):
         self.family, self.sockaddr = bulkwire.parse_address(address)
         self.socket_mode = socket_mode  # a unix socket's permission bits (--bulk-socket-mode); None: the umask's
         self.engine = engine  # promptcache.sidecar.engine.CacheEngine
@@ -111,6 +113,7 @@ class BulkServer:
         self.max_connections_per_peer = max_connections_per_peer
         self.hello_seconds = hello_seconds
         self.watchdog = watchdog  # limits.Watchdog: puts get the gRPC Put's minimum rate (and duration) too
+        self.limiter = limiter  # limits.CallLimiter: --max-calls-per-client, shared with gRPC (calls.Call)
         max_tokens = engine.settings.max_request_tokens
         self.max_frame_bytes = min(bulkwire.MAX_FRAME_BYTES, 5 * max_tokens + (64 << 10))  # <= 5 bytes a token
         self.idle_seconds = idle_seconds or None
@@ -414,52 +417,49 @@ class BulkServer:
 
     def _get(self, conn: socket.socket, session: _Session, request: pb.GetRequest,
              shared: "_SharedBuffer | None" = None) -> None:
-        start = time.perf_counter()
         sent = 0
         # Frames without bytes after them (memfd answers) are sent at once with the status: one wake-up.
         pending = bytearray()
         lent: list = []  # the SealedChunks whose descriptors go with `pending`; held until it is sent
         n_lent = 0
-        code, message = grpc.StatusCode.OK, ""
         # Credentials are checked on every get, as on every gRPC call: a token revoked (removed from the token
         # file) stops working on open connections too. The connection is then closed.
         if self._revoked(session):
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, "the bearer token of this connection's hello is no "
                            "longer valid; reconnect with a current one")
-        try:
-            target = None
-            if request.HasField("shared_buffer"):
-                target = _shared_target(request.shared_buffer, shared)
-            for begin, view in self.engine.read_chunks(session.caller, request, target, lend=session.lend,
-                                                       large_slot=False):
-                if self.max_call_seconds and time.perf_counter() - start > self.max_call_seconds:
-                    raise Cancelled(f"this get ran longer than --max-call-seconds ({self.max_call_seconds:g} s); "
-                                    "the client is reading too slowly")
-                if begin.sealed_memfd:
-                    memfd, frame = view
-                    pending += frame  # its descriptor goes with it
-                    lent.append(memfd)
-                    n_lent += 1
-                    if len(lent) == MAX_FDS_PER_WRITE:
-                        _flush(conn, pending, lent)
-                elif target is not None:
-                    pending += bulkwire.encode(pb.BulkFrame(chunk=begin))  # the bytes are in the shared buffer
-                else:
-                    _flush(conn, pending, lent)  # frames already queued go first
-                    bulkwire.send_chunk(conn, begin, view)  # from the stored tensor's memory, lease held
-                sent += 1
-        except CacheError as exc:
-            code, message = grpc.StatusCode[exc.status], exc.message
-        except OSError:
-            self.metrics.requests.labels(RPC, "CANCELLED").inc()
-            raise
-        except Exception as exc:  # noqa: BLE001
-            log.exception("unexpected error in %s", RPC)
-            code, message = grpc.StatusCode.INTERNAL, f"internal error in {RPC}: {type(exc).__name__}"
-        finally:
-            self.metrics.latency.labels(RPC).observe(time.perf_counter() - start)
-        self.metrics.requests.labels(RPC, code.name).inc()
-        pending += bulkwire.encode(_status(code, message, sent))
+        with Call(RPC, self.metrics, session.caller, self.limiter) as call:
+            start = time.perf_counter()
+            try:
+                call.admit()
+                target = None
+                if request.HasField("shared_buffer"):
+                    target = _shared_target(request.shared_buffer, shared)
+                sink = ArraySink(target) if target is not None else ChunkSink()
+                if session.lend:
+                    sink = LendSink(sink)
+                for begin, view in self.engine.read_chunks(session.caller, request, sink, large_slot=False):
+                    if self.max_call_seconds and time.perf_counter() - start > self.max_call_seconds:
+                        raise Cancelled(f"this get ran longer than --max-call-seconds ({self.max_call_seconds:g} "
+                                        "s); the client is reading too slowly")
+                    if begin.sealed_memfd:
+                        memfd, frame = view
+                        pending += frame  # its descriptor goes with it
+                        lent.append(memfd)
+                        n_lent += 1
+                        if len(lent) == MAX_FDS_PER_WRITE:
+                            _flush(conn, pending, lent)
+                    elif target is not None:
+                        pending += bulkwire.encode(pb.BulkFrame(chunk=begin))  # the bytes are in the shared buffer
+                    else:
+                        _flush(conn, pending, lent)  # frames already queued go first
+                        bulkwire.send_chunk(conn, begin, view)  # from the stored tensor's memory, lease held
+                    sent += 1
+            except OSError:
+                call.code = grpc.StatusCode.CANCELLED  # the client went away
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status frame
+                call.fail(exc)
+        pending += bulkwire.encode(_status(call.code, call.message, sent))
         _flush(conn, pending, lent)
         if n_lent:
             self.metrics.lent_chunks.inc(n_lent)
@@ -471,56 +471,52 @@ class BulkServer:
         all its bytes have arrived and verified; a cut connection stores nothing of the chunk it was in. After
         a failure the rest of the Put is read and dropped, so the connection stays in step (a client still
         sending then reads the status)."""
-        start = time.perf_counter()
-        if self._revoked(session):
-            self.metrics.requests.labels(PUT_RPC, "UNAUTHENTICATED").inc()
-            self._try_send(conn, _status(grpc.StatusCode.UNAUTHENTICATED, "the bearer token of this connection's "
-                                         "hello is no longer valid; reconnect with a current one"))
-            raise bulkwire.Closed("token revoked")  # the client is still sending: close rather than read on
-        frames = _PutFrames(conn, put, shared, self.frame_bytes,
-                            start + self.max_call_seconds if self.max_call_seconds else 0.0)
-        code, message, result = grpc.StatusCode.OK, "", None
-        # The watchdog cuts a put off (--min-put-bytes-per-second, --max-call-seconds) by shutting the
-        # connection down; the serving thread then reports its reason.
-        watch = (self.watchdog.watch(lambda reason: _shutdown(conn), PUT_RPC, idle=False)
-                 if self.watchdog is not None else None)
-        # Blocking reads for the Put's bytes (a socket with a timeout polls before every read, and a blocking
-        # one waits for whole pieces: MSG_WAITALL), with the kernel's own timeouts keeping the idle limit.
-        _connection.kernel_timeouts(conn, self.idle_seconds)
-        conn.settimeout(None)
-        try:
-            frames.check()
-            with self.engine.put(session.caller, put.header, watch) as put_session:
-                frames.feed(put_session)
-                result = put_session.commit()
-        except CacheError as exc:
-            code, message = grpc.StatusCode[exc.status], exc.message
-        except (bulkwire.Cut, OSError) as exc:
-            if watch is not None and watch.expired:  # the watchdog shut the connection: say why, if it can hear
-                self.metrics.requests.labels(PUT_RPC, "DEADLINE_EXCEEDED").inc()
-                self._try_send(conn, _status(grpc.StatusCode.DEADLINE_EXCEEDED, watch.reason))
-                raise bulkwire.Closed("cut off by the watchdog") from None
-            self.metrics.requests.labels(PUT_RPC, "CANCELLED").inc()  # the client went away mid-put
-            if isinstance(exc, bulkwire.Cut):
-                raise bulkwire.Closed("connection cut in a put") from None
-            raise
-        except bulkwire.FramingError as exc:
-            self.metrics.requests.labels(PUT_RPC, "INVALID_ARGUMENT").inc()
-            self._try_send(conn, _status(grpc.StatusCode.INVALID_ARGUMENT, f"malformed bulk frame: {exc}"))
-            raise bulkwire.Closed("framing error in a put") from None  # counted and answered: just close
-        except Exception as exc:  # noqa: BLE001
-            log.exception("unexpected error in %s", PUT_RPC)
-            code, message = grpc.StatusCode.INTERNAL, f"internal error in {PUT_RPC}: {type(exc).__name__}"
-        finally:
-            self.metrics.latency.labels(PUT_RPC).observe(time.perf_counter() - start)
-            if watch is not None:
-                self.watchdog.unwatch(watch)
-        self.metrics.requests.labels(PUT_RPC, code.name).inc()
-        answer = _status(code, message)
+        with Call(PUT_RPC, self.metrics, session.caller, self.limiter) as call:
+            if self._revoked(session):
+                call.code = grpc.StatusCode.UNAUTHENTICATED
+                self._try_send(conn, _status(call.code, "the bearer token of this connection's hello is no "
+                                             "longer valid; reconnect with a current one"))
+                raise bulkwire.Closed("token revoked")  # the client is still sending: close rather than read on
+            frames = _PutFrames(conn, put, shared, self.frame_bytes,
+                                time.perf_counter() + self.max_call_seconds if self.max_call_seconds else 0.0)
+            result = None
+            # The watchdog cuts a put off (--min-put-bytes-per-second, --max-call-seconds) by shutting the
+            # connection down; the serving thread then reports its reason.
+            watch = (self.watchdog.watch(lambda reason: _shutdown(conn), PUT_RPC, idle=False)
+                     if self.watchdog is not None else None)
+            # Blocking reads for the Put's bytes (a socket with a timeout polls before every read, and a blocking
+            # one waits for whole pieces: MSG_WAITALL), with the kernel's own timeouts keeping the idle limit.
+            _connection.kernel_timeouts(conn, self.idle_seconds)
+            conn.settimeout(None)
+            try:
+                call.admit()
+                frames.check()
+                with self.engine.put(session.caller, put.header, watch) as put_session:
+                    frames.feed(put_session)
+                    result = put_session.commit()
+            except (bulkwire.Cut, OSError) as exc:
+                if watch is not None and watch.expired:  # the watchdog shut the connection: say why, if it can
+                    call.code = grpc.StatusCode.DEADLINE_EXCEEDED
+                    self._try_send(conn, _status(call.code, watch.reason))
+                    raise bulkwire.Closed("cut off by the watchdog") from None
+                call.code = grpc.StatusCode.CANCELLED  # the client went away mid-put
+                if isinstance(exc, bulkwire.Cut):
+                    raise bulkwire.Closed("connection cut in a put") from None
+                raise
+            except bulkwire.FramingError as exc:
+                call.code = grpc.StatusCode.INVALID_ARGUMENT
+                self._try_send(conn, _status(call.code, f"malformed bulk frame: {exc}"))
+                raise bulkwire.Closed("framing error in a put") from None  # counted and answered: just close
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status frame
+                call.fail(exc)
+            finally:
+                if watch is not None:
+                    self.watchdog.unwatch(watch)
+        answer = _status(call.code, call.message)
         if result is not None:
             answer.status.put.CopyFrom(result)
         bulkwire.send(conn, answer)
-        if code != grpc.StatusCode.OK:
+        if call.code != grpc.StatusCode.OK:
             frames.drain()
         conn.settimeout(self.idle_seconds)
 
@@ -726,3 +722,28 @@ def _is_stale_socket(path: str) -> bool:
         return False
     finally:
         probe.close()
+
+
+class LendSink(ChunkSink):
+    """A Get on a unix connection that takes descriptors: a chunk kept in a sealed memfd is lent, not copied (its
+    memory is immutable since it was sealed, memfd.py: its checksum was verified on the way in and cannot have
+    changed); it is yielded as (its ChunkBegin with sealed_memfd set, (its SealedChunk, the encoded frame)).
+    Every other chunk goes to `inner`."""
+
+    def __init__(self, inner: ChunkSink):
+        self.inner = inner
+
+    def place(self, entry, position: int):
+        if entry.memfd is not None and entry.memfd.sealed:
+            return entry.array, entry.memfd.immutable  # the sidecar's mapping of the very pages the client maps
+        return self.inner.place(entry, position)
+
+    def emit(self, index: int, entry, view, position: int):
+        if not (entry.memfd is not None and entry.memfd.sealed):
+            return self.inner.emit(index, entry, view, position)
+        frame = entry.wire  # the same on every Get of this entry at this index: encoded once
+        if frame is None or frame[0].index != index:
+            begin = pb.ChunkBegin(index=index, nbytes=entry.nbytes, shape=entry.shape, dtype=entry.dtype,
+                                  xxh3_64=entry.checksum, sealed_memfd=True, values_finite=entry.values_finite)
+            frame = entry.wire = begin, bulkwire.encode(pb.BulkFrame(chunk=begin))
+        return (frame[0], (entry.memfd, frame[1])), 0

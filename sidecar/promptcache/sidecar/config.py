@@ -390,8 +390,8 @@ HELP = {
     "admin_tenants": "comma-separated tenants allowed to Resize and to see whole-cache Stats when auth is on",
     "tenant_quota_bytes": "bytes each tenant (and sharing group) may hold in the memory tier; 0: no quota",
     "tenant_quotas": "per-tenant quotas overriding --tenant-quota-bytes: TENANT=BYTES,group:GROUP=BYTES",
-    "max_calls_per_client": "calls in flight per client (tenant, or peer address without auth); more get "
-                            "RESOURCE_EXHAUSTED. 0: no limit",
+    "max_calls_per_client": "calls in flight per client (tenant, or peer address without auth), gRPC and bulk "
+                            "channel together; more get RESOURCE_EXHAUSTED. 0: no limit",
     "stream_idle_seconds": "cancel a stream that made no progress this long: a Put whose client sent nothing, "
                            "a Get whose client read nothing (0: never)",
     "max_call_seconds": "cancel any call running longer than this (0: never)",

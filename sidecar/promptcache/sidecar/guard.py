@@ -8,6 +8,7 @@ from typing import Iterator
 import grpc
 
 from promptcache.sidecar.auth import HEALTH_PREFIX, Authenticator, Identity, attach_identity
+from promptcache.sidecar.calls import too_many_calls
 from promptcache.sidecar.errors import CacheError
 from promptcache.sidecar.identity import client_key
 from promptcache.sidecar.limits import CallLimiter, Watchdog, _Watch
@@ -106,9 +107,8 @@ class Guard(grpc.ServerInterceptor):
         attach_identity(context, identity)
         client = client_key(identity, context.peer())
         if not self.limiter.acquire(client):
-            self._refuse(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"too many calls in flight from this client (at most {self.limiter.max_per_client}, "
-                         "--max-calls-per-client); retry later")
+            refused = too_many_calls(self.limiter.max_per_client)
+            self._refuse(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED, refused.message)
         return identity, client
 
     def _parse(self, deserializer, raw: bytes, rpc: str):

@@ -9,7 +9,7 @@ follows the default.
 Prefix semantics are kept by sampling whole chains: a request is sampled iff its ROOT key (chunk 0's) is, so
 every chunk of a sampled request, and every request sharing that root, lands in the same miniatures. A request
 hits its leading run of cached chunks; its missing chunks are stored, in order, when a Put carries them, exactly as
-the trace replayer (promptcache.devtools.bench.replay.simulate_policy) does: a chunk whose parent is not cached is not
+the exact replay (promptcache.sidecar.trace.simulate_policy, which `promptcache bench replay` runs) does: a chunk whose parent is not cached is not
 stored, `admit` is asked when room must be made, `victim` until it fits.
 
 The estimate's spread grows with the share of traffic under the largest roots: with only a few roots (one shared
@@ -228,9 +228,9 @@ def _main(argv: list[str] | None = None) -> int:
     import time
     import tracemalloc
 
-    from promptcache.devtools.bench import traces
-    from promptcache.devtools.bench.replay import simulate_policy
+    from promptcache.sidecar import trace
     from promptcache.sidecar.policies import DEFAULT_POLICY
+    from promptcache.sidecar.trace import simulate_policy
 
     ap = argparse.ArgumentParser(prog="python -m promptcache.sidecar.mrc", description=_main.__doc__)
     ap.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
@@ -241,7 +241,7 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default=DEFAULT_POLICY)
     ap.add_argument("--min-chunks", type=int, default=32, help="as --mrc-min-chunks (default 32)")
     args = ap.parse_args(argv)
-    reqs = traces.read_trace(args.trace)
+    reqs = trace.read_trace(args.trace)
     reqs = reqs[:args.requests] if args.requests else reqs
     chunk = 1 << 20   # every chunk 1 MiB (the sidecar's chunks of one model are all alike)
     ws = len({k for r in reqs for k in r.hash_ids}) * chunk

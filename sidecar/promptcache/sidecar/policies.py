@@ -1,8 +1,8 @@
 """Eviction and admission policies (design and measurements: docs/eviction.md).
 
 A policy only orders keys; the store owns the bytes. The store calls every hook under its own lock, so a
-policy needs no locking of its own. Pure and I/O-free, so the trace replayer (promptcache.devtools.bench.replay)
-drives the very same classes that the server uses.
+policy needs no locking of its own. Pure and I/O-free, so the trace replay (promptcache.sidecar.trace, which
+`promptcache bench replay` and the miss-ratio curve run) drives the very same classes that the server uses.
 
 Policies:
   lru         plain least-recently-used, admits everything (prefix-blind; the baseline).

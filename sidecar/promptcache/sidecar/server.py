@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 
 import grpc
 
 from promptcache.contract import frames
+from promptcache.sidecar import shmbuffers
 from promptcache.sidecar.auth import identity_of
+from promptcache.sidecar.calls import Call
 from promptcache.sidecar.engine import CacheEngine
-from promptcache.sidecar.errors import CacheError, InvalidRequest
+from promptcache.sidecar.errors import InvalidRequest
 from promptcache.sidecar.guard import watch_of
 from promptcache.sidecar.identity import Caller
 from promptcache.v1 import kvcache_pb2 as pb
@@ -30,10 +31,6 @@ RESIZE_WAIT_SECONDS = 30.0
 MAX_POD_NAME = 253  # a Kubernetes object name
 
 
-def status_code(exc: CacheError) -> grpc.StatusCode:
-    return grpc.StatusCode[exc.status]
-
-
 def caller_of(context) -> Caller:
     """The caller of a gRPC call: the identity the Guard attached, its peer, and its inference pod."""
     pod = ""
@@ -45,44 +42,32 @@ def caller_of(context) -> Caller:
 
 
 def _observed(rpc: str, streaming_response: bool = False):
-    """Record latency and status code of a method; turn the engine's errors and crashes into statuses."""
+    """Run a method as one calls.Call: its latency and status code counted, the engine's errors and crashes
+    turned into statuses (the Guard applied credentials, the per-client limit and the watchdog already)."""
 
     def wrap(fn):
-        def fail(self, context, exc):
-            if isinstance(exc, CacheError):
-                code, message = status_code(exc), exc.message
-            else:
-                log.exception("unexpected error in %s", rpc)
-                code, message = grpc.StatusCode.INTERNAL, f"internal error in {rpc}: {type(exc).__name__}"
-            self.metrics.requests.labels(rpc, code.name).inc()
-            context.abort(code, message)
+        def fail(call, context, exc):
+            call.fail(exc)
+            call.end()
+            context.abort(call.code, call.message)
 
         if streaming_response:
             @functools.wraps(fn)
             def stream(self, request, context):
-                start = time.perf_counter()
-                try:
-                    yield from fn(self, request, context)
-                except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-                    fail(self, context, exc)
-                else:
-                    self.metrics.requests.labels(rpc, "OK").inc()
-                finally:
-                    self.metrics.latency.labels(rpc).observe(time.perf_counter() - start)
+                with Call(rpc, self.metrics) as call:
+                    try:
+                        yield from fn(self, request, context)
+                    except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                        fail(call, context, exc)
             return stream
 
         @functools.wraps(fn)
         def unary(self, request, context):
-            start = time.perf_counter()
-            try:
-                result = fn(self, request, context)
-            except Exception as exc:  # noqa: BLE001
-                fail(self, context, exc)
-            else:
-                self.metrics.requests.labels(rpc, "OK").inc()
-                return result
-            finally:
-                self.metrics.latency.labels(rpc).observe(time.perf_counter() - start)
+            with Call(rpc, self.metrics) as call:
+                try:
+                    return fn(self, request, context)
+                except Exception as exc:  # noqa: BLE001
+                    fail(call, context, exc)
         return unary
 
     return wrap
@@ -106,7 +91,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     def Get(self, request, context):
         caller = caller_of(context)
         if request.HasField("shared_buffer"):  # the streamed form of GetShared: one batch frame at the end
-            batch = self.engine.read_into_shared(caller, request)
+            batch = shmbuffers.read_into_shared(self.engine, caller, request)
             if batch.chunks:
                 yield pb.GetResponse(batch=batch)
             return
@@ -120,7 +105,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     def GetShared(self, request, context):
         if not request.HasField("shared_buffer"):
             raise InvalidRequest("GetShared needs shared_buffer (use Get to stream the bytes)")
-        return self.engine.read_into_shared(caller_of(context), request)
+        return shmbuffers.read_into_shared(self.engine, caller_of(context), request)
 
     @_observed("Put")
     def Put(self, request_iterator, context):
@@ -143,13 +128,13 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     @_observed("OpenSharedBuffer")
     def OpenSharedBuffer(self, request, context):
-        grant = self.engine.open_buffer(caller_of(context), request.length)
+        grant = shmbuffers.open_buffer(self.engine.buffers, caller_of(context), request.length)
         return pb.OpenSharedBufferResponse(handle=grant.handle, file_name=grant.file_name, length=grant.length,
                                            inode=grant.inode)
 
     @_observed("CloseSharedBuffer")
     def CloseSharedBuffer(self, request, context):
-        self.engine.close_buffer(caller_of(context), request.handle)
+        shmbuffers.close_buffer(self.engine.buffers, caller_of(context), request.handle)
         return pb.CloseSharedBufferResponse()
 
     @_observed("Delete")

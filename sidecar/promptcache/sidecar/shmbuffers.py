@@ -29,6 +29,9 @@ import time
 from dataclasses import dataclass
 
 from promptcache.contract.shm import SharedBufferError, SharedFile
+from promptcache.sidecar.errors import InvalidRequest, NoCapacity, NotFound, NotServed
+from promptcache.sidecar.sinks import ChunkSink, chunk_begin, host_view
+from promptcache.v1 import kvcache_pb2 as pb
 
 
 class UnknownBuffer(Exception):
@@ -212,3 +215,67 @@ class SharedBuffers:
             os.unlink(name, dir_fd=self._dir_fd)
         except OSError:
             pass  # already gone (the client may remove it too), or the folder went away
+
+
+# --- the calls that use them (gRPC's OpenSharedBuffer, CloseSharedBuffer, GetShared and a Put from a buffer) -------
+def _enabled(buffers: SharedBuffers | None) -> SharedBuffers:
+    if buffers is None:
+        raise NotServed("shared-memory transfer is disabled on this sidecar (start it with --shm-dir)")
+    return buffers
+
+
+def open_buffer(buffers: SharedBuffers | None, caller, length: int) -> Grant:
+    buffers = _enabled(buffers)
+    if length == 0:
+        raise InvalidRequest("length must be positive")
+    try:
+        return buffers.open(caller.identity, length)
+    except BufferLimit as exc:
+        raise NoCapacity(str(exc)) from None
+    except SharedBufferError as exc:
+        raise NotServed(str(exc)) from None
+
+
+def close_buffer(buffers: SharedBuffers | None, caller, handle: str) -> None:
+    if not _enabled(buffers).close(caller.identity, handle):
+        raise NotFound(f"shared_buffer {handle[:64]!r} is not a buffer this client opened, or it was closed already")
+
+
+def shared_file(buffers: SharedBuffers | None, caller, handle: str, need: int | None,
+                cap: int | None = None) -> SharedFile:
+    """The caller's own shared buffer `handle` for this call (close() it after). Another identity's handle gets
+    the same NOT_FOUND as one never granted: neither its bytes nor its existence are revealed."""
+    try:
+        return _enabled(buffers).use(caller.identity, handle, need, cap)
+    except UnknownBuffer as exc:
+        raise NotFound(str(exc)) from None
+    except SharedBufferError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+class SharedFileSink(ChunkSink):
+    """A Get into a caller's shared file: each chunk is verified in the stored memory, then written to the file
+    one after another (buffer_offset); what is yielded is the ChunkBegin only."""
+
+    def __init__(self, shared: SharedFile):
+        self.shared = shared
+
+    def place(self, entry, position: int):
+        if position + entry.nbytes > self.shared.size:
+            return None
+        return host_view(entry), False
+
+    def emit(self, index: int, entry, view, position: int):
+        self.shared.write(position, view)
+        return chunk_begin(index, entry, position), entry.nbytes
+
+
+def read_into_shared(engine, caller, request) -> pb.ChunkBatch:
+    """Get into the caller's shared-memory file (request.shared_buffer): the chunks' frames, in order."""
+    shared = shared_file(engine.buffers, caller, request.shared_buffer.name, request.shared_buffer.length)
+    try:
+        return pb.ChunkBatch(chunks=list(engine.read_chunks(caller, request, SharedFileSink(shared))))
+    except SharedBufferError as exc:  # the buffer's filesystem is full (a client truncated it): stream instead
+        raise NoCapacity(str(exc)) from None
+    finally:
+        shared.close()

@@ -8,7 +8,7 @@ loads one straight into the memory tier at start (promptcache.sidecar.warmup).
 
 Format (version 1, little-endian):
   header   8s magic b"PCSNAP\\0\\1", u32 version
-  record   u8 key length, key, u32 meta length, meta (promptcache.sidecar.spill's chunk meta: fingerprint, parent,
+  record   u8 key length, key, u32 meta length, meta (promptcache.sidecar.tiers.disk's chunk meta: fingerprint, parent,
            index, dtype, shape, the chunk's own xxh3), u8 parent length, parent, u16 owner length, owner (UTF-8),
            f64 created, f64 expires, f64 last access (wall time), u32 hits, u64 payload length,
            u64 payload xxh3 (seeded with the key, as the disk tier's), payload
@@ -78,7 +78,7 @@ class _Reader:
 
 def _records(path: str, verify_only: bool) -> Iterator[Record]:
     from promptcache.sidecar.disk import payload_checksum
-    from promptcache.sidecar.spill import decode_meta
+    from promptcache.sidecar.tiers.disk import decode_meta
 
     try:
         f = open(path, "rb")
@@ -257,43 +257,21 @@ def import_into_disk(path: str, data_dir: str, budget: int) -> tuple[int, int]:
     return count, nbytes
 
 
-def load_into_memory(tier, r: Record, tenancy=None) -> int:
-    """Store one snapshot record in the memory tier if it fits without evicting (and in its owner's quota).
-    Returns the bytes stored (0: not stored)."""
+def as_record(r: Record):
+    """A snapshot record as the tier stack's Record (to promote into memory), or None when it has expired."""
     import numpy as np
 
-    from promptcache.sidecar.spill import decode_meta
-    from promptcache.sidecar.store import StoreError
+    from promptcache.sidecar.tiers import Record as TierRecord
+    from promptcache.sidecar.tiers.disk import decode_meta
 
-    wall, now = time.time(), tier.clock()
-    if r.expires <= wall:
-        return 0
-    fp, parent, index, dtype, value, shape = decode_meta(r.meta)
-    if tier.holds(r.key, fp) or not tier.room_for(len(r.payload)):
-        return 0
-    if index and not tier.holds(parent, fp):  # unreachable without its parent (not loaded): not worth a byte
-        return 0
-    born = now - max(0.0, wall - r.created)
-    if born + tier.max_lifetime <= now:
-        return 0
-    charged = tenancy.charge_if_room(r.owner, len(r.payload)) if tenancy is not None else 0
-    if charged is None:
-        return 0
-    try:
-        try:
-            reservation = tier.reserve(len(r.payload), r.key, parent)
-        except StoreError:
-            return 0
-        data = tier.host_buffer(reservation)
-        data.numpy()[:] = np.frombuffer(r.payload, dtype=np.uint8)
-        device_data = data if tier.device.type == "cpu" else data.to(tier.device)
-        stored = tier.commit(reservation, key=r.key, fingerprint=fp, parent=parent, index=index, data=device_data,
-                             checksum_value=value, shape=shape, dtype=dtype, ttl=r.expires - wall, born=born,
-                             owner=r.owner, hits=r.hits, last_access=now - max(0.0, wall - r.last_access))
-    finally:
-        if tenancy is not None and charged:
-            tenancy.release(r.owner, charged)
-    return len(r.payload) if stored else 0
+    wall = time.time()
+    decoded = decode_meta(r.meta)
+    if r.expires <= wall or decoded is None:
+        return None
+    fp, parent, index, dtype, value, shape = decoded
+    return TierRecord(r.key, fp, parent, index, dtype, shape, value, np.frombuffer(r.payload, dtype=np.uint8),
+                      ttl=r.expires - wall, age=max(0.0, wall - r.created), hits=r.hits,
+                      idle=max(0.0, wall - r.last_access), owner=r.owner)
 
 
 def add_arguments(sub) -> None:

@@ -21,11 +21,9 @@ import numpy as np
 import torch
 import xxhash
 
-from promptcache.contract import bulkwire
 from promptcache.contract.layout import values_finite
 from promptcache.sidecar.memfd import ChunkMemory, SealedChunk
 from promptcache.sidecar.policies import EvictionPolicy
-from promptcache.v1 import kvcache_pb2 as pb
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this
 
@@ -86,20 +84,11 @@ class Entry:
     ttl: float | None = None  # its own sliding TTL (a Put's retention hint); None: the tier's
     hits: int = 0  # Gets that served it, in any tier since it was first stored (kept on disk: warm-up's order)
     _array: np.ndarray | None = field(default=None, repr=False)
-    _lent_frame: tuple[pb.ChunkBegin, bytes] | None = field(default=None, repr=False)
+    wire: object = field(default=None, repr=False)  # a transport's encoding of this chunk, made once (bulk.py)
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
-
-    def lent_frame(self, index: int) -> tuple[pb.ChunkBegin, bytes]:
-        """The chunk frame that lends this entry on the bulk channel, and its encoding: the same on every Get,
-        so made once."""
-        if self._lent_frame is None or self._lent_frame[0].index != index:
-            begin = pb.ChunkBegin(index=index, nbytes=self.nbytes, shape=self.shape, dtype=self.dtype,
-                                  xxh3_64=self.checksum, sealed_memfd=True, values_finite=self.values_finite)
-            self._lent_frame = begin, bulkwire.encode(pb.BulkFrame(chunk=begin))
-        return self._lent_frame
 
     @property
     def array(self) -> np.ndarray:
@@ -152,8 +141,8 @@ def checksum_and_finite(buf: np.ndarray, kv_dtype: str) -> tuple[int, bool]:
 
 class MemoryTier:
     def __init__(self, budget_bytes: int, device: torch.device, policy: EvictionPolicy, ttl_seconds: float,
-                 clock: Callable[[], float] = time.monotonic, host_memory: ChunkMemory | None = None, max_lifetime_seconds: float = math.inf,
-                 entry_overhead: int = 0):
+                 clock: Callable[[], float] = time.monotonic, host_memory: ChunkMemory | None = None,
+                 max_lifetime_seconds: float = math.inf, entry_overhead: int = 0):
         if budget_bytes <= 0:
             raise ValueError("budget must be positive")
         self.device = device

@@ -12,7 +12,7 @@ Quotas: every stored chunk is charged to its owner (the tenant, or the sharing g
 store's own entries (its eviction callback tells when bytes leave). A Put that would take its owner over quota
 first evicts the owner's least recently used chunks (never another tenant's); if the owner's bytes are all held
 by Puts in flight, the chunk is refused with RESOURCE_EXHAUSTED. A chunk promoted from the disk tier is charged
-too (charge_if_room): when its owner has no room it is served from disk and not promoted (spill.py).
+too (charge_if_room): when its owner has no room it is served from disk and not promoted (tiers/stack.py).
 
 With authentication off every caller is the anonymous tenant and the client's salt is used as sent (the
 behaviour of docs/keys.md).

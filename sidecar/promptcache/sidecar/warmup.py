@@ -41,14 +41,14 @@ class WarmupMetrics:
 class Warmup:
     """Run once at start (start()); `ready` is set when it ends or its bound passes."""
 
-    def __init__(self, tier, spill, metrics: WarmupMetrics, seconds: float, snapshot_path: str = "",
-                 tenancy=None, clock=time.monotonic):
-        self.tier = tier
-        self.spill = spill
+    def __init__(self, stack, spill, metrics: WarmupMetrics, seconds: float, snapshot_path: str = "",
+                 clock=time.monotonic):
+        self.stack = stack  # promptcache.sidecar.tiers.TierStack: what is warmed is promoted by it
+        self.tier = stack.memory
+        self.spill = spill  # the stack's disk tier (tiers.disk.DiskLowerTier), or None
         self.metrics = metrics
         self.seconds = seconds
         self.snapshot_path = snapshot_path
-        self.tenancy = tenancy
         self.clock = clock
         self.ready = threading.Event()
         self.done = threading.Event()
@@ -117,7 +117,7 @@ class Warmup:
             self._from_disk()
 
     def _from_snapshot(self) -> None:
-        from promptcache.sidecar.snapshot import SnapshotError, load_into_memory, read_snapshot
+        from promptcache.sidecar.snapshot import SnapshotError, as_record, read_snapshot
 
         try:
             records = read_snapshot(self.snapshot_path)  # verified whole before anything is stored
@@ -128,7 +128,8 @@ class Warmup:
         for rec in records:
             if self._stop.is_set() or self.tier.room() <= 0:
                 break
-            n = load_into_memory(self.tier, rec, self.tenancy)
+            record = as_record(rec)
+            n = self.stack.promote(record, rec.owner, serve=False) if record is not None else 0
             if n:
                 self.report["snapshot_chunks"] += 1
                 self.report["snapshot_bytes"] += n
@@ -155,7 +156,7 @@ class Warmup:
                 if k in tried:
                     continue
                 tried.add(k)
-                n = self.spill.warm(k)
+                n = self.stack.warm(self.spill, k)
                 if n:
                     self.report["disk_chunks"] += 1
                     self.report["disk_bytes"] += n

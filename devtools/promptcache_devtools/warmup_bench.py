@@ -1,0 +1,142 @@
+"""Warm-up measured on a trace: `python -m promptcache_devtools.warmup_bench [--trace FILE] ...`.
+
+A real in-process sidecar with a disk tier replays the trace's first --before requests (each: Get the cached
+prefix, Put the rest; one chunk per hash id, the block's tokens derived from its id), then stops gracefully (its
+memory tier goes to disk). Its data folder is copied, and the sidecar is restarted on each copy: without warm-up,
+with warm-up from its disk tier, and (a new node with no disk) with warm-up from a snapshot `promptcache export`
+wrote of the folder (--snapshot-bytes, default the memory budget). Each then replays the requests of the next
+--window-seconds of trace time. Printed (a Markdown table): warm-up time, and the token hit ratio of that window
+served from memory and overall (memory + disk), with the Get latency's median.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+TRACE = "/work/shared/traces/mooncake-fast25-conversation-first-half.jsonl"
+
+
+def _requests(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _hits(sidecar) -> dict[str, float]:
+    reg = sidecar.metrics.registry
+    out = {}
+    for tier in ("device", "disk"):
+        out[tier] = reg.get_sample_value("promptcache_hit_tokens_total", {"rpc": "get", "tier": tier}) or 0.0
+    out["missed"] = reg.get_sample_value("promptcache_missed_tokens_total", {"rpc": "get"}) or 0.0
+    return out
+
+
+def _replay(sidecar, spec, reqs, ct: int, put: bool = True) -> dict:
+    from promptcache.client import PromptCacheClient
+
+    before = _hits(sidecar)
+    lat = []
+    with PromptCacheClient(sidecar.address, timeout=60) as c:
+        for r in reqs:
+            tokens = [h * ct + j for h in r["hash_ids"] for j in range(ct)]
+            t = time.perf_counter()
+            cached, _ = c.get(spec, tokens)
+            lat.append(time.perf_counter() - t)
+            if put and cached < len(tokens):
+                c.put(spec, tokens, kv_for(spec, r["hash_ids"], ct), start_chunk=cached // ct)
+    after = _hits(sidecar)
+    d = {k: after[k] - before[k] for k in after}
+    total = d["device"] + d["disk"] + d["missed"]
+    return {"memory_hit": d["device"] / total, "overall_hit": (d["device"] + d["disk"]) / total,
+            "get_p50_ms": 1000 * statistics.median(lat), "requests": len(reqs)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default=TRACE)
+    p.add_argument("--before", type=int, default=1500, help="requests replayed before the restart")
+    p.add_argument("--window-seconds", type=float, default=60.0, help="trace time replayed after it")
+    p.add_argument("--memory-chunks", type=int, default=3000, help="memory tier budget, in chunks")
+    p.add_argument("--chunk-tokens", type=int, default=16)
+    args = p.parse_args(argv)
+
+    from promptcache.contract.keys import ModelSpec
+    from promptcache.contract.layout import chunk_nbytes
+    from promptcache.sidecar import snapshot
+    from promptcache.sidecar.app import Sidecar
+    from promptcache.sidecar.config import Settings
+
+    spec = ModelSpec("bench/warmup", "r1", "float32", num_layers=2, num_kv_heads=2, head_dim=8)
+    ct = args.chunk_tokens
+    memory = args.memory_chunks * chunk_nbytes(spec, ct)
+    reqs = _requests(args.trace)
+    first, rest = reqs[:args.before], reqs[args.before:]
+    t0 = rest[0]["timestamp"]
+    window = [r for r in rest if r["timestamp"] < t0 + 1000 * args.window_seconds]
+    tmp = Path(tempfile.mkdtemp(prefix="warmup-bench-"))
+    base = Settings(grpc_address="127.0.0.1:0", metrics_port=0, metrics_host="127.0.0.1", chunk_tokens=ct,
+                    memory_bytes=memory,
+                    disk_bytes=1 << 30, log_level="warning", disk_min_free_bytes=0)
+    try:
+        s = Sidecar(dataclasses.replace(base, data_dir=str(tmp / "data"))).start()
+        warm_phase = _replay(s, spec, first, ct)
+        s.stop()
+        snap = tmp / "hot.pcsnap"
+        t = time.perf_counter()
+        n, b = snapshot.export(str(tmp / "data"), str(snap), memory)
+        export_s = time.perf_counter() - t
+        rows = []
+        for name, extra in (("no warm-up (restart on its disk tier)", dict(warmup_seconds=0.0)),
+                            ("warm-up from its disk tier", dict(warmup_seconds=60.0)),
+                            ("new node, no disk: no warm-up", dict(disk_bytes=0)),
+                            ("new node, no disk: warm-up from a snapshot", dict(disk_bytes=0, warmup_seconds=60.0,
+                                                                                 warmup_snapshot=str(snap)))):
+            d = tmp / f"data-{len(rows)}"
+            shutil.copytree(tmp / "data", d)
+            t = time.perf_counter()
+            s = Sidecar(dataclasses.replace(base, data_dir=str(d), **extra)).start()
+            assert s.warmup.ready.wait(120)
+            ready = time.perf_counter() - t
+            r = _replay(s, spec, window, ct)
+            rows.append((name, ready, s.warmup.report, r))
+            s.stop()
+        print(f"trace {args.trace}: {len(first)} requests before the restart (memory+disk hit ratio "
+              f"{warm_phase['overall_hit']:.3f}), then {len(window)} requests ({args.window_seconds:g} s of trace "
+              f"time); memory {args.memory_chunks} chunks of {chunk_nbytes(spec, ct)} bytes; snapshot "
+              f"{n} chunks, {b} bytes, exported in {export_s:.2f} s")
+        print()
+        print("| start | ready after (s) | warmed chunks | memory hit ratio | overall hit ratio | Get p50 (ms) |")
+        print("|---|---|---|---|---|---|")
+        for name, ready, rep, r in rows:
+            print(f"| {name} | {ready:.2f} | {rep['disk_chunks'] + rep['snapshot_chunks']} | "
+                  f"{r['memory_hit']:.3f} | {r['overall_hit']:.3f} | {r['get_p50_ms']:.2f} |")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+_KV_CACHE: dict = {}
+
+
+def kv_for(spec, hash_ids, ct: int):
+    """Per-layer (K, V) for a prompt of these blocks, each block's values derived from its id (so equal
+    blocks carry equal bytes wherever they appear)."""
+    import torch
+
+    shape = (1, spec.num_kv_heads, ct, spec.head_dim)
+    ks, vs = [[] for _ in range(spec.num_layers)], [[] for _ in range(spec.num_layers)]
+    for h in hash_ids:
+        g = torch.Generator().manual_seed(int(h))
+        for layer in range(spec.num_layers):
+            ks[layer].append(torch.randn(shape, generator=g))
+            vs[layer].append(torch.randn(shape, generator=g))
+    return [(torch.cat(ks[i], dim=2), torch.cat(vs[i], dim=2)) for i in range(spec.num_layers)]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""The cluster tier in the stack: every chunk a Put stores is published to the fleet's shared store
+(promptcache.sidecar.cluster: Mooncake, deadlines, the publish queue), and a miss in memory and on disk asks it.
+
+A Lookup asks the cluster too (the answer says `cluster`, nothing is promoted); the record it fetched is kept
+for a few seconds, bounded in bytes, so the Get that follows promotes it without fetching it again. The cluster
+keeps its copy after a promotion (other nodes read it), and a promoted chunk is not published again.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+
+from promptcache.sidecar.cluster import ClusterTier, Record as ClusterRecord, encode_record
+from promptcache.sidecar.tiers.base import LowerTier, Record
+
+RECENT_SECONDS = 5.0  # how long a record fetched by a Lookup waits for its Get
+RECENT_BYTES = 64 << 20  # ... and at most this many bytes of them
+
+
+class ClusterLowerTier(LowerTier):
+    name = "cluster"
+    moves = False
+    local = False
+
+    def __init__(self, cluster: ClusterTier, recent_bytes: int = RECENT_BYTES,
+                 recent_seconds: float = RECENT_SECONDS, monotonic=time.monotonic):
+        self.cluster = cluster
+        self.recent_bytes, self.recent_seconds, self.monotonic = recent_bytes, recent_seconds, monotonic
+        self._recent: collections.OrderedDict[tuple[bytes, bytes], tuple[float, ClusterRecord]] = \
+            collections.OrderedDict()
+        self._recent_held = 0
+        self._lock = threading.Lock()
+
+    # --- reads ------------------------------------------------------------------------------------------
+    def _fetch(self, key: bytes, fingerprint: bytes, keep: bool) -> ClusterRecord | None:
+        now = self.monotonic()
+        with self._lock:
+            kept = self._recent.pop((key, fingerprint), None)
+            if kept is not None:
+                self._recent_held -= kept[1].payload.nbytes
+                if now - kept[0] <= self.recent_seconds and kept[1].expires > self.cluster.clock():
+                    if keep:
+                        self._keep_locked(key, fingerprint, now, kept[1])
+                    return kept[1]
+        record = self.cluster.fetch(key, fingerprint)  # verified: fingerprint, expiry, checksum
+        if record is not None and keep:
+            with self._lock:
+                self._keep_locked(key, fingerprint, now, record)
+        return record
+
+    def _keep_locked(self, key: bytes, fingerprint: bytes, now: float, record: ClusterRecord) -> None:
+        n = record.payload.nbytes
+        if n > self.recent_bytes:
+            return
+        self._recent[(key, fingerprint)] = (now, record)
+        self._recent_held += n
+        while self._recent_held > self.recent_bytes or (
+                self._recent and now - next(iter(self._recent.values()))[0] > self.recent_seconds):
+            _, (_, old) = self._recent.popitem(last=False)
+            self._recent_held -= old.payload.nbytes
+
+    def size(self, key: bytes, fingerprint: bytes) -> int | None:
+        record = self._fetch(key, fingerprint, keep=True)
+        return None if record is None else record.payload.nbytes
+
+    def read(self, key: bytes, fingerprint: bytes | None) -> Record | None:
+        if fingerprint is None:
+            return None  # warm-up reads the disk tier only
+        r = self._fetch(key, fingerprint, keep=False)
+        if r is None:
+            return None
+        wall = self.cluster.clock()
+        return Record(key, r.fingerprint, r.parent, r.index, r.dtype, tuple(r.shape), r.checksum,
+                      np.frombuffer(r.payload, dtype=np.uint8), ttl=r.expires - wall, age=wall - r.born)
+
+    # --- writes -----------------------------------------------------------------------------------------
+    def stored(self, record: Record) -> None:
+        """Queue the chunk a Put stored for publishing; the record is built on the publisher thread."""
+        wall = self.cluster.clock()
+        expires = wall + max(0.0, record.ttl)
+        self.cluster.publish(record.key, lambda: encode_record(
+            fingerprint=record.fingerprint, parent=record.parent, index=record.index, dtype=record.dtype,
+            shape=tuple(record.shape), checksum_value=record.checksum, expires=expires, born=wall,
+            payload=record.payload.data))
+
+    def close(self) -> None:
+        self.cluster.close()

@@ -1,0 +1,161 @@
+"""The tier stack: memory first, then each lower tier in order, and the one routine that promotes a chunk from
+any of them (a Get's hit below memory, warm-up, a snapshot's records) into memory.
+
+Memory (promptcache.sidecar.store.MemoryTier) is the tier that serves; a lower tier (tiers.base.LowerTier) only
+finds, verifies and reads records. Lookup asks each tier without side effects and reports where a chunk is; a Get
+promotes it. A promotion is charged to the chunk's owner like a Put and never evicts on its own behalf beyond what
+a reservation does: when the owner's quota (or memory) has no room, a Get is served from the record's copy for
+that call only, and warm-up skips the chunk. A chunk keeps its age (its maximum lifetime counts from its first
+store), what it had left of its TTL, its hits and its own TTL across tiers.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from promptcache.sidecar.store import Entry, MemoryTier, StoreError, StoreListener
+from promptcache.sidecar.tiers.base import LowerTier, Record
+
+log = logging.getLogger("promptcache.sidecar.tiers")
+
+
+class TierStack(StoreListener):
+    def __init__(self, memory: MemoryTier, lowers: list[LowerTier] | tuple = (), tenancy=None):
+        self.memory = memory
+        self.lowers = list(lowers)
+        self.tenancy = tenancy  # promptcache.sidecar.tenancy.Tenancy: promotions are charged to the owner's quota
+        memory.subscribe(self)  # capacity evictions go down the stack
+
+    def lower(self, name: str) -> LowerTier | None:
+        return next((t for t in self.lowers if t.name == name), None)
+
+    # --- finding ----------------------------------------------------------------------------------------
+    def where(self, key: bytes, fingerprint: bytes) -> tuple[str, int] | None:
+        """(tier name, size) of the first tier holding `key`, or None. Promotes nothing (Lookup)."""
+        entry = self.memory.peek(key, fingerprint)
+        if entry is not None:
+            return "device", entry.nbytes
+        for tier in self.lowers:
+            size = tier.size(key, fingerprint)
+            if size is not None:
+                return tier.name, size
+        return None
+
+    def held(self, key: bytes, fingerprint: bytes) -> bool:
+        """Stored in memory or a local lower tier (a Put's check; not a request the eviction policy counts)."""
+        return self.memory.holds(key, fingerprint) or any(
+            t.local and t.size(key, fingerprint) is not None for t in self.lowers)
+
+    def acquire(self, key: bytes, fingerprint: bytes, owner: str, requested: bool = True
+                ) -> tuple[Entry, str] | None:
+        """A leased entry for `key` (release it with memory.release_lease) and the tier it came from, or None.
+        A hit below memory is promoted (or served from its copy for this call: see promote)."""
+        entry = self.memory.acquire(key, fingerprint, requested=requested)
+        if entry is not None:
+            return entry, "device"
+        for tier in self.lowers:
+            record = tier.read(key, fingerprint)
+            if record is not None:
+                promoted = self.promote(record, owner, source=tier)
+                if promoted is not None:
+                    return promoted, tier.name
+                return None  # past its lifetime: the prefix ends here, as at a miss
+        return None
+
+    # --- the promotion routine --------------------------------------------------------------------------
+    def promote(self, record: Record, owner: str, *, source: LowerTier | None = None, serve: bool = True):
+        """Store `record` in memory, charged to `owner`.
+        serve=True (a Get): returns a leased Entry (None only when the chunk is past its maximum lifetime); when
+        there is no room for it (quota or memory) the entry is this copy, held for the call and not cached.
+        serve=False (warm-up, snapshots): only when it fits without evicting, is not held yet and its parent is
+        (a chunk is unreachable without it); returns the bytes stored (0: not stored)."""
+        memory, key, fp, n = self.memory, record.key, record.fingerprint, record.nbytes
+        now = memory.clock()
+        born = now - max(0.0, record.age)
+        if record.ttl <= 0 or born + memory.max_lifetime <= now:
+            if source is not None:
+                source.expired(key)
+            return None if serve else 0
+        if not serve and (memory.holds(key, fp) or not memory.room_for(n)
+                          or (record.index and not memory.holds(record.parent, fp))):
+            return 0
+        charged = self.tenancy.charge_if_room(owner, n) if self.tenancy is not None else 0
+        if charged is None:  # the owner's quota is full: serve this copy; the record stays where it is
+            return _uncached(record, now) if serve else 0
+        try:
+            try:
+                reservation = memory.reserve(n, key, record.parent)
+            except StoreError:  # no room in memory right now
+                return _uncached(record, now) if serve else 0
+            host = memory.host_buffer(reservation)
+            host.numpy()[:] = record.payload
+            data = host if memory.device.type == "cpu" else host.to(memory.device)
+            stored = memory.commit(
+                reservation, key=key, fingerprint=fp, parent=record.parent, index=record.index, data=data,
+                checksum_value=record.checksum, shape=record.shape, dtype=record.dtype, ttl=max(record.ttl, 0.001),
+                born=born, owner=owner, hits=record.hits,
+                last_access=None if serve or record.idle is None else now - max(0.0, record.idle),
+                sliding_ttl=record.ttl_hint or None)
+        finally:
+            if self.tenancy is not None and charged:
+                self.tenancy.release(owner, charged)
+        if not serve:
+            if stored and source is not None:
+                source.taken(key, hit=False)
+            return n if stored else 0
+        if source is not None:
+            source.taken(key, hit=True)
+        entry = memory.acquire(key, fp, requested=False)  # the miss before this promotion counted it
+        return entry if entry is not None else _uncached(record, now)  # evicted again at once: a copy (its
+        # memory may already be another chunk's)
+
+    def warm(self, source: LowerTier, key: bytes) -> int:
+        """Warm-up: move `key` from `source` into memory under its recorded owner if it fits without evicting
+        (promote, serve=False). Returns the bytes moved."""
+        record = source.read(key, None)
+        return 0 if record is None else self.promote(record, record.owner, source=source, serve=False)
+
+    # --- down the stack ---------------------------------------------------------------------------------
+    def removed(self, entry: Entry, reason: str, age: float) -> None:
+        """Memory's hook: what it evicts for room goes to the first lower tier that takes it (expired or deleted
+        chunks go nowhere)."""
+        if reason == "capacity":
+            self.demote(entry)
+
+    def demote(self, entry: Entry) -> bool:
+        return any(t.demote(entry) for t in self.lowers)
+
+    def demote_all(self) -> int:
+        """On a graceful shutdown: everything still in memory goes down, so a restart keeps it."""
+        return sum(self.demote(e) for e in self.memory.snapshot())
+
+    def stored(self, record: Record) -> None:
+        """A Put stored `record` in memory (its payload: the received bytes, never written again)."""
+        for tier in self.lowers:
+            tier.stored(record)
+
+    def delete(self, keys: list[bytes], fingerprint: bytes) -> int:
+        return self.memory.delete(keys, fingerprint) + sum(t.delete(keys, fingerprint) for t in self.lowers)
+
+    def purge(self, fingerprint: bytes) -> tuple[int, int]:
+        count, nbytes = self.memory.purge(fingerprint)
+        return count + sum(t.purge(fingerprint) for t in self.lowers), nbytes
+
+    def usages(self) -> dict[str, dict[str, int]]:
+        """Each tier's usage by name, memory ("device") first; tiers that report none are left out."""
+        out = {"device": self.memory.usage()}
+        for tier in self.lowers:
+            u = tier.usage()
+            if u is not None:
+                out[tier.name] = u
+        return out
+
+
+def _uncached(record: Record, now: float) -> Entry:
+    """An entry served from a copy of the record for the call only (not in memory; `evicted` so nothing
+    announces it)."""
+    data = torch.from_numpy(np.array(record.payload, dtype=np.uint8, copy=True))
+    return Entry(record.key, record.fingerprint, record.parent, record.index, data, record.checksum, record.shape,
+                 record.dtype, now, now, 0, leases=1, evicted=True)
