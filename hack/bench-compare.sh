@@ -9,6 +9,7 @@ base=${1:-HEAD~1}
 out=${2:-bench-results/compare}
 here=$(pwd)
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: the benchmarks run from two trees
 tmp=$(mktemp -d)
 trap 'git -C "$here" worktree remove --force "$tmp/base" >/dev/null 2>&1 || true; rm -rf "$tmp"' EXIT
 git worktree add -q --detach "$tmp/base" "$base"
@@ -20,8 +21,8 @@ for round in 1 2; do
   for side in base here; do
     dir=$([ "$side" = base ] && echo "$tmp/base" || echo "$here")
     echo "== $side, round $round" >&2
-    (cd "$dir" && .venv/bin/promptcache bench throughput "${args[@]}" --output "$here/$out/$side-$round-throughput.md" > /dev/null)
-    (cd "$dir" && .venv/bin/promptcache bench latency --rounds "${BENCH_ROUNDS:-200}" > "$here/$out/$side-$round-latency.md")
+    (cd "$dir" && .venv/bin/promptcache bench throughput "${args[@]}" --output "$out/$side-$round-throughput.md" > /dev/null)
+    (cd "$dir" && .venv/bin/promptcache bench latency --rounds "${BENCH_ROUNDS:-200}" > "$out/$side-$round-latency.md")
   done
 done
 echo "tables in $out/" >&2
