@@ -143,20 +143,23 @@ def test_a_prefix_stored_on_one_node_is_served_by_another_and_tenants_stay_apart
 
 
 def test_a_record_is_served_only_for_its_fingerprint_before_it_expires_and_with_its_bytes():
+    from promptcache.sidecar.tiers import Record
+
     payload = np.arange(64, dtype=np.uint8)
-    raw = encode_record(fingerprint=b"f" * 32, parent=b"p" * 32, index=3, dtype=1, shape=(2, 2, 2, 4, 1),
-                        checksum_value=checksum(payload), expires=1000.0, born=900.0, payload=payload.data)
-    record = decode_record(raw)
+    stored = Record(b"k" * 32, b"f" * 32, b"p" * 32, 3, 1, (2, 2, 2, 4, 1), checksum(payload), payload, ttl=100.0,
+                    age=0.0)
+    raw = encode_record(stored, now=900.0)  # expires at 1000 (Unix time), born at 900
+    record = decode_record(raw, b"k" * 32, now=999.0)
     assert record.index == 3 and record.shape == (2, 2, 2, 4, 1) and bytes(record.payload) == payload.tobytes()
-    assert (record.expires, record.born) == (1000.0, 900.0)
-    assert verify(record, b"f" * 32, 999.0) == ""
-    assert verify(record, b"g" * 32, 999.0) == "fingerprint"
-    assert verify(record, b"f" * 32, 1000.0) == "expired"
+    assert (record.ttl, record.age) == (1.0, 99.0)
+    assert verify(record, b"f" * 32) == ""
+    assert verify(record, b"g" * 32) == "fingerprint"
+    assert verify(decode_record(raw, b"k" * 32, now=1000.0), b"f" * 32) == "expired"
     corrupt = bytearray(raw)
     corrupt[-1] ^= 1
-    assert verify(decode_record(bytes(corrupt)), b"f" * 32, 999.0) == "checksum"
-    assert decode_record(b"junk") is None and verify(None, b"f" * 32, 0) == "malformed"
-    assert decode_record(b"XXXX" + raw[4:]) is None
+    assert verify(decode_record(bytes(corrupt), b"k" * 32, 999.0), b"f" * 32) == "checksum"
+    assert decode_record(b"junk", b"k" * 32, 0) is None and verify(None, b"f" * 32) == "malformed"
+    assert decode_record(b"XXXX" + raw[4:], b"k" * 32, 0) is None
 
 
 def test_fleet_simulation_a_shared_tier_and_prefix_routing_each_raise_the_hit_ratio():

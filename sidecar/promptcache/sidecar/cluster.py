@@ -23,7 +23,6 @@ import queue
 import struct
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
@@ -31,6 +30,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from promptcache.sidecar.metrics import LATENCY_BUCKETS
 from promptcache.sidecar.store import checksum
+from promptcache.sidecar.tiers.base import Record
 
 log = logging.getLogger("promptcache.sidecar.cluster")
 
@@ -50,31 +50,21 @@ class ClusterStore(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class Record:
-    fingerprint: bytes
-    parent: bytes
-    index: int
-    dtype: int
-    shape: tuple[int, ...]
-    checksum: int
-    expires: float  # Unix time
-    born: float     # Unix time of the chunk's first store: --max-lifetime-seconds counts from it on every node
-    payload: memoryview
-
-
 def store_key(key: bytes) -> str:
     return KEY_PREFIX + key.hex()
 
 
-def encode_record(*, fingerprint: bytes, parent: bytes, index: int, dtype: int, shape: tuple[int, ...],
-                  checksum_value: int, expires: float, born: float, payload) -> bytes:
-    header = _HEADER.pack(MAGIC, expires, born, fingerprint, parent, index, dtype, len(shape), checksum_value)
-    return header + struct.pack(f"<{len(shape)}I", *shape) + bytes(payload)
+def encode_record(record: Record, now: float) -> bytes:
+    """The wire form of `record` at Unix time `now`: its TTL left and its age become absolute times (Unix time:
+    monotonic clocks differ between nodes)."""
+    header = _HEADER.pack(MAGIC, now + record.ttl, now - record.age, record.fingerprint, record.parent, record.index,
+                          record.dtype, len(record.shape), record.checksum)
+    return header + struct.pack(f"<{len(record.shape)}I", *record.shape) + bytes(record.payload)
 
 
-def decode_record(raw: bytes) -> Record | None:
-    """The record in `raw`, or None when it is not one of ours (wrong magic, truncated)."""
+def decode_record(raw: bytes, key: bytes, now: float) -> Record | None:
+    """The record of `key` in `raw` as at Unix time `now`, or None when it is not one of ours (wrong magic,
+    truncated)."""
     if len(raw) < _HEADER.size:
         return None
     magic, expires, born, fp, parent, index, dtype, ndim, value = _HEADER.unpack_from(raw)
@@ -82,18 +72,19 @@ def decode_record(raw: bytes) -> Record | None:
     if magic != MAGIC or len(raw) < start:
         return None
     shape = struct.unpack_from(f"<{ndim}I", raw, _HEADER.size)
-    return Record(fp, parent, index, dtype, shape, value, expires, born, memoryview(raw)[start:])
+    return Record(key, fp, parent, index, dtype, tuple(shape), value, np.frombuffer(raw, dtype=np.uint8, offset=start),
+                  ttl=expires - now, age=now - born)
 
 
-def verify(record: Record | None, fingerprint: bytes, now: float) -> str:
-    """Why `record` may not be served for `fingerprint` at Unix time `now` ("" when it may)."""
+def verify(record: Record | None, fingerprint: bytes) -> str:
+    """Why `record` may not be served for `fingerprint` ("" when it may)."""
     if record is None:
         return "malformed"
     if record.fingerprint != fingerprint:
         return "fingerprint"
-    if record.expires <= now:
+    if record.ttl <= 0:
         return "expired"
-    if checksum(np.frombuffer(record.payload, dtype=np.uint8)) != record.checksum:
+    if checksum(record.payload) != record.checksum:
         return "checksum"
     return ""
 
@@ -260,8 +251,8 @@ class ClusterTier:
         if raw is None:
             self.metrics.misses.inc()
             return None
-        record = decode_record(raw)
-        why = verify(record, fingerprint, self.clock())
+        record = decode_record(raw, key, self.clock())
+        why = verify(record, fingerprint)
         if why:
             self.metrics.rejected.labels(why).inc()
             if why == "checksum":

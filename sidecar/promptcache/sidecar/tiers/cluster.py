@@ -8,12 +8,11 @@ keeps its copy after a promotion (other nodes read it), and a promoted chunk is 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 
-import numpy as np
-
-from promptcache.sidecar.cluster import ClusterTier, Record as ClusterRecord, encode_record
+from promptcache.sidecar.cluster import ClusterTier, encode_record
 from promptcache.sidecar.tiers.base import LowerTier, Record
 
 RECENT_SECONDS = 5.0  # how long a record fetched by a Lookup waits for its Get
@@ -25,66 +24,57 @@ class ClusterLowerTier(LowerTier):
     moves = False
     local = False
 
-    def __init__(self, cluster: ClusterTier, recent_bytes: int = RECENT_BYTES,
-                 recent_seconds: float = RECENT_SECONDS, monotonic=time.monotonic):
+    def __init__(self, cluster: ClusterTier, recent_bytes: int = RECENT_BYTES, recent_seconds: float = RECENT_SECONDS,
+                 monotonic=time.monotonic):
         self.cluster = cluster
         self.recent_bytes, self.recent_seconds, self.monotonic = recent_bytes, recent_seconds, monotonic
-        self._recent: collections.OrderedDict[tuple[bytes, bytes], tuple[float, ClusterRecord]] = \
-            collections.OrderedDict()
+        self._recent: collections.OrderedDict[tuple[bytes, bytes], tuple[float, Record]] = collections.OrderedDict()
         self._recent_held = 0
         self._lock = threading.Lock()
 
     # --- reads ------------------------------------------------------------------------------------------
-    def _fetch(self, key: bytes, fingerprint: bytes, keep: bool) -> ClusterRecord | None:
+    def _fetch(self, key: bytes, fingerprint: bytes, keep: bool) -> Record | None:
         now = self.monotonic()
         with self._lock:
             kept = self._recent.pop((key, fingerprint), None)
             if kept is not None:
-                self._recent_held -= kept[1].payload.nbytes
-                if now - kept[0] <= self.recent_seconds and kept[1].expires > self.cluster.clock():
+                self._recent_held -= kept[1].nbytes
+                fetched, record = kept
+                elapsed = now - fetched
+                if elapsed <= self.recent_seconds and record.ttl > elapsed:
                     if keep:
-                        self._keep_locked(key, fingerprint, now, kept[1])
-                    return kept[1]
+                        self._keep_locked(key, fingerprint, fetched, record)
+                    return dataclasses.replace(record, ttl=record.ttl - elapsed, age=record.age + elapsed)
         record = self.cluster.fetch(key, fingerprint)  # verified: fingerprint, expiry, checksum
         if record is not None and keep:
             with self._lock:
                 self._keep_locked(key, fingerprint, now, record)
         return record
 
-    def _keep_locked(self, key: bytes, fingerprint: bytes, now: float, record: ClusterRecord) -> None:
-        n = record.payload.nbytes
-        if n > self.recent_bytes:
+    def _keep_locked(self, key: bytes, fingerprint: bytes, fetched: float, record: Record) -> None:
+        if record.nbytes > self.recent_bytes:
             return
-        self._recent[(key, fingerprint)] = (now, record)
-        self._recent_held += n
+        self._recent[(key, fingerprint)] = (fetched, record)
+        self._recent_held += record.nbytes
+        now = self.monotonic()
         while self._recent_held > self.recent_bytes or (
                 self._recent and now - next(iter(self._recent.values()))[0] > self.recent_seconds):
             _, (_, old) = self._recent.popitem(last=False)
-            self._recent_held -= old.payload.nbytes
+            self._recent_held -= old.nbytes
 
     def size(self, key: bytes, fingerprint: bytes) -> int | None:
         record = self._fetch(key, fingerprint, keep=True)
-        return None if record is None else record.payload.nbytes
+        return None if record is None else record.nbytes
 
     def read(self, key: bytes, fingerprint: bytes | None) -> Record | None:
-        if fingerprint is None:
-            return None  # warm-up reads the disk tier only
-        r = self._fetch(key, fingerprint, keep=False)
-        if r is None:
-            return None
-        wall = self.cluster.clock()
-        return Record(key, r.fingerprint, r.parent, r.index, r.dtype, tuple(r.shape), r.checksum,
-                      np.frombuffer(r.payload, dtype=np.uint8), ttl=r.expires - wall, age=wall - r.born)
+        return None if fingerprint is None else self._fetch(key, fingerprint, keep=False)  # (warm-up: disk only)
 
     # --- writes -----------------------------------------------------------------------------------------
     def stored(self, record: Record) -> None:
-        """Queue the chunk a Put stored for publishing; the record is built on the publisher thread."""
-        wall = self.cluster.clock()
-        expires = wall + max(0.0, record.ttl)
-        self.cluster.publish(record.key, lambda: encode_record(
-            fingerprint=record.fingerprint, parent=record.parent, index=record.index, dtype=record.dtype,
-            shape=tuple(record.shape), checksum_value=record.checksum, expires=expires, born=wall,
-            payload=record.payload.data))
+        """Queue the chunk a Put stored for publishing; the record is encoded on the publisher thread, its TTL
+        counted from now."""
+        published = self.cluster.clock()
+        self.cluster.publish(record.key, lambda: encode_record(record, published))
 
     def close(self) -> None:
         self.cluster.close()
