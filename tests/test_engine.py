@@ -156,3 +156,36 @@ def test_a_put_checking_what_is_cached_is_not_a_request_the_eviction_policy_coun
     assert requested == []
     e.lookup(ALICE, model_to_proto(SMALL), list(range(2 * CHUNK)))
     assert len(requested) == 2  # a lookup is a request for each chunk it finds
+
+
+def test_reads_are_told_to_read_listeners():
+    """Lookups, Gets and each chunk a Get sends reach every ReadListener, as inserts and removals reach the
+    store's listeners (metrics and tenancy's counters are two of them)."""
+    from promptcache.sidecar.store import ReadListener
+
+    class Recorder(ReadListener):
+        def __init__(self):
+            self.looked, self.sent = [], []
+
+        def looked_up(self, rpc, owner, cached, total, by_tier):
+            self.looked.append((rpc, owner, cached, total, dict(by_tier)))
+
+        def served(self, owner, key, nbytes, tier):
+            self.sent.append((owner, nbytes, tier))
+
+    e, seen = engine(), Recorder()
+    e.subscribe_reads(seen)
+    sent = chunks(SMALL, 2)
+    with e.put(ALICE, header(2)) as put:
+        for begin, blob in sent:
+            put.begin_chunk(begin)
+            put.add_data(blob)
+        put.commit()
+    tokens = list(range(3 * CHUNK))
+    assert e.lookup(ALICE, model_to_proto(SMALL), tokens).cached_tokens == 2 * CHUNK
+    assert len(list(e.read_chunks(ALICE, pb.GetRequest(model=model_to_proto(SMALL), tokens=tokens)))) == 2
+    assert seen.looked == [("lookup", "alice", 2 * CHUNK, 3 * CHUNK, {"device": 2 * CHUNK}),
+                           ("get", "alice", 2 * CHUNK, 3 * CHUNK, {"device": 2 * CHUNK})]
+    assert seen.sent == [("alice", len(sent[0][1]), "device")] * 2
+    assert e.metrics.sent_bytes.labels("device")._value.get() == 2 * len(sent[0][1])
+    assert (e.hit_tokens, e.missed_tokens) == (4 * CHUNK, 2 * CHUNK)

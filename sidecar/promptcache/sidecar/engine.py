@@ -31,7 +31,7 @@ from promptcache.sidecar.identity import Caller
 from promptcache.sidecar.limits import LARGE_REQUEST_TOKENS, LargeRequests, ReservedBytes
 from promptcache.sidecar.putsession import PutSession
 from promptcache.sidecar.sinks import ChunkSink
-from promptcache.sidecar.store import MemoryTier, ResizeOutcome, checksum, checksum_and_finite
+from promptcache.sidecar.store import MemoryTier, ReadListener, ResizeOutcome, checksum, checksum_and_finite
 from promptcache.sidecar.tiers import Record, TierStack
 from promptcache.sidecar.tenancy import Tenancy, TenancyError
 from promptcache.v1 import kvcache_pb2 as pb
@@ -97,6 +97,7 @@ class CacheEngine:
         self.hit_tokens = 0
         self.missed_tokens = 0
         self._totals_lock = threading.Lock()
+        self._readers: tuple[ReadListener, ...] = (metrics, tenancy, _Totals(self))
         self._scopes: dict = {}  # (Model bytes, identity) -> Scope; namespace() is pure
         self._event_models: dict[bytes, str | None] = {}  # fingerprint -> model announced in KV events, or None
         self._looked_up = LookedUp()
@@ -240,17 +241,13 @@ class CacheEngine:
         self._count_lookup("lookup", cached, len(tokens), scope.owner, by_tier)
         return pb.LookupResponse(cached_tokens=cached, chunk_tokens=self.chunk_tokens, chunks=chunks)
 
+    def subscribe_reads(self, listener: ReadListener) -> None:
+        """Tell `listener` of every Lookup and Get counted, and every chunk a Get sends, from now on."""
+        self._readers = (*self._readers, listener)
+
     def _count_lookup(self, rpc: str, cached: int, total: int, owner: str, by_tier: dict[str, int]) -> None:
-        self.tenancy.count_lookup(owner, cached, total)
-        self.metrics.lookups.labels(rpc).inc()
-        for name, n in by_tier.items():
-            if n:
-                self.metrics.hit_tokens.labels(rpc, name).inc(n)
-        if total - cached:
-            self.metrics.missed_tokens.labels(rpc).inc(total - cached)
-        with self._totals_lock:
-            self.hit_tokens += cached
-            self.missed_tokens += total - cached
+        for reader in self._readers:
+            reader.looked_up(rpc, owner, cached, total, by_tier)
 
     # --- reads ------------------------------------------------------------------------------------------
     def read_chunks(self, caller: Caller, request: pb.GetRequest, sink: ChunkSink | None = None,
@@ -293,8 +290,8 @@ class CacheEngine:
                     item, used = sink.emit(i, entry, view, position)
                     yield item
                     position += used
-                    self.metrics.sent_bytes.labels(tier_name).inc(entry.nbytes)
-                    self.tenancy.touched(owner, key)
+                    for reader in self._readers:
+                        reader.served(owner, key, entry.nbytes, tier_name)
                     served += 1
                     by_tier[tier_name] = by_tier.get(tier_name, 0) + self.chunk_tokens
                     if tier_name != "device" and self.events is not None and not entry.evicted:
@@ -426,3 +423,16 @@ class CacheEngine:
                                                "evicted_chunks": r.evicted, "bytes_used": r.used,
                                                "committed_bytes": r.committed, "waited_seconds": round(r.waited, 3)})
         return r
+
+
+class _Totals(ReadListener):
+    """The whole cache's hit and missed tokens (an admin's Stats)."""
+
+    def __init__(self, engine: CacheEngine):
+        self.engine = engine
+
+    def looked_up(self, rpc: str, owner: str, cached: int, total: int, by_tier: dict[str, int]) -> None:
+        e = self.engine
+        with e._totals_lock:
+            e.hit_tokens += cached
+            e.missed_tokens += total - cached

@@ -84,6 +84,18 @@ class Metrics:
         self.evicted_bytes.labels("device", reason).inc(entry.nbytes)
         self.eviction_age.labels(reason).observe(age)
 
+    # Reads (promptcache.sidecar.store.ReadListener).
+    def looked_up(self, rpc: str, owner: str, cached: int, total: int, by_tier: dict[str, int]) -> None:
+        self.lookups.labels(rpc).inc()
+        for tier, n in by_tier.items():
+            if n:
+                self.hit_tokens.labels(rpc, tier).inc(n)
+        if total - cached:
+            self.missed_tokens.labels(rpc).inc(total - cached)
+
+    def served(self, owner: str, key: bytes, nbytes: int, tier: str) -> None:
+        self.sent_bytes.labels(tier).inc(nbytes)
+
     def watch(self, tiers) -> None:
         """Report entries/bytes/budget of each tier at scrape time, read from the tiers themselves."""
         self.registry.register(_TierCollector(tiers))

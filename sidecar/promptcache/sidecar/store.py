@@ -122,6 +122,17 @@ class StoreListener:
         entry.evicted is already True. `age`: seconds since it was stored in this tier."""
 
 
+class ReadListener:
+    """What follows reads the way StoreListener follows inserts and removals (CacheEngine.subscribe_reads):
+    metrics, tenancy's per-owner counters, the engine's totals. Called on the reading thread, outside any lock."""
+
+    def looked_up(self, rpc: str, owner: str, cached: int, total: int, by_tier: dict[str, int]) -> None:
+        """A Lookup or Get of `total` tokens found `cached` (by_tier: tokens from each tier) for `owner`."""
+
+    def served(self, owner: str, key: bytes, nbytes: int, tier: str) -> None:
+        """A Get sent chunk `key` (`nbytes`, found in `tier`) to `owner`."""
+
+
 def checksum(buf) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 

@@ -252,11 +252,15 @@ class Tenancy:
             if u is not None and key in u.entries:
                 u.entries.move_to_end(key)
 
-    def count_lookup(self, owner: str, cached: int, total: int) -> None:
+    # Reads (promptcache.sidecar.store.ReadListener): each owner's hit counts, and its chunks' recency.
+    def looked_up(self, rpc: str, owner: str, cached: int, total: int, by_tier: dict[str, int]) -> None:
         with self._lock:
             u = self._usage_of(owner)
             u.hit_tokens += cached
             u.missed_tokens += total - cached
+
+    def served(self, owner: str, key: bytes, nbytes: int, tier: str) -> None:
+        self.touched(owner, key)
 
     def usage(self, owner: str) -> dict[str, int]:
         with self._lock:
