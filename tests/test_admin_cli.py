@@ -131,15 +131,14 @@ def test_credential_file_errors_are_one_line_naming_flag_and_file(tmp_path):
     """Issue 27 #6: a missing or directory --token-file was a traceback, /dev/zero was read until MemoryError.
     Each bad credential file is now one line naming the flag and the path, read bounded and without blocking
     (a FIFO with no writer), in a real CLI process with a 5 GiB address-space limit."""
-    import resource
-
-    def limit():
-        resource.setrlimit(resource.RLIMIT_AS, (5 << 30, 5 << 30))  # torch maps ~3.5 GiB
-
+    # The limit is set by the child itself, not by a preexec_fn: this test process has used gRPC (the in-process
+    # CLI tests), and a fork that runs Python before exec ran gRPC's fork handlers, which once aborted the child
+    # (-6, "epoll_wait error: Bad file descriptor") before it ever reached the CLI.
+    limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_AS, (5 << 30, 5 << 30)); "
+               "sys.argv = ['promptcache'] + sys.argv[1:]; runpy.run_module('promptcache.cli', run_name='__main__')")
     for flag, path, why in _credential_cases(tmp_path):
-        out = subprocess.run([sys.executable, "-m", "promptcache.cli", "stats", "--address", "127.0.0.1:1",
-                              "--timeout", "0.5", flag, path], capture_output=True, text=True, timeout=60,
-                             preexec_fn=limit)
+        out = subprocess.run([sys.executable, "-c", limited, "stats", "--address", "127.0.0.1:1",
+                              "--timeout", "0.5", flag, path], capture_output=True, text=True, timeout=60)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1, (flag, path, out.stderr[-1500:])
         assert lines[0] == f"promptcache stats: {flag} {path}: {lines[0].split(': ', 2)[2]}" and why in lines[0], \
