@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import resource
 
-import pytest
 import torch
 
 from promptcache.sidecar.policies import make_policy

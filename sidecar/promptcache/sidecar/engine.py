@@ -20,11 +20,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-import numpy as np
 
 from promptcache.contract import keys as keyspec
 from promptcache.contract.keys import ModelSpec
-from promptcache.contract.layout import chunk_nbytes, chunk_shape, scanned
+from promptcache.contract.layout import chunk_nbytes, scanned
 from promptcache.sidecar import cgroup
 from promptcache.sidecar.errors import DataLoss, InvalidRequest, NotServed, PermissionDenied, TimedOut
 from promptcache.sidecar.identity import Caller
@@ -338,7 +337,7 @@ class CacheEngine:
             self.tenancy.release(owner, charged)  # a stored chunk is charged by the store's insert hook
         if not stored:
             return 0
-        if self.stack.lowers:  # a shared tier publishes it (from the received host bytes, never written again)
+        if self.stack.publishers:  # a shared tier publishes it (from the received bytes, never written again)
             self.stack.stored(Record(incoming.key, fp, incoming.parent, begin.index, begin.dtype, tuple(begin.shape),
                                      value, incoming.buffer, ttl=ttl_left, age=0.0))
         if self.events is not None:

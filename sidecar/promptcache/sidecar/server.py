@@ -9,8 +9,6 @@ from __future__ import annotations
 import functools
 import logging
 
-import grpc
-
 from promptcache.contract import frames
 from promptcache.sidecar import shmbuffers
 from promptcache.sidecar.auth import identity_of

@@ -42,11 +42,13 @@ class LowerTier:
 
     `name` labels it in Lookup answers and metrics. `moves`: a promotion takes the chunk out of this tier (one
     tier at a time: the disk) rather than copying it (the cluster keeps its copy for the other nodes). `local`:
-    asking it is cheap (no network), so a Put may check it before storing."""
+    asking it is cheap (no network), so a Put may check it before storing. `publishes`: it is told of every chunk
+    a Put stores (stored())."""
 
     name = "lower"
     moves = False
     local = True
+    publishes = False
 
     def size(self, key: bytes, fingerprint: bytes) -> int | None:
         """The chunk's size when this tier holds `key` under `fingerprint`, else None. No side effects: a Lookup

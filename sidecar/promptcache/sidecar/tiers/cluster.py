@@ -23,6 +23,7 @@ class ClusterLowerTier(LowerTier):
     name = "cluster"
     moves = False
     local = False
+    publishes = True
 
     def __init__(self, cluster: ClusterTier, recent_bytes: int = RECENT_BYTES, recent_seconds: float = RECENT_SECONDS,
                  monotonic=time.monotonic):

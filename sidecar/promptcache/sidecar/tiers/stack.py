@@ -10,21 +10,18 @@ store), what it had left of its TTL, its hits and its own TTL across tiers.
 """
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
 from promptcache.sidecar.store import Entry, MemoryTier, StoreError, StoreListener
 from promptcache.sidecar.tiers.base import LowerTier, Record
 
-log = logging.getLogger("promptcache.sidecar.tiers")
-
 
 class TierStack(StoreListener):
     def __init__(self, memory: MemoryTier, lowers: list[LowerTier] | tuple = (), tenancy=None):
         self.memory = memory
         self.lowers = list(lowers)
+        self.publishers = [t for t in self.lowers if t.publishes]  # told of every chunk a Put stores
         self.tenancy = tenancy  # promptcache.sidecar.tenancy.Tenancy: promotions are charged to the owner's quota
         memory.subscribe(self)  # capacity evictions go down the stack
 
@@ -133,7 +130,7 @@ class TierStack(StoreListener):
 
     def stored(self, record: Record) -> None:
         """A Put stored `record` in memory (its payload: the received bytes, never written again)."""
-        for tier in self.lowers:
+        for tier in self.publishers:
             tier.stored(record)
 
     def delete(self, keys: list[bytes], fingerprint: bytes) -> int:
