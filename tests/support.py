@@ -136,3 +136,19 @@ def run_vllm_probe(vllm_python: str, script: Path, arg: dict, timeout: float = 8
     line = next((x for x in run.stdout.splitlines() if x.startswith("@@")), None)
     assert line is not None, run.stdout[-3000:] + run.stderr[-6000:]
     return json.loads(line[2:])
+
+
+def make_writable(entry) -> None:
+    """What a tier whose chunk memory could not be made read-only has (mprotect refused, or more chunks than the
+    kernel allows mappings): the entry's memory writable, and hashed before each send. For tests that corrupt a
+    stored chunk."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if entry.immutable:
+        assert libc.mprotect(ctypes.c_void_p(entry.data.data_ptr()), ctypes.c_size_t(entry.data.numel()),
+                             mmap.PROT_READ | mmap.PROT_WRITE) == 0
+        entry.immutable = False
+        if entry.memfd is not None:
+            entry.memfd.immutable = False

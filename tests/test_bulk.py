@@ -19,7 +19,7 @@ from promptcache.sidecar.config import Settings
 from promptcache.sidecar.app import Sidecar
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.contract.wire import model_to_proto
-from support import CHUNK, SMALL, free_port, make_kv, metric
+from support import CHUNK, SMALL, free_port, make_kv, make_writable, metric
 from test_auth import pki, token_dir  # noqa: F401 - fixtures
 
 TOKENS = list(range(3 * CHUNK))
@@ -114,6 +114,7 @@ def test_bulk_corrupt_chunk_is_never_served(sidecar_factory, tmp_path):
     with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address) as c:
         c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
         keys = [ch.key for ch in c.lookup(SMALL, TOKENS).chunks]
+        make_writable(sidecar.tier._entries[keys[1]])  # as if its memory could not be made read-only
         sidecar.tier._entries[keys[1]].data[7] ^= 0x10
         assert len(c.get_blobs(SMALL, TOKENS)) == 1  # chunk 0 only; the corrupt one ends the prefix
     assert metric(sidecar, 'promptcache_checksum_failures_total{tier="device"}') == 1

@@ -12,7 +12,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from support import CHUNK, SMALL, FakeClock, make_kv, metric, metrics_text
+from support import CHUNK, SMALL, FakeClock, make_kv, make_writable, metric, metrics_text
 from promptcache.client import PromptCacheClient, errors
 from promptcache.contract.layout import chunk_nbytes
 from promptcache.sidecar.auth import ANONYMOUS
@@ -165,6 +165,7 @@ def test_corrupted_chunk_is_dropped_and_never_served(sidecar, client):
     client.put(SMALL, tokens, make_kv(SMALL, len(tokens)))
     keys = [c.key for c in client.lookup(SMALL, tokens).chunks]
     entry = sidecar.tier._entries[keys[1]]  # flip one bit of chunk 1 in the device tier
+    make_writable(entry)  # stored memory is read-only (tests/test_protected_memory.py): as if mprotect had failed
     entry.data[123] ^= 0x01
     blobs = client.get_blobs(SMALL, tokens)
     assert len(blobs) == 1  # chunk 0 served, corrupt chunk 1 ends the prefix, chunk 2 unreachable

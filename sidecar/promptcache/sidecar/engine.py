@@ -7,7 +7,8 @@ project's own errors (promptcache.sidecar.errors); the gRPC servicer (promptcach
 channel (promptcache.sidecar.bulk) are thin adapters that map them to status codes.
 
 Nothing partial is ever stored (a chunk enters the store only when its last byte has arrived and verified) or
-served (every chunk is checksummed before its first byte leaves).
+served (every chunk is checksummed before its first byte leaves, unless its memory has been read-only since a
+Get verified it there: MemoryTier.seal).
 """
 from __future__ import annotations
 
@@ -286,6 +287,8 @@ class CacheEngine:
                         log.error("chunk failed its checksum and was dropped",
                                   extra={"chunk_index": i, "key": key.hex()})
                         break
+                    if not verified and entry.protectable and view is entry.array:
+                        self.tier.seal(entry)  # verified where it lies: read-only from now on, never hashed again
                     item, used = sink.emit(i, entry, view, position)
                     yield item
                     position += used

@@ -10,7 +10,9 @@ its reads fault). The sidecar's own mapping, made before sealing to receive the 
 received, holds for as long as it lives and a lend need not hash it again (a stray write in the sidecar faults
 instead of corrupting it).
 
-The host tier without lending (a CUDA device, an old kernel, or --bulk-zero-copy off) keeps plain tensors.
+A CPU tier that does not lend (an old kernel, a TCP-only bulk channel, --bulk-zero-copy off) keeps each chunk in
+an anonymous mapping of its own instead (ProtectedMemory), made read-only in the same way once its bytes are
+verified: a Get sends it without hashing it again. A CUDA tier keeps plain tensors.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import mmap
 import os
 import resource
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -54,12 +57,8 @@ class SealedChunk:
             return False
         self.sealed = True
         if self._mapping is not None:
-            address, length = self._mapping
-            if _libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(length), mmap.PROT_READ) == 0:
-                self.immutable = True
-            else:  # the chunk is still lent, and hashed again before each lend
-                log.warning("could not make a sealed chunk's mapping read-only: %s",
-                            os.strerror(ctypes.get_errno()))
+            # the chunk is still lent when this fails, and hashed again before each lend
+            self.immutable = protect(*self._mapping, writable=False)
         return True
 
     def __del__(self):
@@ -68,6 +67,64 @@ class SealedChunk:
         except (OSError, TypeError):
             pass
         self._pool.freed()
+
+
+def protect(address: int, length: int, writable: bool) -> bool:
+    """mprotect a whole mapping read-only (`writable` False) or read-write again; False, with a warning, if the
+    kernel refused."""
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    if _libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(length), prot) == 0:
+        return True
+    log.warning("could not make a chunk's mapping %s: %s", "writable" if writable else "read-only",
+                os.strerror(ctypes.get_errno()))
+    return False
+
+
+class ProtectedMemory:
+    """Host memory for the chunks of a CPU tier that does not lend: each chunk in a private anonymous mapping of
+    its own (page-aligned, so it can be made read-only alone), pre-faulted in one call. MemoryTier.commit makes it
+    read-only once the bytes received into it are verified, so a Get need not hash them again before sending
+    (a stray write in the sidecar faults instead of corrupting a chunk); the tier makes it writable again when it
+    reuses the memory for another chunk. Each live chunk holds one mapping: at most `limit` (the kernel's limit on
+    mappings per process bounds them); past it allocate() gives plain tensors, which are hashed before each send."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._live = 0
+        self._lock = threading.Lock()
+
+    @property
+    def live(self) -> int:
+        return self._live
+
+    def _freed(self) -> None:
+        with self._lock:
+            self._live -= 1
+
+    def allocate(self, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """(memory for `nbytes`, whether it is a mapping of its own that protect() may change)."""
+        with self._lock:
+            room = nbytes > 0 and self._live < self.limit
+            if room:
+                self._live += 1
+        if not room:
+            return torch.empty(nbytes, dtype=torch.uint8), False
+        try:
+            mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+        except OSError:
+            self._freed()
+            return torch.empty(nbytes, dtype=torch.uint8), False
+        weakref.finalize(mm, self._freed)  # unmapped when the last view of it goes
+        return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)), True
+
+
+def mapping_budget() -> int:
+    """Chunks that may each hold a mapping of their own: half the kernel's limit on mappings per process."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read()) // 2
+    except (OSError, ValueError):
+        return 65530 // 2
 
 
 def probe() -> str:
@@ -99,12 +156,7 @@ def descriptor_budget() -> int:
             soft = target
         except (ValueError, OSError):
             pass
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            max_maps = int(f.read())
-    except (OSError, ValueError):
-        max_maps = 65530
-    return max(0, min((soft - RESERVED_FDS) // FDS_PER_CHUNK, max_maps // 2))
+    return max(0, min((soft - RESERVED_FDS) // FDS_PER_CHUNK, mapping_budget()))
 
 
 class ChunkMemory:

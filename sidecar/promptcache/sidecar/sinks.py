@@ -27,8 +27,9 @@ class ChunkSink:
 
     def place(self, entry, position: int):
         """Put the chunk where it goes. Returns (the bytes to verify, already verified?), or None when there is
-        no room for it (the Get ends at the chunk before)."""
-        return host_view(entry), False
+        no room for it (the Get ends at the chunk before). A chunk whose memory has been read-only since its
+        bytes were verified in it (entry.immutable) is not hashed again: nothing can have changed it."""
+        return host_view(entry), entry.immutable
 
     def emit(self, index: int, entry, view, position: int):
         """After the bytes were verified: (what read_chunks yields, bytes of the destination it used)."""

@@ -22,7 +22,7 @@ import torch
 import xxhash
 
 from promptcache.contract.layout import values_finite
-from promptcache.sidecar.memfd import ChunkMemory, SealedChunk
+from promptcache.sidecar.memfd import ChunkMemory, ProtectedMemory, SealedChunk, mapping_budget, protect
 from promptcache.sidecar.policies import EvictionPolicy
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to this
@@ -85,6 +85,8 @@ class Entry:
     hits: int = 0  # Gets that served it, in any tier since it was first stored (kept on disk: warm-up's order)
     _array: np.ndarray | None = field(default=None, repr=False)
     recyclable: bool = False  # its memory goes back to the tier's free list once nobody reads it (host_buffer's)
+    protectable: bool = False  # `data` is a mapping of its own (memfd.ProtectedMemory)...
+    immutable: bool = False  # ...read-only since a Get verified it there (or a sealed memfd's): not hashed again
     wire: object = field(default=None, repr=False)  # a transport's encoding of this chunk, made once (bulk.py)
 
     @property
@@ -107,6 +109,7 @@ class Reservation:
     done: bool = False
     host: torch.Tensor | None = None  # what host_buffer() allocated
     memfd: SealedChunk | None = None  # its memfd, if it has one
+    protectable: bool = False  # host is a mapping of its own that can be made read-only (MemoryTier.seal)
 
 
 class StoreListener:
@@ -154,7 +157,8 @@ def checksum_and_finite(buf: np.ndarray, kv_dtype: str) -> tuple[int, bool]:
 class MemoryTier:
     def __init__(self, budget_bytes: int, device: torch.device, policy: EvictionPolicy, ttl_seconds: float,
                  clock: Callable[[], float] = time.monotonic, host_memory: ChunkMemory | None = None,
-                 max_lifetime_seconds: float = math.inf, entry_overhead: int = 0, recycle: bool = True):
+                 max_lifetime_seconds: float = math.inf, entry_overhead: int = 0, recycle: bool = True,
+                 protect_memory: bool = True):
         if budget_bytes <= 0:
             raise ValueError("budget must be positive")
         self.device = device
@@ -187,7 +191,10 @@ class MemoryTier:
         # direct compaction an 8 MiB Put took 28 ms of CPU instead of 8.) Off where another thread may still read
         # a stored chunk's memory after it left (the cluster tier publishes from it): `recycle` False.
         self._recycle = recycle and device.type == "cpu" and self.host_memory is None
-        self._free: dict[int, list[torch.Tensor]] = {}
+        self._free: dict[int, list[tuple[torch.Tensor, bool, bool]]] = {}  # size -> (memory, protectable, read-only)
+        # Chunk memory that can be made read-only once a Get verified it (seal): later Gets send it unhashed.
+        self._protected = (ProtectedMemory(mapping_budget())
+                           if protect_memory and device.type == "cpu" and self.host_memory is None else None)
         self._free_bytes = 0
 
     def subscribe(self, listener: StoreListener) -> None:
@@ -258,14 +265,15 @@ class MemoryTier:
         """What committed bytes must stay under for a new reservation: the budget, or a pending shrink's size."""
         return self._budget if self._shrinking_to is None else self._shrinking_to
 
-    def _give_back(self, data: torch.Tensor | None) -> None:
-        """Under the lock: keep a chunk's memory that nobody reads any more for the next chunk of its size."""
+    def _give_back(self, data: torch.Tensor | None, protectable: bool = False, read_only: bool = False) -> None:
+        """Under the lock: keep a chunk's memory that nobody reads any more for the next chunk of its size
+        (host_buffer makes it writable again if it is read-only)."""
         if data is None or not self._recycle:
             return
         n = data.numel()
         if self._free_bytes + n + self._committed() > self._budget:
             return  # the budget's worth is held already: let it go back to the system
-        self._free.setdefault(n, []).append(data)
+        self._free.setdefault(n, []).append((data, protectable, read_only))
         self._free_bytes += n
 
     def _drop_free(self) -> None:
@@ -297,7 +305,7 @@ class MemoryTier:
         for listener in self._listeners:
             listener.removed(entry, reason, age)  # (a demotion copies the bytes before it returns)
         if not entry.leases and entry.recyclable:
-            self._give_back(entry.data)
+            self._give_back(entry.data, entry.protectable, entry.immutable)
 
     def _expire(self, now: float) -> int:
         # _soonest_expiry is at most every entry's expiry (kept on insert, recomputed here), so a full tier's
@@ -350,18 +358,26 @@ class MemoryTier:
                 self._reserved -= reservation.accounted
                 self._let_go()
                 if reservation.memfd is None:
-                    self._give_back(reservation.host)
+                    self._give_back(reservation.host, reservation.protectable)
 
     def host_buffer(self, reservation: Reservation) -> torch.Tensor:
         """Host memory to receive the reserved chunk into (a CPU tier stores this very tensor)."""
         if self.host_memory is None:
+            kept = None
             with self._lock:
                 free = self._free.get(reservation.nbytes)
                 if free:
-                    reservation.host = free.pop()
+                    kept = free.pop()
                     self._free_bytes -= reservation.nbytes
+            if kept is not None:
+                host, protectable, read_only = kept
+                if not read_only or protect(host.data_ptr(), host.numel(), writable=True):
+                    reservation.host, reservation.protectable = host, protectable
             if reservation.host is None:
-                reservation.host = torch.empty(reservation.nbytes, dtype=torch.uint8)
+                if self._protected is not None:
+                    reservation.host, reservation.protectable = self._protected.allocate(reservation.nbytes)
+                else:
+                    reservation.host = torch.empty(reservation.nbytes, dtype=torch.uint8)
         else:
             reservation.host, reservation.memfd = self.host_memory.allocate(reservation.nbytes)
         return reservation.host
@@ -380,6 +396,8 @@ class MemoryTier:
         memfd = reservation.memfd if data is reservation.host and reservation.memfd is not None else None
         if memfd is not None and not memfd.sealed and not memfd.seal():
             memfd = None
+        protectable = data is reservation.host and reservation.protectable
+        immutable = memfd is not None and memfd.immutable
         now = self.clock()
         with self._lock:
             if reservation.done:
@@ -391,7 +409,7 @@ class MemoryTier:
             own = data is reservation.host and reservation.memfd is None  # memory host_buffer gave it
             if existing is not None and existing.expires > now:
                 if own:
-                    self._give_back(data)
+                    self._give_back(data, protectable, immutable)
                 return False
             if existing is not None:
                 self._remove(existing, "ttl")
@@ -400,7 +418,8 @@ class MemoryTier:
                           min(now + (self.ttl if ttl is None else ttl), born + self.max_lifetime),
                           reservation.accounted, last_access=now if last_access is None else min(last_access, now),
                           memfd=memfd, born=born, owner=owner, values_finite=values_finite, hits=hits,
-                          ttl=sliding_ttl, recyclable=own and self._recycle)
+                          ttl=sliding_ttl, recyclable=own and self._recycle, protectable=protectable,
+                          immutable=immutable)
             self._entries[key] = entry
             self._soonest_expiry = min(self._soonest_expiry, entry.expires)
             self._used += entry.accounted
@@ -465,7 +484,16 @@ class MemoryTier:
                 self._draining -= entry.accounted
                 self._let_go()
                 if entry.recyclable:
-                    self._give_back(entry.data)
+                    self._give_back(entry.data, entry.protectable, entry.immutable)
+
+    def seal(self, entry: Entry) -> None:
+        """A reader (holding a lease) verified `entry`'s own memory against its checksum: make that memory read-only
+        if it can be (ProtectedMemory), so later Gets send it without hashing it again and a stray write faults
+        instead of corrupting it. Done on the first verified read rather than at commit: making 1 MiB read-only
+        and writable again costs about as much CPU as hashing it (~35 us each way, measured), so a chunk that is
+        never read pays neither."""
+        if entry.protectable and not entry.immutable and not entry.evicted:
+            entry.immutable = protect(entry.data.data_ptr(), entry.data.numel(), writable=False)
 
     def drop_corrupt(self, entry: Entry) -> None:
         with self._lock:
