@@ -114,7 +114,7 @@ class ProtectedMemory:
         except OSError:
             self._freed()
             return torch.empty(nbytes, dtype=torch.uint8), False
-        weakref.finalize(mm, self._freed)  # unmapped when the last view of it goes
+        weakref.finalize(mm, self._freed).atexit = False  # counted down when the last view of it goes (unmapped)
         return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)), True
 
 
