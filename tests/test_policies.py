@@ -405,7 +405,7 @@ def test_rate_passes_over_the_parent_of_the_entry_being_admitted():
 
 
 def test_rate_class_learns_a_reuse_rate_per_class_of_fresh_chunk():
-    """`rate-class` (the default): fresh chunks get the return rate of their class, learned online. Trained on
+    """`rate-class` (the fifth round's default): fresh chunks get the return rate of their class, learned online. Trained on
     chains whose full root is requested again 8 references later and whose partial last chunk never is, it evicts a
     new partial chunk before an older full one; `rate` (one rate for every fresh chunk) evicts the older one - the
     negative control."""

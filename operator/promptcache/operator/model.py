@@ -23,7 +23,7 @@ KIND = "PromptCache"
 PLURAL = "promptcaches"
 
 QUANTIZATION_MODES = ("none", "k8v8", "k8v4", "k6v4z")
-EVICTION_POLICIES = ("lru", "lru-prefix", "lfu", "wtinylfu", "rate", "rate-class")
+EVICTION_POLICIES = ("lru", "lru-prefix", "lfu", "wtinylfu", "rate", "rate-class", "rate-hazard")
 TENANCY_MODES = ("Shared", "Isolated")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 CHUNK_TOKENS_ALLOWED = tuple(2 ** i for i in range(4, 17))  # 16 .. 65536
@@ -120,7 +120,7 @@ class CachePolicy:
     chunkTokens: int = 256
     ttlSeconds: int = 14400          # sliding: extended by every hit
     maxLifetimeSeconds: int = 86400  # absolute cap after the first store
-    evictionPolicy: Literal["lru", "lru-prefix", "lfu", "wtinylfu", "rate", "rate-class"] = "rate-class"  # sidecar's
+    evictionPolicy: Literal["lru", "lru-prefix", "lfu", "wtinylfu", "rate", "rate-class", "rate-hazard"] = "rate-hazard"  # sidecar's
     quantization: Literal["none", "k8v8", "k8v4", "k6v4z"] = "none"
     maxChunkBytes: str | None = None
 

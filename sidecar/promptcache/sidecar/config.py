@@ -46,7 +46,7 @@ class Settings:
     max_lifetime_seconds: float = 24 * 3600.0
     max_ttl_hint_seconds: float = 24 * 3600.0
     max_pinned_fraction: float = 0.1
-    eviction_policy: str = "rate-class"  # chosen by trace replay: docs/eviction.md
+    eviction_policy: str = "rate-hazard"  # chosen by trace replay: docs/eviction.md
     quantization: Quantization = "any"
     tenancy: TenancyMode = "auto"
     device: str = "auto"

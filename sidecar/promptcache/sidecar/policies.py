@@ -16,7 +16,9 @@ Policies:
               sampled leaves; strong on first-turn-heavy traffic, not on the held-out Mooncake half.
   rate-class  `rate` whose chunks seen once get a reuse rate learned online per class (partial last block, depth
               where their run of new chunks started, offset in it): chosen on the production conversation trace
-              (issue #32). The default.
+              (issue #32).
+  rate-hazard `rate-class` whose fresh chunks are scored by a return hazard learned per class and age (ClassHazard;
+              issue #32's sixth round). The default.
 
 Prefix awareness: a chunk's key is chained over its parent's key, so a cached chunk whose parent is gone can
 never be reached by a lookup. The prefix-aware policies therefore only ever offer a *leaf* as the victim - a
@@ -995,9 +997,135 @@ class ClassRate(ReuseRate):
         return -(self.now - last) / (self.alive * gap) - math.log(gap)
 
 
+class ClassHazard(ClassRate):
+    """`rate-class` whose chunks requested once so far are scored by a return hazard learned per class *and age*.
+
+    Why: a fresh chunk's second request is front-loaded - a follow-up question, the next turn, the next step comes
+    soon after the first request or not at all - and `rate-class` gives each class one constant (memoryless) rate, so
+    it evicts a chunk that was stored a moment ago and whose follow-up is due as readily as one that has waited long
+    and will not be asked again. On the `rag` generator, whose follow-ups come right after a retrieval that most
+    often gets none, that puts `rate-class` 0.006-0.007 below LRU on seeds 1 and 2, and it is what held `alive` 1.5
+    back in the fifth round (0.03 below LRU there on seed 0). docs/eviction.md, "Sixth round".
+
+    How: the hash-sampled fresh chunks that `rate-class` tracks also count, per class and log2 bucket of age (ticks
+    since the chunk's only request), their second requests in the bucket and the exposure spent in it (Kaplan-Meier
+    style): closed records (returned, or censored) when they close; the still tracked ones by one pass over them every
+    `refresh` ticks (without them the exposure at long ages is under-counted, and late returns over-weighted). Shrunk
+    to the pooled per-age hazard by one pseudo-return, halved every `half_life` ticks. A fresh chunk's score is its
+    mean learned hazard over [age, age + H], H the running mean silence of the recent victims - the cache's own
+    horizon, measured, so the score is the expected second requests per tick while it would stay (LHD's hit density,
+    with a learned hazard). Chunks requested twice or more are scored by their own gaps as in `rate-class`, with
+    `alive` 1.5 (the best on the conversation tuning half in the fifth round; `alive` 0.75 gives up most of the
+    gain on the synthetic trace's first half, docs/eviction.md).
+
+    No constant is fitted to a trace: the classes and age buckets are fixed, the hazards and the horizon learned.
+    Cost: `rate-class`'s, plus up to 34 buckets per class (at most 72 classes), O(34) per closed record, a pass over
+    the tracked chunks every `refresh` ticks (O(tracked / refresh) amortised per tick) and, per `victim()`, at most
+    34 buckets per (class, age bucket) scored, cached for the call.
+    """
+
+    name = "rate-hazard"
+    NB = 34  # age buckets: 0, 1, 2-3, 4-7, ... ticks
+
+    def __init__(self, capacity: int | None = None, alive: float = 1.5, refresh: int = 1024, **kw) -> None:
+        super().__init__(capacity, alive=alive, **kw)
+        self.refresh = refresh
+        self._hr: dict[tuple, list] = {}  # class -> second requests per age bucket (closed records)
+        self._he: dict[tuple, list] = {}  # class -> exposure per age bucket (closed records)
+        self._pr = [0.0] * self.NB        # the same, pooled
+        self._pe = [0.0] * self.NB
+        self._open: dict[tuple, list] = {}  # class -> exposure per age bucket of the still tracked chunks
+        self._popen = [0.0] * self.NB
+        self._open_at = -(1 << 62)
+        self._horizon = 0.0               # running mean silence of the victims, in ticks
+        self._victims = 0
+
+    def _untrack(self, key: Key, returned: bool) -> None:
+        a = self.now - self._tracked[key]
+        c = self._cls[key]
+        if c not in self._hr:
+            self._hr[c], self._he[c] = [0.0] * self.NB, [0.0] * self.NB
+        he, pe = self._he[c], self._pe
+        for b in range(min(self.NB, a.bit_length() + 1)):
+            x = min(a, 1 << b) - (0 if b == 0 else 1 << (b - 1))
+            if x > 0:
+                he[b] += x
+                pe[b] += x
+        if returned:
+            b = min(self.NB - 1, a.bit_length())
+            self._hr[c][b] += 1
+            self._pr[b] += 1
+        super()._untrack(key, returned)
+
+    def requested(self, key: Key) -> None:
+        if (self.now + 1) % self.half_life == 0:  # the tick on which ClassRate halves its counts
+            for row in (*self._hr.values(), *self._he.values(), self._pr, self._pe):
+                for i in range(self.NB):
+                    row[i] /= 2
+        super().requested(key)
+
+    def removed(self, key: Key) -> None:
+        st = self.stats.get(key)
+        if st is not None and key in self.size:
+            self._victims += 1
+            self._horizon += (self.now - st[0] - self._horizon) / min(self._victims, 1024)
+        super().removed(key)
+
+    def _refresh_open(self) -> None:
+        nb, now = self.NB, self.now
+        full: dict[tuple, list] = {}  # class -> tracked chunks whose age lies in each bucket
+        part: dict[tuple, list] = {}  # class -> their exposure inside that bucket
+        for key, t0 in self._tracked.items():
+            c, a = self._cls[key], now - t0
+            b = min(nb - 1, a.bit_length())
+            if c not in full:
+                full[c], part[c] = [0] * nb, [0.0] * nb
+            full[c][b] += 1
+            part[c][b] += a - (0 if b == 0 else 1 << (b - 1))
+        self._open, self._popen = {}, [0.0] * nb
+        for c, f in full.items():
+            e, older = [0.0] * nb, 0
+            for b in range(nb - 1, -1, -1):  # a chunk older than bucket b spent all of b's width in it
+                e[b] = older * (1 if b == 0 else 1 << (b - 1)) + part[c][b]
+                older += f[b]
+                self._popen[b] += e[b]
+            self._open[c] = e
+        self._open_at = now
+
+    def victim(self) -> Key | None:
+        if self.now - self._open_at >= self.refresh:
+            self._refresh_open()
+        return super().victim()
+
+    def _hazard(self, c: tuple | None, b: int, r0: float) -> float:
+        pooled = (self._pr[b] + 1.0) / (self._pe[b] + self._popen[b] + 1.0 / r0)
+        if c not in self._hr and c not in self._open:
+            return pooled
+        e = (self._he[c][b] if c in self._he else 0.0) + (self._open[c][b] if c in self._open else 0.0)
+        return ((self._hr[c][b] if c in self._hr else 0.0) + 1.0) / (e + 1.0 / pooled)
+
+    def _log_score(self, key: Key) -> float:
+        last, gap = self.stats[key]
+        if gap is not None:
+            return super()._log_score(key)
+        c = self._cls.get(key)
+        b0 = min(self.NB - 1, (self.now - last).bit_length())
+        r = self._rates.get((c, b0))
+        if r is None:
+            r0 = self._class_rate(None)
+            t = 0 if b0 == 0 else 1 << (b0 - 1)
+            h = max(1.0, self._horizon)
+            end, tot, b = t + h, 0.0, b0
+            while t < end and b < self.NB:
+                tot += (min(end, 1 << b) - t) * self._hazard(c, b, r0)
+                t, b = 1 << b, b + 1
+            r = self._rates[(c, b0)] = tot / h
+        return math.log(r)
+
+
 POLICIES = {"lru": LRU, "lru-prefix": PrefixLRU, "lfu": LFUDA, "wtinylfu": WTinyLFU, "rate": ReuseRate,
-            "rate-class": ClassRate}
-DEFAULT_POLICY = "rate-class"
+            "rate-class": ClassRate, "rate-hazard": ClassHazard}
+DEFAULT_POLICY = "rate-hazard"
 
 
 def make_policy(name: str, capacity: int | None = None) -> EvictionPolicy:

@@ -1,0 +1,113 @@
+"""ClassHazard (`rate-hazard`): `rate-class` with fresh chunks scored by a return hazard learned per class and age.
+docs/eviction.md, "Sixth round" (issue #32)."""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from promptcache.sidecar.policies import ROOT_PARENT, ClassHazard, ClassRate, make_policy
+from promptcache.sidecar.trace import simulate_policy
+
+TRACES = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
+SYNTHETIC = TRACES / "mooncake-fast25-synthetic.jsonl"
+CONVERSATION = TRACES / "mooncake-fast25-conversation-first-half.jsonl"
+
+
+def test_protocol_and_prefix_semantics_in_the_server_key_space():
+    p = ClassHazard(capacity=3)
+    a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
+    for k, parent in ((a, ROOT_PARENT), (b, a), (c, b)):
+        p.requested(k)
+        assert p.admit(k, 1, parent)
+        p.inserted(k, 1, parent)
+    assert p.victim() == c  # the only leaf
+    p.removed(c)
+    assert p.victim() == b
+    assert ClassHazard(10).alive == 1.5 and ClassHazard(10).name == "rate-hazard"
+
+
+workload = st.lists(st.tuples(st.integers(0, 4), st.integers(1, 6), st.integers(0, 2)), min_size=1, max_size=150)
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=workload, cap=st.integers(1, 25))
+def test_replay_invariants_and_opt_bound(spec, cap):
+    from promptcache_devtools.bench import opt
+
+    reqs = [([fam * 1000 + j * 10 + (branch if j >= 2 else 9) for j in range(length)], [1] * length)
+            for fam, length, branch in spec]
+    r = simulate_policy(reqs, ClassHazard(cap, refresh=8), cap)  # raises on a victim not cached or over capacity
+    assert r["hit"] <= opt.simulate_opt(reqs, cap)[0]
+
+
+def test_a_fresh_chunk_whose_follow_up_is_due_outranks_one_that_waited():
+    """Fresh chunks of one class return within a few ticks or never: the learned hazard falls with age, so of two
+    fresh chunks of that class the young one is kept even though a memoryless rate cannot tell them apart but by
+    recency - and the old, long-silent one goes before a young one of the same class."""
+    p = ClassHazard(capacity=10_000, fresh_sample=1, refresh=1)
+    for i in range(400):  # one-block chains: half are asked again 2 ticks later, the rest never
+        k = 10_000 + i
+        p.requested(k)
+        p.inserted(k, 512, None)
+        if i % 2 == 0:
+            p.requested(9_000_000 + i)  # unrelated traffic: time passes
+            p.requested(k)
+    p.victim()  # refresh the open records
+    c = p._cls[10_001]
+    young = p._hazard(c, 1, p._class_rate(None))
+    old = p._hazard(c, 9, p._class_rate(None))
+    assert young > 5 * old, (young, old)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_never_below_lru_on_the_generators_for_three_seeds(seed):
+    """The regression guard of tests/test_replay.py (no cell more than 0.005 below LRU) on seeds 0-2; `rate-class`
+    is 0.006-0.007 below LRU on rag with seeds 1 and 2."""
+    from promptcache_devtools.bench import replay, traces
+
+    for name in traces.GENERATORS:
+        reqs, ws = replay.prepare(traces.generate(name, seed=seed))
+        for fraction in replay.DEFAULT_FRACTIONS:
+            cap = int(ws * fraction)
+            lru = simulate_policy(reqs, make_policy("lru", capacity=cap), cap)
+            other = simulate_policy(reqs, ClassHazard(cap), cap)
+            assert other["hit"] / other["total"] >= lru["hit"] / lru["total"] - 0.005, (name, seed, fraction)
+
+
+def _halves(path, half, fraction):
+    from promptcache_devtools.bench import replay, traces
+
+    reqs, ws = replay.prepare(replay.split_halves(traces.read_trace(str(path)))[half])
+    cap = int(ws * fraction)
+    return {name: (lambda r: r["hit"] / r["total"])(simulate_policy(reqs, pol, cap))
+            for name, pol in (("lru", make_policy("lru", capacity=cap)), ("rate-class", ClassRate(cap)),
+                              ("rate-hazard", ClassHazard(cap)))}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SYNTHETIC.exists(), reason=f"the synthetic trace is not at {SYNTHETIC}")
+@pytest.mark.parametrize("half", [0, 1])
+@pytest.mark.parametrize("fraction", [0.02, 0.05, 0.10])
+def test_above_rate_class_on_the_synthetic_halves(half, fraction):
+    """Measured (docs/eviction.md, sixth round): first half 1.72 / 1.79 / 1.41x LRU (rate-class 1.30 / 1.62 / 1.27x),
+    second half 1.31 / 1.06 / 1.04x (1.30 / 1.05 / 1.01x) at 2 / 5 / 10 %."""
+    hr = _halves(SYNTHETIC, half, fraction)
+    assert hr["rate-hazard"] > hr["rate-class"], hr
+    if half == 0:
+        assert hr["rate-hazard"] >= {0.02: 1.5, 0.05: 1.5, 0.10: 1.2}[fraction] * hr["lru"], hr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CONVERSATION.exists(), reason=f"the conversation trace is not at {CONVERSATION}")
+@pytest.mark.parametrize("fraction", [0.02, 0.05, 0.10, 0.25])
+def test_issue_32_targets_on_the_held_out_quarter_of_the_conversation_trace(fraction):
+    """1.75 / 1.85 / 1.40 / 1.02x LRU (rate-class 1.57 / 1.82 / 1.36 / 1.04x)."""
+    hr = _halves(CONVERSATION, 1, fraction)
+    assert hr["rate-hazard"] >= hr["lru"] - 0.005, hr
+    target = {0.02: 1.5, 0.05: 1.5, 0.10: 1.2}.get(fraction)
+    if target:
+        assert hr["rate-hazard"] >= target * hr["lru"], hr
