@@ -152,3 +152,13 @@ def make_writable(entry) -> None:
         entry.immutable = False
         if entry.memfd is not None:
             entry.memfd.immutable = False
+
+
+def mapping_permissions(address: int) -> str:
+    """The permissions /proc/self/maps gives the mapping that holds `address` (e.g. "r--s")."""
+    for line in open("/proc/self/maps"):
+        span, perms = line.split()[:2]
+        low, high = (int(x, 16) for x in span.split("-"))
+        if low <= address < high:
+            return perms
+    raise AssertionError(f"no mapping holds {address:#x}")

@@ -27,7 +27,7 @@ from promptcache.sidecar.memfd import ChunkMemory
 from promptcache.sidecar.app import Sidecar
 from promptcache.v1 import kvcache_pb2 as pb
 from promptcache.contract.wire import model_to_proto
-from support import CHUNK, SMALL, make_kv, metric
+from support import CHUNK, SMALL, make_kv, mapping_permissions, metric
 from test_auth import token_dir  # noqa: F401 - fixture
 
 TOKENS = list(range(3 * CHUNK))
@@ -125,16 +125,6 @@ def test_a_client_cannot_change_lent_memory(lending):
     assert len(after) == 3 and all(torch.equal(a, b) for a, b in zip(before, after))
 
 
-def _permissions(address: int) -> str:
-    """The permissions /proc/self/maps gives the mapping that holds `address` (e.g. "r--s")."""
-    for line in open("/proc/self/maps"):
-        span, perms = line.split()[:2]
-        low, high = (int(x, 16) for x in span.split("-"))
-        if low <= address < high:
-            return perms
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 def test_the_sidecar_cannot_change_a_sealed_chunk_so_lending_needs_no_hash(lending, monkeypatch):
     """From the seal on, the sidecar's own mapping of a chunk is read-only too: nothing can change it, so the
     checksum verified when it arrived holds and a lend does not hash it again."""
@@ -144,7 +134,7 @@ def test_the_sidecar_cannot_change_a_sealed_chunk_so_lending_needs_no_hash(lendi
         c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
         entries = [lending.tier._entries[ch.key] for ch in c.lookup(SMALL, TOKENS).chunks]
         assert all(e.memfd.sealed and e.memfd.immutable for e in entries)
-        assert {_permissions(e.data.data_ptr()) for e in entries} == {"r--s"}
+        assert {mapping_permissions(e.data.data_ptr()) for e in entries} == {"r--s"}
         hashed, real = [], engine.checksum
         monkeypatch.setattr(engine, "checksum", lambda buf: hashed.append(buf) or real(buf))
         assert len(c.get_blobs(SMALL, TOKENS)) == 3

@@ -13,19 +13,10 @@ from promptcache.client import PromptCacheClient
 from promptcache.sidecar.memfd import ProtectedMemory
 from promptcache.sidecar.policies import make_policy
 from promptcache.sidecar.store import MemoryTier
-from support import CHUNK, SMALL, make_kv
+from support import CHUNK, SMALL, make_kv, mapping_permissions
 
 N = 64 << 10
 FP = b"f" * 32
-
-
-def _permissions(address: int) -> str:
-    for line in open("/proc/self/maps"):
-        span, perms = line.split()[:2]
-        low, high = (int(x, 16) for x in span.split("-"))
-        if low <= address < high:
-            return perms
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def _tier(budget_chunks: int = 4) -> MemoryTier:
@@ -62,10 +53,10 @@ def test_the_first_get_verifies_a_chunk_and_makes_it_read_only_later_gets_do_not
         c.put(SMALL, tokens, kv)
         entries = [sidecar.tier._entries[ch.key] for ch in c.lookup(SMALL, tokens).chunks]
         assert all(e.protectable and not e.immutable for e in entries)  # a Put pays no mprotect
-        assert {_permissions(e.data.data_ptr()) for e in entries} == {"rw-p"}
+        assert {mapping_permissions(e.data.data_ptr()) for e in entries} == {"rw-p"}
         first = c.get_blobs(SMALL, tokens)
         assert len(hashed) == 3 and all(e.immutable for e in entries)
-        assert {_permissions(e.data.data_ptr()) for e in entries} == {"r--p"}
+        assert {mapping_permissions(e.data.data_ptr()) for e in entries} == {"r--p"}
         second = c.get_blobs(SMALL, tokens)
     assert len(hashed) == 3  # not hashed again
     assert all(torch.equal(a, b) and torch.equal(a, e.data) for a, b, e in zip(first, second, entries))
@@ -99,7 +90,7 @@ def test_reused_memory_is_writable_again_and_read_only_once_stored_again():
     first = [_store(t, i).data_ptr() for i in range(4)]
     again = _store(t, 4)  # evicts chunk 0 (LRU) and receives into its memory, written by fill_ above
     assert again.data_ptr() == first[0] and bool((again == 4).all())
-    assert t._entries[_key(4)].immutable and _permissions(again.data_ptr()) == "r--p"
+    assert t._entries[_key(4)].immutable and mapping_permissions(again.data_ptr()) == "r--p"
 
 
 def test_a_chunk_evicted_while_a_reader_holds_it_is_not_made_read_only():
@@ -109,7 +100,7 @@ def test_a_chunk_evicted_while_a_reader_holds_it_is_not_made_read_only():
     entry = t.acquire(_key(0), FP)
     t.delete([_key(0)], FP)
     t.seal(entry)  # its memory goes back to the free list when the reader lets go: no mprotect pair for nothing
-    assert not entry.immutable and _permissions(entry.data.data_ptr()) == "rw-p"
+    assert not entry.immutable and mapping_permissions(entry.data.data_ptr()) == "rw-p"
     t.release_lease(entry)
 
 
