@@ -45,7 +45,7 @@ def test_examples_apply(kube, crd, namespace, name):
         assert spec["placement"]["tolerations"][0]["key"] == "nvidia.com/gpu"
         assert spec["placement"]["priorityClassName"] == "promptcache-node-cache"
         assert spec["cachePolicy"] == {"chunkTokens": 256, "ttlSeconds": 14400, "maxLifetimeSeconds": 86400,
-                                       "evictionPolicy": "rate-class",
+                                       "evictionPolicy": "rate-hazard",
                                        "quantization": "none"}
         assert spec["gpu"] == {"resourceName": "nvidia.com/gpu", "count": 0}
         assert spec["tenancy"] == {"mode": "Shared"}
