@@ -11,8 +11,8 @@ received, holds for as long as it lives and a lend need not hash it again (a str
 instead of corrupting it).
 
 A CPU tier that does not lend (an old kernel, a TCP-only bulk channel, --bulk-zero-copy off) keeps each chunk in
-an anonymous mapping of its own instead (ProtectedMemory), made read-only in the same way once its bytes are
-verified: a Get sends it without hashing it again. A CUDA tier keeps plain tensors.
+an anonymous mapping of its own instead (ProtectedMemory), made read-only in the same way once the first Get has
+verified its bytes: later Gets send it without hashing it again. A CUDA tier keeps plain tensors.
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ def protect(address: int, length: int, writable: bool) -> bool:
 
 class ProtectedMemory:
     """Host memory for the chunks of a CPU tier that does not lend: each chunk in a private anonymous mapping of
-    its own (page-aligned, so it can be made read-only alone), pre-faulted in one call. MemoryTier.commit makes it
-    read-only once the bytes received into it are verified, so a Get need not hash them again before sending
+    its own (page-aligned, so it can be made read-only alone), pre-faulted in one call. MemoryTier.seal makes it
+    read-only once the first Get verified the bytes in it, so later Gets need not hash them again before sending
     (a stray write in the sidecar faults instead of corrupting a chunk); the tier makes it writable again when it
     reuses the memory for another chunk. Each live chunk holds one mapping: at most `limit` (the kernel's limit on
     mappings per process bounds them); past it allocate() gives plain tensors, which are hashed before each send."""
