@@ -13,7 +13,6 @@ from promptcache.sidecar.trace import simulate_policy
 
 TRACES = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 SYNTHETIC = TRACES / "mooncake-fast25-synthetic.jsonl"
-CONVERSATION = TRACES / "mooncake-fast25-conversation-first-half.jsonl"
 
 
 def test_protocol_and_prefix_semantics_in_the_server_key_space():
@@ -63,10 +62,11 @@ def test_a_fresh_chunk_whose_follow_up_is_due_outranks_one_that_waited():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_never_below_lru_on_the_generators_for_three_seeds(seed):
-    """The regression guard of tests/test_replay.py (no cell more than 0.005 below LRU) on seeds 0-2; `rate-class`
-    is 0.006-0.007 below LRU on rag with seeds 1 and 2."""
+@pytest.mark.parametrize("seed", [1, 2])
+def test_never_below_lru_on_the_generators_for_other_seeds(seed):
+    """The regression guard of tests/test_replay.py (no cell more than 0.005 below LRU; seed 0 there, for the
+    default) on seeds 1 and 2, where `rate-class` is 0.006-0.007 below LRU on rag. Issue #32's targets on the
+    conversation trace's held-out quarter are tests/test_replay.py's, for the default."""
     from promptcache_devtools.bench import replay, traces
 
     for name in traces.GENERATORS:
@@ -96,18 +96,4 @@ def test_above_rate_class_on_the_synthetic_halves(half, fraction):
     """Measured (docs/eviction.md, sixth round): first half 1.72 / 1.79 / 1.41x LRU (rate-class 1.30 / 1.62 / 1.27x),
     second half 1.31 / 1.06 / 1.04x (1.30 / 1.05 / 1.01x) at 2 / 5 / 10 %."""
     hr = _halves(SYNTHETIC, half, fraction)
-    assert hr["rate-hazard"] > hr["rate-class"], hr
-    if half == 0:
-        assert hr["rate-hazard"] >= {0.02: 1.5, 0.05: 1.5, 0.10: 1.2}[fraction] * hr["lru"], hr
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not CONVERSATION.exists(), reason=f"the conversation trace is not at {CONVERSATION}")
-@pytest.mark.parametrize("fraction", [0.02, 0.05, 0.10, 0.25])
-def test_issue_32_targets_on_the_held_out_quarter_of_the_conversation_trace(fraction):
-    """1.75 / 1.85 / 1.40 / 1.02x LRU (rate-class 1.57 / 1.82 / 1.36 / 1.04x)."""
-    hr = _halves(CONVERSATION, 1, fraction)
-    assert hr["rate-hazard"] >= hr["lru"] - 0.005, hr
-    target = {0.02: 1.5, 0.05: 1.5, 0.10: 1.2}.get(fraction)
-    if target:
-        assert hr["rate-hazard"] >= target * hr["lru"], hr
+    assert hr["rate-hazard"] > hr["rate-class"], hr  # issue #32's factors over LRU: tests/test_replay.py
