@@ -97,3 +97,57 @@ def test_above_rate_class_on_the_synthetic_halves(half, fraction):
     second half 1.31 / 1.06 / 1.04x (1.30 / 1.05 / 1.01x) at 2 / 5 / 10 %."""
     hr = _halves(SYNTHETIC, half, fraction)
     assert hr["rate-hazard"] > hr["rate-class"], hr  # issue #32's factors over LRU: tests/test_replay.py
+
+
+class _Reference(ClassHazard):
+    """ClassHazard through the general path its victim() inlines: ReuseRate.victim over _log_score, and each
+    fresh rate summed from _hazard bucket by bucket."""
+
+    def victim(self):
+        if self.now - self._open_at >= self.refresh:
+            self._refresh_open()
+        return ClassRate.victim(self)
+
+    def _fresh_rate(self, c, b0):
+        r0 = self._class_rate(None)
+        t = 0 if b0 == 0 else 1 << (b0 - 1)
+        h = max(1.0, self._horizon)
+        end, tot, b = t + h, 0.0, b0
+        while t < end and b < self.NB:
+            tot += (min(end, 1 << b) - t) * self._hazard(c, b, r0)
+            t, b = 1 << b, b + 1
+        return tot / h
+
+
+@pytest.mark.parametrize("name", ["chat", "rag"])
+def test_the_inlined_victim_chooses_what_the_general_path_chooses(name):
+    """victim() is ReuseRate.victim with the scoring inlined (the sidecar calls it for every chunk stored into a
+    full tier, and every miss-ratio miniature does too): the same draws, scores and choices, victim by victim, on
+    a generator's trace at a small and a large capacity, with more leaves than the sample (random draws) and
+    fewer."""
+    from promptcache_devtools.bench import replay, traces
+
+    reqs, ws = replay.prepare(traces.generate(name, seed=3, scale=0.25))
+    for fraction in (0.02, 0.25):
+        cap = int(ws * fraction)
+        chosen = {}
+        for cls in (ClassHazard, _Reference):
+            p = cls(cap)
+            seen, victim = [], p.victim
+            p.victim = lambda victim=victim, seen=seen: seen.append(victim()) or seen[-1]
+            chosen[cls] = (simulate_policy(reqs, p, cap)["hit"], seen)
+        assert len(chosen[ClassHazard][1]) > 100
+        assert chosen[ClassHazard] == chosen[_Reference], (name, fraction)
+
+
+def test_the_sample_draws_are_randrange_s():
+    import random
+
+    p = ClassHazard(10)
+    for n in (33, 64, 1000, 4097):
+        leaves = list(range(n))
+        state = p._rng.getstate()
+        ref = random.Random()
+        ref.setstate(state)
+        assert p._candidates(leaves) == [leaves[ref.randrange(n)] for _ in range(p.sample)]
+    assert p._candidates([1, 2, 3]) == [1, 2, 3]

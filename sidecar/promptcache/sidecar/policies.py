@@ -792,14 +792,25 @@ class ReuseRate:
             self._ghosts[key] = None
             self._trim_ghosts()
 
+    def _candidates(self, leaves: list[Key]) -> list[Key]:
+        """The leaves victim() scores: all of them, or `sample` drawn with replacement. The draws are
+        random.randrange(len(leaves))'s, without its Python overhead (the same numbers from the same seed)."""
+        n = len(leaves)
+        if n <= self.sample:
+            return leaves
+        bits, width, out = self._rng.getrandbits, n.bit_length(), []
+        for _ in range(self.sample):
+            i = bits(width)
+            while i >= n:
+                i = bits(width)
+            out.append(leaves[i])
+        return out
+
     def victim(self) -> Key | None:
         leaves = self._leaves
         if not leaves:
             return None
-        if len(leaves) <= self.sample:
-            candidates = leaves
-        else:
-            candidates = [leaves[self._rng.randrange(len(leaves))] for _ in range(self.sample)]
+        candidates = self._candidates(leaves)
         best = best_score = None
         for k in candidates:
             if k == self._protect and len(leaves) > 1:
@@ -1095,7 +1106,37 @@ class ClassHazard(ClassRate):
     def victim(self) -> Key | None:
         if self.now - self._open_at >= self.refresh:
             self._refresh_open()
-        return super().victim()
+        if self.tail is not None:  # experiments: the general path
+            return super().victim()
+        # ReuseRate.victim with _log_score inlined: the same sample, the same scores, the same choice (a replay
+        # through both gives the same victims, tests/test_policies_hazard.py), at a third of the cost per victim:
+        # the sidecar calls it once per chunk stored into a full tier, and so does every miss-ratio miniature.
+        self._rates = rates = {}
+        leaves = self._leaves
+        n = len(leaves)
+        if not n:
+            return None
+        candidates = self._candidates(leaves)
+        stats, cls, now, protect, alive, log = self.stats, self._cls, self.now, self._protect, self.alive, math.log
+        nb = self.NB
+        best = best_score = None
+        for k in candidates:
+            if k == protect and n > 1:
+                continue
+            last, gap = stats[k]
+            if gap is not None:
+                sc = -(now - last) / (alive * gap) - log(gap)
+            else:
+                b0 = (now - last).bit_length()
+                at = (cls.get(k), b0 if b0 < nb else nb - 1)
+                sc = rates.get(at)
+                if sc is None:
+                    sc = rates[at] = log(self._fresh_rate(*at))
+            if best_score is None or sc < best_score:
+                best, best_score = k, sc
+        if best is None:  # every sample was the protected parent
+            best = next(k for k in leaves if k != protect)
+        return best
 
     def _hazard(self, c: tuple | None, b: int, r0: float) -> float:
         pooled = (self._pr[b] + 1.0) / (self._pe[b] + self._popen[b] + 1.0 / r0)
@@ -1104,23 +1145,35 @@ class ClassHazard(ClassRate):
         e = (self._he[c][b] if c in self._he else 0.0) + (self._open[c][b] if c in self._open else 0.0)
         return ((self._hr[c][b] if c in self._hr else 0.0) + 1.0) / (e + 1.0 / pooled)
 
+    def _fresh_rate(self, c: tuple | None, b0: int) -> float:
+        """The mean learned hazard of class `c` over [age, age + horizon], for an age in bucket `b0`."""
+        r0 = self._class_rate(None)
+        t = 0 if b0 == 0 else 1 << (b0 - 1)
+        h = max(1.0, self._horizon)
+        end, tot, b, nb = t + h, 0.0, b0, self.NB
+        # _hazard, inlined (the same arithmetic): the inner loop of victim()
+        pr, pe, popen, inv_r0 = self._pr, self._pe, self._popen, 1.0 / r0
+        hr, he, op = self._hr.get(c), self._he.get(c), self._open.get(c)
+        while t < end and b < nb:
+            pooled = (pr[b] + 1.0) / (pe[b] + popen[b] + inv_r0)
+            if hr is None and op is None:
+                hz = pooled
+            else:
+                e = (he[b] if he is not None else 0.0) + (op[b] if op is not None else 0.0)
+                hz = ((hr[b] if hr is not None else 0.0) + 1.0) / (e + 1.0 / pooled)
+            tot += (min(end, 1 << b) - t) * hz
+            t, b = 1 << b, b + 1
+        return tot / h
+
     def _log_score(self, key: Key) -> float:
         last, gap = self.stats[key]
         if gap is not None:
             return super()._log_score(key)
-        c = self._cls.get(key)
-        b0 = min(self.NB - 1, (self.now - last).bit_length())
-        r = self._rates.get((c, b0))
-        if r is None:
-            r0 = self._class_rate(None)
-            t = 0 if b0 == 0 else 1 << (b0 - 1)
-            h = max(1.0, self._horizon)
-            end, tot, b = t + h, 0.0, b0
-            while t < end and b < self.NB:
-                tot += (min(end, 1 << b) - t) * self._hazard(c, b, r0)
-                t, b = 1 << b, b + 1
-            r = self._rates[(c, b0)] = tot / h
-        return math.log(r)
+        at = (self._cls.get(key), min(self.NB - 1, (self.now - last).bit_length()))
+        sc = self._rates.get(at)
+        if sc is None:
+            sc = self._rates[at] = math.log(self._fresh_rate(*at))
+        return sc
 
 
 POLICIES = {"lru": LRU, "lru-prefix": PrefixLRU, "lfu": LFUDA, "wtinylfu": WTinyLFU, "rate": ReuseRate,
