@@ -327,7 +327,7 @@ class CacheEngine:
             raise DataLoss(f"chunk {begin.index}: checksum of the received bytes does not match xxh3_64")
         if unquantized and not finite:
             raise InvalidRequest(f"chunk {begin.index} has NaN or Inf values: K/V must be finite")
-        data = incoming.host if self.tier.device.type == "cpu" else incoming.host.to(self.tier.device)
+        data = incoming.host if self.tier.on_cpu else incoming.host.to(self.tier.device)
         reservation, incoming.reservation = incoming.reservation, None
         charged, incoming.charged = incoming.charged, 0
         ttl_left = self.settings.ttl_seconds if ttl is None else ttl

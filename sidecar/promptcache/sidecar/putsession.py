@@ -121,7 +121,7 @@ class PutSession:
             self.watch.hold(current.reservation.accounted)
         # Received into host memory first, checksummed, then moved to the device in one copy.
         current.host = e.tier.host_buffer(current.reservation)
-        current.buffer = current.host.numpy()
+        current.buffer = current.reservation.array
         if self.shared is not None:
             end = begin.buffer_offset + begin.nbytes
             if end > self.shared.size:

@@ -11,6 +11,7 @@ clients instead of copying).
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -89,8 +90,8 @@ class Entry:
     immutable: bool = False  # ...read-only since a Get verified it there (or a sealed memfd's): not hashed again
     wire: object = field(default=None, repr=False)  # a transport's encoding of this chunk, made once (bulk.py)
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # asked on every insert, eviction and Get: `data` never changes size
         return self.data.numel()
 
     @property
@@ -110,6 +111,7 @@ class Reservation:
     host: torch.Tensor | None = None  # what host_buffer() allocated
     memfd: SealedChunk | None = None  # its memfd, if it has one
     protectable: bool = False  # host is a mapping of its own that can be made read-only (MemoryTier.seal)
+    array: np.ndarray | None = None  # host as a numpy view (made once per memory, kept with it on the free list)
 
 
 class StoreListener:
@@ -181,6 +183,7 @@ class MemoryTier:
         self._drained = threading.Condition(self._lock)  # notified, during a shrink, as held bytes are let go
         self._resize_lock = threading.Lock()  # one resize at a time: each starts from where the last ended
         self._round = CUDA_BLOCK if device.type == "cuda" else 1
+        self.on_cpu = device.type == "cpu"  # asked per chunk stored: torch's device.type builds a new string
         # Memfd-backed chunks only where the chunk stays in host memory: a CUDA tier copies to the device.
         self.host_memory = host_memory if device.type == "cpu" else None
         # Plain host memory of chunks that left, kept for the next chunks of the same size: fresh memory costs a
@@ -191,7 +194,8 @@ class MemoryTier:
         # direct compaction an 8 MiB Put took 28 ms of CPU instead of 8.) Off where another thread may still read
         # a stored chunk's memory after it left (the cluster tier publishes from it): `recycle` False.
         self._recycle = recycle and device.type == "cpu" and self.host_memory is None
-        self._free: dict[int, list[tuple[torch.Tensor, bool, bool]]] = {}  # size -> (memory, protectable, read-only)
+        # size -> (memory, its numpy view or None, protectable, read-only)
+        self._free: dict[int, list[tuple[torch.Tensor, np.ndarray | None, bool, bool]]] = {}
         # Chunk memory that can be made read-only once a Get verified it (seal): later Gets send it unhashed.
         self._protected = (ProtectedMemory(mapping_budget())
                            if protect_memory and device.type == "cpu" and self.host_memory is None else None)
@@ -265,7 +269,8 @@ class MemoryTier:
         """What committed bytes must stay under for a new reservation: the budget, or a pending shrink's size."""
         return self._budget if self._shrinking_to is None else self._shrinking_to
 
-    def _give_back(self, data: torch.Tensor | None, protectable: bool = False, read_only: bool = False) -> None:
+    def _give_back(self, data: torch.Tensor | None, protectable: bool = False, read_only: bool = False,
+                   array: np.ndarray | None = None) -> None:
         """Under the lock: keep a chunk's memory that nobody reads any more for the next chunk of its size
         (host_buffer makes it writable again if it is read-only)."""
         if data is None or not self._recycle:
@@ -273,7 +278,7 @@ class MemoryTier:
         n = data.numel()
         if self._free_bytes + n + self._committed() > self._budget:
             return  # the budget's worth is held already: let it go back to the system
-        self._free.setdefault(n, []).append((data, protectable, read_only))
+        self._free.setdefault(n, []).append((data, array, protectable, read_only))
         self._free_bytes += n
 
     def _drop_free(self) -> None:
@@ -305,7 +310,7 @@ class MemoryTier:
         for listener in self._listeners:
             listener.removed(entry, reason, age)  # (a demotion copies the bytes before it returns)
         if not entry.leases and entry.recyclable:
-            self._give_back(entry.data, entry.protectable, entry.immutable)
+            self._give_back(entry.data, entry.protectable, entry.immutable, entry._array)
 
     def _expire(self, now: float) -> int:
         # _soonest_expiry is at most every entry's expiry (kept on insert, recomputed here), so a full tier's
@@ -358,7 +363,7 @@ class MemoryTier:
                 self._reserved -= reservation.accounted
                 self._let_go()
                 if reservation.memfd is None:
-                    self._give_back(reservation.host, reservation.protectable)
+                    self._give_back(reservation.host, reservation.protectable, array=reservation.array)
 
     def host_buffer(self, reservation: Reservation) -> torch.Tensor:
         """Host memory to receive the reserved chunk into (a CPU tier stores this very tensor)."""
@@ -370,9 +375,9 @@ class MemoryTier:
                     kept = free.pop()
                     self._free_bytes -= reservation.nbytes
             if kept is not None:
-                host, protectable, read_only = kept
+                host, array, protectable, read_only = kept
                 if not read_only or protect(host.data_ptr(), host.numel(), writable=True):
-                    reservation.host, reservation.protectable = host, protectable
+                    reservation.host, reservation.array, reservation.protectable = host, array, protectable
             if reservation.host is None:
                 if self._protected is not None:
                     reservation.host, reservation.protectable = self._protected.allocate(reservation.nbytes)
@@ -380,6 +385,8 @@ class MemoryTier:
                     reservation.host = torch.empty(reservation.nbytes, dtype=torch.uint8)
         else:
             reservation.host, reservation.memfd = self.host_memory.allocate(reservation.nbytes)
+        if reservation.array is None:
+            reservation.array = reservation.host.numpy()
         return reservation.host
 
     def commit(self, reservation: Reservation, *, key: bytes, fingerprint: bytes, parent: bytes, index: int,
@@ -409,7 +416,7 @@ class MemoryTier:
             own = data is reservation.host and reservation.memfd is None  # memory host_buffer gave it
             if existing is not None and existing.expires > now:
                 if own:
-                    self._give_back(data, protectable, immutable)
+                    self._give_back(data, protectable, immutable, reservation.array)
                 return False
             if existing is not None:
                 self._remove(existing, "ttl")
@@ -419,7 +426,7 @@ class MemoryTier:
                           reservation.accounted, last_access=now if last_access is None else min(last_access, now),
                           memfd=memfd, born=born, owner=owner, values_finite=values_finite, hits=hits,
                           ttl=sliding_ttl, recyclable=own and self._recycle, protectable=protectable,
-                          immutable=immutable)
+                          immutable=immutable, _array=reservation.array if data is reservation.host else None)
             self._entries[key] = entry
             self._soonest_expiry = min(self._soonest_expiry, entry.expires)
             self._used += entry.accounted
@@ -484,7 +491,7 @@ class MemoryTier:
                 self._draining -= entry.accounted
                 self._let_go()
                 if entry.recyclable:
-                    self._give_back(entry.data, entry.protectable, entry.immutable)
+                    self._give_back(entry.data, entry.protectable, entry.immutable, entry._array)
 
     def seal(self, entry: Entry) -> None:
         """A reader (holding a lease) verified `entry`'s own memory against its checksum: make that memory read-only
