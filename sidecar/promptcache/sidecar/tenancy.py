@@ -170,7 +170,7 @@ class Tenancy:
         return u
 
     def _accounted(self, nbytes: int) -> int:
-        r = 512 if self.tier is not None and self.tier.device.type == "cuda" else 1
+        r = 512 if self.tier is not None and not self.tier.on_cpu and self.tier.device.type == "cuda" else 1
         return -(-nbytes // r) * r
 
     def reserve(self, owner: str, nbytes: int, fingerprint: bytes) -> int:
