@@ -39,3 +39,18 @@ def test_latency_bench_reports_grpc_floor_and_bulk_share(capsys):
     text = capsys.readouterr().out
     assert "empty gRPC call" in text and "lent (zero copy), back to back" in text and "between Redis GETs" in text
     assert "lent bulk Get / Redis GET:" in text
+
+
+@pytest.mark.slow  # a sidecar process and a Redis server
+def test_throughput_bench_splits_the_same_bytes_into_other_chunk_sizes(tmp_path):
+    """--chunk-kib: 4 MiB as 16 chunks of 256 KiB and as one of 4 MiB (Redis: as many keys), each stored and read
+    back whole (the bench asserts every chunk stored and served); a size that is not whole chunks is refused."""
+    for kib in (256, 4096):
+        out = tmp_path / f"throughput-{kib}.md"
+        assert main(["bench", "throughput", "--sizes-mb", "4", "--repeats", "1", "--transports", "bulk-tcp",
+                     "--chunk-kib", str(kib), "--output", str(out)]) == 0
+        text = out.read_text()
+        assert f"chunks of {kib} KiB" in text.splitlines()[0]
+        assert any(line.startswith("| 4 MiB | bulk-tcp |") for line in text.splitlines())
+    assert main(["bench", "throughput", "--sizes-mb", "1", "--chunk-kib", "4096", "--transports", "bulk-tcp",
+                 "--output", str(tmp_path / "refused.md")]) == 2

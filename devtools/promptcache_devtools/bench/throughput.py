@@ -28,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "socket, Get's bytes copied into a memfd shared with the sidecar, Put's copied out of it), "
                         "bulk-lent (bulk channel on the unix socket, Get's chunks lent as the sidecar's own sealed "
                         "memfds: zero copy, the default; Put as bulk-shm)")
+    p.add_argument("--chunk-kib", type=int, default=1024, choices=(256, 1024, 4096),
+                   help="the layout's chunk size (256 KiB, 1 MiB, 4 MiB: 64, 256, 1024 tokens of 4 KiB): the same bytes "
+                        "in more or fewer chunks, which separates what a Put or Get costs per chunk from its cost per "
+                        "byte; Redis stores one key per chunk")
     p.add_argument("--block-seconds", type=float, default=0.02,
                    help="in each round, each contender runs a block of calls lasting about this long (at most 20 "
                         "calls; the same count for all, sized by the slowest); 0: one call each per round")
@@ -117,10 +121,15 @@ def run(args) -> int:
     from promptcache.contract.keys import ModelSpec
     from promptcache_devtools.procs import free_port, wait_until
 
-    # A layout whose chunks are exactly 1 MiB: 4 layers x (K, V) x 4 heads x 256 tokens x 64 dims x fp16.
+    # 4 KiB a token: 4 layers x (K, V) x 4 heads x 64 dims x fp16; 256-token chunks of exactly 1 MiB by default.
     spec = ModelSpec("bench/1mib-chunks", "v1", "float16", num_layers=4, num_kv_heads=4, head_dim=64)
-    chunk_tokens, chunk_bytes = 256, 1 << 20
+    chunk_bytes = args.chunk_kib << 10
+    chunk_tokens = chunk_bytes // 4096
     sizes = [int(s) for s in args.sizes_mb.split(",")]
+    if any(size <= 0 or (size << 20) % chunk_bytes for size in sizes):
+        print(f"--sizes-mb {args.sizes_mb}: every size must be a positive multiple of the chunk size "
+              f"({args.chunk_kib} KiB, --chunk-kib)", file=sys.stderr)
+        return 2
     transports = args.transports.split(",")
     redis_bin = shutil.which("redis-server")
     if not redis_bin:
@@ -132,7 +141,7 @@ def run(args) -> int:
     try:
         tcp_port, bulk_port = free_port(), free_port()
         sock, bulk_sock = tmp / "sidecar.sock", tmp / "bulk.sock"
-        budget = 4 * max(sizes) * chunk_bytes + (64 << 20)
+        budget = 4 * (max(sizes) << 20) + (64 << 20)
         # One sidecar process per transport family: TCP, and a unix socket (also used by the shm path).
         bulk = {"bulk-tcp": f"127.0.0.1:{bulk_port}", "bulk-unix": f"unix:{bulk_sock}",
                 "bulk-shm": f"unix:{bulk_sock}", "bulk-lent": f"unix:{bulk_sock}"}
@@ -170,8 +179,9 @@ def run(args) -> int:
 
         rows, profile = [], []
         for size in sizes:
+            n_chunks = (size << 20) // chunk_bytes
             # Finite float16 values, as K/V are (the sidecar refuses NaN and Inf in unquantized chunks).
-            blobs = {i: torch.randn(chunk_bytes // 2).to(torch.float16).view(torch.uint8) for i in range(size)}
+            blobs = {i: torch.randn(chunk_bytes // 2).to(torch.float16).view(torch.uint8) for i in range(n_chunks)}
             payloads = [b.numpy().tobytes() for b in blobs.values()]
             src = torch.cat(list(blobs.values()))
             dst = torch.empty_like(src)
@@ -182,12 +192,12 @@ def run(args) -> int:
 
                 def put_once():
                     n = next(counter)
-                    tokens = [n * 1_000_003 % 2**31 + i for i in range(size * chunk_tokens)]
+                    tokens = [n * 1_000_003 % 2**31 + i for i in range(n_chunks * chunk_tokens)]
                     res = client.put_blobs(spec, tokens, blobs)
-                    assert res.stored_chunks == size, res
+                    assert res.stored_chunks == n_chunks, res
 
-                tokens = list(range(size * chunk_tokens))
-                keys = [f"bench:{size}:{i}" for i in range(size)]
+                tokens = list(range(n_chunks * chunk_tokens))
+                keys = [f"bench:{size}:{i}" for i in range(n_chunks)]
 
                 def redis_put():
                     pipe = rc.pipeline(transaction=False)
@@ -199,7 +209,7 @@ def run(args) -> int:
                 # budget first, as a cache in service is: each timed Put then evicts as many bytes as it stores
                 # (Redis reuses the memory of the values it replaces; a sidecar still filling up pays a page fault
                 # per 4 KiB of new memory instead, docs/benchmarks.md).
-                for _ in range(budget // (size * chunk_bytes) + 1):
+                for _ in range(budget // (n_chunks * chunk_bytes) + 1):
                     put_once()
                 cpu = CpuMeter({"sidecar": procs[0 if t in ("tcp", "bulk-tcp") else 1].pid, "redis": procs[2].pid})
                 puts = _interleaved_medians({"Put": put_once, "Redis SET": redis_put}, args.repeats,
@@ -209,11 +219,11 @@ def run(args) -> int:
 
                 def get_once(copy=True):
                     got = client.get_blobs(spec, tokens, copy=copy)
-                    assert len(got) == size
+                    assert len(got) == n_chunks
 
                 def redis_get():
                     got = rc.mget(keys)
-                    assert len(got) == size and all(len(g) == chunk_bytes for g in got)
+                    assert len(got) == n_chunks and all(len(g) == chunk_bytes for g in got)
 
                 gets = {"Get, owned": get_once, "Redis GET": redis_get}
                 if t == "shm" or t.startswith("bulk"):
@@ -224,7 +234,7 @@ def run(args) -> int:
                 for name in cpu.calls:
                     profile.append((size, name, cpu.per_call_ms(name)))
                 rc.flushall()
-                mb = size * chunk_bytes / 1e6
+                mb = n_chunks * chunk_bytes / 1e6
                 rows.append((size, t, mb / put_s, mb / get_s, mb / memcpy, mb / rput_s, mb / rget_s))
                 print(f"throughput: {size} MiB {t}: Put {mb / put_s:,.0f} MB/s ({rput_s / put_s:.2f}x Redis SET), "
                       f"Get {mb / get_s:,.0f} MB/s ({rget_s / get_s:.2f}x Redis GET)", file=sys.stderr, flush=True)
@@ -247,7 +257,8 @@ def run(args) -> int:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(f"<!-- promptcache bench throughput, {time.strftime('%Y-%m-%d %H:%M')}, "
-                       f"{os.cpu_count()} CPUs, {args.repeats} rounds, blocks of ~{args.block_seconds:g} s -->\n"
+                       f"{os.cpu_count()} CPUs, {args.repeats} rounds, blocks of ~{args.block_seconds:g} s, "
+                       f"chunks of {args.chunk_kib} KiB -->\n"
                        f"{table}\n")
         if args.plot:
             from promptcache_devtools.bench import plots
