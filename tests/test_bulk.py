@@ -710,12 +710,17 @@ def test_bulk_socket_mode_sets_who_may_connect(sidecar_factory, mode):
         os.umask(umask)
         assert st.st_mode & 0o777 == (0o660 if mode else 0o777 & ~umask)
 
+        errors = []
+
         def connects(**who) -> bool:
             code = ("import socket; s = socket.socket(socket.AF_UNIX); s.connect(%r); s.close()" % path)
-            return subprocess.run([python, "-c", code], capture_output=True, **who).returncode == 0
+            run = subprocess.run([python, "-c", code], capture_output=True, text=True, **who)
+            errors.append(f"{who}: exit {run.returncode}, {run.stderr.strip().splitlines()[-1:] or 'no stderr'}")
+            return run.returncode == 0
         group_member = connects(user=54321, group=54321, extra_groups=[st.st_gid])
         other = connects(user=54321, group=54321, extra_groups=[])
-        assert (group_member, other) == ((True, False) if mode else (False, False))
+        # (a failure says why each connect failed: a permission error is the socket's mode, anything else is not)
+        assert (group_member, other) == ((True, False) if mode else (False, False)), errors
         with PromptCacheClient(sidecar.address, bulk_address=f"unix:{path}") as c:  # the owner, as always
             assert c.get(SMALL, list(range(CHUNK)))[0] == 0
     finally:
