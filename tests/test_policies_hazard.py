@@ -42,6 +42,17 @@ def test_replay_invariants_and_opt_bound(spec, cap):
     assert r["hit"] <= opt.simulate_opt(reqs, cap)[0]
 
 
+def _hazard(p: ClassHazard, c, b: int, r0: float) -> float:
+    """ClassHazard's learned hazard of class `c` in age bucket `b`, written out as its docstring says (returns per
+    exposure, shrunk by one pseudo-return to the pooled hazard, whose prior rate is r0): the reference that its
+    _fresh_rate, which computes it inline, is checked against below."""
+    pooled = (p._pr[b] + 1.0) / (p._pe[b] + p._popen[b] + 1.0 / r0)
+    if c not in p._hr and c not in p._open:
+        return pooled
+    e = (p._he[c][b] if c in p._he else 0.0) + (p._open[c][b] if c in p._open else 0.0)
+    return ((p._hr[c][b] if c in p._hr else 0.0) + 1.0) / (e + 1.0 / pooled)
+
+
 def test_a_fresh_chunk_whose_follow_up_is_due_outranks_one_that_waited():
     """Fresh chunks of one class return within a few ticks or never: the learned hazard falls with age, so of two
     fresh chunks of that class the young one is kept even though a memoryless rate cannot tell them apart but by
@@ -56,8 +67,8 @@ def test_a_fresh_chunk_whose_follow_up_is_due_outranks_one_that_waited():
             p.requested(k)
     p.victim()  # refresh the open records
     c = p._cls[10_001]
-    young = p._hazard(c, 1, p._class_rate(None))
-    old = p._hazard(c, 9, p._class_rate(None))
+    young = _hazard(p, c, 1, p._class_rate(None))
+    old = _hazard(p, c, 9, p._class_rate(None))
     assert young > 5 * old, (young, old)
 
 
@@ -101,7 +112,7 @@ def test_above_rate_class_on_the_synthetic_halves(half, fraction):
 
 class _Reference(ClassHazard):
     """ClassHazard through the general path its victim() inlines: ReuseRate.victim over _log_score, and each
-    fresh rate summed from _hazard bucket by bucket."""
+    fresh rate summed bucket by bucket from the reference _hazard above."""
 
     def victim(self):
         if self.now - self._open_at >= self.refresh:
@@ -114,7 +125,7 @@ class _Reference(ClassHazard):
         h = max(1.0, self._horizon)
         end, tot, b = t + h, 0.0, b0
         while t < end and b < self.NB:
-            tot += (min(end, 1 << b) - t) * self._hazard(c, b, r0)
+            tot += (min(end, 1 << b) - t) * _hazard(self, c, b, r0)
             t, b = 1 << b, b + 1
         return tot / h
 

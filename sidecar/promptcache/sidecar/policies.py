@@ -1138,20 +1138,14 @@ class ClassHazard(ClassRate):
             best = next(k for k in leaves if k != protect)
         return best
 
-    def _hazard(self, c: tuple | None, b: int, r0: float) -> float:
-        pooled = (self._pr[b] + 1.0) / (self._pe[b] + self._popen[b] + 1.0 / r0)
-        if c not in self._hr and c not in self._open:
-            return pooled
-        e = (self._he[c][b] if c in self._he else 0.0) + (self._open[c][b] if c in self._open else 0.0)
-        return ((self._hr[c][b] if c in self._hr else 0.0) + 1.0) / (e + 1.0 / pooled)
-
     def _fresh_rate(self, c: tuple | None, b0: int) -> float:
         """The mean learned hazard of class `c` over [age, age + horizon], for an age in bucket `b0`."""
         r0 = self._class_rate(None)
         t = 0 if b0 == 0 else 1 << (b0 - 1)
         h = max(1.0, self._horizon)
         end, tot, b, nb = t + h, 0.0, b0, self.NB
-        # _hazard, inlined (the same arithmetic): the inner loop of victim()
+        # per age bucket b, the hazard of class c: its returns per exposure, shrunk by one pseudo-return to the
+        # pooled hazard (each row fetched once: this is victim()'s inner loop)
         pr, pe, popen, inv_r0 = self._pr, self._pe, self._popen, 1.0 / r0
         hr, he, op = self._hr.get(c), self._he.get(c), self._open.get(c)
         while t < end and b < nb:

@@ -259,8 +259,12 @@ class MemoryTier:
         with self._lock:
             return sum(e.data.untyped_storage().nbytes() for e in self._entries.values())
 
+    def rounded(self, nbytes: int) -> int:
+        """`nbytes` as this tier's allocator holds them (a CUDA tier rounds up to CUDA_BLOCK)."""
+        return -(-nbytes // self._round) * self._round
+
     def _accounted(self, nbytes: int) -> int:
-        return -(-nbytes // self._round) * self._round + self._entry_overhead
+        return self.rounded(nbytes) + self._entry_overhead
 
     def _committed(self) -> int:
         return self._used + self._reserved + self._draining

@@ -170,8 +170,7 @@ class Tenancy:
         return u
 
     def _accounted(self, nbytes: int) -> int:
-        r = 512 if self.tier is not None and not self.tier.on_cpu and self.tier.device.type == "cuda" else 1
-        return -(-nbytes // r) * r
+        return nbytes if self.tier is None else self.tier.rounded(nbytes)
 
     def reserve(self, owner: str, nbytes: int, fingerprint: bytes) -> int:
         """Charge a chunk about to be received to `owner`; evict the owner's own LRU chunks to make room.
