@@ -92,6 +92,54 @@ def test_get_frames_encode_as_protobuf_does(n_tokens):
     assert bulkwire.encode_get(request) == bulkwire.encode(pb.BulkFrame(get=request))
 
 
+def _pairs(n: int, size: int) -> list[bytes]:
+    out = []
+    for i in range(n):
+        out += [struct.pack("<I", i), bytes([i]) * size]
+    return out
+
+
+def _drain(s: socket.socket, box: list, delay: float) -> None:
+    time.sleep(delay)
+    data = bytearray()
+    while chunk := s.recv(1 << 20):
+        data += chunk
+    box.append(bytes(data))
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_send_buffers_past_its_deadline_finishes_the_pair_it_is_in_and_stops(delay):
+    """A Get's chunks are sent in batches (a frame, then its bytes); past --max-call-seconds the batch stops at a
+    chunk's end, so the status frame that follows is read in step. Nothing sent is partial or out of order."""
+    import threading
+
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+    a.settimeout(10)
+    buffers = _pairs(8, 1 << 20)
+    box = []
+    reader = threading.Thread(target=_drain, args=(b, box, delay))
+    reader.start()
+    done = bulkwire.send_buffers(a, buffers, deadline=time.monotonic() + 0.1, whole=2)
+    a.close()
+    reader.join()
+    b.close()
+    assert box[0] == b"".join(buffers[:done])
+    if delay:  # the reader waits past the deadline: the first pair is finished, and no other is begun
+        assert done % 2 == 0 and 2 <= done < len(buffers)
+    else:
+        assert done == len(buffers)
+
+
+def test_send_buffers_after_its_deadline_sends_nothing_and_skips_empty_buffers():
+    a, b = socket.socketpair()
+    assert bulkwire.send_buffers(a, _pairs(2, 10), deadline=time.monotonic() - 1, whole=2) == 0
+    assert bulkwire.send_buffers(a, [b"", b"ab", b"", b"c", b""]) == 5
+    a.close()
+    assert b.recv(100) == b"abc"
+    b.close()
+
+
 def test_bulk_longest_prefix_and_owned_copies(bulk_sidecar):
     with PromptCacheClient(bulk_sidecar.address, bulk_address=bulk_sidecar.bulk_address) as c:
         c.put(SMALL, TOKENS[:2 * CHUNK], make_kv(SMALL, 2 * CHUNK))

@@ -189,3 +189,62 @@ def test_reads_are_told_to_read_listeners():
     assert seen.sent == [("alice", len(sent[0][1]), "device")] * 2
     assert e.metrics.sent_bytes.labels("device")._value.get() == 2 * len(sent[0][1])
     assert (e.hit_tokens, e.missed_tokens) == (4 * CHUNK, 2 * CHUNK)
+
+
+def _put_all(e: CacheEngine, sent) -> None:
+    with e.put(ALICE, header(len(sent))) as put:
+        for begin, blob in sent:
+            put.begin_chunk(begin)
+            put.add_data(blob)
+        assert put.commit().stored_chunks == len(sent)
+
+
+def test_chunks_left_in_held_stay_leased_until_released_even_when_evicted():
+    """read_chunks(held=...): the bulk channel queues several chunks before sending them, so their leases must
+    outlive the next chunk's read: an evicted chunk's memory stays accounted (draining) and unchanged until
+    release_leases; without `held` each lease ends when the next chunk is asked for."""
+    e = engine()
+    sent = chunks(SMALL, 3)
+    _put_all(e, sent)
+    request = pb.GetRequest(model=model_to_proto(SMALL), tokens=list(range(3 * CHUNK)))
+    queued, views = [], []
+    reader = e.read_chunks(ALICE, request, held=queued)
+    for _, view in reader:
+        views.append(view)
+    assert len(views) == 3 and len(queued) == 3 and all(entry.leases == 1 for entry in queued)
+    assert e.delete(ALICE, model_to_proto(SMALL), list(range(3 * CHUNK))) == 3  # evicted while still queued
+    assert e.tier.usage()["draining"] == sum(entry.accounted for entry in queued)
+    other = chunks(SMALL, 3)  # other values, stored while the first ones are still queued
+    with e.put(ALICE, pb.PutHeader(model=model_to_proto(SMALL), tokens=list(range(7, 7 + 3 * CHUNK)))) as put:
+        for begin, blob in other:
+            put.begin_chunk(begin)
+            put.add_data(blob)
+        assert put.commit().stored_chunks == 3
+    assert [bytes(v) for v in views] == [blob for _, blob in sent]  # their memory was not handed out again
+    e.delete(ALICE, model_to_proto(SMALL), list(range(7, 7 + 3 * CHUNK)))
+    e.release_leases(queued)
+    assert queued == [] and e.tier.usage() == {"entries": 0, "used": 0, "reserved": 0, "draining": 0,
+                                                "budget": e.tier.budget}
+
+    _put_all(e, sent)
+    plain = e.read_chunks(ALICE, request)
+    next(plain)
+    first = next(iter(e.tier._entries.values()))
+    next(plain)  # asking for the next chunk ends the first one's lease
+    assert first.leases == 0
+    plain.close()
+    assert e.tier.usage()["draining"] == 0
+
+
+def test_a_held_list_gets_the_chunk_yielded_last_when_the_reader_stops_early():
+    e = engine()
+    _put_all(e, chunks(SMALL, 3))
+    queued = []
+    reader = e.read_chunks(ALICE, pb.GetRequest(model=model_to_proto(SMALL), tokens=list(range(3 * CHUNK))),
+                           held=queued)
+    next(reader)
+    assert queued == []  # the chunk being read is still read_chunks' own
+    reader.close()  # the consumer stops (an error, a deadline): the chunk it was given may still be queued
+    assert len(queued) == 1 and queued[0].leases == 1
+    e.release_leases(queued)
+    assert all(entry.leases == 0 for entry in e.tier._entries.values())

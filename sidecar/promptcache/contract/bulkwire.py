@@ -108,32 +108,32 @@ def send(sock: socket.socket, frame: pb.BulkFrame) -> None:
     sock.sendall(encode(frame))
 
 
-def send_chunk(sock: socket.socket, begin: pb.ChunkBegin, data) -> None:
-    """A chunk frame and its bytes in one sendmsg where the socket takes them (no copy of `data`)."""
-    head = encode(pb.BulkFrame(chunk=begin))
-    body = memoryview(data).cast("B")
-    sent = sock.sendmsg([head, body])
-    if sent < len(head):
-        sock.sendall(head[sent:])
-        sent = len(head)
-    if sent - len(head) < body.nbytes:
-        sock.sendall(body[sent - len(head):])
-
-
 _IOV_MAX = 1024  # buffers one sendmsg takes at most (Linux's UIO_MAXIOV)
 
 
-def send_buffers(sock: socket.socket, buffers) -> None:
+def send_buffers(sock: socket.socket, buffers, deadline: float | None = None, whole: int = 1) -> int:
     """Send buffers one after another with as few sendmsg calls as the socket allows (scatter-gather: none of
-    them is copied or joined here)."""
-    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
-    i = 0
-    while i < len(views):
-        sent = sock.sendmsg(views[i:i + _IOV_MAX])
+    them is copied or joined here). Past `deadline` (time.monotonic()) the group of `whole` buffers being sent
+    is finished and no further one is started (with whole=2, a frame and the bytes after it stay together).
+    Returns how many buffers were sent (all of them unless the deadline passed)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    i, partial = 0, False  # partial: views[i] was sent in part
+    while True:
+        while i < len(views) and not views[i].nbytes:
+            i += 1
+        if i == len(views):
+            return i
+        end = i + _IOV_MAX
+        if deadline is not None and time.monotonic() > deadline:
+            if i % whole == 0 and not partial:
+                return i  # between two groups: stop here
+            end = i + whole - i % whole  # the rest of this group, and no further
+        sent = sock.sendmsg(views[i:end])
+        partial = False
         while sent:
             n = views[i].nbytes
             if sent < n:
-                views[i] = views[i][sent:]
+                views[i], partial = views[i][sent:], True
                 break
             sent -= n
             i += 1

@@ -41,6 +41,7 @@ PUT_RPC = "BulkPut"
 # a chunk frame announcing more closes the connection instead.
 MAX_DRAIN_CHUNK_BYTES = 1 << 30
 MAX_CHUNK_FRAME_BYTES = 4096  # a ChunkBegin takes a few dozen bytes
+SEND_BATCH_BYTES = 16 << 20  # a Get's chunks are sent this many bytes at a time, leased until sent
 MAX_FDS_PER_WRITE = 250  # the kernel passes at most 253 descriptors per message (SCM_MAX_FD)
 MAX_HELLO_BYTES = 64 << 10  # a hello carries a version, a flag and a bearer token
 LARGE_FRAME_BYTES = LARGE_REQUEST_TOKENS  # a frame that may carry more tokens (>= 1 byte each) is a large request
@@ -417,52 +418,46 @@ class BulkServer:
 
     def _get(self, conn: socket.socket, session: _Session, request: pb.GetRequest,
              shared: "_SharedBuffer | None" = None) -> None:
-        sent = 0
-        # Frames without bytes after them (memfd answers) are sent at once with the status: one wake-up.
-        pending = bytearray()
-        lent: list = []  # the SealedChunks whose descriptors go with `pending`; held until it is sent
-        n_lent = 0
         # Credentials are checked on every get, as on every gRPC call: a token revoked (removed from the token
         # file) stops working on open connections too. The connection is then closed.
         if self._revoked(session):
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, "the bearer token of this connection's hello is no "
                            "longer valid; reconnect with a current one")
-        with Call(RPC, self.metrics, session.caller, self.limiter) as call:
-            start = time.perf_counter()
-            try:
-                call.admit()
-                target = None
-                if request.HasField("shared_buffer"):
-                    target = _shared_target(request.shared_buffer, shared)
-                sink = ArraySink(target) if target is not None else ChunkSink()
-                if session.lend:
-                    sink = LendSink(sink)
-                for begin, view in self.engine.read_chunks(session.caller, request, sink, large_slot=False):
-                    if self.max_call_seconds and time.perf_counter() - start > self.max_call_seconds:
-                        raise Cancelled(f"this get ran longer than --max-call-seconds ({self.max_call_seconds:g} "
-                                        "s); the client is reading too slowly")
-                    if begin.sealed_memfd:
-                        memfd, frame = view
-                        pending += frame  # its descriptor goes with it
-                        lent.append(memfd)
-                        n_lent += 1
-                        if len(lent) == MAX_FDS_PER_WRITE:
-                            _flush(conn, pending, lent)
-                    elif target is not None:
-                        pending += bulkwire.encode(pb.BulkFrame(chunk=begin))  # the bytes are in the shared buffer
-                    else:
-                        _flush(conn, pending, lent)  # frames already queued go first
-                        bulkwire.send_chunk(conn, begin, view)  # from the stored tensor's memory, lease held
-                    sent += 1
-            except OSError:
-                call.code = grpc.StatusCode.CANCELLED  # the client went away
-                raise
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a status frame
-                call.fail(exc)
-        pending += bulkwire.encode(_status(call.code, call.message, sent))
-        _flush(conn, pending, lent)
-        if n_lent:
-            self.metrics.lent_chunks.inc(n_lent)
+        answer = _GetAnswer(conn, self.engine, self.max_call_seconds)
+        try:
+            with Call(RPC, self.metrics, session.caller, self.limiter) as call:
+                try:
+                    call.admit()
+                    target = None
+                    if request.HasField("shared_buffer"):
+                        target = _shared_target(request.shared_buffer, shared)
+                    sink = ArraySink(target) if target is not None else ChunkSink()
+                    if session.lend:
+                        sink = LendSink(sink)
+                    chunks = self.engine.read_chunks(session.caller, request, sink, large_slot=False,
+                                                     held=answer.held)
+                    try:
+                        for begin, view in chunks:
+                            answer.check_deadline()
+                            if begin.sealed_memfd:
+                                answer.lent_chunk(*view)
+                            elif target is not None:
+                                answer.frame_only(begin)  # its bytes are in the shared buffer
+                            else:
+                                answer.chunk(begin, view)
+                    finally:
+                        chunks.close()  # counts the lookup; the chunk yielded last joins answer.held
+                    answer.send_queued()
+                except OSError:
+                    call.code = grpc.StatusCode.CANCELLED  # the client went away
+                    raise
+                except Exception as exc:  # noqa: BLE001 - every failure becomes a status frame
+                    call.fail(exc)
+            if answer.lent_count:  # counted before the answer ends, as the call's own metrics are
+                self.metrics.lent_chunks.inc(answer.lent_count)
+            answer.finish(_status(call.code, call.message, answer.sent))
+        finally:
+            answer.release()
 
     def _put(self, conn: socket.socket, session: _Session, put: pb.BulkPut,
              shared: "_SharedBuffer | None" = None) -> None:
@@ -553,6 +548,88 @@ class _ConnectionState(threading.local):
 
 
 _connection = _ConnectionState()
+
+
+class _GetAnswer:
+    """What a bulk Get sends, in order: each chunk's frame with its bytes (queued, and sent together
+    SEND_BATCH_BYTES at a time straight from the stored memory, whose leases read_chunks leaves in `held` until
+    then: fewer, larger sendmsg calls cost the kernel less per byte), or its frame alone (a lent chunk, its
+    descriptor with it; a chunk copied into the caller's buffer); then the status frame. A Get that runs past
+    --max-call-seconds stops at the end of a chunk, so the status frame still follows in step."""
+
+    def __init__(self, conn: socket.socket, engine, max_call_seconds: float):
+        self.conn, self.engine = conn, engine
+        self.max_call_seconds = max_call_seconds
+        self.deadline = time.monotonic() + max_call_seconds if max_call_seconds else None
+        self.sent = 0  # chunks answered (the status frame's count)
+        self.batch: list = []  # frame, bytes, frame, bytes, ...
+        self.queued = 0  # bytes of chunks in the batch
+        self.held: list = []  # entries whose leases read_chunks left to us
+        self.pending = bytearray()  # frames without bytes after them, sent with...
+        self.lent: list = []  # ...the descriptors of the SealedChunks they lend, held until sent
+        self.lent_count = 0
+
+    def check_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.send_queued()  # sends nothing past the deadline: the queued chunks are cancelled
+            raise Cancelled(self._too_slow())
+
+    def chunk(self, begin: pb.ChunkBegin, view) -> None:
+        """A chunk with its bytes, from the stored memory."""
+        _flush(self.conn, self.pending, self.lent)  # frames already queued go first
+        self.batch += (bulkwire.encode(pb.BulkFrame(chunk=begin)), view)
+        self.queued += begin.nbytes
+        self.sent += 1
+        if self.queued >= SEND_BATCH_BYTES:
+            self.send_queued()
+
+    def lent_chunk(self, memfd, frame: bytes) -> None:
+        self.send_queued()  # chunks queued before it go first
+        self.pending += frame  # its descriptor goes with it
+        self.lent.append(memfd)
+        self.lent_count += 1
+        self.sent += 1
+        if len(self.lent) == MAX_FDS_PER_WRITE:
+            _flush(self.conn, self.pending, self.lent)
+        self.engine.release_leases(self.held)  # the memfd keeps its memory: the lease is not needed to send it
+
+    def frame_only(self, begin: pb.ChunkBegin) -> None:
+        self.send_queued()
+        self.pending += bulkwire.encode(pb.BulkFrame(chunk=begin))
+        self.sent += 1
+        self.engine.release_leases(self.held)  # its bytes were copied into the caller's buffer
+
+    def send_queued(self) -> None:
+        """Send the queued chunks and give back their leases; past the deadline, stop at the end of the chunk
+        being sent and cancel the rest (Cancelled)."""
+        unsent = 0
+        if self.batch:
+            done = bulkwire.send_buffers(self.conn, self.batch, self.deadline, whole=2)
+            unsent = (len(self.batch) - done) // 2
+            self.batch.clear()
+            self.queued = 0
+        self.engine.release_leases(self.held)
+        if unsent:
+            self.sent -= unsent
+            raise Cancelled(self._too_slow())
+
+    def finish(self, status: pb.BulkFrame) -> None:
+        """The status frame, after what is still queued (chunks queued before a failure go with it)."""
+        frame = bulkwire.encode(status)
+        if self.batch:
+            self.batch.append(frame)
+            bulkwire.send_buffers(self.conn, self.batch)
+            self.batch.clear()
+        else:
+            self.pending += frame
+            _flush(self.conn, self.pending, self.lent)
+
+    def release(self) -> None:
+        self.engine.release_leases(self.held)
+
+    def _too_slow(self) -> str:
+        return (f"this get ran longer than --max-call-seconds ({self.max_call_seconds:g} s); the client is "
+                "reading too slowly")
 
 
 class _PutFrames:

@@ -251,12 +251,14 @@ class CacheEngine:
 
     # --- reads ------------------------------------------------------------------------------------------
     def read_chunks(self, caller: Caller, request: pb.GetRequest, sink: ChunkSink | None = None,
-                    large_slot: bool = True):
+                    large_slot: bool = True, held: list | None = None):
         """Yield what `sink` makes of each chunk of the longest cached run from request.start_chunk on (the
         plain ChunkSink: (ChunkBegin, the stored bytes)), each verified against its checksum, where the sink
         placed it, before it is yielded. A chunk below memory is promoted (TierStack.acquire). The stored
-        memory's lease is held until the consumer asks for the next chunk: send the bytes before that. Counts
-        the lookup when the consumer stops. A request of many tokens holds one of --max-large-requests
+        memory's lease is held until the consumer asks for the next chunk: send the bytes before that; or, with
+        a `held` list, each yielded chunk's entry is appended to it still leased, so the consumer can send
+        several chunks at once, and gives the leases back with release_leases(held) once they are sent.
+        Counts the lookup when the consumer stops. A request of many tokens holds one of --max-large-requests
         meanwhile, unless the caller took it already (`large_slot` False: the bulk channel, before reading it)."""
         scope = self.scope(request.model if request.HasField("model") else None, caller)
         fp, owner = scope.fingerprint, scope.owner
@@ -275,6 +277,7 @@ class CacheEngine:
                     break
                 entry, tier_name = found
                 view = None
+                yielded = False
                 try:
                     placed = sink.place(entry, position)
                     if placed is None:
@@ -290,6 +293,7 @@ class CacheEngine:
                     if not verified and entry.protectable and view is entry.array:
                         self.tier.seal(entry)  # verified where it lies: read-only from now on, never hashed again
                     item, used = sink.emit(i, entry, view, position)
+                    yielded = True
                     yield item
                     position += used
                     for reader in self._readers:
@@ -300,11 +304,20 @@ class CacheEngine:
                         self._announce(key, entry.parent, fp, i, request.tokens)
                 finally:
                     view = None
-                    self.tier.release_lease(entry)
+                    if yielded and held is not None:
+                        held.append(entry)  # its bytes may still be queued: the consumer releases it
+                    else:
+                        self.tier.release_lease(entry)
         finally:
             self.give_large(large)
             self._count_lookup("get", served * self.chunk_tokens,
                                max(0, len(request.tokens) - request.start_chunk * self.chunk_tokens), owner, by_tier)
+
+    def release_leases(self, held: list) -> None:
+        """Give back the leases read_chunks left in `held` (their bytes are sent), and empty it."""
+        for entry in held:
+            self.tier.release_lease(entry)
+        held.clear()
 
     # --- writes -----------------------------------------------------------------------------------------
     def put(self, caller: Caller, header: pb.PutHeader, watch=None):
