@@ -117,6 +117,45 @@ class GammaPoisson(ClassRate):
         return math.log((1.0 + self._n.get(key, 0)) / (1.0 / r0 + self.now - self._t0.get(key, last)))
 
 
+class RootCount(ClassHazard):
+    """Seventh round (scratch): `rate-hazard` whose fresh-chunk class also carries how many requests its chain root
+    (the conversation's first chunk) has had, log2-bucketed: a hot conversation's newly appended chunks are as
+    likely to be asked again as the conversation is to come back, whatever their own count (one)."""
+
+    def __init__(self, capacity=None, **kw) -> None:
+        super().__init__(capacity, **kw)
+        self._root: dict = {}   # remembered chunk -> its chain's root
+        self._rcount: dict = {}  # root -> requests since it was first stored
+
+    def requested(self, key) -> None:
+        if key in self._rcount:
+            self._rcount[key] += 1
+        super().requested(key)
+
+    def inserted(self, key, size, parent) -> None:
+        p = None if _is_root(parent) else parent
+        had = key in self._cls
+        super().inserted(key, size, parent)
+        root = key if p is None else self._root.get(p, p)
+        self._root[key] = root
+        if p is None and key not in self._rcount:
+            self._rcount[key] = 1
+        if not had and key in self._cls:
+            old = self._cls[key]
+            new = self._cls[key] = old + (_log2_bucket(self._rcount.get(root, 1)),)
+            if key in self._tracked:
+                t0 = self._tracked[key]
+                self._cnt[old] -= 1
+                self._sum[old] -= t0
+                self._cnt[new] = self._cnt.get(new, 0) + 1
+                self._sum[new] = self._sum.get(new, 0) + t0
+
+    def _forget(self, key) -> None:
+        super()._forget(key)
+        self._root.pop(key, None)
+        self._rcount.pop(key, None)
+
+
 CANDIDATES = {
     "rate (alive 0.75)": lambda c: ReuseRate(c),
     "rate, alive 1.5": lambda c: ReuseRate(c, alive=1.5),
@@ -145,6 +184,7 @@ CANDIDATES = {
     "sixth: gamma-poisson frequency": lambda c: GammaPoisson(c),
     "sixth: class hazard by age, alive 0.75": lambda c: ClassHazard(c, alive=0.75),
     "sixth: class hazard by age, alive 1.5 (ClassHazard as kept)": lambda c: ClassHazard(c),
+    "seventh: class hazard, fresh classes by the root's requests": lambda c: RootCount(c),
 }
 
 _DATA: dict = {}
