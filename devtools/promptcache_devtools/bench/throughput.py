@@ -28,10 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "socket, Get's bytes copied into a memfd shared with the sidecar, Put's copied out of it), "
                         "bulk-lent (bulk channel on the unix socket, Get's chunks lent as the sidecar's own sealed "
                         "memfds: zero copy, the default; Put as bulk-shm)")
-    p.add_argument("--chunk-kib", type=int, default=1024, choices=(256, 1024, 4096),
-                   help="the layout's chunk size (256 KiB, 1 MiB, 4 MiB: 64, 256, 1024 tokens of 4 KiB): the same bytes "
-                        "in more or fewer chunks, which separates what a Put or Get costs per chunk from its cost per "
-                        "byte; Redis stores one key per chunk")
+    p.add_argument("--chunk-kib", type=int, default=1024, choices=(256, 1024, 4096, 8192),
+                   help="the layout's chunk size (256 KiB, 1, 4 or 8 MiB: 64, 256, 1024, 2048 tokens of 4 KiB): the "
+                        "same bytes in more or fewer chunks, which separates what a Put or Get costs per chunk from its "
+                        "cost per byte; Redis stores one key per chunk")
     p.add_argument("--block-seconds", type=float, default=0.02,
                    help="in each round, each contender runs a block of calls lasting about this long (at most 20 "
                         "calls; the same count for all, sized by the slowest); 0: one call each per round")

@@ -41,7 +41,7 @@ PUT_RPC = "BulkPut"
 # a chunk frame announcing more closes the connection instead.
 MAX_DRAIN_CHUNK_BYTES = 1 << 30
 MAX_CHUNK_FRAME_BYTES = 4096  # a ChunkBegin takes a few dozen bytes
-SEND_BATCH_BYTES = 16 << 20  # a Get's chunks are sent this many bytes at a time, leased until sent
+SEND_BATCH_BYTES = 16 << 20  # a Get sends its chunks once this many bytes are queued (leased until sent)
 MAX_FDS_PER_WRITE = 250  # the kernel passes at most 253 descriptors per message (SCM_MAX_FD)
 MAX_HELLO_BYTES = 64 << 10  # a hello carries a version, a flag and a bearer token
 LARGE_FRAME_BYTES = LARGE_REQUEST_TOKENS  # a frame that may carry more tokens (>= 1 byte each) is a large request
