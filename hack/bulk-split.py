@@ -17,7 +17,6 @@ import collections
 import os
 import subprocess
 import sys
-import threading
 import time
 
 CLIENT = r"""
@@ -126,8 +125,7 @@ def main() -> int:
             print("the client failed", file=sys.stderr)
             return 1
     finally:
-        threading.Thread(target=sidecar.stop, daemon=True).start()
-        time.sleep(0.5)
+        sidecar.stop()
     print(f"{args.mode}, {n_chunks} x {args.chunk_kib} KiB, {args.calls} calls; sidecar thread CPU per call:")
     for label, ns in spent.most_common():
         print(f"  {ns / args.calls / 1e3:9.1f} us  {label}")

@@ -584,6 +584,7 @@ class _GetAnswer:
             self.send_queued()
 
     def lent_chunk(self, memfd, frame: bytes) -> None:
+        """A lent chunk: its frame, with the memfd's descriptor (which keeps the memory; no lease needed)."""
         self.send_queued()  # chunks queued before it go first
         self.pending += frame  # its descriptor goes with it
         self.lent.append(memfd)
@@ -591,13 +592,12 @@ class _GetAnswer:
         self.sent += 1
         if len(self.lent) == MAX_FDS_PER_WRITE:
             _flush(self.conn, self.pending, self.lent)
-        self.engine.release_leases(self.held)  # the memfd keeps its memory: the lease is not needed to send it
 
     def frame_only(self, begin: pb.ChunkBegin) -> None:
+        """A chunk whose bytes were copied into the caller's shared buffer."""
         self.send_queued()
         self.pending += bulkwire.encode(pb.BulkFrame(chunk=begin))
         self.sent += 1
-        self.engine.release_leases(self.held)  # its bytes were copied into the caller's buffer
 
     def send_queued(self) -> None:
         """Send the queued chunks and give back their leases; past the deadline, stop at the end of the chunk
