@@ -99,6 +99,31 @@ def test_small_sizes_sample_more_chains_until_their_miniature_holds_min_chunks()
     assert err(floor) < err(bare), (err(floor), err(bare))
 
 
+def test_raised_rates_add_up_to_at_most_one_so_the_curve_costs_no_more_than_the_cache():
+    """Every sampled request is simulated in each miniature whose rate takes it: the rates' sum is the curve's policy
+    work per request, relative to the cache's own. A small cache (96 chunks, the 11 default sizes) would raise seven
+    sizes near 1/4 (a sum of 1.95); the raises are scaled down together to a sum of 1, the order kept."""
+    from promptcache.sidecar.mrc import MAX_TOTAL_RATE
+
+    cb = 1 << 20
+    curve = MissRatioCurve(default_sizes(96 * cb), 1 / 64, "lru", min_chunks=32)
+    wanted = [curve.rate_for(s, cb) for s in curve.sizes]
+    assert sum(wanted) > 1.9   # what the floor alone asks for here
+    rates = curve.rates(cb)
+    assert sum(rates) == pytest.approx(MAX_TOTAL_RATE)
+    assert rates == sorted(rates, reverse=True) and all(1 / 64 <= r <= w for r, w in zip(rates, wanted))
+    assert rates[0] > 0.1   # the smallest size is still raised well above 1/64
+    assert curve.max_rate(cb) == rates[0]
+    curve.store([b"k" * 32], cb)   # makes the miniatures: they run at these rates, and the request path samples at the highest
+    assert [m.rate for m in curve.minis] == rates and curve.max_rate(cb) == rates[0]
+    # a large cache is not touched (the floor raises only its smallest sizes, the sum stays under 1)
+    big = MissRatioCurve(default_sizes(64 << 30), 1 / 64, "lru", min_chunks=32)
+    assert big.rates(32 << 20) == [big.rate_for(s, 32 << 20) for s in big.sizes]
+    # nor is a rate asked for whose plain sum is over 1 already: kept as asked, nothing raised
+    high = MissRatioCurve(default_sizes(96 * cb), 1 / 8, "lru", min_chunks=32)
+    assert high.rates(cb) == [1 / 8] * 11
+
+
 def test_roots_are_sampled_at_the_rate():
     reqs = traces.generate("scan", seed=0, scale=0.5)
     roots = {r.hash_ids[0] for r in reqs}

@@ -410,7 +410,9 @@ HELP = {
     "mrc_sizes": "cache sizes the miss-ratio curve estimates, comma-separated; empty: --memory-bytes times 1/4 to 8 "
                  "in steps of sqrt(2)",
     "mrc_min_chunks": "the miss-ratio curve samples more chains (at most 1/4) for a small size, until its miniature "
-                      "cache holds this many chunks (fewer are all granularity); 0: --mrc-sample-rate for every size",
+                      "cache holds this many chunks (fewer are all granularity), the raises scaled down together so "
+                      "that all sizes' rates add up to at most 1 (the curve's work stays within the cache's own); "
+                      "0: --mrc-sample-rate for every size",
     "access_log_path": "write a sampled access log here (JSONL trace for promptcache bench replay --trace; chunk "
                        "keys hashed again with a per-start secret, no tokens); empty: no log",
     "access_log_sample_rate": "fraction of chain roots whose requests the access log records",

@@ -112,14 +112,20 @@ class Point:
 
 
 MAX_RAISED_RATE = 0.25
+# The rates of all miniatures add up to at most this once raised (the raises are scaled down together to fit): each
+# sampled request is simulated in every miniature whose rate takes it, so the sum is the curve's policy work per
+# request of traffic, relative to the cache's own. At 1 the curve never costs more than the cache it estimates; a
+# small cache (a few hundred chunks, where every size below ~8x the budget would be raised towards 1/4) is where it
+# binds. A --mrc-sample-rate whose plain sum is higher is kept as asked (no raise then).
+MAX_TOTAL_RATE = 1.0
 
 
 class MissRatioCurve:
     """K miniatures of one policy at full-size capacities `sizes` (bytes), each over a sample of rate `rate`, raised
     for a small size until its miniature holds at least `min_chunks` chunks: a miniature of a few requests' chunks
-    is all granularity (a prefix-blind LRU of 17 chunks never hits requests of 30); raised at most to 1/4. The floor
-    needs the chunk size,
-    so the miniatures are made at the first sampled request (one model's chunks; others are simulated at its
+    is all granularity (a prefix-blind LRU of 17 chunks never hits requests of 30); raised at most to 1/4 each, and
+    all raises scaled down together so that the rates add up to at most MAX_TOTAL_RATE. The floor needs the chunk
+    size, so the miniatures are made at the first sampled request (one model's chunks; others are simulated at its
     rates)."""
 
     def __init__(self, sizes: list[int], rate: float, policy_name: str, min_chunks: int = 0) -> None:
@@ -140,15 +146,27 @@ class MissRatioCurve:
         floor = min(MAX_RAISED_RATE, self.min_chunks * chunk_bytes / size)
         return min(1.0, max(self.rate, floor))
 
+    def rates(self, chunk_bytes: int) -> list[float]:
+        """Each size's rate: rate_for's, with the raises above `rate` scaled down by one factor where the rates
+        would add up to more than MAX_TOTAL_RATE (the order of the sizes' rates is kept)."""
+        wanted = [self.rate_for(s, chunk_bytes) for s in self.sizes]
+        base = self.rate * len(wanted)
+        raised = sum(wanted) - base
+        if sum(wanted) <= MAX_TOTAL_RATE or raised <= 0:
+            return wanted
+        scale = max(0.0, MAX_TOTAL_RATE - base) / raised
+        return [self.rate + (w - self.rate) * scale for w in wanted]
+
     def max_rate(self, chunk_bytes: int) -> float:
         """The highest rate of any miniature (the smallest size's): what the request path samples at."""
-        cb = self.chunk_bytes or chunk_bytes
-        return self.rate_for(self.sizes[0], cb)
+        if self.minis:
+            return self.minis[0].rate
+        return self.rates(self.chunk_bytes or chunk_bytes)[0]
 
     def _minis(self, chunk_bytes: int) -> list[Miniature]:
         if not self.minis:
             self.chunk_bytes = chunk_bytes
-            self.minis = [Miniature(self.policy_name, s, self.rate_for(s, chunk_bytes)) for s in self.sizes]
+            self.minis = [Miniature(self.policy_name, s, r) for s, r in zip(self.sizes, self.rates(chunk_bytes))]
         return self.minis
 
     def lookup(self, keys: list[Key], chunk_tokens: int, prompt_tokens: int, chunk_bytes: int) -> None:
