@@ -192,3 +192,25 @@ def test_online_curve_through_a_real_sidecar_is_within_0_02_of_the_exact_replay(
           f"entries {obs.curve.entries()}")
     assert obs.dropped == 0 and obs.failures == 0
     assert mae <= 0.02, (exact, got)
+
+
+def test_the_observer_reports_the_cpu_its_simulations_cost(sidecar_factory):
+    """promptcache_observer_cpu_seconds_total: the miss-ratio curve's work runs on its own thread, off the request
+    path but on the sidecar's CPU, and on-call can weigh it against process_cpu_seconds_total. It counts CPU time of
+    that thread only: more than nothing once sampled requests were simulated, never more than the process spent."""
+    from support import metric
+
+    sidecar = sidecar_factory(chunk_tokens=CHUNK_TOKENS, memory_bytes=64 * chunk_nbytes(SPEC, CHUNK_TOKENS),
+                              mrc_sample_rate=1.0)
+    assert metric(sidecar, "promptcache_observer_cpu_seconds_total") == 0
+    cpu_before = time.process_time()
+    blob = bytes(chunk_nbytes(SPEC, CHUNK_TOKENS))
+    with PromptCacheClient(sidecar.address, timeout=30) as c:
+        for r in range(60):
+            tokens = [r * 1000 + j for j in range(8 * CHUNK_TOKENS)]
+            c.lookup(SPEC, tokens)
+            c.put_blobs(SPEC, tokens, {i: blob for i in range(8)})
+    assert sidecar.observer.wait_idle(30)
+    spent = metric(sidecar, "promptcache_observer_cpu_seconds_total")
+    assert sidecar.observer.events >= 120   # every Lookup and Put sampled at rate 1
+    assert 0 < spent <= time.process_time() - cpu_before

@@ -35,6 +35,7 @@ class TrafficObserver:
         self.dropped = 0
         self.failures = 0
         self.busy_seconds = 0.0   # time the worker spent on events (the curve's and the log's cost)
+        self.cpu_seconds = 0.0    # the same in CPU time of its thread (promptcache_observer_cpu_seconds_total)
         self.events = 0
         self._queue: queue.Queue = queue.Queue(queue_events)
         self._lock = threading.Lock()   # the worker's state against scrapes
@@ -91,10 +92,11 @@ class TrafficObserver:
             try:
                 if event is None:
                     return
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 with self._lock:
                     self._handle(event)
                     self.busy_seconds += time.perf_counter() - start
+                    self.cpu_seconds += time.thread_time() - cpu
                     self.events += 1
             except Exception:  # noqa: BLE001 - an estimate must never take the sidecar down
                 self.failures += 1
@@ -145,7 +147,11 @@ class TrafficObserver:
         dropped = CounterMetricFamily("promptcache_observer_dropped", "sampled requests the miss-ratio curve and "
                                       "the access log did not see because the observer's queue was full")
         dropped.add_metric([], self.dropped)
-        out.append(dropped)
+        cpu = CounterMetricFamily("promptcache_observer_cpu_seconds", "CPU time the observer's thread spent "
+                                  "simulating the miss-ratio curve's miniatures and writing the access log (off the "
+                                  "request path, on the sidecar's CPU: compare with process_cpu_seconds_total)")
+        cpu.add_metric([], self.cpu_seconds)
+        out += [dropped, cpu]
         with self._lock:
             if self.curve is not None:
                 points = self.curve.points()
