@@ -114,7 +114,8 @@ def test_raised_rates_add_up_to_at_most_one_so_the_curve_costs_no_more_than_the_
     assert rates == sorted(rates, reverse=True) and all(1 / 64 <= r <= w for r, w in zip(rates, wanted))
     assert rates[0] > 0.1   # the smallest size is still raised well above 1/64
     assert curve.max_rate(cb) == rates[0]
-    curve.store([b"k" * 32], cb)   # makes the miniatures: they run at these rates, and the request path samples at the highest
+    curve.store([b"k" * 32], cb)   # makes the miniatures: they run at these rates, the request path samples at
+    # the highest
     assert [m.rate for m in curve.minis] == rates and curve.max_rate(cb) == rates[0]
     # a large cache is not touched (the floor raises only its smallest sizes, the sum stays under 1)
     big = MissRatioCurve(default_sizes(64 << 30), 1 / 64, "lru", min_chunks=32)

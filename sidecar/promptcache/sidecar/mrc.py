@@ -139,6 +139,7 @@ class MissRatioCurve:
         self.sizes = sorted(set(int(s) for s in sizes))
         self.minis: list[Miniature] = []
         self.chunk_bytes: int | None = None
+        self._rates: dict[int, list[float]] = {}  # chunk bytes -> rates(): asked by the request path until minis exist
 
     def rate_for(self, size: int, chunk_bytes: int) -> float:
         """`rate`, raised for a small size towards `min_chunks` chunks, but never above MAX_RAISED_RATE (the cost:
@@ -148,14 +149,21 @@ class MissRatioCurve:
 
     def rates(self, chunk_bytes: int) -> list[float]:
         """Each size's rate: rate_for's, with the raises above `rate` scaled down by one factor where the rates
-        would add up to more than MAX_TOTAL_RATE (the order of the sizes' rates is kept)."""
+        would add up to more than MAX_TOTAL_RATE (the order of the sizes' rates is kept). Computed once per chunk
+        size."""
+        known = self._rates.get(chunk_bytes)
+        if known is not None:
+            return known
         wanted = [self.rate_for(s, chunk_bytes) for s in self.sizes]
         base = self.rate * len(wanted)
         raised = sum(wanted) - base
-        if sum(wanted) <= MAX_TOTAL_RATE or raised <= 0:
-            return wanted
-        scale = max(0.0, MAX_TOTAL_RATE - base) / raised
-        return [self.rate + (w - self.rate) * scale for w in wanted]
+        if sum(wanted) > MAX_TOTAL_RATE and raised > 0:
+            scale = max(0.0, MAX_TOTAL_RATE - base) / raised
+            wanted = [self.rate + (w - self.rate) * scale for w in wanted]
+        if len(self._rates) >= 64:  # one per model's chunk size; a client cycling through layouts cannot grow it
+            self._rates.clear()
+        self._rates[chunk_bytes] = wanted
+        return wanted
 
     def max_rate(self, chunk_bytes: int) -> float:
         """The highest rate of any miniature (the smallest size's): what the request path samples at."""
