@@ -54,3 +54,22 @@ def test_throughput_bench_splits_the_same_bytes_into_other_chunk_sizes(tmp_path)
         assert any(line.startswith("| 4 MiB | bulk-tcp |") for line in text.splitlines())
     assert main(["bench", "throughput", "--sizes-mb", "1", "--chunk-kib", "4096", "--transports", "bulk-tcp",
                  "--output", str(tmp_path / "refused.md")]) == 2
+
+
+def test_cpu_meter_does_not_count_its_own_reads_as_the_clients():
+    """The meter reads /proc for every thread of three processes twice per block of calls (about 0.5 ms a read
+    here): that is the benchmark's cost, not the client library's, so two reads with nothing between them show
+    the client (this process) spending about nothing, where they showed a whole read's CPU before."""
+    import os
+    import time
+
+    from promptcache_devtools.bench.throughput import CpuMeter
+
+    meter = CpuMeter({"sidecar": os.getpid(), "redis": os.getpid()})  # this process thrice: reads that cost
+    start, pairs, delta = time.thread_time(), 50, 0.0
+    for _ in range(pairs):
+        before = meter.snapshot()
+        delta += meter.snapshot()["client"] - before["client"]
+    per_read = (time.thread_time() - start) / (2 * pairs)
+    assert per_read > 0
+    assert abs(delta / pairs) < 0.5 * per_read, (delta / pairs, per_read)

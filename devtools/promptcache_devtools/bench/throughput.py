@@ -71,9 +71,16 @@ class CpuMeter:
         self.pids = {"client": os.getpid(), **pids}
         self.spent: dict[str, dict[str, float]] = {}
         self.calls: dict[str, int] = {}
+        self._own = 0.0  # CPU this process spent in snapshot() so far: not the client's work
 
     def snapshot(self) -> dict[str, float]:
-        return {who: _cpu_seconds(pid) for who, pid in self.pids.items()}
+        """CPU seconds of each process so far; the client's without the meter's own reads (about 0.5 ms a
+        snapshot here, two per block of calls: 0.2 ms a call at 8 MiB was counted as the client's before)."""
+        start = time.thread_time()
+        out = {who: _cpu_seconds(pid) for who, pid in self.pids.items()}  # the client first (dict order)
+        self._own += time.thread_time() - start
+        out["client"] -= self._own
+        return out
 
     def add(self, name: str, before: dict[str, float], calls: int) -> None:
         after = self.snapshot()
