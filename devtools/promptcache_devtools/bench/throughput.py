@@ -120,7 +120,30 @@ def _interleaved_medians(fns: dict, repeats: int, block_seconds: float = 0.0, cp
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def steady_allocator() -> bool:
+    """Pin glibc malloc's mmap and trim thresholds (256 / 512 MiB) in this process, as a long-running client's
+    reach on their own: by default each free of a large mmapped block raises the threshold, so the first calls
+    with large buffers map fresh memory and fault every page in, later ones reuse the heap. The Redis client of
+    whichever transport came first in --transports ran in that first state (10.9 against 3.6 ms of CPU per 8 MiB
+    pipelined SET, 8.5 against 4.6 ms without a transport before it): the ratio measured the order, not the
+    server. Both contenders' clients are in this process, so both get the same. False where it does not apply
+    (not glibc)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 256 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 512 << 20))
+
+
 def run(args) -> int:
+    steady = steady_allocator()
+    load = os.getloadavg()[0]
     import redis
     import torch
 
@@ -264,8 +287,9 @@ def run(args) -> int:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(f"<!-- promptcache bench throughput, {time.strftime('%Y-%m-%d %H:%M')}, "
-                       f"{os.cpu_count()} CPUs, {args.repeats} rounds, blocks of ~{args.block_seconds:g} s, "
-                       f"chunks of {args.chunk_kib} KiB -->\n"
+                       f"{os.cpu_count()} CPUs, load average {load:.2f} at the start, {args.repeats} rounds, "
+                       f"blocks of ~{args.block_seconds:g} s, chunks of {args.chunk_kib} KiB, client malloc "
+                       f"{'pinned' if steady else 'default'} -->\n"
                        f"{table}\n")
         if args.plot:
             from promptcache_devtools.bench import plots
