@@ -2,6 +2,7 @@
 """Where a bulk Put's or Get's sidecar CPU goes, call by call (issue #31; docs/benchmarks.md).
 
     nice .venv/bin/python hack/bulk-split.py [--mode put|get] [--chunk-kib 1024] [--size-mb 8] [--calls 400]
+        [--profile N]
 
 Runs a sidecar in this process on loopback TCP (the `promptcache bench throughput` layout: 4 KiB a token, a budget
 of 4 x the call's bytes + 64 MiB) with the functions below wrapped to add up the CPU time (thread CPU, so waiting on
@@ -10,6 +11,10 @@ the counters are reset, and it makes `--calls` timed puts of new prefixes (each 
 gets of one stored prefix. Prints microseconds per call of each wrapped function, inclusive of what it calls, and
 the process's CPU over all its threads (the connection's, the miss-ratio curve's observer, the rest); each wrapper
 adds about a microsecond, so read differences between chunk sizes, not the last digit.
+
+`--profile N` runs cProfile around each BulkServer._put (or _get) instead of the wrappers and prints its N
+functions with the most time of their own (wall time, inflated alike by the profiler; the fill calls included): where
+the work per chunk goes, which the wrappers' own cost hides at small chunks (docs/benchmarks.md, issue #31).
 """
 from __future__ import annotations
 
@@ -55,6 +60,8 @@ def main() -> int:
     ap.add_argument("--chunk-kib", type=int, default=1024, choices=(256, 1024, 4096, 8192))
     ap.add_argument("--size-mb", type=int, default=8)
     ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="cProfile each call instead of the timers; print the N functions with the most own time")
     args = ap.parse_args()
     chunk_bytes = args.chunk_kib << 10
     if (args.size_mb << 20) % chunk_bytes:
@@ -70,8 +77,26 @@ def main() -> int:
 
     spent: collections.Counter = collections.Counter()
     clock = time.thread_time_ns
+    profile = None
+    if args.profile:
+        import cProfile
+
+        profile = cProfile.Profile()
+        call = "_put" if args.mode == "put" else "_get"
+        served = getattr(bulk.BulkServer, call)
+
+        def profiled(*a, **k):
+            profile.enable()
+            try:
+                return served(*a, **k)
+            finally:
+                profile.disable()
+
+        setattr(bulk.BulkServer, call, profiled)
 
     def wrap(owner, name: str, label: str | None = None) -> None:
+        if profile is not None:
+            return  # the profiler instead of the timers
         inner = getattr(owner, name)
 
         def timed(*a, **k):
@@ -136,6 +161,10 @@ def main() -> int:
     for label, ns in spent.most_common():
         print(f"  {ns / args.calls / 1e3:9.1f} us  {label}")
     print(f"  {process_ns / args.calls / 1e3:9.1f} us  the sidecar's process, every thread")
+    if profile is not None:
+        import pstats
+
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
     return 0
 
 
