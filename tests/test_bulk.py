@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 
 import grpc
@@ -84,6 +85,41 @@ def test_bulk_put_and_get_are_bit_identical(sidecar_factory, tmp_path, dtype, tr
     assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkBuffer"}') == (
         1 if transport in ("unix-lent", "unix-memfd") else 0)
     assert metric(sidecar, "promptcache_bulk_lent_chunks_total") == (3 if transport == "unix-lent" else 0)
+
+
+def test_a_bulk_put_hashes_each_chunk_just_before_sending_it(sidecar_factory, monkeypatch):
+    """Over a socket the client sends chunk i as soon as its frame (with its xxh3) is built, so the sidecar
+    receives and verifies it while chunk i+1 is hashed: not every chunk hashed before the first byte leaves.
+    Each chunk is hashed once."""
+    from promptcache.client import transport
+
+    sidecar = sidecar_factory(bulk_address=f"127.0.0.1:{free_port()}")
+    spec = ModelSpec("test/bulk-order", "r1", "float16", num_layers=2, num_kv_heads=2, head_dim=8)
+    kv = make_kv(spec, len(TOKENS))
+    me, events = threading.get_ident(), []
+    hashed, sent = transport.PutCall.checksum, bulkwire.send_buffers
+
+    def checksum(self, index):
+        if index not in self.sums:
+            events.append(("hash", index))
+        return hashed(self, index)
+
+    def send_buffers(sock, buffers, *a, **k):
+        if threading.get_ident() == me:
+            frames = [bulkwire._parse(b[bulkwire._LENGTH.size:]) for b in buffers
+                      if isinstance(b, bytes)]  # the frames (a chunk's bytes are its array)
+            events.append(("send", tuple(f.chunk.index if f.WhichOneof("frame") == "chunk" else "put"
+                                         for f in frames)))
+        return sent(sock, buffers, *a, **k)
+
+    monkeypatch.setattr(transport.PutCall, "checksum", checksum)
+    monkeypatch.setattr(bulkwire, "send_buffers", send_buffers)
+    with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address) as c:
+        assert c.put(spec, TOKENS, kv).stored_chunks == 3
+        n, got = c.get(spec, TOKENS)
+    assert events == [("hash", 0), ("send", ("put", 0)), ("hash", 1), ("send", (1,)), ("hash", 2), ("send", (2,))]
+    assert n == len(TOKENS) and all(torch.equal(a, b) for pair in zip(kv, got) for a, b in zip(*pair))
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkPut"}') == 1
 
 
 @pytest.mark.parametrize("n_tokens", [0, 1, 31, 32, 4000, 70000])

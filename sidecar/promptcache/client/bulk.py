@@ -26,7 +26,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -182,9 +182,11 @@ class BulkClient:
             self._drop(conn)  # the rest of the answer is still in the socket
             raise
 
-    def put(self, header: pb.PutHeader, chunks: list[tuple[pb.ChunkBegin, np.ndarray]],
+    def put(self, header: pb.PutHeader, chunks: list[tuple[Callable[[], pb.ChunkBegin], np.ndarray]],
             timeout: float) -> pb.PutResponse:
-        """Store chunks (each its ChunkBegin, checksum set, and its bytes) as gRPC Put would. Unavailable when
+        """Store chunks as gRPC Put would: each a function that builds its ChunkBegin (checksum set), called when
+        the chunk is about to be sent, and its bytes. Over a socket each chunk goes out as soon as its frame is
+        built, so the sidecar receives and verifies chunk i while chunk i+1 is hashed here. Unavailable when
         the channel cannot take the call (no bulk channel, at its connection limit, a sidecar without bulk Put,
         the connection broke): the caller then uses gRPC Put, whose answer is the same."""
         conn = self._connection(timeout)
@@ -201,15 +203,17 @@ class BulkClient:
                 frames, position = bytearray(bulkwire.encode(pb.BulkFrame(put=put))), 0
                 for begin, data in chunks:
                     shared[position:position + data.size] = data
-                    begin.buffer_offset = position
-                    frames += bulkwire.encode(pb.BulkFrame(chunk=begin))
+                    frame = begin()
+                    frame.buffer_offset = position
+                    frames += bulkwire.encode(pb.BulkFrame(chunk=frame))
                     position += data.size
                 conn.sock.sendall(frames)
             else:
                 buffers = [bulkwire.encode(pb.BulkFrame(put=put))]
                 for begin, data in chunks:
-                    buffers += (bulkwire.encode(pb.BulkFrame(chunk=begin)), data)
-                bulkwire.send_buffers(conn.sock, buffers)
+                    buffers += (bulkwire.encode(pb.BulkFrame(chunk=begin())), data)
+                    bulkwire.send_buffers(conn.sock, buffers)
+                    buffers = []
             status = _expect(conn.reader, "status").status
         except socket.timeout:
             self._drop(conn)

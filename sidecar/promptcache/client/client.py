@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
 import grpc
 import numpy as np
-import xxhash
 
 from promptcache.contract import frames
 from promptcache.client import errors
@@ -223,8 +222,7 @@ class PromptCacheClient:
         shape = list(chunk_shape(spec, self.chunk_tokens))
         dtype = NAME_TO_DTYPE[spec.kv_dtype]
         arrays = {i: _as_bytes_array(b) for i, b in sorted(blobs.items())}
-        sums = {i: xxhash.xxh3_64_intdigest(arr) for i, arr in arrays.items()}
-        resp = self._transports.put(PutCall(spec, token_list, arrays, sums, shape, dtype, timeout or self.timeout,
+        resp = self._transports.put(PutCall(spec, token_list, arrays, {}, shape, dtype, timeout or self.timeout,
                                              ttl_seconds, priority))
         return PutResult(resp.stored_chunks, resp.skipped_chunks, resp.rejected_chunks, resp.stored_bytes)
 

@@ -19,6 +19,7 @@ buffer, the bulk connection's buffer, lent chunks) are views, valid until the th
 from __future__ import annotations
 
 import logging
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
 
@@ -44,7 +45,9 @@ Call = Callable[[Callable[[float], object], float | None], object]  # PromptCach
 
 @dataclass
 class PutCall:
-    """One put_blobs: the chunks (index -> bytes, each with its xxh3) of `tokens`, in the stored layout."""
+    """One put_blobs: the chunks (index -> bytes) of `tokens`, in the stored layout. Each chunk's xxh3 is computed
+    when its frame is built (begin) and kept in `sums` for a retry: a transport that sends chunk by chunk hashes
+    chunk i+1 while the sidecar verifies chunk i, instead of hashing all of them before the first byte leaves."""
     spec: ModelSpec
     tokens: list[int]
     arrays: dict[int, np.ndarray]
@@ -63,9 +66,15 @@ class PutCall:
         return pb.PutHeader(model=model_to_proto(self.spec), tokens=self.tokens, shared_buffer=shared_buffer,
                             ttl_seconds=self.ttl_seconds, priority=self.priority)
 
+    def checksum(self, index: int) -> int:
+        value = self.sums.get(index)
+        if value is None:
+            value = self.sums[index] = xxhash.xxh3_64_intdigest(self.arrays[index])
+        return value
+
     def begin(self, index: int, buffer_offset: int = 0) -> pb.ChunkBegin:
         return pb.ChunkBegin(index=index, nbytes=self.arrays[index].size, shape=self.shape, dtype=self.dtype,
-                             xxh3_64=self.sums[index], buffer_offset=buffer_offset)
+                             xxh3_64=self.checksum(index), buffer_offset=buffer_offset)
 
 
 @dataclass
@@ -102,7 +111,8 @@ class BulkTransport:
         self.bulk = bulk
 
     def put(self, call: PutCall) -> pb.PutResponse:
-        chunks = [(call.begin(i), arr) for i, arr in call.arrays.items()]
+        # Each chunk's frame (and checksum) is built as the channel comes to send it.
+        chunks = [(functools.partial(call.begin, i), arr) for i, arr in call.arrays.items()]
         return self.bulk.put(call.header(), chunks, call.timeout)
 
     def get(self, call: GetCall) -> Blobs:
