@@ -162,7 +162,7 @@ class Fake:
 
 
 def put_call(chunks: int = 1) -> PutCall:
-    return PutCall(None, [1, 2], {i: None for i in range(chunks)}, {}, [], 0, 5.0)
+    return PutCall(None, [1, 2], {i: None for i in range(chunks)}, [], 0, 5.0)
 
 
 def get_call(nbytes: int | None = 64) -> GetCall:

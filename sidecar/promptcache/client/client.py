@@ -222,7 +222,7 @@ class PromptCacheClient:
         shape = list(chunk_shape(spec, self.chunk_tokens))
         dtype = NAME_TO_DTYPE[spec.kv_dtype]
         arrays = {i: _as_bytes_array(b) for i, b in sorted(blobs.items())}
-        resp = self._transports.put(PutCall(spec, token_list, arrays, {}, shape, dtype, timeout or self.timeout,
+        resp = self._transports.put(PutCall(spec, token_list, arrays, shape, dtype, timeout or self.timeout,
                                              ttl_seconds, priority))
         return PutResult(resp.stored_chunks, resp.skipped_chunks, resp.rejected_chunks, resp.stored_bytes)
 

@@ -18,9 +18,9 @@ buffer, the bulk connection's buffer, lent chunks) are views, valid until the th
 """
 from __future__ import annotations
 
-import logging
 import functools
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
@@ -51,12 +51,12 @@ class PutCall:
     spec: ModelSpec
     tokens: list[int]
     arrays: dict[int, np.ndarray]
-    sums: dict[int, int]
     shape: list[int]
     dtype: int
     timeout: float
     ttl_seconds: float = 0.0
     priority: int = 0
+    sums: dict[int, int] = field(default_factory=dict)  # index -> xxh3, filled by checksum()
 
     @property
     def nbytes(self) -> int:
