@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Fetch, here (where pip reaches the registry), the wheels a borrowed GPU machine lacks into .whl/, which
 # hack/test-gpu.sh installs there: its python3 (3.12, x86-64, no network) has torch, grpcio, protobuf, xxhash,
-# transformers and prometheus-client, but not gRPC's health and reflection services, rocksdict (the disk tier), nor
-# the grpcio and protobuf versions our generated stubs require. The versions are this checkout's virtualenv's.
+# transformers and prometheus-client, but not gRPC's health and reflection services, rocksdict (the disk tier),
+# zstandard (quantization modes k8v4 and k6v4z, which the TTFT benchmark runs), nor the grpcio and protobuf versions
+# our generated stubs require. The versions are this checkout's virtualenv's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV_PY=${VENV_PY:-.venv/bin/python}
@@ -12,7 +13,7 @@ rm -rf .whl && mkdir .whl
 pins=$("$VENV_PY" - << 'PY'
 from importlib.metadata import version
 print(" ".join(f"{n}=={version(n)}" for n in ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf",
-                                                "rocksdict")))
+                                                "rocksdict", "zstandard")))
 PY
 )
 platforms=()
