@@ -196,6 +196,40 @@ def test_hf_prefill_on_the_gpu_reuses_the_prefix(cuda_sidecar):
     assert (second.logits - first.logits).abs().max() < 1e-4
 
 
+def decoded_on(device: str, mode: str, dtype: str = "float32"):
+    """(original chunks, the stored blobs decoded by hf.decode_prefix into a buffer on `device`, the error bound)."""
+    from promptcache import codec
+    from promptcache.client.client import encode_chunk
+    from promptcache.client.hf import decode_prefix
+
+    spec = ModelSpec("test/cuda-quant", "r1", dtype, num_layers=2, num_kv_heads=2, head_dim=64, quantization=mode)
+    kv = make_kv(spec, 2 * CHUNK, seed=5)
+    chunks = [torch.stack([torch.stack((k[0, :, i * CHUNK:(i + 1) * CHUNK], v[0, :, i * CHUNK:(i + 1) * CHUNK]))
+                           for k, v in kv]) for i in range(2)]
+    blobs = [encode_chunk(spec, kv, i * CHUNK, (i + 1) * CHUNK, 10000.0) for i in range(2)]
+    decoded = decode_prefix(spec, blobs, CHUNK, device)
+    bound = [codec.error_bound(mode, c.float(), 10000.0) for c in chunks]
+    return kv, decoded, bound
+
+
+@pytest.mark.parametrize("mode", ["k8v8", "k8v4", "k6v4z"])
+def test_quantized_chunks_decode_into_gpu_memory_as_on_the_cpu(mode):
+    """The transformers integration dequantizes stored chunks straight into the model's KV buffer on the GPU
+    (hf.decode_prefix -> codec.unpack(out=...)). k8v4 and k6v4z once failed there (views on the CPU, out on the GPU:
+    'Expected all tensors to be on the same device'), and the integration fell back to a full prefill on every
+    request. Within the codec's error bound of the original, and the GPU's arithmetic agrees with the CPU's."""
+    kv, on_gpu, bound = decoded_on("cuda", mode)
+    _, on_cpu, _ = decoded_on("cpu", mode)
+    for layer, ((k, v), (gk, gv), (ck, cv)) in enumerate(zip(kv, on_gpu, on_cpu)):
+        assert gk.is_cuda and gv.is_cuda
+        for i in range(2):
+            part = slice(i * CHUNK, (i + 1) * CHUNK)
+            for j, (orig, gpu, cpu) in enumerate(((k, gk, ck), (v, gv, cv))):
+                err = (gpu[0, :, part].cpu().float() - orig[0, :, part].float()).abs()
+                assert (err <= bound[i][layer, j] + 1e-5).all(), (mode, layer, i, j, float(err.max()))
+                assert torch.allclose(gpu[0, :, part].cpu(), cpu[0, :, part], rtol=1e-5, atol=1e-5)
+
+
 def test_serve_process_with_the_cuda_tier_round_trips_cuda_tensors(tmp_path):
     """`promptcache serve --device cuda` as a pod runs it: a real process, its own CUDA context."""
     proc = SidecarProcess("--device", "cuda", "--memory-bytes", "256Mi", "--chunk-tokens", "256",

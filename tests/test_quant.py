@@ -550,3 +550,16 @@ def test_k6v4z_bad_selected_value_tokens_rejected(sel):
         bad[off:off + size] = torch.tensor(list(range(1, 15)) + sel, dtype=torch.int16).view(torch.uint8)
     with pytest.raises(codec.CorruptChunk, match="selected value tokens"):
         codec.unpack("k6v4z", _refresh_crc(bad), shape, "float32")
+
+
+@pytest.mark.parametrize("mode", ["k8v8", "k8v4", "k6v4z"])
+def test_unpack_into_out_runs_on_outs_device_and_refuses_another(mode):
+    """With `out`, unpack dequantizes on out's device (tests/test_cuda.py checks a CUDA `out`); a `device` that
+    contradicts it is refused by name rather than failing inside a kernel."""
+    x = torch.randn(2, 2, 2, 32, 64, generator=torch.Generator().manual_seed(3))
+    blob = codec.pack(mode, x)
+    out = torch.full_like(x, float("nan"))
+    assert codec.unpack(mode, blob, x.shape, "float32", device="cpu", out=out) is out
+    assert torch.equal(out, codec.unpack(mode, blob, x.shape, "float32"))
+    with pytest.raises(ValueError, match="device meta is not the device of out"):
+        codec.unpack(mode, blob, x.shape, "float32", device="meta", out=out)

@@ -70,8 +70,14 @@ def unpack(mode: str, blob: torch.Tensor, shape, kv_dtype: str, device: torch.de
 
     Never returns NaN or Inf: the length, header (mode, dtype, element count), CRC32, scales and zero points are
     all checked, and the scales bound every result. `out` (optional): a tensor (or strided view) of that shape and
-    dtype to write into (after a CorruptChunk its contents are unspecified: discard it).
+    dtype to write into (after a CorruptChunk its contents are unspecified: discard it); the dequantization then runs
+    on out's device, and `device`, if given, must be that device. Without `out`, on `device` (default: the CPU).
     """
+    if out is not None:
+        if device is not None and torch.device(device).type != out.device.type:
+            raise ValueError(f"device {device} is not the device of out ({out.device})")
+        # (a CUDA `out` with the views left on the CPU mixed devices in the fused kernels: seen on an H200)
+        device = out.device
     secs = _sections(mode, shape, kv_dtype)
     expected = sum(s for _, s in secs)
     if not isinstance(blob, torch.Tensor):
