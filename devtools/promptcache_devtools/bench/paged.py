@@ -115,7 +115,7 @@ def run(args) -> int:
                 spec = ModelSpec("bench/paged", f"{layout}-{dtype_name}", dtype_name, L, H, D)
                 prompts = [(torch.randperm(50000, generator=g)[:T] + 1).tolist() for _ in range(args.repeats)]
                 nbytes = L * 2 * H * T * D * torch.empty((), dtype=dtype).element_size()
-                saves, loads, gathers, scatters = [], [], [], []
+                saves, loads, gathers, scatters, to_host, puts, gets = [], [], [], [], [], [], []
                 for tokens in prompts:  # a new prompt each time: every save stores, none is skipped as stored
                     sync()
                     t0 = time.perf_counter()
@@ -123,11 +123,14 @@ def run(args) -> int:
                     sync()
                     t1 = time.perf_counter()
                     host = kv.cpu()
+                    t1h = time.perf_counter()
                     chunks = split_chunks(host, ct)
                     client.put_blobs(spec, tokens, dict(enumerate(chunks)), timeout=120)
                     t2 = time.perf_counter()
                     saves.append(t2 - t0)
                     gathers.append(t1 - t0)
+                    to_host.append(t1h - t1)
+                    puts.append(t2 - t1h)
                     for v in dst:
                         v.zero_()
                     sync()
@@ -140,6 +143,7 @@ def run(args) -> int:
                     t5 = time.perf_counter()
                     loads.append(t5 - t3)
                     scatters.append(t5 - t4)
+                    gets.append(t4 - t3)
                     if len(got) * ct != T:
                         raise RuntimeError(f"{len(got)} chunks of {T // ct} came back")
                 index = torch.tensor(ids, device=dev)
@@ -152,10 +156,16 @@ def run(args) -> int:
                        "load_GBps": round(nbytes / min(loads) / 1e9, 2),
                        "gather_on_device_GBps": round(nbytes / min(gathers) / 1e9, 2),
                        "scatter_incl_host_to_device_GBps": round(nbytes / min(scatters) / 1e9, 2),
+                       # the save's parts after the gather, and the load's before the scatter
+                       "copy_to_pageable_host_GBps": round(nbytes / min(to_host) / 1e9, 2),
+                       "put_GBps": round(nbytes / min(puts) / 1e9, 2),
+                       "get_and_check_GBps": round(nbytes / min(gets) / 1e9, 2),
                        "save_s": saves, "load_s": loads}
                 result["rows"].append(row)
-                print(f"{layout} {dtype_name}: save {row['save_GBps']} GB/s, load {row['load_GBps']} GB/s "
-                      f"(scatter incl. host->device {row['scatter_incl_host_to_device_GBps']} GB/s), "
+                print(f"{layout} {dtype_name}: save {row['save_GBps']} GB/s (copy to host "
+                      f"{row['copy_to_pageable_host_GBps']}, Put {row['put_GBps']}), load {row['load_GBps']} GB/s "
+                      f"(Get and checks {row['get_and_check_GBps']}, scatter incl. host->device "
+                      f"{row['scatter_incl_host_to_device_GBps']} GB/s), "
                       f"bit-exact {exact}", flush=True)
                 del src, dst, kv
         client.close()
