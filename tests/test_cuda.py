@@ -230,6 +230,35 @@ def test_quantized_chunks_decode_into_gpu_memory_as_on_the_cpu(mode):
                 assert torch.allclose(gpu[0, :, part].cpu(), cpu[0, :, part], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_saves_leave_the_gpu_through_one_page_locked_buffer(dtype):
+    """The vLLM connector's save thread (client/staging.py): a request's K/V [L, 2, H, T, D] on the GPU becomes its
+    chunks in one cudaHostRegister'ed host buffer, bit-exact as split_chunks of a plain copy, the buffer reused by
+    the next save; a save beyond the capacity copies to fresh memory, also exact."""
+    from promptcache.client.staging import HostStaging
+    from promptcache.client.vllm_layout import split_chunks
+
+    def raw(chunks):
+        return [c.view(torch.uint8) for c in chunks]
+
+    s = HostStaging(64 << 20)
+    kv = torch.randn(4, 2, 8, 512, 128, device="cuda").to(dtype)  # 8 MiB in bf16
+    with s.chunks(kv, 128) as chunks:
+        assert s.pinned and s.staged == 1 and all(c.device.type == "cpu" and c.is_contiguous() for c in chunks)
+        assert all(torch.equal(a, b) for a, b in zip(raw(chunks), raw(split_chunks(kv.cpu(), 128))))
+        first = chunks[0].data_ptr()
+    again = kv.float().neg().to(dtype)
+    with s.chunks(again, 256) as chunks:
+        assert chunks[0].data_ptr() == first and s.staged == 2
+        assert all(torch.equal(a, b) for a, b in zip(raw(chunks), raw(split_chunks(again.cpu(), 256))))
+    big = torch.randn(4, 2, 8, 8192, 128, device="cuda").to(dtype)  # 128 MiB in bf16, 64 in fp8
+    with s.chunks(big, 1024) as chunks:
+        assert all(torch.equal(a, b) for a, b in zip(raw(chunks), raw(split_chunks(big.cpu(), 1024))))
+    assert s.unstaged == (1 if dtype == torch.bfloat16 else 0)
+    s.close()
+    assert s.nbytes == 0
+
+
 def test_serve_process_with_the_cuda_tier_round_trips_cuda_tensors(tmp_path):
     """`promptcache serve --device cuda` as a pod runs it: a real process, its own CUDA context."""
     proc = SidecarProcess("--device", "cuda", "--memory-bytes", "256Mi", "--chunk-tokens", "256",

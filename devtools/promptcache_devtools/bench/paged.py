@@ -8,7 +8,7 @@ flat buffer in a KVCacheLayout; tests/vllm checks them against vLLM's allocator)
 device. Per layout and dtype, against a real sidecar process on this machine:
 
 * save: what the connector's wait_for_save and save thread do (vllm_paged.gather of the request's scattered blocks
-  on the device, the copy to host, split into chunks, Put);
+  on the device, the copy to host as chunks through the connector's page-locked staging buffer, Put);
 * load: what its load thread does (Get over the bulk channel keeping lent chunks, client.checked_chunks,
   vllm_paged.scatter_chunks into a second, empty set of caches, synchronized);
 * then every loaded byte is compared with the saved blocks; and the same number of bytes copied host -> device and
@@ -69,7 +69,7 @@ def run(args) -> int:
 
     from promptcache.client import PromptCacheClient, vllm_paged
     from promptcache.client.client import checked_chunks
-    from promptcache.client.vllm_layout import split_chunks
+    from promptcache.client.staging import DEFAULT_CAPACITY, HostStaging
     from promptcache.contract.keys import ModelSpec
     from promptcache.contract.layout import TORCH_DTYPES
     from promptcache_devtools.procs import free_port, stop_process, wait_healthy
@@ -100,6 +100,7 @@ def run(args) -> int:
     try:
         wait_healthy(address, sidecar, 60, lambda: "")
         client = PromptCacheClient(address, bulk_address=bulk, timeout=120)
+        staging = HostStaging(DEFAULT_CAPACITY)  # the connector's, at its default size
         for layout in layouts:
             for dtype_name in dtypes:
                 dtype = TORCH_DTYPES[dtype_name]
@@ -116,16 +117,16 @@ def run(args) -> int:
                 prompts = [(torch.randperm(50000, generator=g)[:T] + 1).tolist() for _ in range(args.repeats)]
                 nbytes = L * 2 * H * T * D * torch.empty((), dtype=dtype).element_size()
                 saves, loads, gathers, scatters, to_host, puts, gets = [], [], [], [], [], [], []
+                staged0 = staging.staged
                 for tokens in prompts:  # a new prompt each time: every save stores, none is skipped as stored
                     sync()
                     t0 = time.perf_counter()
                     kv = vllm_paged.gather(src, p, ids)
                     sync()
                     t1 = time.perf_counter()
-                    host = kv.cpu()
-                    t1h = time.perf_counter()
-                    chunks = split_chunks(host, ct)
-                    client.put_blobs(spec, tokens, dict(enumerate(chunks)), timeout=120)
+                    with staging.chunks(kv, ct) as chunks:  # the connector's save: its staging, then Put
+                        t1h = time.perf_counter()
+                        client.put_blobs(spec, tokens, dict(enumerate(chunks)), timeout=120)
                     t2 = time.perf_counter()
                     saves.append(t2 - t0)
                     gathers.append(t1 - t0)
@@ -149,7 +150,7 @@ def run(args) -> int:
                 index = torch.tensor(ids, device=dev)
                 exact = all(torch.equal(_bits(a.index_select(0, index)), _bits(b.index_select(0, index)))
                             for a, b in zip(src, dst)) and torch.equal(_bits(vllm_paged.gather(dst, p, ids).cpu()),
-                                                                       _bits(host))
+                                                                       _bits(kv.cpu()))
                 ok &= exact
                 row = {"layout": layout, "dtype": dtype_name, "bytes": nbytes, "bit_exact": exact,
                        "save_GBps": round(nbytes / min(saves) / 1e9, 2),
@@ -157,13 +158,14 @@ def run(args) -> int:
                        "gather_on_device_GBps": round(nbytes / min(gathers) / 1e9, 2),
                        "scatter_incl_host_to_device_GBps": round(nbytes / min(scatters) / 1e9, 2),
                        # the save's parts after the gather, and the load's before the scatter
-                       "copy_to_pageable_host_GBps": round(nbytes / min(to_host) / 1e9, 2),
+                       "copy_to_host_GBps": round(nbytes / min(to_host) / 1e9, 2),
+                       "staged": staging.staged - staged0, "pinned": staging.pinned,
                        "put_GBps": round(nbytes / min(puts) / 1e9, 2),
                        "get_and_check_GBps": round(nbytes / min(gets) / 1e9, 2),
                        "save_s": saves, "load_s": loads}
                 result["rows"].append(row)
-                print(f"{layout} {dtype_name}: save {row['save_GBps']} GB/s (copy to host "
-                      f"{row['copy_to_pageable_host_GBps']}, Put {row['put_GBps']}), load {row['load_GBps']} GB/s "
+                print(f"{layout} {dtype_name}: save {row['save_GBps']} GB/s (copy to host {row['copy_to_host_GBps']}"
+                      f"{' pinned' if staging.pinned else ''}, Put {row['put_GBps']}), load {row['load_GBps']} GB/s "
                       f"(Get and checks {row['get_and_check_GBps']}, scatter incl. host->device "
                       f"{row['scatter_incl_host_to_device_GBps']} GB/s), "
                       f"bit-exact {exact}", flush=True)

@@ -65,6 +65,8 @@ load_timeout       PROMPTCACHE_LOAD_TIMEOUT         seconds for one worker-side 
 retry_interval     PROMPTCACHE_RETRY_INTERVAL       seconds a failed sidecar is not asked again (default 2.0)
 save_timeout       PROMPTCACHE_SAVE_TIMEOUT         seconds for one background Put (default 30)
 max_pending_saves  PROMPTCACHE_MAX_PENDING_SAVES    saves queued at most; more are dropped (default 8)
+staging_bytes      PROMPTCACHE_STAGING_BYTES        page-locked host buffer of a GPU worker's saves (default 512Mi;
+                                                    0: none); a larger save copies into fresh memory (staging.py)
 tls_ca, token_file PROMPTCACHE_TLS_CA, ..._TOKEN_FILE  TLS CA (PEM path) and bearer token file (docs/security.md)
 kv_layout          PROMPTCACHE_KV_LAYOUT            auto (default: paged views on GPUs, the probe on CPU), paged, cpu
 kv_scales          PROMPTCACHE_KV_SCALES            fp8 KV cache: auto (default: unit, inert if the checkpoint has KV
@@ -95,8 +97,10 @@ from promptcache.client.hf import _warn, fallback_reason
 from promptcache.client.metrics import (FALLBACKS, FETCH_SECONDS, HITS, LOAD_ERRORS, LOAD_SECONDS, LOADED_TOKENS,
                                         LOOKUPS, RECONNECTS, REUSED_TOKENS, SAVE_COPY_SECONDS, SAVE_SECONDS, STORES,
                                         UNIDENTIFIED)
+from promptcache.client.staging import DEFAULT_CAPACITY, HostStaging
 from promptcache.contract.keys import Adapter, ModelSpec, MultiModalItem, Shard, request_salt, shard_spec
 from promptcache.contract.layout import DTYPE_NAMES, TORCH_DTYPES
+from promptcache.contract.quantity import parse_bytes
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402 - vLLM is this module's host
     KVConnectorBase_V1,
@@ -586,6 +590,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self._done: list[tuple[str, set[int]]] = []  # finished loads: (req id, failed block ids)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-save")
         self._slots = threading.BoundedSemaphore(int(_setting(extra, "max_pending_saves", 8)))
+        # the save thread's page-locked host buffer (client/staging.py), allocated at the first save from a GPU
+        self._staging = HostStaging(parse_bytes(_setting(extra, "staging_bytes", DEFAULT_CAPACITY), "staging_bytes"))
         self._log_state()
 
     def _log_state(self, layout: str | None = None) -> None:
@@ -1233,21 +1239,22 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if self._paged is not None:
                 if ready is not None:
                     ready.synchronize()
-                kv = snapshot.cpu()  # already canonical [L, 2, H, T, D] (MLA [L, 1, 1, T, latent])
+                kv = snapshot  # already canonical [L, 2, H, T, D] (MLA [L, 1, 1, T, latent]), on the device
             else:
                 L, nb, H, _ = snapshot.shape
                 kv = torch.empty((L, 2, H, nb * self.block_size, self.base_spec.head_dim), dtype=snapshot.dtype)
                 for layer in range(L):
                     vllm_layout.read_layer(snapshot[layer], kv[layer], self._layout, self.block_size)
-            chunks = vllm_layout.split_chunks(kv, op.chunk_tokens)
-            spec = self._rank_spec(op.spec)
-            if spec.quantization != "none":
-                from promptcache import codec
+            # The chunks may be views of the staging buffer: they are used (packed or Put) inside this block only.
+            with self._staging.chunks(kv, op.chunk_tokens) as chunks:
+                spec = self._rank_spec(op.spec)
+                if spec.quantization != "none":
+                    from promptcache import codec
 
-                chunks = [codec.pack(spec.quantization, c, self.rope_theta) for c in chunks]
-            blobs = {op.first_chunk + i: c for i, c in enumerate(chunks)}
-            self.client.put_blobs(spec, op.tokens, blobs, timeout=self.save_timeout, ttl_seconds=op.ttl_seconds,
-                                  priority=op.priority)
+                    chunks = [codec.pack(spec.quantization, c, self.rope_theta) for c in chunks]
+                blobs = {op.first_chunk + i: c for i, c in enumerate(chunks)}
+                self.client.put_blobs(spec, op.tokens, blobs, timeout=self.save_timeout,
+                                      ttl_seconds=op.ttl_seconds, priority=op.priority)
             self._succeeded()
             self._inc(STORES, "stores", 1, "ok")
             SAVE_SECONDS.observe(time.perf_counter() - t0)
@@ -1273,6 +1280,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self._load_pool.shutdown(wait=True)
         self._fetch_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        self._staging.close()
         if self.client is not None:
             self.client.close()
 

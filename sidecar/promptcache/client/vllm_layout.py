@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from promptcache.client.staging import chunk_slices
+
 LAYOUTS = ("cpu_vec", "cpu_amx", "token_major")
 
 
@@ -98,10 +100,7 @@ def canonical_to_blocks(kv: torch.Tensor, layout_inverse: torch.Tensor, block_si
 
 def split_chunks(kv: torch.Tensor, chunk_tokens: int) -> list[torch.Tensor]:
     """[layers, 2, H, k*C, D] -> k contiguous chunks [layers, 2, H, C, D] (the stored blob layout)."""
-    T = kv.shape[3]
-    if T % chunk_tokens:
-        raise ValueError(f"{T} tokens are not whole chunks of {chunk_tokens}")
-    return [kv[:, :, :, i:i + chunk_tokens].contiguous() for i in range(0, T, chunk_tokens)]
+    return [kv[:, :, :, part].contiguous() for part in chunk_slices(kv.shape[3], chunk_tokens)]
 
 
 def _block_views(region: torch.Tensor, layout: str, N: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,126 @@
+"""Host staging for saves from a GPU: a request's K/V leaves the device as its stored chunks, through one reused,
+page-locked host buffer.
+
+Measured on an H200 node (hack/gpu-copy-paths.py, 256 MiB, docs/gpu-lane.md): device -> host into a fresh pageable
+tensor (``tensor.cpu()``, what a save did) 2.1 GB/s, most of it first-touch page faults; into a reused pageable
+buffer 19.7 GB/s; into page-locked memory 55 GB/s, the PCIe link's speed. Splitting the host copy into chunks then
+cost another copy into fresh memory (each chunk is a token slice of every layer); now each chunk is copied from the
+device straight into its place in the buffer, so the host copy is the chunks.
+
+One buffer, sized to the largest save seen (rounded up to 64 MiB) and never beyond ``capacity`` bytes; it is
+page-locked with cudaHostRegister (exact size: torch's pinned allocator rounds to powers of two) and used by one save
+at a time. A save that does not fit, or that finds the buffer in use, copies into a fresh host tensor as before. The
+chunks are views of the buffer, valid inside the ``with`` block only: the caller's Put, which sends them before it
+returns, must happen inside it.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+log = logging.getLogger("promptcache.client.staging")
+
+DEFAULT_CAPACITY = 512 << 20  # the connector's staging_bytes: Llama-3-8B's 2048-token save (256 MiB in bf16) twice
+GRAIN = 64 << 20  # the buffer grows in steps of this, so that a slightly longer prompt does not re-register it
+
+
+def chunk_slices(T: int, chunk_tokens: int) -> list[slice]:
+    """The token slices of the chunks of T tokens; ValueError unless they are whole chunks."""
+    if chunk_tokens <= 0 or T % chunk_tokens:
+        raise ValueError(f"{T} tokens are not whole chunks of {chunk_tokens}")
+    return [slice(i, i + chunk_tokens) for i in range(0, T, chunk_tokens)]
+
+
+def _cuda_register(t: torch.Tensor) -> bool:
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    return int(getattr(rc, "value", rc)) == 0
+
+
+def _cuda_unregister(t: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+class HostStaging:
+    """The save thread's host buffer (module docstring). Thread-safe: one holder at a time, others copy as before.
+
+    capacity: bytes the buffer may take (0: never staged). devices: the device types whose tensors are staged (CPU
+    tensors already are host memory: their chunks are made contiguous where they are). register / unregister:
+    page-lock a uint8 host tensor and undo it (default: cudaHostRegister; tests pass their own)."""
+
+    def __init__(self, capacity: int, *, devices: Sequence[str] = ("cuda",),
+                 register: Callable[[torch.Tensor], bool] = _cuda_register,
+                 unregister: Callable[[torch.Tensor], None] = _cuda_unregister):
+        if capacity < 0:
+            raise ValueError(f"staging capacity must be >= 0 bytes, got {capacity}")
+        self.capacity = capacity
+        self.devices = tuple(devices)
+        self._register, self._unregister = register, unregister
+        self._lock = threading.Lock()
+        self._buf: torch.Tensor | None = None
+        self._pinned = False
+        self.staged = 0  # saves copied through the buffer
+        self.unstaged = 0  # saves from a staged device that did not fit or found it busy
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffer holds now (0 before the first staged save)."""
+        return 0 if self._buf is None else self._buf.numel()
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """The buffer, grown to hold nbytes (the caller holds the lock and checked nbytes <= capacity)."""
+        if self._buf is None or self._buf.numel() < nbytes:
+            self._release_buffer()
+            size = min(self.capacity, -(-nbytes // GRAIN) * GRAIN)
+            self._buf = torch.empty(size, dtype=torch.uint8)
+            try:
+                self._pinned = bool(self._register(self._buf))
+            except Exception as exc:  # noqa: BLE001 - a reused pageable buffer is still 10x a fresh one
+                log.warning("promptcache: host staging buffer not page-locked (%s); using it pageable", exc)
+                self._pinned = False
+        return self._buf
+
+    def _release_buffer(self) -> None:
+        if self._buf is not None and self._pinned:
+            self._unregister(self._buf)
+        self._buf, self._pinned = None, False
+
+    @contextlib.contextmanager
+    def chunks(self, kv: torch.Tensor, chunk_tokens: int) -> Iterator[list[torch.Tensor]]:
+        """kv [L, P, H, T, D] (any device) -> its T / chunk_tokens chunks [L, P, H, chunk_tokens, D], contiguous, in
+        host memory (what split_chunks makes): views of the staging buffer when kv's device is staged, kv fits and
+        the buffer is free, else fresh host tensors. Use them inside the block only.
+
+        Chunk by chunk, each a token slice of every layer: on a GPU each copy makes its slice contiguous there (a
+        chunk-sized temporary, not a second copy of the request) and lands in its place in the buffer."""
+        parts = chunk_slices(kv.shape[3], chunk_tokens)
+        nbytes = kv.numel() * kv.element_size()
+        if kv.device.type not in self.devices:
+            yield [kv[:, :, :, part].cpu().contiguous() for part in parts]
+            return
+        if nbytes > self.capacity or not self._lock.acquire(blocking=False):
+            self.unstaged += 1
+            yield [kv[:, :, :, part].cpu().contiguous() for part in parts]
+            return
+        try:
+            src = kv.view(torch.uint8) if kv.element_size() == 1 else kv  # fp8 moves as its bytes
+            L, P, H, _, D = kv.shape
+            host = self._buffer(nbytes)[:nbytes].view(src.dtype).view(len(parts), L, P, H, chunk_tokens, D)
+            for i, part in enumerate(parts):
+                host[i].copy_(src[:, :, :, part])
+            self.staged += 1
+            yield list(host.view(kv.dtype).unbind(0))
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Unpin and drop the buffer (waits for a save that holds it)."""
+        with self._lock:
+            self._release_buffer()

@@ -1,0 +1,127 @@
+"""The save thread's host staging (client/staging.py): chunks bit-exact as split_chunks makes them, one reused buffer
+within its capacity, never handed to two saves at once, and every way it cannot stage falls back to fresh copies.
+Page-locking is CUDA's (tests/test_cuda.py runs it on a GPU); here the buffer path runs on CPU tensors with a
+recording register function in its place."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from promptcache.client.staging import GRAIN, HostStaging
+from promptcache.client.vllm_layout import split_chunks
+
+
+class Registrar:
+    def __init__(self, result=True):
+        self.result, self.registered, self.unregistered = result, [], []
+
+    def register(self, t):
+        if isinstance(self.result, Exception):
+            raise self.result
+        self.registered.append((t.data_ptr(), t.numel()))
+        return self.result
+
+    def unregister(self, t):
+        self.unregistered.append((t.data_ptr(), t.numel()))
+
+
+def kv(tokens=64, dtype=torch.bfloat16, seed=0):
+    x = torch.randn(3, 2, 2, tokens, 8, generator=torch.Generator().manual_seed(seed))
+    return x.to(dtype)
+
+
+def staging(capacity=1 << 20, registrar=None):
+    r = registrar or Registrar()
+    return HostStaging(capacity, devices=("cpu",), register=r.register, unregister=r.unregister), r
+
+
+def same(a, b):
+    return all(torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)) for x, y in zip(a, b)) \
+        and len(a) == len(b)
+
+
+def inside(t, buf_ptr, size):
+    return buf_ptr <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= buf_ptr + size
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_staged_chunks_are_split_chunks_in_one_reused_page_locked_buffer(dtype):
+    s, r = staging()
+    x = kv(dtype=dtype)
+    with s.chunks(x, 16) as chunks:
+        assert same(chunks, split_chunks(x, 16)) and all(c.is_contiguous() and c.dtype == dtype for c in chunks)
+        (ptr, size), = r.registered
+        assert size == s.nbytes == 1 << 20 and s.pinned  # GRAIN-rounded, capped at the capacity
+        assert all(inside(c, ptr, size) for c in chunks)
+    y = kv(dtype=dtype, seed=1)
+    with s.chunks(y, 32) as again:
+        assert same(again, split_chunks(y, 32)) and again[0].data_ptr() == ptr  # the same buffer, not re-registered
+    assert len(r.registered) == 1 and s.staged == 2 and s.unstaged == 0
+
+
+def test_a_save_that_finds_the_buffer_in_use_gets_fresh_copies_and_the_holders_bytes_stay():
+    s, _ = staging()
+    x, y = kv(seed=1), kv(seed=2)
+    with s.chunks(x, 16) as held:
+        before = [c.clone() for c in held]
+        with s.chunks(y, 16) as other:  # (another thread, in the connector: the lock is not re-entrant)
+            assert same(other, split_chunks(y, 16))
+            assert not any(inside(o, held[0].data_ptr(), s.nbytes) for o in other)
+        assert same(held, before) and same(held, split_chunks(x, 16))
+    assert (s.staged, s.unstaged) == (1, 1)
+
+
+def test_a_save_larger_than_the_capacity_is_not_staged_and_nothing_is_allocated():
+    s, r = staging(capacity=4096)
+    x = kv()  # 3*2*2*64*8 bf16 = 12 KiB
+    with s.chunks(x, 32) as chunks:
+        assert same(chunks, split_chunks(x, 32))
+    assert (s.staged, s.unstaged, s.nbytes, r.registered) == (0, 1, 0, [])
+    s0, r0 = staging(capacity=0)
+    with s0.chunks(x, 32) as chunks:
+        assert same(chunks, split_chunks(x, 32))
+    assert s0.nbytes == 0 and r0.registered == []
+
+
+def test_the_buffer_grows_in_grains_within_the_capacity_and_unpins_what_it_replaces():
+    s, r = staging(capacity=3 * GRAIN)
+    small, big = torch.zeros(GRAIN // 2, dtype=torch.uint8), torch.ones(GRAIN + 8, dtype=torch.uint8)
+    with s.chunks(small.view(1, 1, 1, -1, 1), GRAIN // 2) as chunks:
+        assert same(chunks, [small.view(1, 1, 1, -1, 1)])
+    assert s.nbytes == GRAIN
+    with s.chunks(big.view(1, 1, 1, -1, 1), GRAIN + 8) as chunks:
+        assert same(chunks, [big.view(1, 1, 1, -1, 1)])
+    assert s.nbytes == 2 * GRAIN and [n for _, n in r.registered] == [GRAIN, 2 * GRAIN]
+    assert r.unregistered == r.registered[:1]
+    s.close()
+    assert r.unregistered == r.registered and s.nbytes == 0
+
+
+@pytest.mark.parametrize("result", [False, OSError("cudaErrorHostMemoryAlreadyRegistered")])
+def test_a_buffer_that_cannot_be_page_locked_is_used_pageable_and_never_unregistered(result):
+    s, r = staging(registrar=Registrar(result))
+    x = kv()
+    with s.chunks(x, 16) as chunks:
+        assert same(chunks, split_chunks(x, 16))
+    assert not s.pinned and s.staged == 1
+    s.close()
+    assert r.unregistered == []
+
+
+def test_tensors_of_an_unstaged_device_are_split_where_they_are():
+    r = Registrar()
+    s = HostStaging(1 << 20, register=r.register, unregister=r.unregister)  # stages CUDA tensors only
+    x = kv()
+    with s.chunks(x, 16) as chunks:
+        assert same(chunks, split_chunks(x, 16))
+    assert (s.staged, s.unstaged, r.registered) == (0, 0, [])
+
+
+def test_bad_chunking_and_capacity_are_refused_by_name():
+    s, _ = staging()
+    with pytest.raises(ValueError, match="64 tokens are not whole chunks of 24"):
+        with s.chunks(kv(), 24):
+            pass
+    with pytest.raises(ValueError, match="staging capacity must be >= 0 bytes"):
+        HostStaging(-1)
+    assert s.nbytes == 0
