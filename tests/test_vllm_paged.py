@@ -142,6 +142,14 @@ def test_scatter_chunks_takes_consecutive_chunks_from_a_block_of_the_first():
     empty = vllm_views("LBNHC", 3, 10, 4, 8, 32, torch.bfloat16)
     vp.scatter_chunks(empty, p, chunks, 8, [9, 4, 6])  # tokens 8..32 into blocks 9, 4, 6
     assert same_bits(vp.gather(empty, p, [9, 4, 6]), kv[:, :, :, 8:])
+    # chunk by chunk: from the middle of the second of four, and fewer blocks than the chunks hold
+    quarters = [kv[:, :, :, i:i + 8].contiguous() for i in range(0, 32, 8)]
+    other = vllm_views("LBNHC", 3, 10, 4, 8, 32, torch.bfloat16)
+    vp.scatter_chunks(other, p, [quarters[0], torch.cat(quarters[1:3], dim=3), quarters[3]], 16, [2])
+    assert same_bits(vp.gather(other, p, [2]), kv[:, :, :, 16:24])
+    assert all(not v[[0, 1, 3, 4, 5, 6, 7, 8, 9]].view(torch.uint8).any() for v in other)  # nothing else written
+    with pytest.raises(ValueError, match="a chunk of 12 tokens is not whole blocks of 8"):
+        vp.scatter_chunks(other, p, [kv[:, :, :, :12]], 0, [1])
     with pytest.raises(ValueError, match="not a whole block"):
         vp.scatter_chunks(empty, p, chunks, 4, [9])
     with pytest.raises(ValueError, match="the chunks hold 3"):

@@ -207,16 +207,27 @@ def scatter(views: Sequence[torch.Tensor], p: PagedLayout, block_ids, kv: torch.
 
 def scatter_chunks(views: Sequence[torch.Tensor], p: PagedLayout, chunks: Sequence[torch.Tensor], skip: int,
                    block_ids: Sequence[int]) -> None:
-    """Canonical chunks [L, 2, H, C, D] (consecutive; from token `skip` of the first on) into `block_ids`."""
+    """Canonical chunks [L, 2, H, C, D] (consecutive; from token `skip` of the first on) into `block_ids`, chunk by
+    chunk: each chunk's blocks in one scatter, straight from where the chunk is (a concatenation on the host first
+    was a whole extra copy into fresh memory: on an H200 the load's copy to the device ran at 3.4-5.9 GB/s)."""
     if skip % p.block_size:
         raise ValueError(f"loading from token {skip} of a chunk: not a whole block of {p.block_size}")
     if not block_ids:
         return
-    need = len(block_ids) * p.block_size
-    kv = chunks[0] if len(chunks) == 1 else torch.cat([_raw(c) for c in chunks], dim=3).view(p.dtype)
-    if kv.shape[3] - skip < need:
-        raise ValueError(f"{len(block_ids)} blocks to write, the chunks hold {(kv.shape[3] - skip) // p.block_size}")
-    scatter(views, p, block_ids, kv[:, :, :, skip:skip + need])
+    bs, need = p.block_size, len(block_ids) * p.block_size
+    for c in chunks:
+        if c.shape[3] % bs:
+            raise ValueError(f"a chunk of {c.shape[3]} tokens is not whole blocks of {bs}")
+    held = sum(c.shape[3] for c in chunks) - skip
+    if held < need:
+        raise ValueError(f"{len(block_ids)} blocks to write, the chunks hold {max(held, 0) // bs}")
+    pos = 0  # the chunk's first token, counted over the chunks
+    for c in chunks:
+        first, last = max(pos, skip), min(pos + c.shape[3], skip + need)
+        if first < last:
+            ids = block_ids[(first - skip) // bs:(last - skip) // bs]
+            scatter(views, p, ids, c[:, :, :, first - pos:last - pos])
+        pos += c.shape[3]
 
 
 def kv_format(p: PagedLayout, k_scales: Sequence[float] = (), v_scales: Sequence[float] = ()) -> str:
