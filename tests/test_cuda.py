@@ -259,6 +259,28 @@ def test_saves_leave_the_gpu_through_one_page_locked_buffer(dtype):
     assert s.nbytes == 0
 
 
+def test_loads_reach_the_gpu_through_the_page_locked_buffer_and_it_is_reused_only_after_the_stream():
+    """The connector's load thread (client/staging.py uploads, on its own stream): each chunk copied into the
+    registered buffer and from it to the GPU asynchronously; leaving waits for the stream, so the next load's
+    writes into the buffer cannot reach copies still in flight."""
+    from promptcache.client.staging import HostStaging
+
+    s = HostStaging(64 << 20)
+    chunks = [torch.randn(4, 2, 8, 128, 128, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+              for i in range(3)] + [torch.randint(0, 256, (4, 2, 8, 128, 128), dtype=torch.uint8)
+                                    .view(torch.float8_e4m3fn)]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with s.uploads(chunks, torch.device("cuda")) as up:
+            assert s.pinned and s.staged == 1 and all(u.is_cuda and u.dtype == c.dtype for u, c in zip(up, chunks))
+            copies = [u.view(torch.uint8).clone() for u in up]  # queued on the stream behind the uploads
+    with s.uploads([torch.zeros_like(c) for c in chunks], "cuda") as zeros:
+        assert s.staged == 2 and not any(z.view(torch.uint8).any() for z in zeros)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.cpu(), b.view(torch.uint8)) for a, b in zip(copies, chunks))
+    s.close()
+
+
 def test_serve_process_with_the_cuda_tier_round_trips_cuda_tensors(tmp_path):
     """`promptcache serve --device cuda` as a pod runs it: a real process, its own CUDA context."""
     proc = SidecarProcess("--device", "cuda", "--memory-bytes", "256Mi", "--chunk-tokens", "256",

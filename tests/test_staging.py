@@ -30,9 +30,11 @@ def kv(tokens=64, dtype=torch.bfloat16, seed=0):
     return x.to(dtype)
 
 
-def staging(capacity=1 << 20, registrar=None):
+def staging(capacity=1 << 20, registrar=None, synced=None):
     r = registrar or Registrar()
-    return HostStaging(capacity, devices=("cpu",), register=r.register, unregister=r.unregister), r
+    sync = (lambda device: synced.append(device)) if synced is not None else (lambda device: None)
+    return HostStaging(capacity, devices=("cpu",), register=r.register, unregister=r.unregister,
+                       synchronize=sync), r
 
 
 def same(a, b):
@@ -125,3 +127,36 @@ def test_bad_chunking_and_capacity_are_refused_by_name():
     with pytest.raises(ValueError, match="staging capacity must be >= 0 bytes"):
         HostStaging(-1)
     assert s.nbytes == 0
+
+
+def test_uploads_copy_each_chunk_into_its_own_place_and_wait_for_the_stream_before_giving_the_buffer_back():
+    synced = []
+    s, r = staging(synced=synced)
+    chunks = [kv(seed=i)[:, :, :, :16].contiguous() for i in range(3)] + [kv(dtype=torch.float8_e4m3fn)]
+    with s.uploads(chunks, "cpu") as up:  # (a CPU "device" stands in for CUDA: the copies are the buffer's slots)
+        (ptr, size), = r.registered
+        assert same(up, chunks) and all(inside(u, ptr, size) for u in up) and [u.dtype for u in up] == \
+            [c.dtype for c in chunks]
+        assert len({u.data_ptr() for u in up}) == 4 and synced == []  # no slot shared; not waited for yet
+        with s.uploads(chunks[:1], "cpu") as busy:  # the buffer is held: copied from where it is
+            assert not inside(busy[0], ptr, size) and same(busy, chunks[:1])
+    assert synced == [torch.device("cpu")] and (s.staged, s.unstaged) == (1, 1)
+    with pytest.raises(RuntimeError, match="scatter failed"):
+        with s.uploads(chunks, "cpu"):
+            raise RuntimeError("scatter failed")
+    assert len(synced) == 2  # waited for even then, and the buffer is free again
+    with s.uploads(chunks, "cpu") as up:
+        assert inside(up[0], ptr, size)
+
+
+def test_uploads_that_do_not_fit_or_go_to_an_unstaged_device_are_plain_copies():
+    synced = []
+    s, r = staging(capacity=1024, synced=synced)
+    chunks = [kv()]
+    with s.uploads(chunks, "cpu") as up:
+        assert up[0] is chunks[0]  # .to() of a tensor already there
+    assert (s.staged, s.unstaged, r.registered, synced) == (0, 1, [], [])
+    plain = HostStaging(1 << 20, register=Registrar().register)  # stages CUDA only
+    with plain.uploads(chunks, "cpu") as up:
+        assert up[0] is chunks[0]
+    assert (plain.staged, plain.unstaged, plain.nbytes) == (0, 0, 0)

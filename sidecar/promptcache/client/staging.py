@@ -1,17 +1,22 @@
-"""Host staging for saves from a GPU: a request's K/V leaves the device as its stored chunks, through one reused,
-page-locked host buffer.
+"""Host staging for a GPU worker's saves (and, measured but not yet adopted, loads): a request's K/V leaves the
+device as its stored chunks through one reused, page-locked host buffer.
 
 Measured on an H200 node (hack/gpu-copy-paths.py, 256 MiB, docs/gpu-lane.md): device -> host into a fresh pageable
 tensor (``tensor.cpu()``, what a save did) 2.1 GB/s, most of it first-touch page faults; into a reused pageable
 buffer 19.7 GB/s; into page-locked memory 55 GB/s, the PCIe link's speed. Splitting the host copy into chunks then
 cost another copy into fresh memory (each chunk is a token slice of every layer); now each chunk is copied from the
-device straight into its place in the buffer, so the host copy is the chunks.
+device straight into its place in the buffer, so the host copy is the chunks. For loads, `uploads` copies each
+received chunk (a lent mapping or the receive buffer) into a buffer at host memory speed (78 GB/s there) and from it
+to the device asynchronously, instead of a pageable copy (11.9 GB/s at best there); `promptcache bench paged`
+measures it beside the connector's load, and the connector adopts it once a GPU run shows it bit-exact and faster
+(it was written after this session's last GPU run; tests/test_cuda.py has its check).
 
 One buffer, sized to the largest save seen (rounded up to 64 MiB) and never beyond ``capacity`` bytes; it is
-page-locked with cudaHostRegister (exact size: torch's pinned allocator rounds to powers of two) and used by one save
-at a time. A save that does not fit, or that finds the buffer in use, copies into a fresh host tensor as before. The
+page-locked with cudaHostRegister (exact size: torch's pinned allocator rounds to powers of two) and used by one
+holder at a time. A save or load that does not fit, or that finds the buffer in use, copies as before. A save's
 chunks are views of the buffer, valid inside the ``with`` block only: the caller's Put, which sends them before it
-returns, must happen inside it.
+returns, must happen inside it; a load's device copies may still be reading the buffer when the block ends, so
+leaving it waits for the stream.
 """
 from __future__ import annotations
 
@@ -44,21 +49,28 @@ def _cuda_unregister(t: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
+def _cuda_synchronize(device: torch.device) -> None:
+    torch.cuda.current_stream(device).synchronize()
+
+
 class HostStaging:
-    """The save thread's host buffer (module docstring). Thread-safe: one holder at a time, others copy as before.
+    """A save or load thread's host buffer (module docstring). Thread-safe: one holder at a time, others copy as
+    before.
 
     capacity: bytes the buffer may take (0: never staged). devices: the device types whose tensors are staged (CPU
     tensors already are host memory: their chunks are made contiguous where they are). register / unregister:
-    page-lock a uint8 host tensor and undo it (default: cudaHostRegister; tests pass their own)."""
+    page-lock a uint8 host tensor and undo it (default: cudaHostRegister); synchronize: wait for the current stream
+    of a device (default: CUDA's). Tests pass their own."""
 
     def __init__(self, capacity: int, *, devices: Sequence[str] = ("cuda",),
                  register: Callable[[torch.Tensor], bool] = _cuda_register,
-                 unregister: Callable[[torch.Tensor], None] = _cuda_unregister):
+                 unregister: Callable[[torch.Tensor], None] = _cuda_unregister,
+                 synchronize: Callable[[torch.device], None] = _cuda_synchronize):
         if capacity < 0:
             raise ValueError(f"staging capacity must be >= 0 bytes, got {capacity}")
         self.capacity = capacity
         self.devices = tuple(devices)
-        self._register, self._unregister = register, unregister
+        self._register, self._unregister, self._synchronize = register, unregister, synchronize
         self._lock = threading.Lock()
         self._buf: torch.Tensor | None = None
         self._pinned = False
@@ -119,6 +131,37 @@ class HostStaging:
             yield list(host.view(kv.dtype).unbind(0))
         finally:
             self._lock.release()
+
+    @contextlib.contextmanager
+    def uploads(self, chunks: Sequence[torch.Tensor], device: torch.device) -> Iterator[list[torch.Tensor]]:
+        """Host chunks -> their copies on `device`, through the buffer when the device is staged, they fit and the
+        buffer is free: each chunk copied into its own place in it (host memory speed), then to the device
+        asynchronously on the current stream (the link's speed, the next chunk's host copy overlapping); else
+        each copied from where it is (pageable: 12 GB/s at best on an H200, against 55). On leaving, even by an
+        exception, the current stream is waited for before the buffer is given back, so no copy out of it is in
+        flight when the next holder writes it."""
+        device = torch.device(device)
+        nbytes = sum(c.numel() * c.element_size() for c in chunks)
+        if device.type not in self.devices or nbytes > self.capacity or not self._lock.acquire(blocking=False):
+            if device.type in self.devices:
+                self.unstaged += 1
+            yield [c.to(device, non_blocking=True) for c in chunks]
+            return
+        try:
+            buf, off, out = self._buffer(nbytes), 0, []
+            for c in chunks:
+                n = c.numel() * c.element_size()
+                slot = buf[off:off + n]
+                off += n
+                slot.copy_(c.reshape(-1).view(torch.uint8))
+                out.append(slot.view(c.dtype).view(c.shape).to(device, non_blocking=True))
+            self.staged += 1
+            yield out
+        finally:
+            try:
+                self._synchronize(device)
+            finally:
+                self._lock.release()
 
     def close(self) -> None:
         """Unpin and drop the buffer (waits for a save that holds it)."""
