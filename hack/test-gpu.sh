@@ -4,7 +4,9 @@
 # layouts (`promptcache bench paged`: torch alone, bit-exact check, GB/s next to a pinned cudaMemcpy), in one call
 # that ends within about 8 minutes. Results go to $RESULTS (default: $OUT when set, as on the device machine, else
 # bench-results/gpu/): summary.json (what ran, on what, the outcome), cuda-tests.xml and cuda-tests.log (pytest),
-# ttft.json and ttft.log (the benchmark), paged.json and paged.log (the save/load round trip).
+# ttft.json and ttft.log (the benchmark), paged.json and paged.log (the save/load round trip), copy-paths.json (what
+# each way of moving bytes between the GPU and the host costs: hack/gpu-copy-paths.py; CUDA only). Eight files at
+# most: what a borrowed machine's $OUT returns.
 #
 # Without a CUDA device it runs the same steps on the CPU, quickly (the cuda tests skip, naming why; the benchmark
 # runs a toy model), so that it cannot rot: tests/test_gpu_lane.py runs it that way in `make test`.
@@ -21,9 +23,10 @@ RESULTS=$(cd "$RESULTS" && pwd)
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-240}   # seconds for the cuda tests
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-200}   # seconds for the cuda tests (20-34 s on an H200)
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-210}   # seconds for the benchmark
 PAGED_TIMEOUT=${PAGED_TIMEOUT:-90}    # seconds for the paged KV save/load round trip
+COPY_TIMEOUT=${COPY_TIMEOUT:-60}      # seconds for the copy-path probe
 started=$(date +%s)
 
 if ! "$PYTHON" -c "import promptcache.sidecar.server" 2> /dev/null; then
@@ -75,17 +78,24 @@ timeout -k 10 "$PAGED_TIMEOUT" "$PYTHON" -m promptcache.cli bench paged "${PAGED
   2>&1 | tee "$RESULTS/paged.log"
 paged_rc=${PIPESTATUS[0]}
 
-"$PYTHON" - "$RESULTS" "$tests_rc" "$bench_rc" "$started" "$paged_rc" << 'EOF'
+copy_rc=0
+if [ "$DEVICE" = cuda ]; then
+  echo "== copy paths between the GPU and the host"
+  timeout -k 10 "$COPY_TIMEOUT" "$PYTHON" hack/gpu-copy-paths.py --json "$RESULTS/copy-paths.json" > /dev/null
+  copy_rc=$?
+fi
+
+"$PYTHON" - "$RESULTS" "$tests_rc" "$bench_rc" "$started" "$paged_rc" "$copy_rc" << 'EOF'
 import json, os, sys, time
 import xml.etree.ElementTree as ET
 
 import torch
 
 results, tests_rc, bench_rc, started = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-paged_rc = int(sys.argv[5])
+paged_rc, copy_rc = int(sys.argv[5]), int(sys.argv[6])
 summary = {"cuda": torch.cuda.is_available(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
            "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-           "tests_exit": tests_rc, "bench_exit": bench_rc, "paged_exit": paged_rc,
+           "tests_exit": tests_rc, "bench_exit": bench_rc, "paged_exit": paged_rc, "copy_paths_exit": copy_rc,
            "seconds": round(time.time() - started, 1)}
 try:
     suite = ET.parse(os.path.join(results, "cuda-tests.xml")).getroot()
@@ -109,9 +119,14 @@ try:
                         **{k: paged[k] for k in ("pinned_memcpy", "link", "shape")}}
 except (OSError, ValueError, KeyError) as exc:
     summary["paged"] = f"no results: {exc}"
+try:
+    with open(os.path.join(results, "copy-paths.json")) as f:
+        summary["copy_paths"] = json.load(f)
+except (OSError, ValueError) as exc:
+    summary["copy_paths"] = f"no results: {exc}" if summary["cuda"] else "skipped: no CUDA device"
 with open(os.path.join(results, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
 print(json.dumps(summary, indent=2))
 EOF
 echo "test-gpu: results in $RESULTS"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$paged_rc" = 0 ]
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$paged_rc" = 0 ] && [ "$copy_rc" = 0 ]

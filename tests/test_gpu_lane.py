@@ -36,5 +36,6 @@ def test_gpu_lane_runs_on_the_cpu_and_writes_its_results(tmp_path):
     assert all(r["bit_exact"] and r["save_GBps"] > 0 and r["load_GBps"] > 0 for r in paged["rows"])
     assert paged["pinned_memcpy"] == paged["link"] == "skipped: no CUDA device"
     assert json.loads((tmp_path / "paged.json").read_text())["device"] == "cpu"
+    assert summary["copy_paths_exit"] == 0 and summary["copy_paths"] == "skipped: no CUDA device"
     assert {p.name for p in tmp_path.iterdir()} == {"summary.json", "cuda-tests.xml", "cuda-tests.log", "ttft.json",
                                                     "ttft.log", "paged.json", "paged.log"}
