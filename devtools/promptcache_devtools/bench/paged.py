@@ -164,8 +164,8 @@ def run(args) -> int:
                 index = torch.tensor(ids, device=dev)
                 exact = all(torch.equal(_bits(a.index_select(0, index)), _bits(b.index_select(0, index)))
                             and torch.equal(_bits(a.index_select(0, index)), _bits(c.index_select(0, index)))
-                            for a, b, c in zip(src, dst, dst_staged)) and torch.equal(_bits(vllm_paged.gather(dst, p, ids).cpu()),
-                                                                       _bits(kv.cpu()))
+                            for a, b, c in zip(src, dst, dst_staged))
+                exact = exact and torch.equal(_bits(vllm_paged.gather(dst, p, ids).cpu()), _bits(kv.cpu()))
                 ok &= exact
                 row = {"layout": layout, "dtype": dtype_name, "bytes": nbytes, "bit_exact": exact,
                        "save_GBps": round(nbytes / min(saves) / 1e9, 2),

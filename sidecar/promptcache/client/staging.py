@@ -40,13 +40,22 @@ def chunk_slices(T: int, chunk_tokens: int) -> list[slice]:
     return [slice(i, i + chunk_tokens) for i in range(0, T, chunk_tokens)]
 
 
+CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process, not only the registering one
+
+
 def _cuda_register(t: torch.Tensor) -> bool:
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), CUDA_HOST_REGISTER_PORTABLE)
     return int(getattr(rc, "value", rc)) == 0
 
 
 def _cuda_unregister(t: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+def _on(device: torch.device):
+    """The CUDA runtime calls under `device`: a raw runtime call in a thread that never chose a device runs on
+    device 0 and creates its context there (hundreds of MB of GPU 0 taken by every tensor-parallel worker)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _cuda_synchronize(device: torch.device) -> None:
@@ -73,6 +82,7 @@ class HostStaging:
         self._register, self._unregister, self._synchronize = register, unregister, synchronize
         self._lock = threading.Lock()
         self._buf: torch.Tensor | None = None
+        self._device = torch.device("cpu")  # whose context page-locked the buffer
         self._pinned = False
         self.staged = 0  # saves copied through the buffer
         self.unstaged = 0  # saves from a staged device that did not fit or found it busy
@@ -86,14 +96,17 @@ class HostStaging:
     def pinned(self) -> bool:
         return self._pinned
 
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        """The buffer, grown to hold nbytes (the caller holds the lock and checked nbytes <= capacity)."""
+    def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The buffer, grown to hold nbytes, page-locked from `device`'s context (the caller holds the lock and
+        checked nbytes <= capacity)."""
         if self._buf is None or self._buf.numel() < nbytes:
             self._release_buffer()
             size = min(self.capacity, -(-nbytes // GRAIN) * GRAIN)
             self._buf = torch.empty(size, dtype=torch.uint8)
             try:
-                self._pinned = bool(self._register(self._buf))
+                with _on(device):
+                    self._pinned = bool(self._register(self._buf))
+                self._device = device
             except Exception as exc:  # noqa: BLE001 - a reused pageable buffer is still 10x a fresh one
                 log.warning("promptcache: host staging buffer not page-locked (%s); using it pageable", exc)
                 self._pinned = False
@@ -101,7 +114,8 @@ class HostStaging:
 
     def _release_buffer(self) -> None:
         if self._buf is not None and self._pinned:
-            self._unregister(self._buf)
+            with _on(self._device):
+                self._unregister(self._buf)
         self._buf, self._pinned = None, False
 
     @contextlib.contextmanager
@@ -124,7 +138,8 @@ class HostStaging:
         try:
             src = kv.view(torch.uint8) if kv.element_size() == 1 else kv  # fp8 moves as its bytes
             L, P, H, _, D = kv.shape
-            host = self._buffer(nbytes)[:nbytes].view(src.dtype).view(len(parts), L, P, H, chunk_tokens, D)
+            host = self._buffer(nbytes, kv.device)[:nbytes].view(src.dtype)
+            host = host.view(len(parts), L, P, H, chunk_tokens, D)
             for i, part in enumerate(parts):
                 host[i].copy_(src[:, :, :, part])
             self.staged += 1
@@ -148,7 +163,7 @@ class HostStaging:
             yield [c.to(device, non_blocking=True) for c in chunks]
             return
         try:
-            buf, off, out = self._buffer(nbytes), 0, []
+            buf, off, out = self._buffer(nbytes, device), 0, []
             for c in chunks:
                 n = c.numel() * c.element_size()
                 slot = buf[off:off + n]
