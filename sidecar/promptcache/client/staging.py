@@ -128,11 +128,9 @@ class HostStaging:
         chunk-sized temporary, not a second copy of the request) and lands in its place in the buffer."""
         parts = chunk_slices(kv.shape[3], chunk_tokens)
         nbytes = kv.numel() * kv.element_size()
-        if kv.device.type not in self.devices:
-            yield [kv[:, :, :, part].cpu().contiguous() for part in parts]
-            return
-        if nbytes > self.capacity or not self._lock.acquire(blocking=False):
-            self.unstaged += 1
+        staged = kv.device.type in self.devices
+        if not (staged and nbytes <= self.capacity and self._lock.acquire(blocking=False)):
+            self.unstaged += staged
             yield [kv[:, :, :, part].cpu().contiguous() for part in parts]
             return
         try:
@@ -157,9 +155,9 @@ class HostStaging:
         flight when the next holder writes it."""
         device = torch.device(device)
         nbytes = sum(c.numel() * c.element_size() for c in chunks)
-        if device.type not in self.devices or nbytes > self.capacity or not self._lock.acquire(blocking=False):
-            if device.type in self.devices:
-                self.unstaged += 1
+        staged = device.type in self.devices
+        if not (staged and nbytes <= self.capacity and self._lock.acquire(blocking=False)):
+            self.unstaged += staged
             yield [c.to(device, non_blocking=True) for c in chunks]
             return
         try:
