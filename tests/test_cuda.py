@@ -271,14 +271,27 @@ def test_loads_reach_the_gpu_through_the_page_locked_buffer_and_it_is_reused_onl
                                     .view(torch.float8_e4m3fn)]
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        with s.uploads(chunks, torch.device("cuda")) as up:
+        with s.uploads(chunks, torch.device("cuda")) as upload:
+            up = [upload(c) for c in chunks]
             assert s.pinned and s.staged == 1 and all(u.is_cuda and u.dtype == c.dtype for u, c in zip(up, chunks))
             copies = [u.view(torch.uint8).clone() for u in up]  # queued on the stream behind the uploads
-    with s.uploads([torch.zeros_like(c) for c in chunks], "cuda") as zeros:
-        assert s.staged == 2 and not any(z.view(torch.uint8).any() for z in zeros)
+    zeros = [torch.zeros_like(c) for c in chunks]
+    with s.uploads(zeros, "cuda") as upload:
+        assert s.staged == 2 and not any(upload(z).view(torch.uint8).any() for z in zeros)
     torch.cuda.synchronize()
     assert all(torch.equal(a.cpu(), b.view(torch.uint8)) for a, b in zip(copies, chunks))
+    # Five chunks through a buffer that holds two: around it, each place rewritten only after the stream
+    small = HostStaging(2 * chunks[0].numel() * 2 + (1 << 20))
+    many = [torch.randn(4, 2, 8, 128, 128, generator=torch.Generator().manual_seed(10 + i)).to(torch.bfloat16)
+            for i in range(5)]
+    with torch.cuda.stream(stream):
+        with small.uploads(many, torch.device("cuda")) as upload:
+            got = [upload(c).clone() for c in many]
+    torch.cuda.synchronize()
+    assert small.nbytes < sum(c.numel() * 2 for c in many)
+    assert all(torch.equal(g.cpu().view(torch.uint8), c.view(torch.uint8)) for g, c in zip(got, many))
     s.close()
+    small.close()
 
 
 def test_serve_process_with_the_cuda_tier_round_trips_cuda_tensors(tmp_path):

@@ -1,5 +1,6 @@
-"""The save thread's host staging (client/staging.py): chunks bit-exact as split_chunks makes them, one reused buffer
-within its capacity, never handed to two saves at once, and every way it cannot stage falls back to fresh copies.
+"""The save and load threads' host staging (client/staging.py): chunks bit-exact as split_chunks makes them, one
+reused buffer within its capacity, never handed to two saves at once, loads that go around it only after the stream,
+and every way it cannot stage falls back to plain copies.
 Page-locking is CUDA's (tests/test_cuda.py runs it on a GPU); here the buffer path runs on CPU tensors with a
 recording register function in its place."""
 from __future__ import annotations
@@ -133,30 +134,80 @@ def test_uploads_copy_each_chunk_into_its_own_place_and_wait_for_the_stream_befo
     synced = []
     s, r = staging(synced=synced)
     chunks = [kv(seed=i)[:, :, :, :16].contiguous() for i in range(3)] + [kv(dtype=torch.float8_e4m3fn)]
-    with s.uploads(chunks, "cpu") as up:  # (a CPU "device" stands in for CUDA: the copies are the buffer's slots)
+    with s.uploads(chunks, "cpu") as upload:  # (a CPU "device" stands in for CUDA: the copies are the buffer's slots)
+        up = [upload(c) for c in chunks]
         (ptr, size), = r.registered
         assert same(up, chunks) and all(inside(u, ptr, size) for u in up) and [u.dtype for u in up] == \
-            [c.dtype for c in chunks]
+            [c.dtype for c in chunks] and [u.shape for u in up] == [c.shape for c in chunks]
         assert len({u.data_ptr() for u in up}) == 4 and synced == []  # no slot shared; not waited for yet
         with s.uploads(chunks[:1], "cpu") as busy:  # the buffer is held: copied from where it is
-            assert not inside(busy[0], ptr, size) and same(busy, chunks[:1])
+            assert busy(chunks[0]) is chunks[0]
     assert synced == [torch.device("cpu")] and (s.staged, s.unstaged) == (1, 1)
     with pytest.raises(RuntimeError, match="scatter failed"):
-        with s.uploads(chunks, "cpu"):
+        with s.uploads(chunks, "cpu") as upload:
+            upload(chunks[0])
             raise RuntimeError("scatter failed")
     assert len(synced) == 2  # waited for even then, and the buffer is free again
-    with s.uploads(chunks, "cpu") as up:
-        assert inside(up[0], ptr, size)
+    with s.uploads(chunks, "cpu") as upload:
+        assert inside(upload(chunks[0]), ptr, size)
+    noncontiguous = kv(seed=5)[:, :, :, 8:24]
+    with s.uploads([noncontiguous], "cpu") as upload:
+        assert same([upload(noncontiguous)], [noncontiguous])
 
 
-def test_uploads_that_do_not_fit_or_go_to_an_unstaged_device_are_plain_copies():
+def test_uploads_beyond_the_capacity_go_around_the_buffer_waiting_for_the_stream_before_a_place_is_reused():
     synced = []
-    s, r = staging(capacity=1024, synced=synced)
+    piece = kv(seed=0)[:, :, :, :16].contiguous()
+    n = piece.numel() * piece.element_size()  # 3 KiB
+    s, r = staging(capacity=2 * n + n // 2, synced=synced)  # two chunks fit, a third does not
+    chunks = [kv(seed=i)[:, :, :, :16].contiguous() for i in range(5)]
+    with s.uploads(chunks, "cpu") as upload:
+        (ptr, size), = r.registered
+        assert size == 2 * n + n // 2  # sized to the capacity, not to the five chunks
+        first, second = upload(chunks[0]), upload(chunks[1])
+        assert synced == [] and same([first, second], chunks[:2])
+        copies = [first.clone(), second.clone()]  # what the device received before the buffer is reused
+        third = upload(chunks[2])  # around the ring: waited for the stream, then written over the first place
+        assert synced == [torch.device("cpu")] and third.data_ptr() == ptr and same([third], chunks[2:3])
+        fourth, fifth = upload(chunks[3]), upload(chunks[4])
+        assert len(synced) == 2 and fifth.data_ptr() == ptr and same([fourth, fifth], chunks[3:])
+        assert same(copies, chunks[:2])
+        big = kv(tokens=64, seed=9)  # 12 KiB: larger than the buffer, copied from where it is
+        assert upload(big) is big and len(synced) == 2
+    assert len(synced) == 3 and (s.staged, s.unstaged) == (1, 0)
+
+
+def test_scatter_chunks_through_uploads_writes_what_it_writes_from_host_chunks_and_uploads_only_the_chunks_used():
+    from promptcache.client import vllm_paged
+
+    L, H, N, D, B = 3, 2, 4, 8, 12
+    chunks = [kv(tokens=16, seed=i).float()[:, :, :H, :, :D] for i in range(3)]  # [L, 2, H, 16, D]
+    views = vllm_paged.paged_views("LBNHC", L, B, H, N, 2 * D, torch.float32, torch.device("cpu"))
+    p = vllm_paged.plan(views, block_size=N, num_kv_heads=H, head_size=D, engine_layout="LBNHC")
+    ids = [7, 2, 9, 0, 11, 4, 5, 1]  # 8 blocks from token 16 on: the second and third chunks only
+    plain = vllm_paged.paged_views("LBNHC", L, B, H, N, 2 * D, torch.float32, torch.device("cpu"))
+    vllm_paged.scatter_chunks(plain, p, chunks, 16, ids)
+    s, _ = staging()
+    seen = []
+    with s.uploads(chunks, "cpu") as upload:
+        def recording(c):
+            seen.append(c.data_ptr())
+            return upload(c)
+
+        vllm_paged.scatter_chunks(views, p, chunks, 16, ids, recording)
+    assert seen == [chunks[1].data_ptr(), chunks[2].data_ptr()] and s.staged == 1
+    assert all(torch.equal(a, b) for a, b in zip(views, plain))
+    assert any(v.any() for v in views)
+
+
+def test_uploads_without_a_buffer_or_to_an_unstaged_device_are_plain_copies():
+    synced = []
+    s, r = staging(capacity=0, synced=synced)  # staging_bytes 0
     chunks = [kv()]
-    with s.uploads(chunks, "cpu") as up:
-        assert up[0] is chunks[0]  # .to() of a tensor already there
+    with s.uploads(chunks, "cpu") as upload:
+        assert upload(chunks[0]) is chunks[0]  # .to() of a tensor already there
     assert (s.staged, s.unstaged, r.registered, synced) == (0, 1, [], [])
     plain = HostStaging(1 << 20, register=Registrar().register)  # stages CUDA only
-    with plain.uploads(chunks, "cpu") as up:
-        assert up[0] is chunks[0]
+    with plain.uploads(chunks, "cpu") as upload:
+        assert upload(chunks[0]) is chunks[0]
     assert (plain.staged, plain.unstaged, plain.nbytes) == (0, 0, 0)

@@ -10,8 +10,9 @@ device. Per layout and dtype, against a real sidecar process on this machine:
 * save: what the connector's wait_for_save and save thread do (vllm_paged.gather of the request's scattered blocks
   on the device, the copy to host as chunks through the connector's page-locked staging buffer, Put);
 * load: what its load thread does (Get over the bulk channel keeping lent chunks, client.checked_chunks,
-  vllm_paged.scatter_chunks into a second, empty set of caches, synchronized); and the same chunks to the device
-  through a page-locked staging buffer (staging.uploads) into a third set, timed apart (not yet the connector's);
+  vllm_paged.scatter_chunks into a second, empty set of caches, each chunk to the device through the connector's
+  page-locked load buffer, staging.uploads, synchronized); and, as the baseline, the same chunks copied to the
+  device from where they are (pageable memory) into a third set, timed apart;
 * then every loaded byte is compared with the saved blocks; and the same number of bytes copied host -> device and
   device -> host from pinned memory (best of --repeats), with the link's nominal limit where sysfs tells it.
 """
@@ -110,7 +111,7 @@ def run(args) -> int:
                 blocks = nb * 2 + 3  # the request's blocks scattered over twice as many
                 src = vllm_paged.paged_views(layout, L, blocks, H, N, 2 * D, dtype, dev)
                 dst = vllm_paged.paged_views(layout, L, blocks, H, N, 2 * D, dtype, dev)
-                dst_staged = vllm_paged.paged_views(layout, L, blocks, H, N, 2 * D, dtype, dev)
+                dst_plain = vllm_paged.paged_views(layout, L, blocks, H, N, 2 * D, dtype, dev)
                 gd = torch.Generator(device=dev).manual_seed(zlib.crc32(f"{layout}-{dtype_name}".encode()))
                 for v in src:  # every block, those not saved too (finite: the load path's checks refuse NaN)
                     v.copy_(torch.randn(v.shape, generator=gd, device=dev).to(dtype))
@@ -120,8 +121,8 @@ def run(args) -> int:
                 prompts = [(torch.randperm(50000, generator=g)[:T] + 1).tolist() for _ in range(args.repeats)]
                 nbytes = L * 2 * H * T * D * torch.empty((), dtype=dtype).element_size()
                 saves, loads, gathers, scatters, to_host, puts, gets = [], [], [], [], [], [], []
-                staged_scatters = []
-                staged0 = staging.staged
+                pageable_scatters = []
+                staged0, load_staged0 = staging.staged, load_staging.staged
                 for tokens in prompts:  # a new prompt each time: every save stores, none is skipped as stored
                     sync()
                     t0 = time.perf_counter()
@@ -143,28 +144,28 @@ def run(args) -> int:
                     blobs = client.get_blobs(spec, tokens, keep_sealed=True, timeout=120)
                     got = checked_chunks(spec, blobs, ct)
                     t4 = time.perf_counter()
-                    vllm_paged.scatter_chunks(dst, p, got, 0, ids)
+                    with load_staging.uploads(got, dev) as upload:  # the connector's load: its staging
+                        vllm_paged.scatter_chunks(dst, p, got, 0, ids, upload)
                     sync()
                     t5 = time.perf_counter()
                     loads.append(t5 - t3)
                     scatters.append(t5 - t4)
                     gets.append(t4 - t3)
-                    # The same chunks through a page-locked staging buffer (staging.uploads; not yet the
-                    # connector's: it adopts it once a GPU run shows it bit-exact and faster), into other caches.
-                    for v in dst_staged:
+                    # The baseline: the same chunks copied to the device from where they are (pageable), into
+                    # other caches.
+                    for v in dst_plain:
                         v.zero_()
                     sync()
                     t6 = time.perf_counter()
-                    with load_staging.uploads(got, dev) as on_device:
-                        vllm_paged.scatter_chunks(dst_staged, p, on_device, 0, ids)
+                    vllm_paged.scatter_chunks(dst_plain, p, got, 0, ids)
                     sync()
-                    staged_scatters.append(time.perf_counter() - t6)
+                    pageable_scatters.append(time.perf_counter() - t6)
                     if len(got) * ct != T:
                         raise RuntimeError(f"{len(got)} chunks of {T // ct} came back")
                 index = torch.tensor(ids, device=dev)
                 exact = all(torch.equal(_bits(a.index_select(0, index)), _bits(b.index_select(0, index)))
                             and torch.equal(_bits(a.index_select(0, index)), _bits(c.index_select(0, index)))
-                            for a, b, c in zip(src, dst, dst_staged))
+                            for a, b, c in zip(src, dst, dst_plain))
                 exact = exact and torch.equal(_bits(vllm_paged.gather(dst, p, ids).cpu()), _bits(kv.cpu()))
                 ok &= exact
                 row = {"layout": layout, "dtype": dtype_name, "bytes": nbytes, "bit_exact": exact,
@@ -177,17 +178,17 @@ def run(args) -> int:
                        "staged": staging.staged - staged0, "pinned": staging.pinned,
                        "put_GBps": round(nbytes / min(puts) / 1e9, 2),
                        "get_and_check_GBps": round(nbytes / min(gets) / 1e9, 2),
-                       "staged_scatter_GBps": round(nbytes / min(staged_scatters) / 1e9, 2),
-                       "load_staged_pinned": load_staging.pinned,
+                       "load_staged": load_staging.staged - load_staged0, "load_pinned": load_staging.pinned,
+                       "scatter_pageable_GBps": round(nbytes / min(pageable_scatters) / 1e9, 2),
                        "save_s": saves, "load_s": loads}
                 result["rows"].append(row)
                 print(f"{layout} {dtype_name}: save {row['save_GBps']} GB/s (copy to host {row['copy_to_host_GBps']}"
                       f"{' pinned' if staging.pinned else ''}, Put {row['put_GBps']}), load {row['load_GBps']} GB/s "
                       f"(Get and checks {row['get_and_check_GBps']}, scatter incl. host->device "
-                      f"{row['scatter_incl_host_to_device_GBps']} GB/s; through a staging buffer "
-                      f"{row['staged_scatter_GBps']}), "
+                      f"{row['scatter_incl_host_to_device_GBps']}{' pinned' if load_staging.pinned else ''}; "
+                      f"from pageable memory {row['scatter_pageable_GBps']}), "
                       f"bit-exact {exact}", flush=True)
-                del src, dst, dst_staged, kv
+                del src, dst, dst_plain, kv
         client.close()
         nbytes = L * 2 * H * T * D * 2
         if cuda:

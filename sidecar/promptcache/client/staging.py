@@ -1,22 +1,21 @@
-"""Host staging for a GPU worker's saves (and, measured but not yet adopted, loads): a request's K/V leaves the
-device as its stored chunks through one reused, page-locked host buffer.
+"""Host staging for a GPU worker's saves and loads: a request's K/V leaves the device as its stored chunks, and
+loaded chunks reach it, through a reused, page-locked host buffer (one per thread that uses it).
 
 Measured on an H200 node (hack/gpu-copy-paths.py, 256 MiB, docs/gpu-lane.md): device -> host into a fresh pageable
 tensor (``tensor.cpu()``, what a save did) 2.1 GB/s, most of it first-touch page faults; into a reused pageable
 buffer 19.7 GB/s; into page-locked memory 55 GB/s, the PCIe link's speed. Splitting the host copy into chunks then
 cost another copy into fresh memory (each chunk is a token slice of every layer); now each chunk is copied from the
 device straight into its place in the buffer, so the host copy is the chunks. For loads, `uploads` copies each
-received chunk (a lent mapping or the receive buffer) into a buffer at host memory speed (78 GB/s there) and from it
-to the device asynchronously, instead of a pageable copy (11.9 GB/s at best there); `promptcache bench paged`
-measures it beside the connector's load, and the connector adopts it once a GPU run shows it bit-exact and faster
-(it was written after this session's last GPU run; tests/test_cuda.py has its check).
+received chunk (a lent mapping or the receive buffer) into the buffer at host memory speed and from it to the
+device asynchronously, instead of a pageable copy: `promptcache bench paged` measured the load's scatter 1.5-2.2x
+faster that way on an H200, bit-exact.
 
-One buffer, sized to the largest save seen (rounded up to 64 MiB) and never beyond ``capacity`` bytes; it is
-page-locked with cudaHostRegister (exact size: torch's pinned allocator rounds to powers of two) and used by one
-holder at a time. A save or load that does not fit, or that finds the buffer in use, copies as before. A save's
-chunks are views of the buffer, valid inside the ``with`` block only: the caller's Put, which sends them before it
-returns, must happen inside it; a load's device copies may still be reading the buffer when the block ends, so
-leaving it waits for the stream.
+One buffer, sized to the largest save or load seen (rounded up to 64 MiB) and never beyond ``capacity`` bytes; it
+is page-locked with cudaHostRegister (exact size: torch's pinned allocator rounds to powers of two) and used by one
+holder at a time. A save that does not fit, or that finds the buffer in use, copies as before; a load that does
+not fit goes around the buffer. A save's chunks are views of the buffer, valid inside the ``with`` block only: the
+caller's Put, which sends them before it returns, must happen inside it; a load's device copies may still be
+reading the buffer when the block ends, so leaving it waits for the stream.
 """
 from __future__ import annotations
 
@@ -146,30 +145,50 @@ class HostStaging:
             self._lock.release()
 
     @contextlib.contextmanager
-    def uploads(self, chunks: Sequence[torch.Tensor], device: torch.device) -> Iterator[list[torch.Tensor]]:
-        """Host chunks -> their copies on `device`, through the buffer when the device is staged, they fit and the
-        buffer is free: each chunk copied into its own place in it (host memory speed), then to the device
-        asynchronously on the current stream (the link's speed, the next chunk's host copy overlapping); else
-        each copied from where it is (pageable: 12 GB/s at best on an H200, against 55). On leaving, even by an
-        exception, the current stream is waited for before the buffer is given back, so no copy out of it is in
-        flight when the next holder writes it."""
+    def uploads(self, chunks: Sequence[torch.Tensor], device: torch.device) -> Iterator[Callable[[torch.Tensor],
+                                                                                                  torch.Tensor]]:
+        """Yields upload(chunk) -> its copy on `device`, for host chunks (`chunks` sizes the buffer: the ones to be
+        uploaded). Through the buffer when the device is staged and the buffer is free: each chunk copied into the
+        next free place in it (host memory speed), then to the device asynchronously on the current stream (the
+        link's speed; the next chunk's host copy overlaps it). When the chunks do not all fit (beyond capacity),
+        the buffer is used as a ring: before a place is written again the stream is waited for. A chunk larger
+        than the buffer, or every chunk when the device is not staged or the buffer is busy, is copied from where
+        it is (pageable: 12 GB/s at best on an H200, against 55).
+
+        One chunk at a time, so the caller holds one device copy at a time (a load's device memory stays one
+        chunk, not the whole load, beyond vLLM's own). On leaving, even by an exception, the current stream is
+        waited for before the buffer is given back, so no copy out of it is in flight when the next holder
+        writes it."""
         device = torch.device(device)
-        nbytes = sum(c.numel() * c.element_size() for c in chunks)
+        nbytes = min(self.capacity, sum(c.numel() * c.element_size() for c in chunks))
         staged = device.type in self.devices
-        if not (staged and nbytes <= self.capacity and self._lock.acquire(blocking=False)):
+
+        def plain(c: torch.Tensor) -> torch.Tensor:
+            return c.to(device, non_blocking=True)
+
+        if not (staged and nbytes > 0 and self._lock.acquire(blocking=False)):
             self.unstaged += staged
-            yield [c.to(device, non_blocking=True) for c in chunks]
+            yield plain
             return
         try:
-            buf, off, out = self._buffer(nbytes, device), 0, []
-            for c in chunks:
+            buf = self._buffer(nbytes, device)
+            size, off = buf.numel(), 0
+
+            def upload(c: torch.Tensor) -> torch.Tensor:
+                nonlocal off
                 n = c.numel() * c.element_size()
+                if n > size:
+                    return plain(c)
+                if off + n > size:  # around the ring: the copies out of the places about to be written are done
+                    self._synchronize(device)
+                    off = 0
                 slot = buf[off:off + n]
                 off += n
                 slot.copy_(c.reshape(-1).view(torch.uint8))
-                out.append(slot.view(c.dtype).view(c.shape).to(device, non_blocking=True))
+                return slot.view(c.dtype).view(c.shape).to(device, non_blocking=True)
+
             self.staged += 1
-            yield out
+            yield upload
         finally:
             try:
                 self._synchronize(device)

@@ -65,8 +65,9 @@ load_timeout       PROMPTCACHE_LOAD_TIMEOUT         seconds for one worker-side 
 retry_interval     PROMPTCACHE_RETRY_INTERVAL       seconds a failed sidecar is not asked again (default 2.0)
 save_timeout       PROMPTCACHE_SAVE_TIMEOUT         seconds for one background Put (default 30)
 max_pending_saves  PROMPTCACHE_MAX_PENDING_SAVES    saves queued at most; more are dropped (default 8)
-staging_bytes      PROMPTCACHE_STAGING_BYTES        page-locked host buffer of a GPU worker's saves (default 512Mi;
-                                                    0: none); a larger save copies into fresh memory (staging.py)
+staging_bytes      PROMPTCACHE_STAGING_BYTES        page-locked host buffers of a GPU worker's saves and loads (one
+                                                    each, default 512Mi; 0: none); a larger save copies into fresh
+                                                    memory, a larger load reuses its buffer (staging.py)
 tls_ca, token_file PROMPTCACHE_TLS_CA, ..._TOKEN_FILE  TLS CA (PEM path) and bearer token file (docs/security.md)
 kv_layout          PROMPTCACHE_KV_LAYOUT            auto (default: paged views on GPUs, the probe on CPU), paged, cpu
 kv_scales          PROMPTCACHE_KV_SCALES            fp8 KV cache: auto (default: unit, inert if the checkpoint has KV
@@ -590,8 +591,11 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self._done: list[tuple[str, set[int]]] = []  # finished loads: (req id, failed block ids)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-save")
         self._slots = threading.BoundedSemaphore(int(_setting(extra, "max_pending_saves", 8)))
-        # the save thread's page-locked host buffer (client/staging.py), allocated at the first save from a GPU
-        self._staging = HostStaging(parse_bytes(_setting(extra, "staging_bytes", DEFAULT_CAPACITY), "staging_bytes"))
+        # the save and load threads' page-locked host buffers (client/staging.py), each allocated at its first use
+        # on a GPU and sized to what passed through it, up to staging_bytes
+        staging_bytes = parse_bytes(_setting(extra, "staging_bytes", DEFAULT_CAPACITY), "staging_bytes")
+        self._staging = HostStaging(staging_bytes)
+        self._load_staging = HostStaging(staging_bytes)
         self._log_state()
 
     def _log_state(self, layout: str | None = None) -> None:
@@ -1151,13 +1155,15 @@ class PromptCacheConnector(KVConnectorBase_V1):
                 self._load_done.notify_all()
 
     def _write_paged(self, chunks: list[torch.Tensor], skip: int, block_ids: list[int]) -> None:
-        """Load thread: chunks into the blocks of vLLM's paged views; on CUDA on the loads' own stream, finished
-        (synchronized) before the load is reported, so no forward pass reads a block before it is written."""
+        """Load thread: chunks into the blocks of vLLM's paged views; on CUDA on the loads' own stream, each chunk
+        to the device through the page-locked load buffer (staging.uploads), finished (synchronized) before the
+        load is reported, so no forward pass reads a block before it is written."""
         if self._load_stream is None:
             vllm_paged.scatter_chunks(self._kv_caches, self._paged, chunks, skip, block_ids)
             return
         with torch.cuda.stream(self._load_stream):
-            vllm_paged.scatter_chunks(self._kv_caches, self._paged, chunks, skip, block_ids)
+            with self._load_staging.uploads(chunks, self._load_stream.device) as upload:
+                vllm_paged.scatter_chunks(self._kv_caches, self._paged, chunks, skip, block_ids, upload)
         self._load_stream.synchronize()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -1281,6 +1287,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self._fetch_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self._staging.close()
+        self._load_staging.close()
         if self.client is not None:
             self.client.close()
 

@@ -24,7 +24,7 @@ the other format or of the other kind are never read.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -206,10 +206,12 @@ def scatter(views: Sequence[torch.Tensor], p: PagedLayout, block_ids, kv: torch.
 
 
 def scatter_chunks(views: Sequence[torch.Tensor], p: PagedLayout, chunks: Sequence[torch.Tensor], skip: int,
-                   block_ids: Sequence[int]) -> None:
+                   block_ids: Sequence[int], upload: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """Canonical chunks [L, 2, H, C, D] (consecutive; from token `skip` of the first on) into `block_ids`, chunk by
     chunk: each chunk's blocks in one scatter, straight from where the chunk is (a concatenation on the host first
-    was a whole extra copy into fresh memory: on an H200 the load's copy to the device ran at 3.4-5.9 GB/s)."""
+    was a whole extra copy into fresh memory: on an H200 the load's copy to the device ran at 3.4-5.9 GB/s), or
+    from upload(chunk) (HostStaging.uploads: its copy on the views' device, through a page-locked buffer), called
+    for the chunks that hold blocks to write, one at a time, just before their scatter."""
     if skip % p.block_size:
         raise ValueError(f"loading from token {skip} of a chunk: not a whole block of {p.block_size}")
     if not block_ids:
@@ -226,7 +228,7 @@ def scatter_chunks(views: Sequence[torch.Tensor], p: PagedLayout, chunks: Sequen
         first, last = max(pos, skip), min(pos + c.shape[3], skip + need)
         if first < last:
             ids = block_ids[(first - skip) // bs:(last - skip) // bs]
-            scatter(views, p, ids, c[:, :, :, first - pos:last - pos])
+            scatter(views, p, ids, (c if upload is None else upload(c))[:, :, :, first - pos:last - pos])
         pos += c.shape[3]
 
 
