@@ -294,6 +294,29 @@ def test_loads_reach_the_gpu_through_the_page_locked_buffer_and_it_is_reused_onl
     small.close()
 
 
+def test_a_cuda_tier_serves_through_page_locked_copies_within_their_bound():
+    """sinks.PinnedCopies: the bytes of a chunk on the GPU in page-locked host memory (torch's pinned allocator)
+    while the copies alive stay within the bound, counted until the last view of each (the array a transport
+    sends) is gone; beyond it, a pageable copy; exact both ways."""
+    from promptcache.sidecar.sinks import PinnedCopies
+
+    chunks = [torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, device="cuda") for _ in range(3)]
+    copies = PinnedCopies((8 << 20) + (1 << 20))  # room for two 4 MiB copies, not three
+    held = [copies.array(c) for c in chunks]  # what host_view hands a transport
+    assert copies.live == 8 << 20
+    assert all((h == c.cpu().numpy()).all() for h, c in zip(held, chunks))
+    assert [torch.from_numpy(h).is_pinned() for h in held] == [True, True, False]
+    views = [memoryview(h)[4096:] for h in held]  # a transport's slices keep them counted
+    del held
+    gc.collect()
+    assert copies.live == 8 << 20
+    del views
+    gc.collect()
+    assert copies.live == 0
+    again = copies.array(chunks[2])
+    assert torch.from_numpy(again).is_pinned() and (again == chunks[2].cpu().numpy()).all()
+
+
 def test_serve_process_with_the_cuda_tier_round_trips_cuda_tensors(tmp_path):
     """`promptcache serve --device cuda` as a pod runs it: a real process, its own CUDA context."""
     proc = SidecarProcess("--device", "cuda", "--memory-bytes", "256Mi", "--chunk-tokens", "256",

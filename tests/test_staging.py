@@ -1,4 +1,5 @@
-"""The save and load threads' host staging (client/staging.py): chunks bit-exact as split_chunks makes them, one
+"""The save and load threads' host staging (client/staging.py), and the sidecar's page-locked copies of a CUDA tier's
+chunks (sidecar/sinks.py): chunks bit-exact as split_chunks makes them, one
 reused buffer within its capacity, never handed to two saves at once, loads that go around it only after the stream,
 and every way it cannot stage falls back to plain copies.
 Page-locking is CUDA's (tests/test_cuda.py runs it on a GPU); here the buffer path runs on CPU tensors with a
@@ -211,3 +212,21 @@ def test_uploads_without_a_buffer_or_to_an_unstaged_device_are_plain_copies():
     with plain.uploads(chunks, "cpu") as upload:
         assert upload(chunks[0]) is chunks[0]
     assert (plain.staged, plain.unstaged, plain.nbytes) == (0, 0, 0)
+
+
+def test_pinned_copies_of_a_cuda_tier_count_until_the_last_view_is_gone_and_fall_back_without_cuda():
+    """sinks.PinnedCopies (the sidecar's copies of a CUDA tier's chunks; tests/test_cuda.py runs it on a GPU): here,
+    without page-locked memory, every copy is a plain one and nothing stays counted."""
+    import gc
+
+    from promptcache.sidecar.sinks import PinnedCopies
+
+    copies = PinnedCopies(1 << 20)
+    t = torch.arange(1000, dtype=torch.int32)
+    view = copies.array(t)
+    assert (view == t.numpy()).all() and copies.live in (0, 4000)  # 4000 while the array lives, where pinned
+    del view
+    gc.collect()
+    assert copies.live == 0
+    big = torch.zeros(1 << 19, dtype=torch.int32)  # 2 MiB: beyond the bound, copied as before
+    assert (copies.array(big) == 0).all() and copies.live == 0
