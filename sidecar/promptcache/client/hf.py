@@ -281,7 +281,10 @@ class PromptCacheHF:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise errors.DeadlineExceeded("fetch deadline spent on Lookup")
-            blobs = self.client.get_blobs(self.spec, tokens[:usable * ct], max_chunks=usable, timeout=remaining)
+            # copy=False: views of this thread's receive buffer where the transport has one, decoded into the
+            # model's buffer at once below (a copy out first was a whole extra copy into fresh host memory)
+            blobs = self.client.get_blobs(self.spec, tokens[:usable * ct], max_chunks=usable, timeout=remaining,
+                                          copy=False)
             if not blobs:  # evicted between Lookup and Get
                 return Prefix(seconds=time.perf_counter() - t0, chunk_tokens=ct)
             kv = decode_prefix(self.spec, blobs, ct, self.device)
