@@ -11,7 +11,11 @@ of 2048 tokens is 256 MiB in bf16), best of --repeats, GB/s:
 * a Unix socket pair moving the bytes between two threads (send / recv_into), the kernel's copy that the sidecar's
   local channels pay per byte;
 * CUDA IPC: another process opens the tensor's IPC handle (torch.multiprocessing) and copies it device to device
-  into its own memory: what a same-GPU cache would pay instead of the two crossings of the PCIe link.
+  into its own memory: what a same-GPU cache would pay instead of the two crossings of the PCIe link;
+* host pages (no GPU): writing fresh anonymous memory and a fresh memfd (the sidecar's chunk memory) each first
+  time, with and without transparent huge pages asked for (madvise), and mapping a filled memfd with MAP_POPULATE
+  (what a client does with a lent chunk), beside the machine's THP settings: first-touch page faults are what the
+  sidecar's Put and a lent Get pay per byte on a machine where they are dear.
 
     python3 hack/gpu-copy-paths.py [--mb 256] [--repeats 5] [--json FILE]
 
@@ -81,6 +85,68 @@ def socket_pair(nbytes: int, repeats: int) -> float:
     return min(times)
 
 
+def host_pages(n: int, repeats: int) -> dict:
+    """GB/s of first touches of n fresh bytes: anonymous and memfd memory, plain and with MADV_HUGEPAGE; and of
+    mapping a filled memfd with MAP_POPULATE."""
+    import mmap
+    import os
+
+    def fill(mm) -> None:
+        torch.frombuffer(mm, dtype=torch.uint8).fill_(1)
+
+    def anon(huge: bool) -> None:
+        mm = mmap.mmap(-1, n)
+        if huge:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        fill(mm)
+        mm.close()
+
+    def memfd(huge: bool) -> None:
+        fd = os.memfd_create("pc-probe")
+        try:
+            os.ftruncate(fd, n)
+            mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED)
+            if huge:
+                mm.madvise(mmap.MADV_HUGEPAGE)
+            fill(mm)
+            mm.close()
+        finally:
+            os.close(fd)
+
+    def best_host(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return round(n / min(times) / 1e9, 2)
+
+    out = {}
+    for name in ("enabled", "shmem_enabled", "defrag"):
+        try:
+            with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
+                out[f"thp_{name}"] = f.read().strip()
+        except OSError as exc:
+            out[f"thp_{name}"] = str(exc)
+    out["fresh_anon_fill_GBps"] = best_host(lambda: anon(False))
+    out["fresh_anon_hugepage_fill_GBps"] = best_host(lambda: anon(True))
+    out["fresh_memfd_fill_GBps"] = best_host(lambda: memfd(False))
+    out["fresh_memfd_hugepage_fill_GBps"] = best_host(lambda: memfd(True))
+    fd = os.memfd_create("pc-probe-lent")
+    try:
+        os.ftruncate(fd, n)
+        with mmap.mmap(fd, n, flags=mmap.MAP_SHARED) as mm:
+            fill(mm)
+
+        def lend() -> None:
+            mmap.mmap(fd, n, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ).close()
+
+        out["map_populate_filled_memfd_GBps"] = best_host(lend)
+    finally:
+        os.close(fd)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=256)
@@ -130,6 +196,8 @@ def main() -> int:
     out["ipc_first_open_s"] = round(opened, 4)
     out["d2d_via_ipc_handle_GBps"] = gb(copy_s)
     out["ipc_bytes_same"] = same
+    del pageable, other, pinned, registered
+    out.update(host_pages(n, r))
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:
