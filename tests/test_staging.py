@@ -230,3 +230,23 @@ def test_pinned_copies_of_a_cuda_tier_count_until_the_last_view_is_gone_and_fall
     assert copies.live == 0
     big = torch.zeros(1 << 19, dtype=torch.int32)  # 2 MiB: beyond the bound, copied as before
     assert (copies.array(big) == 0).all() and copies.live == 0
+
+
+def test_a_save_larger_than_the_buffer_is_staged_in_parts_of_whole_chunks_that_fit():
+    s, r = staging(capacity=3 * 3 * 2 * 2 * 8 * 8 * 2 + 100)  # three 8-token chunks of kv() in bf16, and a little
+    x = kv(tokens=64)  # eight chunks of 8 tokens
+    parts = s.parts(x, 8)
+    assert parts == [slice(0, 24), slice(24, 48), slice(48, 64)]
+    got = []
+    for part in parts:
+        with s.chunks(x[:, :, :, part], 8) as chunks:
+            (ptr, size), = r.registered
+            assert all(inside(c, ptr, size) for c in chunks)
+            got += [c.clone() for c in chunks]
+    assert same(got, split_chunks(x, 8)) and s.staged == 3 and s.unstaged == 0
+    assert s.parts(x, 32) == [slice(0, 64)]  # a chunk larger than the buffer: one part, copied as before
+    assert s.parts(kv(tokens=16), 8) == [slice(0, 16)]  # fits
+    plain, _ = staging(capacity=0)
+    assert plain.parts(x, 8) == [slice(0, 64)]
+    cuda_only = HostStaging(1024)
+    assert cuda_only.parts(x, 8) == [slice(0, 64)]  # CPU tensors are not staged: one Put as before

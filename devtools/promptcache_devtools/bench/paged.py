@@ -129,14 +129,20 @@ def run(args) -> int:
                     kv = vllm_paged.gather(src, p, ids)
                     sync()
                     t1 = time.perf_counter()
-                    with staging.chunks(kv, ct) as chunks:  # the connector's save: its staging, then Put
-                        t1h = time.perf_counter()
-                        client.put_blobs(spec, tokens, dict(enumerate(chunks)), timeout=120)
+                    copying = putting = 0.0
+                    for part in staging.parts(kv, ct):  # the connector's save: its staging, then Put, by parts
+                        tp = time.perf_counter()
+                        with staging.chunks(kv[:, :, :, part], ct) as chunks:
+                            t1h = time.perf_counter()
+                            client.put_blobs(spec, tokens, {part.start // ct + i: c for i, c in enumerate(chunks)},
+                                             timeout=120)
+                        copying += t1h - tp
+                        putting += time.perf_counter() - t1h
                     t2 = time.perf_counter()
                     saves.append(t2 - t0)
                     gathers.append(t1 - t0)
-                    to_host.append(t1h - t1)
-                    puts.append(t2 - t1h)
+                    to_host.append(copying)
+                    puts.append(putting)
                     for v in dst:
                         v.zero_()
                     sync()

@@ -12,8 +12,8 @@ faster that way on an H200, bit-exact.
 
 One buffer, sized to the largest save or load seen (rounded up to 64 MiB) and never beyond ``capacity`` bytes; it
 is page-locked with cudaHostRegister (exact size: torch's pinned allocator rounds to powers of two) and used by one
-holder at a time. A save that does not fit, or that finds the buffer in use, copies as before; a load that does
-not fit goes around the buffer. A save's chunks are views of the buffer, valid inside the ``with`` block only: the
+holder at a time. A save larger than the buffer is staged in parts (`parts`, a Put each); one that finds the buffer
+in use copies as before; a load that does not fit goes around the buffer. A save's chunks are views of the buffer, valid inside the ``with`` block only: the
 caller's Put, which sends them before it returns, must happen inside it; a load's device copies may still be
 reading the buffer when the block ends, so leaving it waits for the stream.
 """
@@ -116,6 +116,19 @@ class HostStaging:
             with _on(self._device):
                 self._unregister(self._buf)
         self._buf, self._pinned = None, False
+
+    def parts(self, kv: torch.Tensor, chunk_tokens: int) -> list[slice]:
+        """The token slices of kv [L, P, H, T, D] to stage one after another, so that a save larger than the buffer
+        still goes through it (a Put per part, each of whole chunks that fit): one slice of all T unless kv's
+        device is staged and kv is larger than the capacity (and a chunk fits in it)."""
+        T = kv.shape[3]
+        chunk_bytes = kv[:, :, :, :chunk_tokens].numel() * kv.element_size()
+        whole = [slice(0, T)]
+        if kv.device.type not in self.devices or chunk_bytes == 0 or chunk_bytes > self.capacity or \
+                kv.numel() * kv.element_size() <= self.capacity:
+            return whole
+        step = self.capacity // chunk_bytes * chunk_tokens
+        return [slice(i, min(i + step, T)) for i in range(0, T, step)]
 
     @contextlib.contextmanager
     def chunks(self, kv: torch.Tensor, chunk_tokens: int) -> Iterator[list[torch.Tensor]]:

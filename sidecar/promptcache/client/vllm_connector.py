@@ -66,8 +66,8 @@ retry_interval     PROMPTCACHE_RETRY_INTERVAL       seconds a failed sidecar is 
 save_timeout       PROMPTCACHE_SAVE_TIMEOUT         seconds for one background Put (default 30)
 max_pending_saves  PROMPTCACHE_MAX_PENDING_SAVES    saves queued at most; more are dropped (default 8)
 staging_bytes      PROMPTCACHE_STAGING_BYTES        page-locked host buffers of a GPU worker's saves and loads (one
-                                                    each, default 512Mi; 0: none); a larger save copies into fresh
-                                                    memory, a larger load reuses its buffer (staging.py)
+                                                    each, default 512Mi; 0: none); a larger save or load goes
+                                                    through its buffer in parts (staging.py)
 tls_ca, token_file PROMPTCACHE_TLS_CA, ..._TOKEN_FILE  TLS CA (PEM path) and bearer token file (docs/security.md)
 kv_layout          PROMPTCACHE_KV_LAYOUT            auto (default: paged views on GPUs, the probe on CPU), paged, cpu
 kv_scales          PROMPTCACHE_KV_SCALES            fp8 KV cache: auto (default: unit, inert if the checkpoint has KV
@@ -1251,16 +1251,20 @@ class PromptCacheConnector(KVConnectorBase_V1):
                 kv = torch.empty((L, 2, H, nb * self.block_size, self.base_spec.head_dim), dtype=snapshot.dtype)
                 for layer in range(L):
                     vllm_layout.read_layer(snapshot[layer], kv[layer], self._layout, self.block_size)
-            # The chunks may be views of the staging buffer: they are used (packed or Put) inside this block only.
-            with self._staging.chunks(kv, op.chunk_tokens) as chunks:
-                spec = self._rank_spec(op.spec)
-                if spec.quantization != "none":
-                    from promptcache import codec
+            spec = self._rank_spec(op.spec)
+            # A save larger than the staging buffer goes through it in parts, a Put each (in order: a part that
+            # fails ends the save). The chunks may be views of the buffer: they are used (packed or Put) inside
+            # the block only.
+            for part in self._staging.parts(kv, op.chunk_tokens):
+                with self._staging.chunks(kv[:, :, :, part], op.chunk_tokens) as chunks:
+                    if spec.quantization != "none":
+                        from promptcache import codec
 
-                    chunks = [codec.pack(spec.quantization, c, self.rope_theta) for c in chunks]
-                blobs = {op.first_chunk + i: c for i, c in enumerate(chunks)}
-                self.client.put_blobs(spec, op.tokens, blobs, timeout=self.save_timeout,
-                                      ttl_seconds=op.ttl_seconds, priority=op.priority)
+                        chunks = [codec.pack(spec.quantization, c, self.rope_theta) for c in chunks]
+                    first = op.first_chunk + part.start // op.chunk_tokens
+                    blobs = {first + i: c for i, c in enumerate(chunks)}
+                    self.client.put_blobs(spec, op.tokens, blobs, timeout=self.save_timeout,
+                                          ttl_seconds=op.ttl_seconds, priority=op.priority)
             self._succeeded()
             self._inc(STORES, "stores", 1, "ok")
             SAVE_SECONDS.observe(time.perf_counter() - t0)
