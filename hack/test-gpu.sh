@@ -54,7 +54,8 @@ if [ "$CUDA" = 1 ]; then
   BENCH=(--model "${GPU_BENCH_MODEL:-smollm2-random}" --dtype bfloat16 --prefixes 512,1024,2048,4096 --repeats 5
          --full-repeats 3 --threads 0)
   # Llama-3-8B's KV shape (32 layers, 8 KV heads of 128), 2048 tokens: 268 MB per save and load
-  PAGED=(--device cuda --layouts LBNHC,LBHNC --dtypes bfloat16,float16 --tokens 2048 --repeats 3)
+  PAGED=(--device cuda --layouts LBNHC,LBHNC --dtypes bfloat16,float16 --tokens 2048 --repeats 3
+         --sidecar-device "${GPU_PAGED_SIDECAR_DEVICE:-cpu}")
 else
   DEVICE=cpu
   echo "test-gpu: no CUDA device: the cuda tests skip and the benchmark runs a toy model on the CPU"

@@ -5,7 +5,8 @@ vLLM's wheel).
 
 The caches are what vLLM 0.32 hands a CUDA worker (vllm_paged.paged_views: per-layer [B, H, N, K|V] views of one
 flat buffer in a KVCacheLayout; tests/vllm checks them against vLLM's allocator), filled with random bytes on the
-device. Per layout and dtype, against a real sidecar process on this machine:
+device. Per layout and dtype, against a real sidecar process on this machine
+(its tier in host memory, lending chunks, as the operator runs it by default; --sidecar-device cuda for the CUDA tier):
 
 * save: what the connector's wait_for_save and save thread do (vllm_paged.gather of the request's scattered blocks
   on the device, the copy to host as chunks through the connector's page-locked staging buffer, Put);
@@ -40,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="vLLM's block size (CUDA's default is 16)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="the sidecar's --chunk-tokens")
     p.add_argument("--repeats", type=int, default=3, help="saves and loads per case (best is reported)")
+    p.add_argument("--sidecar-device", default="cpu",
+                   help="the sidecar's --device: cpu (default: what the operator runs unless spec.gpu.count is set, "
+                        "a host memory tier that lends chunks), cuda (the opt-in CUDA tier), or auto")
     p.add_argument("--json", default="", help="write the results here")
 
 
@@ -93,9 +97,11 @@ def run(args) -> int:
     sidecar = subprocess.Popen([sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", address,
                                 "--metrics-port", str(free_port()), "--chunk-tokens", str(ct),
                                 "--memory-bytes", str(per_case * len(layouts) * len(dtypes) + (256 << 20)),
-                                "--bulk-address", bulk, "--data-dir", str(tmp / "data"), "--disk-bytes", "0"],
+                                "--bulk-address", bulk, "--data-dir", str(tmp / "data"), "--disk-bytes", "0",
+                                "--device", args.sidecar_device],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    result = {"device": device, "device_name": torch.cuda.get_device_name(dev) if cuda else "cpu",
+    result = {"device": device, "sidecar_device": args.sidecar_device,
+              "device_name": torch.cuda.get_device_name(dev) if cuda else "cpu",
               "torch": torch.__version__, "shape": {"layers": L, "kv_heads": H, "head_dim": D, "block_size": N,
                                                       "tokens": T, "chunk_tokens": ct}, "rows": []}
     ok = True
