@@ -13,9 +13,9 @@ faster that way on an H200, bit-exact.
 One buffer, sized to the largest save or load seen (rounded up to 64 MiB) and never beyond ``capacity`` bytes; it
 is page-locked with cudaHostRegister (exact size: torch's pinned allocator rounds to powers of two) and used by one
 holder at a time. A save larger than the buffer is staged in parts (`parts`, a Put each); one that finds the buffer
-in use copies as before; a load that does not fit goes around the buffer. A save's chunks are views of the buffer, valid inside the ``with`` block only: the
-caller's Put, which sends them before it returns, must happen inside it; a load's device copies may still be
-reading the buffer when the block ends, so leaving it waits for the stream.
+in use copies as before; a load that does not fit goes around the buffer. A save's chunks are views of the buffer,
+valid inside the ``with`` block only: the caller's Put, which sends them before it returns, must happen inside it;
+a load's device copies may still be reading the buffer when the block ends, so leaving it waits for the stream.
 """
 from __future__ import annotations
 
