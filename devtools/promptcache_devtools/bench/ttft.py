@@ -7,7 +7,9 @@ in-process cache that holds the prefix's K/V tensors (no transfer, no decode: th
 into a fresh DynamicCache, as every reuse must). The variants run interleaved, round by round; the best of the rounds
 is reported (this machine is shared; medians and every sample go to --json). Ratios: full/(b) and (b)/(c).
 
---device cuda runs the model on the GPU and gives the sidecar a CUDA device tier. --model smollm2-random is a randomly
+--device cuda runs the model on the GPU and gives the sidecar a CUDA device tier (--sidecar-device cpu: a host
+tier, what the operator runs by default; --bulk: the client also uses the bulk channel, as a pod beside its
+sidecar does). --model smollm2-random is a randomly
 initialised model of SmolLM2-135M's shape over seeded random tokens (nothing to load: for machines the GGUF cannot
 reach; its timings are the real model's, its text is noise); --model tiny is a 2-layer toy for smoke runs.
 """
@@ -36,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads (default 1: one core per model stream; 0: torch's default, all cores)")
     p.add_argument("--device", default="cpu", help="where the model runs and the sidecar's tier lives: cpu, cuda, "
                    "cuda:N")
+    p.add_argument("--sidecar-device", default="",
+                   help="the sidecar's tier apart from the model's device: cpu (what the operator runs unless "
+                        "spec.gpu.count is set) or cuda (default: --device)")
+    p.add_argument("--bulk", action="store_true",
+                   help="the client also uses the sidecar's bulk channel on a Unix socket (lent chunks with a host "
+                        "tier), as a pod beside its sidecar does; with --transport unix")
     p.add_argument("--model", default="smollm2", choices=list(MODELS),
                    help="smollm2: the real weights and English text; smollm2-random: its shape, random weights and "
                    "tokens; tiny: a 2-layer toy")
@@ -46,8 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class SidecarProcess:
     """`promptcache serve` in a child process (as in a pod: a separate process), on a unix socket or TCP port."""
 
-    def __init__(self, transport: str, chunk_tokens: int, memory_bytes: int, device: str = "cpu"):
+    def __init__(self, transport: str, chunk_tokens: int, memory_bytes: int, device: str = "cpu", bulk: bool = False):
         self.tmp = tempfile.mkdtemp(prefix="promptcache-ttft-")
+        self.bulk_address = f"unix:{self.tmp}/bulk.sock" if bulk else None
         if transport == "unix":
             self.address = f"unix://{self.tmp}/sidecar.sock"
             listen = f"unix:{self.tmp}/sidecar.sock"
@@ -60,7 +69,8 @@ class SidecarProcess:
             self.address = listen = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", listen, "--metrics-port", "0",
                "--memory-bytes", str(memory_bytes), "--chunk-tokens", str(chunk_tokens), "--device", device,
-               "--data-dir", self.tmp, "--log-level", "warning"]
+               "--data-dir", self.tmp, "--log-level", "warning"] + \
+            (["--bulk-address", self.bulk_address] if bulk else [])
         self.log = open(os.path.join(self.tmp, "sidecar.log"), "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -82,7 +92,7 @@ class SidecarProcess:
 
 
 def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_repeats, address, revision="",
-            chunk_tokens: int = 256, log=print) -> list[dict]:
+            chunk_tokens: int = 256, log=print, bulk_address: str | None = None) -> list[dict]:
     """(On CUDA every variant ends in .argmax() read back to the host, which waits for the GPU: the times are
     complete.)"""
     """TTFTs per prefix length. The variants are interleaved round by round (full, floor, each mode), so that load
@@ -92,7 +102,7 @@ def measure(model, tokens: list[int], *, prefixes, suffix, modes, repeats, full_
     from promptcache.client import PromptCacheClient
     from promptcache.client.hf import PromptCacheHF, cache_kv, cache_kwargs, make_cache, output_cache
 
-    client = PromptCacheClient(address, timeout=120)
+    client = PromptCacheClient(address, timeout=120, bulk_address=bulk_address)
     hfs = {m: PromptCacheHF(model, client, quantization=m, revision=revision, fetch_timeout=120) for m in modes}
     rows = []
     for p in prefixes:
@@ -234,16 +244,20 @@ def run(args) -> int:
         raise SystemExit(f"--device {args.device}: no CUDA device is available")
     model, tokens, revision = load_model(args.model, args.dtype, max(prefixes) + args.suffix)
     model.to(device)
-    sidecar = SidecarProcess(args.transport, args.chunk_tokens, memory_bytes=2 << 30,
-                             device=str(device)).wait_ready()
+    if args.bulk and args.transport != "unix":
+        raise SystemExit("--bulk needs --transport unix (the bulk channel's lent chunks are a Unix socket's)")
+    tier = args.sidecar_device or str(device)
+    sidecar = SidecarProcess(args.transport, args.chunk_tokens, memory_bytes=2 << 30, device=tier,
+                             bulk=args.bulk).wait_ready()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{MODELS[args.model]} ({args.dtype}, on {device}: {where}, {torch.get_num_threads()} torch threads); "
-          f"sidecar process at {sidecar.address} with its tier on {device}; modes {', '.join(modes)}; suffix "
-          f"{args.suffix} tokens", flush=True)
+          f"sidecar process at {sidecar.address}{' with a bulk channel' if args.bulk else ''} with its tier on "
+          f"{tier}; modes {', '.join(modes)}; suffix {args.suffix} tokens", flush=True)
     try:
         rows = measure(model, tokens, prefixes=prefixes, suffix=args.suffix, modes=modes, repeats=args.repeats,
                        full_repeats=args.full_repeats, address=sidecar.address, revision=revision,
-                       chunk_tokens=args.chunk_tokens, log=lambda s: print(s, flush=True))
+                       chunk_tokens=args.chunk_tokens, log=lambda s: print(s, flush=True),
+                       bulk_address=sidecar.bulk_address)
     finally:
         sidecar.stop()
     print()
