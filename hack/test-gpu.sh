@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU lane (`make test-gpu`): the tests marked cuda (tests/test_cuda.py), the TTFT benchmark with the model
-# and the sidecar's tier on CUDA, and the vLLM connector's worker-side save and load on CUDA KV caches in vLLM's
+# The GPU lane (`make test-gpu`): the tests marked cuda (tests/test_cuda.py), the TTFT benchmark with the model on
+# CUDA and the sidecar as the operator runs it by default (a host tier; the client on the bulk channel too; the CUDA
+# tier with GPU_TTFT_SIDECAR=cuda), and the vLLM connector's worker-side save and load on CUDA KV caches in vLLM's
 # layouts (`promptcache bench paged`: torch alone, bit-exact check, GB/s next to a pinned cudaMemcpy), in one call
 # that ends within about 8 minutes. Results go to $RESULTS (default: $OUT when set, as on the device machine, else
 # bench-results/gpu/): summary.json (what ran, on what, the outcome), cuda-tests.xml and cuda-tests.log (pytest),
@@ -52,14 +53,16 @@ if [ "$CUDA" = 1 ]; then
   DEVICE=cuda
   # SmolLM2-135M's shape with random weights: its GGUF (98 MB) cannot travel to a borrowed machine.
   BENCH=(--model "${GPU_BENCH_MODEL:-smollm2-random}" --dtype bfloat16 --prefixes 512,1024,2048,4096 --repeats 5
-         --full-repeats 3 --threads 0)
+         --full-repeats 3 --threads 0 --sidecar-device "${GPU_TTFT_SIDECAR:-cpu}")
+  [ "${GPU_TTFT_SIDECAR:-cpu}" = cpu ] && BENCH+=(--bulk)  # a CUDA tier cannot lend: gRPC, as before
   # Llama-3-8B's KV shape (32 layers, 8 KV heads of 128), 2048 tokens: 268 MB per save and load
   PAGED=(--device cuda --layouts LBNHC,LBHNC --dtypes bfloat16,float16 --tokens 2048 --repeats 3
          --sidecar-device "${GPU_PAGED_SIDECAR_DEVICE:-cpu}")
 else
   DEVICE=cpu
   echo "test-gpu: no CUDA device: the cuda tests skip and the benchmark runs a toy model on the CPU"
-  BENCH=(--model tiny --prefixes 64 --chunk-tokens 64 --suffix 16 --modes none,k8v8 --repeats 1 --full-repeats 1)
+  BENCH=(--model tiny --prefixes 64 --chunk-tokens 64 --suffix 16 --modes none,k8v8 --repeats 1 --full-repeats 1
+         --bulk)
   PAGED=(--device cpu --layouts LBNHC,LBHNC --dtypes float32,bfloat16 --layers 4 --kv-heads 2 --head-dim 64
          --tokens 256 --chunk-tokens 64 --repeats 1)
 fi
