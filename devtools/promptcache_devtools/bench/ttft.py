@@ -9,9 +9,9 @@ is reported (this machine is shared; medians and every sample go to --json). Rat
 
 --device cuda runs the model on the GPU and gives the sidecar a CUDA device tier (--sidecar-device cpu: a host
 tier, what the operator runs by default; --bulk: the client also uses the bulk channel, as a pod beside its
-sidecar does). --model smollm2-random is a randomly
-initialised model of SmolLM2-135M's shape over seeded random tokens (nothing to load: for machines the GGUF cannot
-reach; its timings are the real model's, its text is noise); --model tiny is a 2-layer toy for smoke runs.
+sidecar does). --model smollm2-random is a randomly initialised model of SmolLM2-135M's shape over seeded random
+tokens (nothing to load: for machines the GGUF cannot reach; its timings are the real model's, its text is noise);
+--model tiny is a 2-layer toy for smoke runs.
 """
 from __future__ import annotations
 

@@ -83,8 +83,8 @@ class HostStaging:
         self._buf: torch.Tensor | None = None
         self._device = torch.device("cpu")  # whose context page-locked the buffer
         self._pinned = False
-        self.staged = 0  # saves copied through the buffer
-        self.unstaged = 0  # saves from a staged device that did not fit or found it busy
+        self.staged = 0  # saves (or loads) that went through the buffer
+        self.unstaged = 0  # saves (or loads) of a staged device that did not fit or found the buffer busy
 
     @property
     def nbytes(self) -> int:
