@@ -142,6 +142,61 @@ def test_a_prefix_stored_on_one_node_is_served_by_another_and_tenants_stay_apart
     assert metric(a, 'promptcache_cluster_fallbacks_total{op="get",reason="down"}') >= 1
 
 
+@pytest.mark.slow  # two sidecar processes and a master: about 15 s here
+def test_a_new_node_warms_its_memory_from_the_prefixes_its_peers_hold_hottest_before_it_is_ready(tmp_path, master):
+    tokens = tmp_path / "tokens"
+    write_secret_dir(tokens, {"alice": "alice-token", "bob": "bob-token"})
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    a = _node(tmp_path, "a", master[1], str(tokens), str(secret), "--cluster-hot-list-seconds", "0.2")
+    c = None
+    try:
+        wait_until(lambda: metric(a, "promptcache_cluster_up") == 1, "A joining the cluster", 30)
+        alice_a = PromptCacheClient(a.address, token="alice-token", retries=0, timeout=10)
+        hot, cold = _tokens(5, 3), _tokens(6, 3)
+        hot_kv = make_kv(SMALL, len(hot), seed=5)
+        assert alice_a.put(SMALL, cold, make_kv(SMALL, len(cold), seed=6)).stored_chunks == 3
+        assert alice_a.put(SMALL, hot, hot_kv).stored_chunks == 3
+        for _ in range(3):  # the hot prefix is asked for again: A's hottest
+            assert alice_a.get(SMALL, hot)[0] == 3 * CHUNK
+        wait_until(lambda: metric(a, "promptcache_cluster_published_chunks_total") == 6, "A publishing 6 chunks", 10)
+        published = metric(a, 'promptcache_cluster_hot_lists_total{outcome="published"}')
+        wait_until(lambda: metric(a, 'promptcache_cluster_hot_lists_total{outcome="published"}') >= published + 2,
+                   "A publishing its hot list after the Gets", 10)
+
+        # Whatever else a slot holds is refused, counted, and changes nothing.
+        from promptcache.sidecar import hotlist
+        from promptcache.sidecar.cluster import MooncakeStore
+
+        writer = MooncakeStore(master[1], "127.0.0.1", "tcp", 16 << 20, 8 << 20)
+        writer.upsert(hotlist.slot_key((hotlist.slot_of("127.0.0.1") + 1) % hotlist.HOT_SLOTS), b"PCH1 forged")
+        # Node C starts with room for 3 chunks and --warmup-seconds: ready only after it fetched A's hottest prefix.
+        c = _node(tmp_path, "c", master[1], str(tokens), str(secret), "--memory-bytes", "12Ki",
+                  "--warmup-seconds", "20")
+        assert metric(c, 'promptcache_warmup_chunks_total{source="cluster"}') == 3
+        assert metric(c, 'promptcache_cluster_hot_lists_total{outcome="read"}') >= 1
+        assert metric(c, 'promptcache_cluster_hot_lists_total{outcome="malformed"}') == 1
+        writer.close()
+        alice_c = PromptCacheClient(c.address, token="alice-token", retries=0, timeout=10)
+        assert [ch.tier for ch in alice_c.lookup(SMALL, hot).chunks] == ["device"] * 3  # warm before the first call
+        cached, got = alice_c.get(SMALL, hot)
+        assert cached == 3 * CHUNK
+        for (k, v), (k2, v2) in zip(hot_kv, got):
+            assert torch.equal(k, k2) and torch.equal(v, v2)
+        assert metric(c, "promptcache_cluster_hits_total") == 0  # nothing fetched on a request's path
+        # The colder prefix did not fit: it is still where it was, in the cluster; Bob's keys reach neither.
+        assert [ch.tier for ch in alice_c.lookup(SMALL, cold).chunks] == ["cluster"] * 3
+        bob_c = PromptCacheClient(c.address, token="bob-token", retries=0, timeout=10)
+        assert bob_c.lookup(SMALL, hot).cached_tokens == 0
+        for client in (alice_a, alice_c, bob_c):
+            client.close()
+    finally:
+        for n in (a, c):
+            if n is not None and n.proc.poll() is None:
+                n.proc.send_signal(signal.SIGKILL)
+                n.proc.wait()
+
+
 def test_a_record_is_served_only_for_its_fingerprint_before_it_expires_and_with_its_bytes():
     from promptcache.sidecar.tiers import Record
 

@@ -29,7 +29,7 @@ from promptcache.sidecar.config import Settings, settings_from_args
 from promptcache.sidecar.disk import DiskTierError
 from promptcache.sidecar.engine import CacheEngine
 from promptcache.sidecar.tiers import TierStack
-from promptcache.sidecar.tiers.cluster import ClusterLowerTier
+from promptcache.sidecar.tiers.cluster import ClusterLowerTier, HotListPublisher
 from promptcache.sidecar.guard import Guard
 from promptcache.sidecar.limits import CallLimiter, Watchdog
 from promptcache.sidecar.memfd import ChunkMemory
@@ -90,10 +90,15 @@ def traffic_observer(settings: Settings) -> TrafficObserver:
     return TrafficObserver(settings.chunk_tokens, curve, access_log, settings.access_log_sample_rate)
 
 
+def cluster_name(settings: Settings) -> str:
+    """The address other nodes reach this one's cluster segment at (the name its hot list's slot comes from)."""
+    return settings.cluster_local_hostname or socket.gethostbyname(socket.gethostname())
+
+
 def cluster_tier(settings: Settings, metrics: Metrics):
     from promptcache.sidecar.cluster import ClusterMetrics, ClusterTier, MooncakeStore
 
-    hostname = settings.cluster_local_hostname or socket.gethostbyname(socket.gethostname())
+    hostname = cluster_name(settings)
 
     def connect() -> MooncakeStore:
         return MooncakeStore(settings.cluster_master, hostname, settings.cluster_protocol,
@@ -227,7 +232,11 @@ class Sidecar:
                                 limiter=self.limiter)
                      for address in settings.bulk_addresses]
         self.warmup = Warmup(self.stack, self.spill, WarmupMetrics(metrics.registry), settings.warmup_seconds,
-                             settings.warmup_snapshot)
+                             settings.warmup_snapshot, cluster=self.cluster)
+        # what this node holds hottest, for the nodes that warm up from the cluster
+        self.hot_lists = (HotListPublisher(self.cluster, tier, cluster_name(settings),
+                                           settings.cluster_hot_list_seconds)
+                          if self.cluster is not None and settings.cluster_hot_list_seconds > 0 else None)
         self._stop = threading.Event()
         self._stop_lock = threading.Lock()
         self.stop_error: str | None = None
@@ -275,6 +284,8 @@ class Sidecar:
             raise
         if self.cluster is not None:
             self.cluster.start()
+        if self.hot_lists is not None:
+            self.hot_lists.start()
         if self.events is not None:
             self.events.start()
         self.warmup.start(self._ready)  # SERVING once warm-up has filled the memory tier, or its bound passed
@@ -314,6 +325,8 @@ class Sidecar:
         if self.engine.buffers is not None:
             self.engine.buffers.close_all()
         self.observer.stop()  # after the last call: the access log gets every line queued
+        if self.hot_lists is not None:
+            self.hot_lists.stop()
         if self.cluster is not None:
             self.cluster.close()
         if self.events is not None:

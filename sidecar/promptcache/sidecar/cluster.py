@@ -28,6 +28,7 @@ from typing import Callable, Protocol
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
+from promptcache.sidecar import hotlist
 from promptcache.sidecar.metrics import LATENCY_BUCKETS
 from promptcache.sidecar.store import checksum
 from promptcache.sidecar.tiers.base import Record
@@ -47,6 +48,7 @@ class ClusterError(Exception):
 class ClusterStore(Protocol):
     def put(self, key: str, value: bytes) -> None: ...
     def get(self, key: str) -> bytes | None: ...  # None: not held
+    def upsert(self, key: str, value: bytes) -> None: ...  # put, replacing what the key held (hot lists)
     def close(self) -> None: ...
 
 
@@ -127,6 +129,11 @@ class MooncakeStore:
         value = self._store.get(key)
         return value or None  # empty: evicted between the two calls
 
+    def upsert(self, key: str, value: bytes) -> None:
+        rc = self._store.upsert(key, value)  # (put keeps an existing key's old value and still returns 0)
+        if rc != 0:
+            raise ClusterError(f"upsert returned {rc}")
+
     def close(self) -> None:
         self._store.close()
 
@@ -149,6 +156,9 @@ class ClusterMetrics:
                                        "(queue_full, down, error, too_large)", ["reason"], registry=r)
         self.latency = Histogram("promptcache_cluster_call_duration_seconds", "cluster store calls, by operation",
                                  ["op"], buckets=LATENCY_BUCKETS, registry=r)
+        self.hot_lists = Counter("promptcache_cluster_hot_lists", "hot lists (what a node holds hottest, read by "
+                                 "warming nodes) by outcome: published by this node, read at its warm-up, "
+                                 "malformed (refused), failed (not published or not read)", ["outcome"], registry=r)
         self.up = Gauge("promptcache_cluster_up", "1 while the cluster tier answers, 0 while it is marked down",
                         registry=r)
 
@@ -241,15 +251,17 @@ class ClusterTier:
         return result
 
     # --- reads ------------------------------------------------------------------------------------------
-    def fetch(self, key: bytes, fingerprint: bytes) -> Record | None:
+    def fetch(self, key: bytes, fingerprint: bytes, counted: bool = True) -> Record | None:
         """The verified, unexpired record of `key` under `fingerprint`, or None (a miss, or the cluster is
-        down or slow: counted either way)."""
+        down or slow: counted either way). counted=False (warm-up): not a local miss, so neither a cluster hit
+        nor a miss (a refused record is still counted)."""
         try:
             raw = self._call("get", lambda store, k: store.get(k), store_key(key))
         except ClusterError:
             return None
         if raw is None:
-            self.metrics.misses.inc()
+            if counted:
+                self.metrics.misses.inc()
             return None
         record = decode_record(raw, key, self.clock())
         why = verify(record, fingerprint)
@@ -258,10 +270,48 @@ class ClusterTier:
             if why == "checksum":
                 log.error("cluster chunk failed its checksum and was not served", extra={"key": key.hex()})
             return None
-        self.metrics.hits.inc()
+        if counted:
+            self.metrics.hits.inc()
         return record
 
+    def hot_lists(self, max_bytes: int) -> list[tuple[float, list[hotlist.HotEntry]]]:
+        """(published, entries) of every slot's hot list that decodes (one cluster call per slot, within the
+        deadline each); a slot that is empty, larger than `max_bytes` or malformed is skipped, counted."""
+        lists = []
+        for slot in range(hotlist.HOT_SLOTS):
+            try:
+                raw = self._call("get", lambda store, k: store.get(k), hotlist.slot_key(slot))
+            except ClusterError:
+                self.metrics.hot_lists.labels("failed").inc()
+                continue
+            if raw is None:
+                continue
+            try:
+                if len(raw) > max_bytes:
+                    raise hotlist.HotListError(f"{len(raw)} bytes, more than the bound of {max_bytes}")
+                published, entries = hotlist.decode(raw)
+            except hotlist.HotListError as exc:
+                self.metrics.hot_lists.labels("malformed").inc()
+                log.warning("a hot list in the cluster tier was refused", extra={"slot": slot, "error": str(exc)})
+                continue
+            self.metrics.hot_lists.labels("read").inc()
+            lists.append((published, entries))
+        return lists
+
     # --- writes -----------------------------------------------------------------------------------------
+    def publish_hot_list(self, slot: int, value: bytes) -> bool:
+        """Replace this node's hot list in `slot` (on the caller's thread, within the deadline)."""
+        if len(value) > self.max_record_bytes:
+            self.metrics.hot_lists.labels("failed").inc()
+            return False
+        try:
+            self._call("upsert", lambda store, k, v: store.upsert(k, v), hotlist.slot_key(slot), value)
+        except ClusterError:
+            self.metrics.hot_lists.labels("failed").inc()
+            return False
+        self.metrics.hot_lists.labels("published").inc()
+        return True
+
     def publish(self, key: bytes, make_record: Callable[[], bytes]) -> None:
         """Queue the chunk for publishing (`make_record` runs on the publisher thread); never blocks."""
         if self._available() is None:

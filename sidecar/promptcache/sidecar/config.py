@@ -107,6 +107,7 @@ class Settings:
     cluster_timeout_seconds: float = 0.25
     cluster_retry_seconds: float = 10.0
     cluster_publish_queue: int = 1024
+    cluster_hot_list_seconds: float = 60.0
     kv_events_address: str = ""
     kv_events_id: str = ""
 
@@ -235,6 +236,9 @@ class Settings:
             raise ValueError("--cluster-timeout-seconds and --cluster-retry-seconds must be positive")
         if self.cluster_publish_queue < 1:
             raise ValueError("--cluster-publish-queue must be at least 1")
+        if self.cluster_hot_list_seconds < 0:
+            raise ValueError(f"--cluster-hot-list-seconds must be 0 (off) or a positive number of seconds, got "
+                             f"{self.cluster_hot_list_seconds}")
         if self.kv_events_address and not re.fullmatch(r"(tcp|ipc)://\S+", self.kv_events_address):
             raise ValueError(f"--kv-events-address must be a ZMQ endpoint tcp://HOST:PORT or ipc://PATH, got "
                              f"{self.kv_events_address!r}")
@@ -341,9 +345,9 @@ HELP = {
     "disk_lock_wait_seconds": "at start, how long to wait for another process (the pod being replaced) to "
                               "release the disk tier's RocksDB lock before exiting with an error",
     "warmup_seconds": "at start, the health service says NOT_SERVING while warm-up fills the memory tier (from "
-                      "--warmup-snapshot, then the disk tier, hottest first), for at most this long; then serving "
-                      "anyway while it goes on (docs/warmup.md). 0: no warm-up from disk, and a snapshot loads without "
-                      "holding readiness",
+                      "--warmup-snapshot, then the disk tier, then the cluster tier's hot lists, hottest first), for "
+                      "at most this long; then serving anyway while it goes on (docs/warmup.md). 0: no warm-up from "
+                      "disk or cluster, and a snapshot loads without holding readiness",
     "warmup_snapshot": "snapshot file (promptcache export) loaded into the memory tier at start, verified whole "
                        "first (a bad file is logged and skipped); empty: none",
     "shm_dir": "existing folder on a shared-memory filesystem (e.g. /dev/shm/promptcache) through which "
@@ -432,6 +436,8 @@ HELP = {
     "cluster_timeout_seconds": "deadline of one cluster call; a call that fails or runs out marks the tier down",
     "cluster_retry_seconds": "how long the cluster tier stays marked down (serving locally) before it is tried again",
     "cluster_publish_queue": "chunks waiting to be published at most; more are dropped and counted",
+    "cluster_hot_list_seconds": "how often this node publishes the keys of its hottest chunks to the cluster tier, "
+                                "from which new and restarted nodes warm up (docs/warmup.md); 0: never",
     "kv_events_address": "ZMQ PUB endpoint (tcp://HOST:PORT or ipc://PATH) on which KV events in vLLM's format "
                          "announce the chunks this node holds, for prefix-aware routers (docs/cluster.md); empty: off",
     "kv_events_id": "the id in the KV event topic kv@ID@MODEL; empty: this host's name",

@@ -7,11 +7,15 @@ Sources, in this order, each until the memory tier has no room left without evic
   recorded when the chunk left memory), not in key order. A chunk's ancestors are brought in before it (a
   prefix is only reachable from its root), so a hot deep chunk never sits in memory without its parents.
 Warming moves a chunk (it leaves the disk tier, as a promotion does), charged to the owner recorded with it.
+* the cluster tier: the hot lists its nodes publish (promptcache.sidecar.hotlist: each node's hottest chunks,
+  ancestors first), merged rank by rank, each chunk fetched and verified as a cluster hit is (it stays in the
+  cluster), charged to the owner the list names. Lists older than HOT_LIST_MAX_AGE are passed over (their node is
+  likely gone, and its chunks with it).
 
 The gRPC health service says NOT_SERVING until warm-up ends or --warmup-seconds pass, whichever is first; then
 SERVING (a bound, not a promise: what is not warm yet is still served from disk). Calls are answered meanwhile.
---warmup-seconds 0 (the default) turns warm-up from the disk tier off; a --warmup-snapshot is then loaded in the
-background without holding readiness back.
+--warmup-seconds 0 (the default) turns warm-up from the disk and cluster tiers off; a --warmup-snapshot is then
+loaded in the background without holding readiness back.
 """
 from __future__ import annotations
 
@@ -21,13 +25,18 @@ import time
 
 from prometheus_client import Counter, Gauge
 
+from promptcache.sidecar import hotlist
+
 log = logging.getLogger("promptcache.sidecar.warmup")
+
+HOT_LIST_MAX_AGE = 3600.0  # seconds since a hot list was published, beyond which warm-up passes it over
+HOT_LIST_MAX_BYTES = 8 << 20  # a slot's record larger than this is refused unread (hotlist.MAX_ENTRIES fit in 4 MiB)
 
 
 class WarmupMetrics:
     def __init__(self, registry):
         self.chunks = Counter("promptcache_warmup_chunks", "chunks warm-up brought into the memory tier, by "
-                              "source (disk, snapshot)", ["source"], registry=registry)
+                              "source (disk, snapshot, cluster)", ["source"], registry=registry)
         self.bytes = Counter("promptcache_warmup_bytes", "bytes warm-up brought into the memory tier, by source",
                              ["source"], registry=registry)
         self.seconds = Gauge("promptcache_warmup_duration_seconds", "how long warm-up ran (so far, while it runs)",
@@ -42,10 +51,12 @@ class Warmup:
     """Run once at start (start()); `ready` is set when it ends or its bound passes."""
 
     def __init__(self, stack, spill, metrics: WarmupMetrics, seconds: float, snapshot_path: str = "",
-                 clock=time.monotonic):
+                 clock=time.monotonic, cluster=None, wall_clock=time.time):
         self.stack = stack  # promptcache.sidecar.tiers.TierStack: what is warmed is promoted by it
         self.tier = stack.memory
         self.spill = spill  # the stack's disk tier (tiers.disk.DiskLowerTier), or None
+        self.cluster = cluster  # the cluster tier (cluster.ClusterTier), or None
+        self.wall_clock = wall_clock  # hot lists carry Unix times
         self.metrics = metrics
         self.seconds = seconds
         self.snapshot_path = snapshot_path
@@ -53,13 +64,14 @@ class Warmup:
         self.ready = threading.Event()
         self.done = threading.Event()
         self.report: dict = {"disk_chunks": 0, "disk_bytes": 0, "snapshot_chunks": 0, "snapshot_bytes": 0,
-                             "seconds": 0.0, "bound_reached": False, "error": ""}
+                             "cluster_chunks": 0, "cluster_bytes": 0, "seconds": 0.0, "bound_reached": False,
+                             "error": ""}
         self._stop = threading.Event()
         self._started = 0.0
 
     @property
     def needed(self) -> bool:
-        return (self.seconds > 0 and self.spill is not None) or bool(self.snapshot_path)
+        return (self.seconds > 0 and (self.spill is not None or self.cluster is not None)) or bool(self.snapshot_path)
 
     def start(self, on_ready) -> None:
         """Warm in a thread; call on_ready() once, when warm-up ends or the bound passes."""
@@ -115,6 +127,14 @@ class Warmup:
             self._from_snapshot()
         if self.spill is not None and self.seconds > 0:
             self._from_disk()
+        if self.cluster is not None and self.seconds > 0:
+            self._from_cluster()
+
+    def _count(self, source: str, nbytes: int) -> None:
+        self.report[f"{source}_chunks"] += 1
+        self.report[f"{source}_bytes"] += nbytes
+        self.metrics.chunks.labels(source).inc()
+        self.metrics.bytes.labels(source).inc(nbytes)
 
     def _from_snapshot(self) -> None:
         from promptcache.sidecar.snapshot import SnapshotError, as_record, read_snapshot
@@ -131,10 +151,7 @@ class Warmup:
             record = as_record(rec)
             n = self.stack.promote(record, rec.owner, serve=False) if record is not None else 0
             if n:
-                self.report["snapshot_chunks"] += 1
-                self.report["snapshot_bytes"] += n
-                self.metrics.chunks.labels("snapshot").inc()
-                self.metrics.bytes.labels("snapshot").inc(n)
+                self._count("snapshot", n)
             self._tick()
 
     def _from_disk(self) -> None:
@@ -158,8 +175,28 @@ class Warmup:
                 tried.add(k)
                 n = self.stack.warm(self.spill, k)
                 if n:
-                    self.report["disk_chunks"] += 1
-                    self.report["disk_bytes"] += n
-                    self.metrics.chunks.labels("disk").inc()
-                    self.metrics.bytes.labels("disk").inc(n)
+                    self._count("disk", n)
+            self._tick()
+
+    def _from_cluster(self) -> None:
+        # the join runs on its own thread from start: wait for it within what is left of the bound
+        if not self.cluster.wait_joined(max(0.0, self.seconds - (self.clock() - self._started))):
+            log.warning("warm-up: the cluster tier was not joined in time; not warming from it")
+            return
+        now = self.wall_clock()
+        lists = [entries for published, entries in self.cluster.hot_lists(HOT_LIST_MAX_BYTES)
+                 if now - published <= HOT_LIST_MAX_AGE]
+        for entry in hotlist.merge(lists):
+            if self._stop.is_set() or self.tier.room() <= 0:
+                break
+            if self.tier.holds(entry.key, entry.fingerprint):
+                continue
+            record = self.cluster.fetch(entry.key, entry.fingerprint, counted=False)  # verified
+            if record is None:
+                continue
+            n = self.stack.promote(record, entry.owner, serve=False)
+            if n:
+                self._count("cluster", n)
+            elif not self.tier.room_for(record.nbytes):
+                break  # the rest of memory is smaller than a chunk
             self._tick()

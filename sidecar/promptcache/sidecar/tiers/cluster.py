@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 
+from promptcache.sidecar import hotlist
 from promptcache.sidecar.cluster import ClusterTier, encode_record
 from promptcache.sidecar.tiers.base import LowerTier, Record
+
+log = logging.getLogger("promptcache.sidecar.cluster")
 
 RECENT_SECONDS = 5.0  # how long a record fetched by a Lookup waits for its Get
 RECENT_BYTES = 64 << 20  # ... and at most this many bytes of them
@@ -79,3 +83,42 @@ class ClusterLowerTier(LowerTier):
 
     def close(self) -> None:
         self.cluster.close()
+
+
+class HotListPublisher:
+    """Every `seconds`, this node's hot list (hotlist.hot_order of its memory tier: at most the tier's budget of
+    chunks, hottest first, ancestors first) replaces the one in its slot of the cluster store, for nodes that warm
+    from the cluster (docs/warmup.md). An empty memory tier publishes nothing (it would only erase a list)."""
+
+    def __init__(self, cluster: ClusterTier, memory, name: str, seconds: float, clock=time.time):
+        self.cluster, self.memory, self.seconds, self.clock = cluster, memory, seconds, clock
+        self.slot = hotlist.slot_of(name)
+        # each entry takes at most 64 B of keys, the owner's length and the owner; the list fits one cluster record
+        largest = 65 + hotlist.MAX_OWNER_BYTES
+        self.max_entries = min(hotlist.MAX_ENTRIES, max(0, cluster.max_record_bytes - 64) // largest)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def publish_once(self) -> int:
+        """Publish now; the number of entries published (0: nothing held, or the call failed)."""
+        entries = hotlist.hot_order(self.memory.snapshot(), self.max_entries, self.memory.budget)
+        if not entries:
+            return 0
+        return len(entries) if self.cluster.publish_hot_list(self.slot, hotlist.encode(entries, self.clock())) else 0
+
+    def start(self) -> "HotListPublisher":
+        def run():
+            while not self._stop.wait(self.seconds):
+                try:
+                    self.publish_once()
+                except Exception:  # noqa: BLE001 - a failed list must not stop the next one
+                    log.exception("cannot publish the hot list")
+
+        self._thread = threading.Thread(target=run, name="cluster-hot-list", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
