@@ -152,13 +152,15 @@ def _probe_kinds(ds) -> set[str]:
             if k in ("grpc", "tcpSocket", "httpGet", "exec")}
 
 
-def test_warm_up_is_on_with_a_disk_tier_and_within_the_startup_probe():
-    """spec.memory.warmupSeconds (default 30) reaches the sidecar only with a disk tier to warm from, and stays
-    below what the startup probe allows (periodSeconds x failureThreshold)."""
+def test_warm_up_is_on_with_a_disk_or_cluster_tier_and_within_the_startup_probe():
+    """spec.memory.warmupSeconds (default 30) reaches the sidecar only with a disk or cluster tier to warm from, and
+    stays below what the startup probe allows (periodSeconds x failureThreshold)."""
     minimal = example("minimal")["spec"]
     assert builders.sidecar_env(PromptCacheSpec.from_dict(minimal))["PROMPTCACHE_WARMUP_SECONDS"] == "0"
     with_disk = {**minimal, "memory": {**minimal["memory"], "disk": "10Gi"}}
     assert builders.sidecar_env(PromptCacheSpec.from_dict(with_disk))["PROMPTCACHE_WARMUP_SECONDS"] == "30"
+    with_cluster = {**minimal, "cluster": {"enabled": True}}
+    assert builders.sidecar_env(PromptCacheSpec.from_dict(with_cluster))["PROMPTCACHE_WARMUP_SECONDS"] == "30"
     off = {**minimal, "memory": {**minimal["memory"], "disk": "10Gi", "warmupSeconds": 0}}
     assert builders.sidecar_env(PromptCacheSpec.from_dict(off))["PROMPTCACHE_WARMUP_SECONDS"] == "0"
     ds = builders.daemon_set(PromptCacheSpec.from_dict(with_disk), OWNER, OperatorDefaults(), "h")

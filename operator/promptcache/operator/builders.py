@@ -181,7 +181,8 @@ def sidecar_env(spec: PromptCacheSpec, defaults: OperatorDefaults = OperatorDefa
         "PROMPTCACHE_TENANCY": spec.tenancy.mode.lower(),
         "PROMPTCACHE_DATA_DIR": DATA_DIR,
         "PROMPTCACHE_DISK_BYTES": _bytes(spec.memory.disk) if spec.memory.disk else "0",
-        "PROMPTCACHE_WARMUP_SECONDS": str(spec.memory.warmupSeconds if spec.memory.disk else 0),
+        # nothing to warm from without a disk or cluster tier
+        "PROMPTCACHE_WARMUP_SECONDS": str(spec.memory.warmupSeconds if spec.memory.disk or spec.cluster.enabled else 0),
         "PROMPTCACHE_LOG_FORMAT": "json",
     }
     if spec.cachePolicy.maxChunkBytes:

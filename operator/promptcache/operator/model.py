@@ -104,8 +104,8 @@ class Memory:
     # replacement (rolling update, eviction, deletion); each node's sidecar uses its own subdirectory (the node's
     # name). None: an emptyDir (lost with the pod). docs/operator.md, "The disk tier across pod replacement".
     diskClaim: str | None = None
-    # At most this long after a start the sidecar fills its memory tier from its disk tier, hottest first, before it
-    # reports ready (docs/warmup.md); below the startup probe's 120 s. 0: no warm-up.
+    # At most this long after a start the sidecar fills its memory tier from its disk tier, then from what the cluster
+    # tier's nodes hold hottest, before it reports ready (docs/warmup.md); below the startup probe's 120 s. 0: none.
     warmupSeconds: int = 30
 
 
