@@ -6,7 +6,11 @@ memory tier goes to disk). Its data folder is copied, and the sidecar is restart
 with warm-up from its disk tier, and (a new node with no disk) with warm-up from a snapshot `promptcache export`
 wrote of the folder (--snapshot-bytes, default the memory budget). Each then replays the requests of the next
 --window-seconds of trace time. Printed (a Markdown table): warm-up time, and the token hit ratio of that window
-served from memory and overall (memory + disk), with the Get latency's median.
+served from memory and overall (memory + disk + cluster), with the Get latency's median.
+
+With --cluster, two more rows, each on a fresh Mooncake master: a peer with a cluster tier replays the same first
+requests (its chunks are published, its hot list names what it holds hottest); then a new node without a disk joins
+the cluster, without warm-up or with warm-up from the peers' hot lists, and replays the window.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ def _requests(path: str) -> list[dict]:
 def _hits(sidecar) -> dict[str, float]:
     reg = sidecar.metrics.registry
     out = {}
-    for tier in ("device", "disk"):
+    for tier in ("device", "disk", "cluster"):
         out[tier] = reg.get_sample_value("promptcache_hit_tokens_total", {"rpc": "get", "tier": tier}) or 0.0
     out["missed"] = reg.get_sample_value("promptcache_missed_tokens_total", {"rpc": "get"}) or 0.0
     return out
@@ -51,8 +55,8 @@ def _replay(sidecar, spec, reqs, ct: int, put: bool = True) -> dict:
                 c.put(spec, tokens, kv_for(spec, r["hash_ids"], ct), start_chunk=cached // ct)
     after = _hits(sidecar)
     d = {k: after[k] - before[k] for k in after}
-    total = d["device"] + d["disk"] + d["missed"]
-    return {"memory_hit": d["device"] / total, "overall_hit": (d["device"] + d["disk"]) / total,
+    total = d["device"] + d["disk"] + d["cluster"] + d["missed"]
+    return {"memory_hit": d["device"] / total, "overall_hit": (d["device"] + d["disk"] + d["cluster"]) / total,
             "get_p50_ms": 1000 * statistics.median(lat), "requests": len(reqs)}
 
 
@@ -63,6 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--window-seconds", type=float, default=60.0, help="trace time replayed after it")
     p.add_argument("--memory-chunks", type=int, default=3000, help="memory tier budget, in chunks")
     p.add_argument("--chunk-tokens", type=int, default=16)
+    p.add_argument("--cluster", action="store_true", help="also a new node warming from a peer's hot list "
+                   "(needs Mooncake: the 'cluster' extra)")
     args = p.parse_args(argv)
 
     from promptcache.contract.keys import ModelSpec
@@ -105,6 +111,8 @@ def main(argv=None) -> int:
             r = _replay(s, spec, window, ct)
             rows.append((name, ready, s.warmup.report, r))
             s.stop()
+        if args.cluster:
+            rows += _cluster_rows(base, tmp, spec, first, window, ct)
         print(f"trace {args.trace}: {len(first)} requests before the restart (memory+disk hit ratio "
               f"{warm_phase['overall_hit']:.3f}), then {len(window)} requests ({args.window_seconds:g} s of trace "
               f"time); memory {args.memory_chunks} chunks of {chunk_nbytes(spec, ct)} bytes; snapshot "
@@ -113,11 +121,66 @@ def main(argv=None) -> int:
         print("| start | ready after (s) | warmed chunks | memory hit ratio | overall hit ratio | Get p50 (ms) |")
         print("|---|---|---|---|---|---|")
         for name, ready, rep, r in rows:
-            print(f"| {name} | {ready:.2f} | {rep['disk_chunks'] + rep['snapshot_chunks']} | "
+            print(f"| {name} | {ready:.2f} | {rep['disk_chunks'] + rep['snapshot_chunks'] + rep['cluster_chunks']} | "
                   f"{r['memory_hit']:.3f} | {r['overall_hit']:.3f} | {r['get_p50_ms']:.2f} |")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def _cluster_rows(base, tmp: Path, spec, first, window, ct: int) -> list:
+    """Per row, a fresh Mooncake master and a peer that replays `first` on it and publishes its hot list; then a new
+    node (no disk) joins and replays `window`, without warm-up and with warm-up from the cluster. (One cluster per
+    row: a node's Puts publish its window's chunks, which would serve the next row's node.)"""
+    from promptcache.sidecar.app import Sidecar
+
+    rows = []
+    for name, extra in (("new node, no disk, cluster tier: no warm-up", dict(warmup_seconds=0.0)),
+                        ("new node, no disk: warm-up from the cluster's hot lists", dict(warmup_seconds=60.0))):
+        master, address = _mooncake_master(tmp / f"master-{len(rows)}.log")
+        try:
+            cluster = dict(cluster_master=address, cluster_local_hostname="127.0.0.1", cluster_segment_bytes=1 << 30,
+                           cluster_buffer_bytes=64 << 20, cluster_timeout_seconds=2.0, disk_bytes=0,
+                           cluster_publish_queue=1 << 16)
+            peer = Sidecar(dataclasses.replace(base, data_dir=str(tmp / f"peer-{len(rows)}"),
+                                               cluster_hot_list_seconds=3600.0, **cluster)).start()
+            try:
+                assert peer.cluster.wait_joined(30), "the peer did not join the Mooncake master"
+                _replay(peer, spec, first, ct)
+                assert peer.cluster.drain(120)
+                peer.hot_lists.publish_once()
+                t = time.perf_counter()
+                s = Sidecar(dataclasses.replace(base, data_dir=str(tmp / f"node-{len(rows)}"), **cluster,
+                                                cluster_hot_list_seconds=0.0, **extra)).start()
+                assert s.warmup.ready.wait(120)
+                ready = time.perf_counter() - t
+                assert s.cluster.wait_joined(30)  # (without warm-up nothing waited for it)
+                r = _replay(s, spec, window, ct)
+                rows.append((name, ready, s.warmup.report, r))
+                s.stop()
+            finally:
+                peer.stop()
+        finally:
+            master.kill()
+            master.wait()
+    return rows
+
+
+def _mooncake_master(log: Path):
+    """A Mooncake master on loopback (the 'cluster' extra's binary) and its HOST:PORT."""
+    import socket
+    import subprocess
+
+    import mooncake
+
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        port, admin = a.getsockname()[1], b.getsockname()[1]
+    master = subprocess.Popen([str(Path(mooncake.__file__).parent / "mooncake_master"), f"-rpc_port={port}",
+                               "-rpc_address=127.0.0.1", f"-metrics_port={admin}", "-metrics_host=127.0.0.1"],
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return master, f"127.0.0.1:{port}"
 
 
 _KV_CACHE: dict = {}
