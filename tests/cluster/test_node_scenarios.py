@@ -160,6 +160,65 @@ def test_disk_tier_on_a_claim_survives_a_rolling_update(cluster, release, gpu_no
     assert results == {"persisted": 4 * CHUNK, "ephemeral": 0}
 
 
+def _snapshot_of(tokens: list[int], kv, data_dir: Path, out: Path) -> int:
+    """A `promptcache export` file of a prefix: stored by an in-process sidecar with a disk tier, stopped (memory
+    goes to disk), exported. Returns the chunks in it."""
+    import dataclasses
+
+    from promptcache.sidecar import snapshot
+    from promptcache.sidecar.app import Sidecar
+    from promptcache.sidecar.config import Settings
+
+    settings = Settings(grpc_address="127.0.0.1:0", chunk_tokens=CHUNK, memory_bytes=64 << 20, disk_bytes=256 << 20,
+                        data_dir=str(data_dir), disk_min_free_bytes=0, log_level="warning")
+    s = Sidecar(dataclasses.replace(settings)).start()
+    try:
+        with PromptCacheClient(s.address, timeout=20) as c:
+            assert c.put(MODEL, tokens, kv).stored_chunks == len(tokens) // CHUNK
+    finally:
+        s.stop()
+    return snapshot.export(str(data_dir), str(out), 64 << 20)[0]
+
+
+def test_a_new_node_warms_from_a_snapshot_on_a_read_only_claim(cluster, release, gpu_node, tmp_path_factory):
+    """spec.memory.warmupSnapshot: a `promptcache export` file on a PVC (here a local PV), mounted read-only under
+    `restricted`: the sidecar is Ready with the prefix in its memory tier before its first call, served byte for
+    byte. Negative control: the same cache without the field holds nothing."""
+    ns = "snapshot"
+    restricted_namespace(cluster, ns)
+    pv_dir = tmp_path_factory.mktemp("pv") / "snapshots"
+    local_pv(cluster, f"pc-snap-{os.getpid()}", str(pv_dir))
+    tokens = list(range(5000, 5000 + 3 * CHUNK))
+    kv = make_kv(MODEL, len(tokens), seed=11)
+    (pv_dir / "fleet").mkdir(mode=0o755)
+    snap = pv_dir / "fleet" / "hot.pcsnap"
+    assert _snapshot_of(tokens, kv, tmp_path_factory.mktemp("export"), snap) == 3
+    snap.chmod(0o644)  # read by uid 65532: a read-only claim gets no fsGroup ownership change
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "snapshots"},
+                   "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "promptcache-local",
+                            "resources": {"requests": {"storage": "4Gi"}}}}, namespace=ns)
+    results = {}
+    for name, snapshot in (("warmed", {"claimName": "snapshots", "path": "fleet/hot.pcsnap"}), ("cold", None)):
+        memory = {"host": "256Mi", **({"warmupSnapshot": snapshot} if snapshot else {})}
+        doc = {"apiVersion": "promptcache.io/v1alpha1", "kind": "PromptCache", "metadata": {"name": name},
+               "spec": {"model": {"name": MODEL.model_id, "revision": MODEL.revision}, "memory": memory,
+                        "cachePolicy": {"chunkTokens": CHUNK}}}
+        cluster.apply(doc, namespace=ns)
+        pod = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 240,
+                       f"a Ready sidecar of {ns}/{name}")[0]
+        with PromptCacheClient(f"{pod['status']['podIP']}:50051", timeout=20) as c:
+            looked = c.lookup(MODEL, tokens)
+            results[name] = looked.cached_tokens
+            if snapshot:
+                assert [ch.tier for ch in looked.chunks] == ["device"] * 3  # in memory before the first call
+                cached, got = c.get(MODEL, tokens)
+                assert cached == 3 * CHUNK
+                for (k, v), (gk, gv) in zip(kv, got):
+                    assert torch.equal(k, gk) and torch.equal(v, gv)
+        cluster.kubectl("delete", "promptcache", "-n", ns, name, "--wait=true", timeout=120)
+    assert results == {"warmed": 3 * CHUNK, "cold": 0}
+
+
 def _condition(cluster, ns: str, name: str, type_: str = "Ready") -> dict:
     st = cluster.get("promptcache", "-n", ns, name).get("status") or {}
     return {c["type"]: c for c in st.get("conditions") or []}.get(type_) or {}

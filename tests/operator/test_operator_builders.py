@@ -131,6 +131,12 @@ def test_config_change_rolls_pods():
     ({"cluster": {"master": {"etcdEndpoints": ["http://etcd:2379"]}}}, "spec.cluster.master.etcdEndpoints"),
     ({"memory": {"host": "1Gi", "diskClaim": "disk"}}, "spec.memory.diskClaim needs spec.memory.disk"),
     ({"memory": {"host": "1Gi", "disk": "1Gi", "diskClaim": "Disk_1"}}, "spec.memory.diskClaim 'Disk_1'"),
+    ({"memory": {"host": "1Gi", "warmupSnapshot": {"claimName": "Snaps"}}}, "spec.memory.warmupSnapshot.claimName"),
+    ({"memory": {"host": "1Gi", "warmupSnapshot": {}}}, "spec.memory.warmupSnapshot.claimName is required"),
+    ({"memory": {"host": "1Gi", "warmupSnapshot": {"claimName": "s", "path": "../x"}}}, "must be a relative path"),
+    ({"memory": {"host": "1Gi", "warmupSnapshot": {"claimName": "s", "path": "/etc/x"}}}, "must be a relative path"),
+    ({"memory": {"host": "1Gi", "warmupSnapshot": {"claimName": "s", "path": "a/../../x"}}}, "must be a relative path"),
+    ({"memory": {"host": "1Gi", "warmupSnapshot": {"claimName": "s", "path": "a//b"}}}, "must be a relative path"),
     ({"memory": {"host": "1Gi", "disk": "1Gi", "warmupSeconds": 91}}, "spec.memory.warmupSeconds"),
     ({"memory": {"host": "1Gi", "disk": "1Gi", "warmupSeconds": -1}}, "spec.memory.warmupSeconds"),
 ])
@@ -163,6 +169,8 @@ def test_warm_up_is_on_with_a_disk_or_cluster_tier_and_within_the_startup_probe(
     assert builders.sidecar_env(PromptCacheSpec.from_dict(with_cluster))["PROMPTCACHE_WARMUP_SECONDS"] == "30"
     off = {**minimal, "memory": {**minimal["memory"], "disk": "10Gi", "warmupSeconds": 0}}
     assert builders.sidecar_env(PromptCacheSpec.from_dict(off))["PROMPTCACHE_WARMUP_SECONDS"] == "0"
+    with_snapshot = {**minimal, "memory": {**minimal["memory"], "warmupSnapshot": {"claimName": "snaps"}}}
+    assert builders.sidecar_env(PromptCacheSpec.from_dict(with_snapshot))["PROMPTCACHE_WARMUP_SECONDS"] == "30"
     ds = builders.daemon_set(PromptCacheSpec.from_dict(with_disk), OWNER, OperatorDefaults(), "h")
     startup = _pod(ds)["containers"][0]["startupProbe"]
     from promptcache.operator.model import MAX_WARMUP_SECONDS
@@ -519,3 +527,25 @@ def test_zero_copy_allowed_host_paths_from_the_chart_env():
 def test_model_rejects_bad_zero_copy(patch, words):
     with pytest.raises(SpecError, match=re.escape(words)):
         PromptCacheSpec.from_dict({**example("minimal")["spec"], **patch})
+
+
+def test_a_warm_up_snapshot_is_read_from_its_claim_mounted_read_only():
+    """spec.memory.warmupSnapshot: the claim is a read-only volume of the pod, the sidecar is pointed at the file
+    inside it, and nothing else changes (no snapshot: no volume, no variable)."""
+    minimal = example("minimal")["spec"]
+    spec = PromptCacheSpec.from_dict({**minimal, "memory": {**minimal["memory"], "warmupSnapshot": {
+        "claimName": "snaps", "path": "fleet-a/hot.pcsnap"}}})
+    env = builders.sidecar_env(spec)
+    assert env["PROMPTCACHE_WARMUP_SNAPSHOT"] == f"{builders.SNAPSHOT_DIR}/fleet-a/hot.pcsnap"
+    pod = _pod(builders.daemon_set(spec, OWNER, OperatorDefaults(), "h"))
+    claim = {"claimName": "snaps", "readOnly": True}
+    assert {"name": "warmup-snapshot", "persistentVolumeClaim": claim} in pod["volumes"]
+    mounts = pod["containers"][0]["volumeMounts"]
+    assert {"name": "warmup-snapshot", "mountPath": builders.SNAPSHOT_DIR, "readOnly": True} in mounts
+    default_path = PromptCacheSpec.from_dict({**minimal, "memory": {**minimal["memory"], "warmupSnapshot": {
+        "claimName": "snaps"}}})
+    assert builders.sidecar_env(default_path)["PROMPTCACHE_WARMUP_SNAPSHOT"].endswith("/snapshot.pcsnap")
+    plain = PromptCacheSpec.from_dict(minimal)
+    assert "PROMPTCACHE_WARMUP_SNAPSHOT" not in builders.sidecar_env(plain)
+    assert all(v["name"] != "warmup-snapshot" for v in _pod(builders.daemon_set(plain, OWNER, OperatorDefaults(),
+                                                                                "h"))["volumes"])

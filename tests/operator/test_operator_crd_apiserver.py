@@ -73,6 +73,12 @@ INVALID = [
     ("diskClaim without disk", {"memory": {"host": "1Gi", "diskClaim": "disk"}}, "spec.memory"),
     ("diskClaim not a claim name", {"memory": {"host": "1Gi", "disk": "1Gi", "diskClaim": "Disk_1"}},
      "spec.memory.diskClaim"),
+    ("warmupSnapshot without a claim", {"memory": {"host": "1Gi", "warmupSnapshot": {"path": "a.pcsnap"}}},
+     "spec.memory.warmupSnapshot.claimName"),
+    ("warmupSnapshot path out of the claim", {"memory": {"host": "1Gi", "warmupSnapshot": {
+        "claimName": "snaps", "path": "../etc/passwd"}}}, "spec.memory.warmupSnapshot.path"),
+    ("warmupSnapshot absolute path", {"memory": {"host": "1Gi", "warmupSnapshot": {
+        "claimName": "snaps", "path": "/etc/passwd"}}}, "spec.memory.warmupSnapshot.path"),
     ("warm-up past the startup probe", {"memory": {"host": "1Gi", "disk": "1Gi", "warmupSeconds": 91}},
      "spec.memory.warmupSeconds"),
     ("unknown quantization", {"cachePolicy": {"quantization": "int3"}}, "spec.cachePolicy.quantization"),

@@ -43,6 +43,7 @@ TENANT_SECRET_DIR = f"{SECRETS_DIR}/tenant-secret"
 SECRET_MODE = 0o440  # owner and fsGroup (65532) read; the kubelet applies fsGroup to Secret volumes
 # spec.zeroCopy: the bulk channel's unix socket, in the node directory <hostPath>/<namespace>.<name> mounted here.
 SOCKET_DIR = "/run/promptcache"
+SNAPSHOT_DIR = "/var/lib/promptcache-snapshot"  # spec.memory.warmupSnapshot's claim, read-only
 BULK_SOCKET = f"{SOCKET_DIR}/bulk.sock"
 SOCKET_MODE = "0660"  # the sidecar's uid and group 65532 connect; inference pods join the group (supplementalGroups)
 SOCKET_DIR_MODE = "0750"
@@ -181,10 +182,13 @@ def sidecar_env(spec: PromptCacheSpec, defaults: OperatorDefaults = OperatorDefa
         "PROMPTCACHE_TENANCY": spec.tenancy.mode.lower(),
         "PROMPTCACHE_DATA_DIR": DATA_DIR,
         "PROMPTCACHE_DISK_BYTES": _bytes(spec.memory.disk) if spec.memory.disk else "0",
-        # nothing to warm from without a disk or cluster tier
-        "PROMPTCACHE_WARMUP_SECONDS": str(spec.memory.warmupSeconds if spec.memory.disk or spec.cluster.enabled else 0),
+        # nothing to warm from without a disk or cluster tier or a snapshot
+        "PROMPTCACHE_WARMUP_SECONDS": str(spec.memory.warmupSeconds if (spec.memory.disk or spec.cluster.enabled or
+                                                                         spec.memory.warmupSnapshot) else 0),
         "PROMPTCACHE_LOG_FORMAT": "json",
     }
+    if spec.memory.warmupSnapshot is not None:
+        env["PROMPTCACHE_WARMUP_SNAPSHOT"] = f"{SNAPSHOT_DIR}/{spec.memory.warmupSnapshot.path}"
     if spec.cachePolicy.maxChunkBytes:
         env["PROMPTCACHE_MAX_CHUNK_BYTES"] = _bytes(spec.cachePolicy.maxChunkBytes)
     if spec.cluster.enabled:
@@ -354,6 +358,11 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
     volumes.insert(0, data_volume)
     secret_volumes, secret_mounts = security_volumes(spec)
     volumes += secret_volumes
+    snapshot_mounts: list[dict[str, Any]] = []
+    if spec.memory.warmupSnapshot is not None:
+        volumes.append({"name": "warmup-snapshot", "persistentVolumeClaim": {
+            "claimName": spec.memory.warmupSnapshot.claimName, "readOnly": True}})
+        snapshot_mounts = [{"name": "warmup-snapshot", "mountPath": SNAPSHOT_DIR, "readOnly": True}]
     socket_mounts: list[dict[str, Any]] = []
     host_dir = socket_host_dir(spec, owner)
     if host_dir:
@@ -374,7 +383,7 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
         "resources": _resources(spec),
         "securityContext": restricted_container_security(),
         "volumeMounts": [data_mount, {"name": "tmp", "mountPath": "/tmp"},
-                         *secret_mounts, *socket_mounts],
+                         *secret_mounts, *snapshot_mounts, *socket_mounts],
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec: dict[str, Any] = {

@@ -68,6 +68,8 @@ def _positive_quantity(path: str, value: str | None) -> None:
         raise SpecError(f"{path} must be a positive quantity, got {value!r}")
 
 
+CLAIM_NAME = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"  # a PersistentVolumeClaim's name (DNS subdomain)
+SNAPSHOT_PATH = r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*"  # no '..', no absolute path
 MAX_WARMUP_SECONDS = 90  # spec.memory.warmupSeconds: under the sidecar startup probe's 120 s
 
 @dataclass(frozen=True)
@@ -96,6 +98,15 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class WarmupSnapshot:
+    """A snapshot file (`promptcache export`) on a PersistentVolumeClaim, loaded into every sidecar's memory tier at
+    start (docs/warmup.md): the claim is mounted read-only, so it must allow many nodes to read it (ReadOnlyMany or
+    ReadWriteMany) when the cache runs on several."""
+    claimName: str
+    path: str = "snapshot.pcsnap"  # inside the claim: segments of letters, digits, '.', '_', '-', none starting '.'
+
+
+@dataclass(frozen=True)
 class Memory:
     host: str
     device: str | None = None
@@ -107,6 +118,8 @@ class Memory:
     # At most this long after a start the sidecar fills its memory tier from its disk tier, then from what the cluster
     # tier's nodes hold hottest, before it reports ready (docs/warmup.md); below the startup probe's 120 s. 0: none.
     warmupSeconds: int = 30
+    # A snapshot file loaded at start (before the disk and cluster tiers, within warmupSeconds). None: none.
+    warmupSnapshot: WarmupSnapshot | None = None
 
 
 @dataclass(frozen=True)
@@ -297,9 +310,18 @@ class PromptCacheSpec:
         if self.memory.diskClaim is not None:
             if not self.memory.disk:
                 raise SpecError("spec.memory.diskClaim needs spec.memory.disk (the disk tier's size)")
-            if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", self.memory.diskClaim):
+            if not re.fullmatch(CLAIM_NAME, self.memory.diskClaim):
                 raise SpecError(f"spec.memory.diskClaim {self.memory.diskClaim!r} is not a PersistentVolumeClaim "
                                 "name (lowercase letters, digits, '-' and '.')")
+        snap = self.memory.warmupSnapshot
+        if snap is not None:
+            if not re.fullmatch(CLAIM_NAME, snap.claimName):
+                raise SpecError(f"spec.memory.warmupSnapshot.claimName {snap.claimName!r} is not a "
+                                "PersistentVolumeClaim name (lowercase letters, digits, '-' and '.')")
+            if len(snap.path) > 255 or not re.fullmatch(SNAPSHOT_PATH, snap.path):
+                raise SpecError(f"spec.memory.warmupSnapshot.path {snap.path!r} must be a relative path inside the "
+                                "claim: '/'-separated segments of letters, digits, '.', '_' and '-', none starting "
+                                "with '.', at most 255 characters")
         if not 0 <= self.memory.warmupSeconds <= MAX_WARMUP_SECONDS:
             raise SpecError(f"spec.memory.warmupSeconds must be between 0 and {MAX_WARMUP_SECONDS} (the startup "
                             f"probe allows 120 s), not {self.memory.warmupSeconds}")
