@@ -33,7 +33,8 @@ VALID_SAMPLES = {"memory_bytes": "8192", "max_chunk_bytes": "8192", "disk_bytes"
                  "log_level": "debug", "device": "cpu", "eviction_policy": "lru", "chunk_tokens": "64",
                  "bulk_address": "unix:/run/promptcache/bulk.sock", "quantization": "k8v4", "tenancy": "shared",
                  "bulk_zero_copy": "off", "bulk_socket_mode": "0660", "max_put_reserved_fraction": "0.25",
-                 "max_pinned_fraction": "0.25", "shm_dir": "/tmp", "warmup_snapshot": __file__,  # (an existing file)
+                 "max_pinned_fraction": "0.25", "shm_dir": "/tmp",
+                 "warmup_snapshot": __file__, "pinned_prefixes_file": __file__,  # (existing files)
                  "mrc_sample_rate": "0.5", "mrc_sizes": "1Mi,2Mi",
                  "access_log_sample_rate": "0.5", "access_log_max_bytes": "8192",
                  "cluster_master": "10.0.0.1:50051", "cluster_protocol": "rdma",

@@ -4,7 +4,9 @@ a hinted chunk is served exactly like any other. Against a real sidecar (gRPC se
 channel). TTLs run on a fake clock (support.FakeClock) the tests advance."""
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -144,6 +146,78 @@ def test_pins_are_bounded_per_owner_root_first_and_the_rest_is_evictable(sidecar
         _fill(c, 200, 12)
         assert c.lookup(SMALL, long).cached_tokens == 2 * CHUNK  # the pinned root pair, nothing after it
     assert metric(s, 'promptcache_pinned_bytes{owner=""}') == 2 * NB
+
+
+def _declare(tmp_path, **prefixes) -> str:
+    path = tmp_path / "pinned.json"
+    path.write_text(json.dumps([{"name": name, "tokens": tokens} for name, tokens in prefixes.items()]))
+    return str(path)
+
+
+def test_a_declared_prefix_is_pinned_without_a_hint_and_survives_pressure_bit_exact(sidecar_factory, tmp_path):
+    """--pinned-prefixes-file (spec.cachePolicy.pinnedPrefixes): a Put without any hint that stores a declared
+    prefix pins its whole chunks (not what follows them), within the owner's bound. The control: the same traffic
+    through a sidecar without the file evicts it."""
+    system = prompt(60, chunks=3)
+    declared = system[:2 * CHUNK + 5]  # 2 whole chunks and part of a third: the whole chunks are pinned
+    kv = make_kv(SMALL, 3 * CHUNK, seed=60)
+    cached = {}
+    for name, extra in (("declared", dict(pinned_prefixes_file=_declare(tmp_path, **{"system-v1": declared}))),
+                        ("control", {})):
+        s = sidecar_factory(memory_bytes=8 * NB, max_pinned_fraction=0.25, **extra)
+        with PromptCacheClient(s.address) as c:
+            assert c.put(SMALL, system, kv).stored_chunks == 3
+            c.put(SMALL, prompt(61), make_kv(SMALL, 2 * CHUNK, seed=61))  # not declared: not pinned
+            _fill(c, 300, 12)  # 24 chunks through an 8-chunk tier
+            cached[name] = c.lookup(SMALL, system).cached_tokens
+            if name == "declared":
+                assert s.tier.pinned_usage() == {"": 2 * NB}  # the declared chunks, not prompt 61's
+                assert metric(s, 'promptcache_pinned_bytes{owner=""}') == 2 * NB
+                got = c.get(SMALL, system)[1]
+                for (k, v), (gk, gv) in zip(kv, got):
+                    assert torch.equal(bits(gk), bits(k[:, :, :2 * CHUNK]))
+                    assert torch.equal(bits(gv), bits(v[:, :, :2 * CHUNK]))
+    assert cached["declared"] == 2 * CHUNK and cached["control"] < 2 * CHUNK  # (the policy may keep a root)
+
+
+def test_a_declared_prefix_is_pinned_by_a_put_that_only_covers_it_and_stays_bounded(sidecar_factory, tmp_path):
+    long = [70 * 10_000 + t for t in range(4 * CHUNK)]
+    s = sidecar_factory(memory_bytes=8 * NB, max_pinned_fraction=0.25,  # 2 chunks may be pinned
+                        pinned_prefixes_file=_declare(tmp_path, long=long))
+    kv = make_kv(SMALL, 4 * CHUNK, seed=70)
+    with PromptCacheClient(s.address) as c:
+        assert c.put(SMALL, long[:CHUNK], [(k[:, :, :CHUNK], v[:, :, :CHUNK]) for k, v in kv]).stored_chunks == 1
+        assert s.tier.pinned_usage() == {"": NB}
+        # the rest, as vLLM's connector puts it: the whole prompt's tokens, the chunks after the cached one
+        c.put(SMALL, long, kv, start_chunk=1)
+        assert s.tier.pinned_usage() == {"": 2 * NB}  # the bound: 2 of the 4 declared chunks, root first
+        assert metric(s, 'promptcache_pins_total{result="refused"}') == 2
+        _fill(c, 400, 12)
+        assert c.lookup(SMALL, long).cached_tokens == 2 * CHUNK
+
+
+@pytest.mark.parametrize("doc, fragment", [
+    ("{", "not JSON"),
+    ('{"name": "a"}', "must be a JSON list"),
+    ('[{"name": "a"}]', 'entry 0 must be an object with exactly "name" and "tokens"'),
+    ('[{"name": "a", "tokens": [], "x": 1}]', 'exactly "name" and "tokens"'),
+    ('[{"name": "../a", "tokens": []}]', "entry 0: name '../a' must be"),
+    ('[{"name": "a", "tokens": [1, -1]}]', "prefix 'a': tokens must be a list of token ids"),
+    ('[{"name": "a", "tokens": [1, true]}]', "prefix 'a': tokens must be a list of token ids"),
+    ('[{"name": "a", "tokens": [4294967296]}]', "prefix 'a': tokens must be a list of token ids"),
+    ('[{"name": "a", "tokens": [1, 2]}]', "fewer than one chunk of 16"),
+    (json.dumps([{"name": "a", "tokens": list(range(16))}, {"name": "a", "tokens": list(range(16))}]),
+     "name 'a' appears twice"),
+    (json.dumps([{"name": f"p{i}", "tokens": list(range(16))} for i in range(65)]), "65 prefixes, more than 64"),
+])
+def test_a_bad_pinned_prefixes_file_is_refused_naming_the_file_and_the_entry(sidecar_factory, tmp_path, doc,
+                                                                               fragment):
+    path = tmp_path / "pinned.json"
+    path.write_text(doc)
+    with pytest.raises(ValueError, match=re.escape(f"--pinned-prefixes-file {path}: ") + ".*" + re.escape(fragment)):
+        sidecar_factory(pinned_prefixes_file=str(path))
+    with pytest.raises(ValueError, match="no such file"):
+        sidecar_factory(pinned_prefixes_file=str(tmp_path / "missing.json"))
 
 
 def test_pinning_off_and_a_pinned_chunk_still_expires(sidecar_factory):

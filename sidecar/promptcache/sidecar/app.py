@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, start_http_server
 
 from promptcache.contract import frames
-from promptcache.sidecar import cgroup, logs, memfd
+from promptcache.sidecar import cgroup, logs, memfd, pinned
 from promptcache.sidecar.auth import Authenticator, TokenStore, server_credentials
 from promptcache.sidecar.bulk import BulkServer
 from promptcache.sidecar.config import Settings, settings_from_args
@@ -169,6 +169,9 @@ class Sidecar:
 
     def __init__(self, settings: Settings):
         self.settings = settings = settings.validate()
+        # read and checked before anything is opened (a bad file: ValueError naming it, exit 2)
+        pinned_prefixes = (pinned.load(settings.pinned_prefixes_file, settings.chunk_tokens,
+                                       settings.max_request_tokens) if settings.pinned_prefixes_file else None)
         tokens = TokenStore(settings.token_file, settings.token_reload_seconds) if settings.token_file else None
         self.authenticator = Authenticator(tokens, mtls=bool(settings.tls_client_ca_file))
         self.device = resolve_device(settings.device)
@@ -212,7 +215,7 @@ class Sidecar:
         buffers = (SharedBuffers(settings.shm_dir, settings.shm_max_buffers, settings.shm_max_bytes,
                                  settings.shm_idle_seconds) if settings.shm_dir else None)
         self.engine = CacheEngine(settings, tier, metrics, self.tenancy, self.observer, stack=self.stack,
-                                  events=self.events, buffers=buffers)
+                                  events=self.events, buffers=buffers, pinned_prefixes=pinned_prefixes)
         self.servicer = KVCacheServicer(self.engine, settings.frame_bytes)
         frames.add_service(self.servicer, self.server)
         self.health = health.HealthServicer()

@@ -46,6 +46,7 @@ class Settings:
     max_lifetime_seconds: float = 24 * 3600.0
     max_ttl_hint_seconds: float = 24 * 3600.0
     max_pinned_fraction: float = 0.1
+    pinned_prefixes_file: str = ""
     eviction_policy: str = "rate-hazard"  # chosen by trace replay: docs/eviction.md
     quantization: Quantization = "any"
     tenancy: TenancyMode = "auto"
@@ -142,6 +143,8 @@ class Settings:
             raise ValueError(f"--max-ttl-hint-seconds must be positive, got {self.max_ttl_hint_seconds}")
         if self.warmup_seconds < 0:
             raise ValueError("--warmup-seconds must not be negative")
+        if self.pinned_prefixes_file and not os.path.isfile(self.pinned_prefixes_file):
+            raise ValueError(f"--pinned-prefixes-file {self.pinned_prefixes_file}: no such file")
         if self.warmup_snapshot and not os.path.isfile(self.warmup_snapshot):
             raise ValueError(f"--warmup-snapshot {self.warmup_snapshot}: no such file")
         if not 0 <= self.metrics_port <= 65535:
@@ -333,6 +336,9 @@ HELP = {
     "max_pinned_fraction": "a Put's priority hint pins its prefix (capacity eviction passes it over) up to this "
                            "fraction of the memory budget, or of the owner's quota when smaller, per owner; all "
                            "owners together at most half the budget. 0: no pinning (docs/retention.md)",
+    "pinned_prefixes_file": "JSON list of {name, tokens}: a Put that stores or covers one of these token prefixes pins "
+                            "its whole chunks as a priority hint does, within --max-pinned-fraction "
+                            "(docs/retention.md); empty: none",
     "eviction_policy": "which entry goes first when the budget is full",
     "quantization": "the only KV quantization mode accepted (none, k8v8, k8v4, k6v4z; clients quantize, the mode is "
                     "part of every key); other models get FAILED_PRECONDITION. any: accept every mode",

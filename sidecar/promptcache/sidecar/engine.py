@@ -80,8 +80,10 @@ class LookedUp:
 
 class CacheEngine:
     def __init__(self, settings, tier: MemoryTier, metrics, tenancy: Tenancy, observer, *,
-                 stack: TierStack | None = None, events=None, buffers=None, read_memory_limit=cgroup.memory_limit):
+                 stack: TierStack | None = None, events=None, buffers=None, read_memory_limit=cgroup.memory_limit,
+                 pinned_prefixes=None):
         self.settings = settings
+        self.pinned_prefixes = pinned_prefixes  # pinned.PinnedPrefixes (--pinned-prefixes-file), or None
         self.chunk_tokens = settings.chunk_tokens
         self.tier = tier
         # memory, then the disk and cluster tiers where they are on (promptcache.sidecar.tiers)

@@ -171,8 +171,13 @@ class PutSession:
         """The end of the Put: every chunk announced must be complete. Returns what was stored."""
         if self.current is not None:
             raise self._cut_short(self.current)
-        if self.priority and self.seen:
-            self.engine.pin_prefix(self.scope, self.keys[:max(self.seen) + 1])
+        if self.seen:
+            covered = self.keys[:max(self.seen) + 1]
+            declared = self.engine.pinned_prefixes
+            if not self.priority and declared:  # the prefixes the operator declared pinned (pinned.py)
+                covered = covered[:declared.leading(self.scope.fingerprint, covered)]
+            if covered and (self.priority or declared):
+                self.engine.pin_prefix(self.scope, covered)
         self.abort()
         self.engine.metrics.stored_chunks.inc(self.stored)
         return pb.PutResponse(stored_chunks=self.stored, skipped_chunks=self.skipped,
