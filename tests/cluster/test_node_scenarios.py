@@ -183,7 +183,9 @@ def _snapshot_of(tokens: list[int], kv, data_dir: Path, out: Path) -> int:
 def test_a_new_node_warms_from_a_snapshot_on_a_read_only_claim(cluster, release, gpu_node, tmp_path_factory):
     """spec.memory.warmupSnapshot: a `promptcache export` file on a PVC (here a local PV), mounted read-only under
     `restricted`: the sidecar is Ready with the prefix in its memory tier before its first call, served byte for
-    byte. Negative control: the same cache without the field holds nothing."""
+    byte. Negative control: the same cache without the field holds nothing. The warmed cache also declares the
+    prefix's first 2 chunks in spec.cachePolicy.pinnedPrefixes (a file of its ConfigMap): a Put covering the prompt
+    pins them."""
     ns = "snapshot"
     restricted_namespace(cluster, ns)
     pv_dir = tmp_path_factory.mktemp("pv") / "snapshots"
@@ -200,9 +202,11 @@ def test_a_new_node_warms_from_a_snapshot_on_a_read_only_claim(cluster, release,
     results = {}
     for name, snapshot in (("warmed", {"claimName": "snapshots", "path": "fleet/hot.pcsnap"}), ("cold", None)):
         memory = {"host": "256Mi", **({"warmupSnapshot": snapshot} if snapshot else {})}
+        policy = {"chunkTokens": CHUNK,
+                  **({"pinnedPrefixes": [{"name": "system", "tokens": tokens[:2 * CHUNK]}]} if snapshot else {})}
         doc = {"apiVersion": "promptcache.io/v1alpha1", "kind": "PromptCache", "metadata": {"name": name},
                "spec": {"model": {"name": MODEL.model_id, "revision": MODEL.revision}, "memory": memory,
-                        "cachePolicy": {"chunkTokens": CHUNK}}}
+                        "cachePolicy": policy}}
         cluster.apply(doc, namespace=ns)
         pod = wait_for(lambda: [p for p in sidecar_pods(cluster, ns, name) if _ready(p)] or None, 240,
                        f"a Ready sidecar of {ns}/{name}")[0]
@@ -215,8 +219,20 @@ def test_a_new_node_warms_from_a_snapshot_on_a_read_only_claim(cluster, release,
                 assert cached == 3 * CHUNK
                 for (k, v), (gk, gv) in zip(kv, got):
                     assert torch.equal(k, gk) and torch.equal(v, gv)
+                assert c.put(MODEL, tokens, kv).skipped_chunks == 3  # cached: nothing sent, the prefix covered
+                assert _metric(pod, 'promptcache_pins_total{result="pinned"}') == 2
         cluster.kubectl("delete", "promptcache", "-n", ns, name, "--wait=true", timeout=120)
     assert results == {"warmed": 3 * CHUNK, "cold": 0}
+
+
+def _metric(pod: dict, sample: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:9400/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+    return 0.0
 
 
 def _condition(cluster, ns: str, name: str, type_: str = "Ready") -> dict:

@@ -132,6 +132,16 @@ def test_config_change_rolls_pods():
     ({"memory": {"host": "1Gi", "diskClaim": "disk"}}, "spec.memory.diskClaim needs spec.memory.disk"),
     ({"memory": {"host": "1Gi", "disk": "1Gi", "diskClaim": "Disk_1"}}, "spec.memory.diskClaim 'Disk_1'"),
     ({"memory": {"host": "1Gi", "warmupSnapshot": {"claimName": "Snaps"}}}, "spec.memory.warmupSnapshot.claimName"),
+    ({"cachePolicy": {"chunkTokens": 16, "pinnedPrefixes": [{"name": "sys", "tokens": [1, 2]}]}},
+     r"spec.cachePolicy.pinnedPrefixes\[0\].tokens has 2 ids: it needs at least one chunk"),
+    ({"cachePolicy": {"chunkTokens": 16, "pinnedPrefixes": [{"name": "-sys", "tokens": list(range(16))}]}},
+     r"spec.cachePolicy.pinnedPrefixes\[0\].name '-sys'"),
+    ({"cachePolicy": {"chunkTokens": 16, "pinnedPrefixes": [{"name": "a", "tokens": list(range(16))}] * 2}},
+     "appears twice"),
+    ({"cachePolicy": {"chunkTokens": 16, "pinnedPrefixes": [{"name": "a", "tokens": [2**32] * 16}]}},
+     r"tokens must be token ids"),
+    ({"cachePolicy": {"chunkTokens": 16, "pinnedPrefixes": [{"name": f"p{i}", "tokens": list(range(16384))}
+                                                             for i in range(5)]}}, "more than 65536 tokens in all"),
     ({"memory": {"host": "1Gi", "warmupSnapshot": {}}}, "spec.memory.warmupSnapshot.claimName is required"),
     ({"memory": {"host": "1Gi", "warmupSnapshot": {"claimName": "s", "path": "../x"}}}, "must be a relative path"),
     ({"memory": {"host": "1Gi", "warmupSnapshot": {"claimName": "s", "path": "/etc/x"}}}, "must be a relative path"),
@@ -549,3 +559,32 @@ def test_a_warm_up_snapshot_is_read_from_its_claim_mounted_read_only():
     assert "PROMPTCACHE_WARMUP_SNAPSHOT" not in builders.sidecar_env(plain)
     assert all(v["name"] != "warmup-snapshot" for v in _pod(builders.daemon_set(plain, OWNER, OperatorDefaults(),
                                                                                 "h"))["volumes"])
+
+
+def test_pinned_prefixes_reach_the_sidecar_as_a_file_of_the_caches_config_map():
+    """spec.cachePolicy.pinnedPrefixes: one key of the cache's ConfigMap (its tokens once), mounted read-only and
+    named by --pinned-prefixes-file; the file is what the sidecar's own parser accepts. None: no key, no volume."""
+    import json
+
+    from promptcache.sidecar import pinned
+
+    minimal = example("minimal")["spec"]
+    tokens = list(range(1000, 1000 + 300))
+    spec = PromptCacheSpec.from_dict({**minimal, "cachePolicy": {"chunkTokens": 256, "pinnedPrefixes": [
+        {"name": "system-v1", "tokens": tokens}]}})
+    cm = builders.config_map(spec, OWNER)
+    path = builders.sidecar_env(spec)["PROMPTCACHE_PINNED_PREFIXES_FILE"]
+    assert path == f"{builders.PINNED_DIR}/{builders.PINNED_FILE}"
+    assert cm["data"]["PROMPTCACHE_PINNED_PREFIXES_FILE"] == path
+    parsed = pinned.parse(cm["data"][builders.PINNED_FILE], "cm", 256, 1 << 20)
+    assert [(p.name, list(p.tokens)) for p in parsed] == [("system-v1", tokens)]
+    assert str(tokens[5]) not in cm["data"]["promptcache.yaml"]  # the summary names it, without its tokens
+    pod = _pod(builders.daemon_set(spec, OWNER, OperatorDefaults(), "h"))
+    assert {"name": "pinned-prefixes", "configMap": {"name": f"{OWNER.name}-config", "items": [
+        {"key": builders.PINNED_FILE, "path": builders.PINNED_FILE}]}} in pod["volumes"]
+    assert {"name": "pinned-prefixes", "mountPath": builders.PINNED_DIR, "readOnly": True} in \
+        pod["containers"][0]["volumeMounts"]
+    plain = PromptCacheSpec.from_dict(minimal)
+    assert builders.PINNED_FILE not in builders.config_map(plain, OWNER)["data"]
+    assert "PROMPTCACHE_PINNED_PREFIXES_FILE" not in builders.sidecar_env(plain)
+    assert "pinnedPrefixes" not in builders.config_map(plain, OWNER)["data"]["promptcache.yaml"]

@@ -73,6 +73,14 @@ INVALID = [
     ("diskClaim without disk", {"memory": {"host": "1Gi", "diskClaim": "disk"}}, "spec.memory"),
     ("diskClaim not a claim name", {"memory": {"host": "1Gi", "disk": "1Gi", "diskClaim": "Disk_1"}},
      "spec.memory.diskClaim"),
+    ("pinned prefix shorter than a chunk", {"cachePolicy": {"chunkTokens": 16, "pinnedPrefixes": [
+        {"name": "sys", "tokens": [1, 2, 3]}]}}, "pinnedPrefixes needs at least chunkTokens"),
+    ("pinned prefix token out of range", {"cachePolicy": {"chunkTokens": 16, "pinnedPrefixes": [
+        {"name": "sys", "tokens": [-1] * 16}]}}, "spec.cachePolicy.pinnedPrefixes[0].tokens[0]"),
+    ("pinned prefixes with one name twice", {"cachePolicy": {"chunkTokens": 16, "pinnedPrefixes": [
+        {"name": "sys", "tokens": list(range(16))}, {"name": "sys", "tokens": list(range(16))}]}}, "must be unique"),
+    ("pinned prefixes over 65536 tokens", {"cachePolicy": {"chunkTokens": 16, "pinnedPrefixes": [
+        {"name": f"p{i}", "tokens": [7] * 16384} for i in range(5)]}}, "at most 65536 tokens in all"),
     ("warmupSnapshot without a claim", {"memory": {"host": "1Gi", "warmupSnapshot": {"path": "a.pcsnap"}}},
      "spec.memory.warmupSnapshot.claimName"),
     ("warmupSnapshot path out of the claim", {"memory": {"host": "1Gi", "warmupSnapshot": {

@@ -44,6 +44,8 @@ SECRET_MODE = 0o440  # owner and fsGroup (65532) read; the kubelet applies fsGro
 # spec.zeroCopy: the bulk channel's unix socket, in the node directory <hostPath>/<namespace>.<name> mounted here.
 SOCKET_DIR = "/run/promptcache"
 SNAPSHOT_DIR = "/var/lib/promptcache-snapshot"  # spec.memory.warmupSnapshot's claim, read-only
+PINNED_DIR = "/etc/promptcache-pinned"  # spec.cachePolicy.pinnedPrefixes, a key of the cache's ConfigMap
+PINNED_FILE = "pinned-prefixes.json"
 BULK_SOCKET = f"{SOCKET_DIR}/bulk.sock"
 SOCKET_MODE = "0660"  # the sidecar's uid and group 65532 connect; inference pods join the group (supplementalGroups)
 SOCKET_DIR_MODE = "0750"
@@ -187,6 +189,8 @@ def sidecar_env(spec: PromptCacheSpec, defaults: OperatorDefaults = OperatorDefa
                                                                          spec.memory.warmupSnapshot) else 0),
         "PROMPTCACHE_LOG_FORMAT": "json",
     }
+    if spec.cachePolicy.pinnedPrefixes:
+        env["PROMPTCACHE_PINNED_PREFIXES_FILE"] = f"{PINNED_DIR}/{PINNED_FILE}"
     if spec.memory.warmupSnapshot is not None:
         env["PROMPTCACHE_WARMUP_SNAPSHOT"] = f"{SNAPSHOT_DIR}/{spec.memory.warmupSnapshot.path}"
     if spec.cachePolicy.maxChunkBytes:
@@ -306,9 +310,15 @@ def _probes(spec: PromptCacheSpec) -> dict[str, dict[str, Any]]:
 
 def config_map(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults = OperatorDefaults()
                ) -> dict[str, Any]:
+    policy = to_dict(spec.cachePolicy)
+    # their tokens are in a key of their own, once; none: not in the summary (its hash rolls the DaemonSet)
+    pins = [{"name": p.name, "tokens": len(p.tokens)} for p in spec.cachePolicy.pinnedPrefixes]
+    if pins:
+        policy["pinnedPrefixes"] = pins
+    else:
+        policy.pop("pinnedPrefixes", None)
     summary = {"model": to_dict(spec.model), "memory": to_dict(spec.memory), "gpu": to_dict(spec.gpu),
-               "cachePolicy": to_dict(spec.cachePolicy), "tenancy": to_dict(spec.tenancy),
-               "autoscaling": to_dict(spec.autoscaling)}
+               "cachePolicy": policy, "tenancy": to_dict(spec.tenancy), "autoscaling": to_dict(spec.autoscaling)}
     env = sidecar_env(spec, defaults)
     if spec.cluster.enabled:
         env["PROMPTCACHE_CLUSTER_MASTER"] = cluster_master_address(spec, owner)
@@ -316,6 +326,9 @@ def config_map(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults =
             env["PROMPTCACHE_CLUSTER_ID"] = cluster_id(owner)
         summary["cluster"] = to_dict(spec.cluster)
     data = {**dict(sorted(env.items())), "promptcache.yaml": yaml.safe_dump(summary, sort_keys=True)}
+    if spec.cachePolicy.pinnedPrefixes:  # the sidecar's --pinned-prefixes-file (a volume of this key)
+        data[PINNED_FILE] = json.dumps([{"name": p.name, "tokens": list(p.tokens)}
+                                        for p in spec.cachePolicy.pinnedPrefixes], separators=(",", ":"))
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(owner, f"{owner.name}-config"),
             "data": data}
 
@@ -358,11 +371,15 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
     volumes.insert(0, data_volume)
     secret_volumes, secret_mounts = security_volumes(spec)
     volumes += secret_volumes
-    snapshot_mounts: list[dict[str, Any]] = []
+    file_mounts: list[dict[str, Any]] = []  # files the sidecar reads (pinned prefixes, a snapshot)
+    if spec.cachePolicy.pinnedPrefixes:
+        volumes.append({"name": "pinned-prefixes", "configMap": {
+            "name": f"{owner.name}-config", "items": [{"key": PINNED_FILE, "path": PINNED_FILE}]}})
+        file_mounts.append({"name": "pinned-prefixes", "mountPath": PINNED_DIR, "readOnly": True})
     if spec.memory.warmupSnapshot is not None:
         volumes.append({"name": "warmup-snapshot", "persistentVolumeClaim": {
             "claimName": spec.memory.warmupSnapshot.claimName, "readOnly": True}})
-        snapshot_mounts = [{"name": "warmup-snapshot", "mountPath": SNAPSHOT_DIR, "readOnly": True}]
+        file_mounts.append({"name": "warmup-snapshot", "mountPath": SNAPSHOT_DIR, "readOnly": True})
     socket_mounts: list[dict[str, Any]] = []
     host_dir = socket_host_dir(spec, owner)
     if host_dir:
@@ -383,7 +400,7 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
         "resources": _resources(spec),
         "securityContext": restricted_container_security(),
         "volumeMounts": [data_mount, {"name": "tmp", "mountPath": "/tmp"},
-                         *secret_mounts, *snapshot_mounts, *socket_mounts],
+                         *secret_mounts, *file_mounts, *socket_mounts],
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec: dict[str, Any] = {

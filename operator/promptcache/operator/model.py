@@ -69,6 +69,13 @@ def _positive_quantity(path: str, value: str | None) -> None:
 
 
 CLAIM_NAME = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"  # a PersistentVolumeClaim's name (DNS subdomain)
+# spec.cachePolicy.pinnedPrefixes: what the CRD allows (and the sidecar's --pinned-prefixes-file accepts), kept well
+# under the API server's object size (token ids cost up to 11 bytes each in JSON)
+MAX_PINNED_PREFIXES = 16
+MAX_PINNED_TOKENS = 16384
+MAX_PINNED_TOKENS_TOTAL = 65536
+MAX_TOKEN_ID = (1 << 32) - 1
+PINNED_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"
 SNAPSHOT_PATH = r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*"  # no '..', no absolute path
 MAX_WARMUP_SECONDS = 90  # spec.memory.warmupSeconds: under the sidecar startup probe's 120 s
 
@@ -129,6 +136,14 @@ class Gpu:
 
 
 @dataclass(frozen=True)
+class PinnedPrefix:
+    """Token ids of a prefix every sidecar pins when a Put stores or covers it (a system prompt): its whole chunks
+    are passed over by capacity eviction, within the per-tenant bound (docs/retention.md)."""
+    name: str
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class CachePolicy:
     chunkTokens: int = 256
     ttlSeconds: int = 14400          # sliding: extended by every hit
@@ -136,6 +151,7 @@ class CachePolicy:
     evictionPolicy: Literal["lru", "lru-prefix", "lfu", "wtinylfu", "rate", "rate-class", "rate-hazard"] = "rate-hazard"  # sidecar's
     quantization: Literal["none", "k8v8", "k8v4", "k6v4z"] = "none"
     maxChunkBytes: str | None = None
+    pinnedPrefixes: tuple[PinnedPrefix, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -301,6 +317,28 @@ class PromptCacheSpec:
         spec.validate()
         return spec
 
+    def _validate_pinned_prefixes(self) -> None:
+        pins = self.cachePolicy.pinnedPrefixes
+        if len(pins) > MAX_PINNED_PREFIXES:
+            raise SpecError(f"spec.cachePolicy.pinnedPrefixes: {len(pins)} prefixes, more than {MAX_PINNED_PREFIXES}")
+        names: set[str] = set()
+        for i, pin in enumerate(pins):
+            where = f"spec.cachePolicy.pinnedPrefixes[{i}]"
+            if not re.fullmatch(PINNED_NAME, pin.name):
+                raise SpecError(f"{where}.name {pin.name!r} must be 1-63 letters, digits, '.', '_' or '-', starting "
+                                "with a letter or digit")
+            if pin.name in names:
+                raise SpecError(f"{where}.name {pin.name!r} appears twice")
+            names.add(pin.name)
+            if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in pin.tokens):
+                raise SpecError(f"{where}.tokens must be token ids (integers 0..{MAX_TOKEN_ID})")
+            if not self.cachePolicy.chunkTokens <= len(pin.tokens) <= MAX_PINNED_TOKENS:
+                raise SpecError(f"{where}.tokens has {len(pin.tokens)} ids: it needs at least one chunk "
+                                f"(spec.cachePolicy.chunkTokens {self.cachePolicy.chunkTokens}) and at most "
+                                f"{MAX_PINNED_TOKENS}")
+        if sum(len(p.tokens) for p in pins) > MAX_PINNED_TOKENS_TOTAL:
+            raise SpecError(f"spec.cachePolicy.pinnedPrefixes: more than {MAX_PINNED_TOKENS_TOTAL} tokens in all")
+
     def validate(self) -> "PromptCacheSpec":
         """The CRD's rules, repeated so the builders never see a spec the API server would reject."""
         if (self.model.revision is None) == (self.model.weightsDigest is None):
@@ -341,6 +379,7 @@ class PromptCacheSpec:
         _positive_quantity("spec.autoscaling.maxMemory", self.autoscaling.maxMemory)
         if self.cachePolicy.chunkTokens not in CHUNK_TOKENS_ALLOWED:
             raise SpecError("spec.cachePolicy.chunkTokens must be a power of two between 16 and 65536")
+        self._validate_pinned_prefixes()
         if self.cachePolicy.ttlSeconds < 1:
             raise SpecError("spec.cachePolicy.ttlSeconds must be at least 1")
         if self.cachePolicy.maxLifetimeSeconds < 1:
