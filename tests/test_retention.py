@@ -196,6 +196,34 @@ def test_a_declared_prefix_is_pinned_by_a_put_that_only_covers_it_and_stays_boun
         assert c.lookup(SMALL, long).cached_tokens == 2 * CHUNK
 
 
+@pytest.mark.parametrize("warmup_seconds", [0.0, 30.0])
+def test_a_declared_prefix_is_pinned_again_when_it_comes_back_from_the_disk_tier(sidecar_factory, tmp_path,
+                                                                              warmup_seconds):
+    """A pin lives in memory, but a declared prefix is pinned again when it returns after a restart: by warm-up
+    before the sidecar is ready, or by the Get that promotes it (root first, within the bound). Undeclared chunks
+    come back unpinned."""
+    system = prompt(80, chunks=3)
+    declared = _declare(tmp_path, system=system[:2 * CHUNK])
+    flags = dict(memory_bytes=8 * NB, max_pinned_fraction=0.25, pinned_prefixes_file=declared,
+                 data_dir=str(tmp_path / "data"), disk_bytes=64 * NB, disk_min_free_bytes=0)
+    kv = make_kv(SMALL, 3 * CHUNK, seed=80)
+    first = sidecar_factory(**flags)
+    with PromptCacheClient(first.address) as c:
+        assert c.put(SMALL, system, kv).stored_chunks == 3
+    assert first.tier.pinned_usage() == {"": 2 * NB}
+    first.stop()  # graceful: memory goes to the disk tier, the pins with nothing
+    again = sidecar_factory(**flags, warmup_seconds=warmup_seconds)
+    assert again.warmup.ready.wait(30)
+    with PromptCacheClient(again.address) as c:
+        if not warmup_seconds:
+            assert again.tier.pinned_usage() == {}
+            assert c.get(SMALL, system)[0] == 3 * CHUNK  # promoted from disk, root first
+        assert again.tier.pinned_usage() == {"": 2 * NB}  # chunks 0 and 1 pinned, chunk 2 not
+        _fill(c, 500, 12)
+        assert c.lookup(SMALL, system).cached_tokens >= 2 * CHUNK
+        assert [ch.tier for ch in c.lookup(SMALL, system).chunks][:2] == ["device"] * 2
+
+
 @pytest.mark.parametrize("doc, fragment", [
     ("{", "not JSON"),
     ('{"name": "a"}', "must be a JSON list"),

@@ -103,6 +103,8 @@ class CacheEngine:
         self._scopes: dict = {}  # (Model bytes, identity) -> Scope; namespace() is pure
         self._event_models: dict[bytes, str | None] = {}  # fingerprint -> model announced in KV events, or None
         self._looked_up = LookedUp()
+        if pinned_prefixes:  # a declared prefix comes back pinned from the disk or cluster tier, or a warm-up
+            self.stack.promoted = self._pin_if_declared
 
     # --- requests, checked ------------------------------------------------------------------------------
     def scope(self, model: pb.Model | None, caller: Caller) -> Scope:
@@ -178,6 +180,17 @@ class CacheEngine:
         if pinned:
             self.metrics.pins.labels("pinned").inc(pinned)
         return pinned
+
+    def _pin_if_declared(self, key: bytes, fingerprint: bytes, parent: bytes, index: int, owner: str) -> None:
+        """A chunk just promoted into memory: pinned again if it is a declared prefix's and its parent is pinned (a
+        pinned prefix is always whole from its root), within its owner's bound."""
+        if key not in self.pinned_prefixes.keys(fingerprint):
+            return
+        if index and not self.tier.is_pinned(parent, fingerprint):
+            return
+        done = self.tier.pin(key, fingerprint, self.pin_limit(owner))
+        if done is not None:
+            self.metrics.pins.labels("pinned" if done else "refused").inc()
 
     def check_tokens(self, tokens) -> None:
         if len(tokens) == 0:

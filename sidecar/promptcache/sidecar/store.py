@@ -236,6 +236,11 @@ class MemoryTier:
             self.policy.removed(key)
             return True
 
+    def is_pinned(self, key: bytes, fingerprint: bytes) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry.fingerprint == fingerprint and entry.pinned
+
     def pinned_usage(self) -> dict[str, int]:
         with self._lock:
             return dict(self._pinned)

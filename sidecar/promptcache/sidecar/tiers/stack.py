@@ -10,6 +10,8 @@ store), what it had left of its TTL, its hits and its own TTL across tiers.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -23,6 +25,8 @@ class TierStack(StoreListener):
         self.lowers = list(lowers)
         self.publishers = [t for t in self.lowers if t.publishes]  # told of every chunk a Put stores
         self.tenancy = tenancy  # promptcache.sidecar.tenancy.Tenancy: promotions are charged to the owner's quota
+        # told of each chunk a promotion or warm-up stored in memory: (key, fingerprint, parent, index, owner)
+        self.promoted: Callable[[bytes, bytes, bytes, int, str], None] | None = None
         memory.subscribe(self)  # capacity evictions go down the stack
 
     def lower(self, name: str) -> LowerTier | None:
@@ -98,6 +102,8 @@ class TierStack(StoreListener):
         finally:
             if self.tenancy is not None and charged:
                 self.tenancy.release(owner, charged)
+        if stored and self.promoted is not None:
+            self.promoted(key, fp, record.parent, record.index, owner)
         if not serve:
             if stored and source is not None:
                 source.taken(key, hit=False)
