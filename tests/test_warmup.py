@@ -21,6 +21,7 @@ from promptcache.contract.layout import chunk_nbytes
 from promptcache.sidecar import disk as disktier
 from promptcache.sidecar import snapshot
 from support import CHUNK, SMALL, SidecarProcess, make_kv, metric
+from test_auth import write_secret_dir
 
 CHUNK_BYTES = chunk_nbytes(SMALL, CHUNK)
 
@@ -378,3 +379,112 @@ def test_the_warm_up_benchmark_shows_each_source_filling_memory_and_none_changin
     # overall, in the cluster: the same unless a cluster call ran past its 2 s deadline on a loaded machine (the
     # tier is then skipped for a while, as designed), which may cost a few misses
     assert abs(rows[pairs[2][0]][3] - rows[pairs[2][1]][3]) <= 0.02
+
+
+def test_a_running_sidecar_exports_its_hottest_chunks_and_another_warms_from_them(sidecar_factory, tmp_path,
+                                                                                   capsys):
+    """`promptcache export --address` (the admin Export call): while it keeps serving, a sidecar's memory and disk
+    tiers become one snapshot file, hottest first, each chunk after its parent, verified whole before it is
+    written; reading for it counts no hit. A new sidecar warms from the file and serves the hot prompts from memory,
+    bit-exact. --max-bytes bounds it; a tenant not in --admin-tenants is refused and no file is left."""
+    from promptcache import cli
+
+    tokens = tmp_path / "tokens"
+    write_secret_dir(tokens, {"ops": "ops-token", "bob": "bob-token"})
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))  # one fleet secret: a tenant's keys are the same on both sidecars
+    auth = dict(token_file=str(tokens), admin_tenants="ops", tenant_secret_file=str(secret))
+    s = sidecar_factory(memory_bytes=8 * CHUNK_BYTES, data_dir=str(tmp_path / "data"), disk_bytes=64 * CHUNK_BYTES,
+                        disk_min_free_bytes=0, **auth)
+    kvs = {}
+    with PromptCacheClient(s.address, token="ops-token") as c:
+        for p, t in enumerate(prompts(6, 2)):  # 12 chunks through 8 of memory: some go to the disk tier
+            kvs[p] = make_kv(SMALL, len(t), seed=p)
+            assert c.put(SMALL, t, kvs[p]).stored_chunks == 2
+        for _ in range(3):
+            for p in (4, 5):  # the hot ones (the newest: still in memory)
+                assert c.get(SMALL, prompts(6, 2)[p])[0] == 2 * CHUNK
+    hits = {e.key: e.hits for e in s.tier.snapshot()}
+    out = tmp_path / "live.pcsnap"
+    (tmp_path / "ops").write_text("ops-token\n")
+    code = cli.main(["export", "--address", s.address, "--token-file", str(tmp_path / "ops"), "--output", str(out)])
+    assert code == 0, capsys.readouterr()
+    assert "exported 12 chunks" in capsys.readouterr().out
+    assert {e.key: e.hits for e in s.tier.snapshot()} == hits  # an export is not a read
+    records = list(snapshot.read_snapshot(str(out)))
+    assert len(records) == 12 and len({r.key for r in records}) == 12
+    hot_keys = {k for e in s.tier.snapshot() if e.hits for k in [e.key]}
+    assert {r.key for r in records[:4]} == hot_keys  # prompts 4 and 5 first
+    seen = set()
+    for r in records:
+        assert r.parent in seen or snapshot.as_record(r).index == 0  # each after its parent
+        seen.add(r.key)
+
+    # --max-bytes, and a tenant that is not an admin
+    small = tmp_path / "small.pcsnap"
+    assert cli.main(["export", "--address", s.address, "--token-file", str(tmp_path / "ops"), "--output",
+                     str(small), "--max-bytes", str(3 * CHUNK_BYTES)]) == 0
+    assert snapshot.verify(str(small)) == 3
+    (tmp_path / "bob").write_text("bob-token\n")
+    denied = tmp_path / "denied.pcsnap"
+    assert cli.main(["export", "--address", s.address, "--token-file", str(tmp_path / "bob"), "--output",
+                     str(denied)]) == 1
+    assert "PERMISSION_DENIED" in capsys.readouterr().out and not denied.exists()
+    assert list(tmp_path.glob("denied.pcsnap*")) == []
+
+    # a new node warms from the file: the hot prompts are in memory when it is ready
+    warm = sidecar_factory(memory_bytes=4 * CHUNK_BYTES, warmup_snapshot=str(out), warmup_seconds=10, **auth)
+    assert warm.warmup.ready.wait(30)
+    with PromptCacheClient(warm.address, token="ops-token") as c:
+        for p in (4, 5):
+            t = prompts(6, 2)[p]
+            assert [ch.tier for ch in c.lookup(SMALL, t).chunks] == ["device"] * 2
+            got = c.get(SMALL, t)[1]
+            for (k, v), (gk, gv) in zip(kvs[p], got):
+                assert torch.equal(bits(gk), bits(k)) and torch.equal(bits(gv), bits(v))
+
+
+@pytest.mark.parametrize("peer, local", [
+    ("ipv4:127.0.0.1:5000", True), ("ipv4:127.8.9.1:1", True), ("ipv6:[::1]:5000", True),
+    ("ipv6:[::ffff:127.0.0.1]:5000", True), ("unix:/run/promptcache/grpc.sock", True), ("unix:", True),
+    ("ipv4:10.0.0.7:5000", False), ("ipv6:[2001:db8::1]:5000", False), ("ipv6:[::ffff:10.0.0.7]:1", False),
+    ("ipv4:localhost:1", False), ("", False), ("tcp:127.0.0.1:1", False)])
+def test_an_unauthenticated_export_is_answered_only_on_this_machine(peer, local):
+    from promptcache.sidecar.netaddr import is_local_peer
+
+    assert is_local_peer(peer) is local
+
+
+def test_an_unauthenticated_sidecar_exports_to_a_caller_on_loopback(sidecar_factory, tmp_path, capsys):
+    from promptcache import cli
+
+    s = sidecar_factory()
+    with PromptCacheClient(s.address) as c:
+        c.put(SMALL, prompts(1, 3)[0], make_kv(SMALL, 3 * CHUNK))
+    out = tmp_path / "loopback.pcsnap"
+    assert cli.main(["export", "--address", s.address, "--output", str(out)]) == 0
+    assert snapshot.verify(str(out)) == 3
+
+
+def _non_loopback_ipv4() -> str | None:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: the route picks this machine's outward address
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+def test_an_unauthenticated_export_from_another_address_is_refused(sidecar_factory, tmp_path, capsys):
+    from promptcache import cli
+
+    ip = _non_loopback_ipv4()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to call from")
+    s = sidecar_factory(grpc_address="0.0.0.0:0", allow_insecure_remote=True)
+    out = tmp_path / "remote.pcsnap"
+    assert cli.main(["export", "--address", f"{ip}:{s.port}", "--output", str(out)]) == 1
+    assert "PERMISSION_DENIED" in capsys.readouterr().out and not out.exists()

@@ -19,10 +19,13 @@ COMMANDS = ("stats", "lookup", "purge", "resize", "top")
 TIERS = {1: "device", 2: "disk"}  # promptcache.v1.Tier values
 
 
-def add_connection_arguments(p: argparse.ArgumentParser) -> None:
+def add_connection_arguments(p: argparse.ArgumentParser, address=None, output: bool = True) -> None:
+    """How to reach a sidecar. `address`: the group --address goes in (export's choice between a running sidecar
+    and a data folder); output False: no -o/--output (export names its file with it)."""
     env = os.environ.get
-    p.add_argument("--address", default=env("PROMPTCACHE_ADDRESS", "127.0.0.1:50051"),
-                   help="sidecar gRPC address, HOST:PORT or unix:/PATH (env PROMPTCACHE_ADDRESS; default %(default)s)")
+    (address or p).add_argument("--address", default=env("PROMPTCACHE_ADDRESS", "127.0.0.1:50051"),
+                                help="sidecar gRPC address, HOST:PORT or unix:/PATH (env PROMPTCACHE_ADDRESS; "
+                                     "default %(default)s)")
     p.add_argument("--tls-ca", default=env("PROMPTCACHE_TLS_CA"),
                    help="PEM CA bundle to verify the sidecar's certificate; turns TLS on (env PROMPTCACHE_TLS_CA)")
     p.add_argument("--tls-cert", default=env("PROMPTCACHE_TLS_CERT"),
@@ -34,8 +37,10 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", default=env("PROMPTCACHE_TOKEN_FILE"),
                    help="file holding the bearer token (env PROMPTCACHE_TOKEN_FILE); the token itself can be "
                         "given as env PROMPTCACHE_TOKEN, never as a flag, so it stays out of shell history and ps")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default %(default)s)")
-    p.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
+    p.add_argument("--timeout", type=float, default=5.0 if output else 600.0,
+                   help="seconds per call (default %(default)s)")
+    if output:
+        p.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

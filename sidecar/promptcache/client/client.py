@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass
 import sys
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import grpc
 import numpy as np
@@ -200,6 +200,17 @@ class PromptCacheClient:
         DeadlineExceeded, leaving the budget as it was, when they do not in time."""
         return self._call(lambda t: self._stub.Resize(pb.ResizeRequest(memory_bytes=memory_bytes), timeout=t),
                           timeout)
+
+    def export(self, max_bytes: int = 0, timeout: float | None = None) -> Iterator[bytes]:
+        """The pieces of a snapshot file of what the sidecar holds, hottest first (admin; docs/warmup.md), at most
+        `max_bytes` of chunk bytes (0: all), within one deadline (`timeout`, else the client's). Not retried: a
+        failure part way raises (PromptCacheError), and a file cut short fails its verification."""
+        call = self._stub.Export(pb.ExportRequest(max_bytes=max_bytes), timeout=timeout or self.timeout)
+        try:
+            for resp in call:
+                yield resp.data
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc) from None
 
     # --- shared memory ----------------------------------------------------------------------------------
     def _open_shared_buffer(self, length: int) -> pb.OpenSharedBufferResponse:

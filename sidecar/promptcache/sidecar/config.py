@@ -397,7 +397,8 @@ HELP = {
                           "random per start when empty",
     "sharing_groups": "opt-in shared namespaces, GROUP=TENANT,TENANT or GROUP=* separated by ';'; a client "
                       "selects one with the model tenant_salt 'share:GROUP'",
-    "admin_tenants": "comma-separated tenants allowed to Resize and to see whole-cache Stats when auth is on",
+    "admin_tenants": "comma-separated tenants allowed to Resize, to Export and to see whole-cache Stats when auth "
+                     "is on",
     "tenant_quota_bytes": "bytes each tenant (and sharing group) may hold in the memory tier; 0: no quota",
     "tenant_quotas": "per-tenant quotas overriding --tenant-quota-bytes: TENANT=BYTES,group:GROUP=BYTES",
     "max_calls_per_client": "calls in flight per client (tenant, or peer address without auth), gRPC and bulk "

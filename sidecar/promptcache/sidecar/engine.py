@@ -426,6 +426,23 @@ class CacheEngine:
                  for name, u in self.stack.usages().items()]
         return pb.StatsResponse(tiers=tiers, hit_tokens=self.hit_tokens, missed_tokens=self.missed_tokens, **common)
 
+    def export(self, caller: Caller, max_bytes: int):
+        """The bytes of a snapshot file of what this sidecar holds, hottest first (admins only; snapshot.py)."""
+        if not self.tenancy.is_admin(caller.identity):
+            raise PermissionDenied(f"tenant {caller.tenant!r} may not Export (--admin-tenants)")
+        from promptcache.sidecar import snapshot
+        from promptcache.sidecar.netaddr import is_local_peer
+
+        if not self.tenancy.enabled and not is_local_peer(caller.peer):
+            # every tenant's KV in one answer: without credentials, only to a caller on this machine
+            raise PermissionDenied("Export without authentication is answered only on this machine (loopback or a "
+                                   "unix socket); turn on --token-file or mTLS and call it as one of "
+                                   "--admin-tenants")
+
+        disk = self.stack.lower("disk")
+        return snapshot.encode_stream(snapshot.live_records(self.tier, disk.disk if disk is not None else None,
+                                                            max_bytes))
+
     def resize(self, caller: Caller, memory_bytes: int, wait_seconds: float) -> ResizeOutcome:
         """Set the memory tier's budget (admins only), waiting at most `wait_seconds` for Puts and Gets in flight
         to let go of what a shrink must free."""

@@ -23,6 +23,7 @@ from promptcache.contract.wire import POD_METADATA
 
 log = logging.getLogger("promptcache.sidecar")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
+EXPORT_PIECE_BYTES = 1 << 20  # an Export's messages (ExportResponse.data)
 # The longest a shrinking Resize waits for Puts and Gets in flight to let go of their bytes (less when the
 # caller's deadline is nearer). A stalled stream is cancelled after --stream-idle-seconds (30 s) anyway.
 RESIZE_WAIT_SECONDS = 30.0
@@ -159,3 +160,16 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return pb.ResizeResponse(previous_bytes=r.previous, memory_bytes=r.requested, evicted_chunks=r.evicted,
                                  bytes_used=r.used, committed_bytes=r.committed,
                                  waited_milliseconds=round(r.waited * 1000))
+
+    @_observed("Export", streaming_response=True)
+    def Export(self, request, context):
+        pending, held = [], 0
+        for piece in self.engine.export(caller_of(context), request.max_bytes):
+            pending.append(piece)  # records are small: sent EXPORT_PIECE_BYTES at a time
+            held += len(piece)
+            while held >= EXPORT_PIECE_BYTES:
+                data = b"".join(pending)
+                yield pb.ExportResponse(data=data[:EXPORT_PIECE_BYTES])
+                pending, held = [data[EXPORT_PIECE_BYTES:]], held - EXPORT_PIECE_BYTES
+        if held:
+            yield pb.ExportResponse(data=b"".join(pending))

@@ -1,8 +1,10 @@
 """Snapshot files: the hottest chunks of a sidecar's data folder, to warm another (or a rebuilt) one with.
 
-`promptcache export --data-dir DIR --output FILE [--max-bytes N]` writes the hottest N bytes of the disk tier in
-DIR (a stopped sidecar: a graceful stop demotes its memory tier there, so that is all it held; a running one
-holds the folder's lock and is named in the error). `promptcache import FILE --data-dir DIR --disk-bytes N` puts
+`promptcache export --address HOST:PORT --output FILE [--max-bytes N]` asks a running sidecar for its hottest N
+bytes (the admin Export call: its memory tier by hit count then recency, then its disk tier; it keeps serving) and
+verifies the file whole before it is renamed into place. `promptcache export --data-dir DIR ...` writes the
+hottest N bytes of the disk tier in DIR instead (a stopped sidecar: a graceful stop demotes its memory tier there,
+so that is all it held; a running one holds the folder's lock and is named in the error). `promptcache import FILE --data-dir DIR --disk-bytes N` puts
 a snapshot into a disk tier (the sidecar warms its memory from it at start), and `serve --warmup-snapshot FILE`
 loads one straight into the memory tier at start (promptcache.sidecar.warmup).
 
@@ -154,24 +156,38 @@ def read_snapshot(path: str) -> Iterator[Record]:
     return _records(path, False)
 
 
-def write_snapshot(path: str, records) -> tuple[int, int]:
-    """Write `records` to `path` (atomically: a temporary file renamed into place). Returns (records, bytes)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+def encode_stream(records) -> Iterator[bytes]:
+    """The file's bytes, record by record: header, each record, trailer (count and checksum)."""
     h = xxhash.xxh3_64()
-    count = payload = 0
+    head = _HEAD.pack(MAGIC, VERSION)
+    h.update(head)
+    yield head
+    count = 0
+    for r in records:
+        b = _encode(r)
+        h.update(b)
+        count += 1
+        yield b
+    yield _TRAILER.pack(END, count, h.intdigest())
+
+
+def write_pieces(path: str, pieces, verify_first: bool = False) -> int:
+    """Write the byte strings `pieces` to `path` atomically (a temporary file renamed into place); with
+    verify_first, the whole file is verified (SnapshotError) before the rename. Returns the bytes written."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    n = 0
     try:
         with open(tmp, "wb") as f:
-            def put(b: bytes) -> None:
-                h.update(b)
+            for b in pieces:
                 f.write(b)
-            put(_HEAD.pack(MAGIC, VERSION))
-            for r in records:
-                put(_encode(r))
-                count += 1
-                payload += len(r.payload)
-            f.write(_TRAILER.pack(END, count, h.intdigest()))
+                n += len(b)
             f.flush()
             os.fsync(f.fileno())
+        if verify_first:
+            try:
+                verify(tmp)
+            except SnapshotError as exc:
+                raise SnapshotError(str(exc).replace(tmp, path)) from None
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -179,7 +195,72 @@ def write_snapshot(path: str, records) -> tuple[int, int]:
         except OSError:
             pass
         raise
-    return count, payload
+    return n
+
+
+def write_snapshot(path: str, records) -> tuple[int, int]:
+    """Write `records` to `path` (atomically: a temporary file renamed into place). Returns (records, bytes)."""
+    counted = {"records": 0, "payload": 0}
+
+    def counting():
+        for r in records:
+            counted["records"] += 1
+            counted["payload"] += len(r.payload)
+            yield r
+    write_pieces(path, encode_stream(counting()))
+    return counted["records"], counted["payload"]
+
+
+def live_records(memory, disk, max_bytes: int, wall=time.time) -> Iterator[Record]:
+    """A running sidecar's chunks as snapshot records, hottest first: its memory tier (hit count, then recency),
+    then its disk tier's (DiskTier or None) not already taken, each chunk after its ancestors, at most `max_bytes`
+    of payload (0: all). Each memory chunk is read under a lease (its memory cannot be reused meanwhile) and
+    checked against its checksum; one that changed or left meanwhile is passed over, as are its descendants."""
+    from promptcache.sidecar import hotlist
+    from promptcache.sidecar.tiers.disk import decode_meta, encode_meta
+
+    taken: set[bytes] = set()
+    total = 0
+    entries = memory.snapshot()
+    for hot in hotlist.hot_order(entries, max_entries=len(entries) + 1,
+                                 max_bytes=max_bytes or None):
+        entry = memory.lease(hot.key, hot.fingerprint)
+        if entry is None:
+            continue
+        try:
+            if entry.index and entry.parent not in taken:
+                continue  # its parent was passed over: it would be unreachable
+            payload = entry.array.tobytes() if entry.data.device.type == "cpu" else entry.data.cpu().numpy().tobytes()
+            if xxhash.xxh3_64_intdigest(payload) != entry.checksum:
+                continue
+            now, mono = wall(), memory.clock()
+            record = Record(entry.key, encode_meta(entry), entry.parent, entry.owner,
+                            created=now - (mono - memory.birth(entry)), expires=now + (entry.expires - mono),
+                            last_access=now - (mono - (entry.last_access or entry.created)), hits=entry.hits,
+                            payload=payload)
+        finally:
+            memory.release_lease(entry)
+        taken.add(record.key)
+        total += len(payload)
+        yield record
+    if disk is None:
+        return
+    for key in hottest_chains(disk):
+        if key in taken:
+            continue
+        e = disk.entry(key)
+        decoded = decode_meta(e.meta) if e is not None else None
+        if decoded is None or (decoded[2] and decoded[1] not in taken):
+            continue  # (hottest_chains puts a held parent first: one not taken is not held)
+        if max_bytes and total + e.length > max_bytes:
+            break
+        payload = disk.get(key)  # verified against its checksum
+        if payload is None:
+            continue
+        taken.add(key)
+        total += e.length
+        yield Record(key, e.meta, e.parent, e.owner, e.created, e.expires, e.last_access or e.created, e.hits,
+                     bytes(payload))
 
 
 def hottest_chains(disk) -> list[bytes]:
@@ -277,9 +358,14 @@ def as_record(r: Record):
 def add_arguments(sub) -> None:
     from promptcache.sidecar.config import parse_bytes
 
-    p = sub.add_parser("export", help="write the hottest chunks of a (stopped) sidecar's disk tier to a snapshot "
-                       "file", description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", required=True, help="the sidecar's --data-dir")
+    from promptcache.admin import add_connection_arguments
+
+    p = sub.add_parser("export", help="write the hottest chunks of a running sidecar (--address, admin) or of a "
+                       "stopped one's disk tier (--data-dir) to a snapshot file", description=__doc__,
+                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data-dir", help="a stopped sidecar's --data-dir")
+    add_connection_arguments(p, address=src, output=False)  # --address: a running sidecar (the Export call)
     p.add_argument("--output", required=True, help="snapshot file to write")
     p.add_argument("--max-bytes", type=parse_bytes, default=0, help="at most this many payload bytes, hottest "
                    "first (a quantity such as 4Gi; 0: everything)")
@@ -300,15 +386,37 @@ def _fail(exc: Exception) -> int:
 
 
 def _run_export(args) -> int:
+    from promptcache.client.credentials import CredentialError
+    from promptcache.client.errors import PromptCacheError
     from promptcache.sidecar.disk import DiskTierError
 
     t = time.monotonic()
     try:
-        n, b = export(args.data_dir, args.output, args.max_bytes)
-    except (SnapshotError, DiskTierError, OSError) as exc:
+        if args.data_dir:
+            n, b = export(args.data_dir, args.output, args.max_bytes)
+        else:
+            n, b = export_live(args)
+    except (SnapshotError, DiskTierError, OSError, CredentialError) as exc:
         return _fail(exc)
+    except PromptCacheError as exc:  # its message starts with the gRPC code: PERMISSION_DENIED: ...
+        print(f"promptcache export: {args.address}: {exc}", flush=True)
+        return 1
     print(f"exported {n} chunks ({b} bytes) to {args.output} in {time.monotonic() - t:.2f} s", flush=True)
     return 0
+
+
+def export_live(args) -> tuple[int, int]:
+    """A running sidecar's Export call into args.output, verified whole before it is renamed into place."""
+    from promptcache.admin import _check_credentials, _client
+
+    _check_credentials(args)
+    with _client(args) as client:
+        write_pieces(args.output, client.export(args.max_bytes, timeout=args.timeout), verify_first=True)
+    n = b = 0
+    for r in _records(args.output, False):
+        n += 1
+        b += len(r.payload)
+    return n, b
 
 
 def _run_import(args) -> int:

@@ -473,6 +473,16 @@ class MemoryTier:
         with self._lock:
             return self._live(key, fingerprint, now, requested)
 
+    def lease(self, key: bytes, fingerprint: bytes) -> Entry | None:
+        """Lease the live entry for reading without it counting as a hit (an export): no policy access, no
+        change to its expiry or hit count. Give it back with release_lease."""
+        now = self.clock()
+        with self._lock:
+            entry = self._live(key, fingerprint, now, False)
+            if entry is not None:
+                entry.leases += 1
+            return entry
+
     def acquire(self, key: bytes, fingerprint: bytes, requested: bool = True) -> Entry | None:
         """Lease the entry for reading: its bytes stay accounted until release(). `requested` False: the client's
         request for this chunk was counted already (a promotion after a miss, a Get after the caller's Lookup)."""
