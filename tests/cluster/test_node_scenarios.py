@@ -15,6 +15,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from promptcache.client import PromptCacheClient, errors
+from promptcache.contract.layout import chunk_nbytes
 from promptcache.contract.keys import ModelSpec
 from promptcache.operator import builders
 
@@ -184,8 +185,8 @@ def test_a_new_node_warms_from_a_snapshot_on_a_read_only_claim(cluster, release,
     """spec.memory.warmupSnapshot: a `promptcache export` file on a PVC (here a local PV), mounted read-only under
     `restricted`: the sidecar is Ready with the prefix in its memory tier before its first call, served byte for
     byte. Negative control: the same cache without the field holds nothing. The warmed cache also declares the
-    prefix's first 2 chunks in spec.cachePolicy.pinnedPrefixes (a file of its ConfigMap): a Put covering the prompt
-    pins them."""
+    prefix's first 2 chunks in spec.cachePolicy.pinnedPrefixes (a file of its ConfigMap): they are pinned (by the
+    warm-up that brought them in; a Put covering them asks again), the third chunk is not."""
     ns = "snapshot"
     restricted_namespace(cluster, ns)
     pv_dir = tmp_path_factory.mktemp("pv") / "snapshots"
@@ -220,7 +221,7 @@ def test_a_new_node_warms_from_a_snapshot_on_a_read_only_claim(cluster, release,
                 for (k, v), (gk, gv) in zip(kv, got):
                     assert torch.equal(k, gk) and torch.equal(v, gv)
                 assert c.put(MODEL, tokens, kv).skipped_chunks == 3  # cached: nothing sent, the prefix covered
-                assert _metric(pod, 'promptcache_pins_total{result="pinned"}') == 2
+                assert _metric(pod, 'promptcache_pinned_bytes{owner=""}') == 2 * chunk_nbytes(MODEL, CHUNK)
         cluster.kubectl("delete", "promptcache", "-n", ns, name, "--wait=true", timeout=120)
     assert results == {"warmed": 3 * CHUNK, "cold": 0}
 

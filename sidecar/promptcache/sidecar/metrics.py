@@ -69,8 +69,9 @@ class Metrics:
                                   registry=r)
         self.ttl_hints = Counter("promptcache_ttl_hints", "Puts that carried a retention hint (ttl_seconds), by "
                                  "whether it was capped at --max-ttl-hint-seconds", ["capped"], registry=r)
-        self.pins = Counter("promptcache_pins", "chunks a Put's priority hint asked to pin, by result (pinned, "
-                            "refused: over --max-pinned-fraction)", ["result"], registry=r)
+        self.pins = Counter("promptcache_pins", "chunks asked to be pinned (a Put's priority hint, a declared pinned "
+                            "prefix, a promotion of one; an already pinned chunk asked again counts again), by result "
+                            "(pinned, refused: over --max-pinned-fraction)", ["result"], registry=r)
         for name, metric in list(vars(self).items()):
             if isinstance(metric, (Counter, Histogram)) and metric._labelnames:
                 setattr(self, name, _Children(metric))
