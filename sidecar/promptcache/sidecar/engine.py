@@ -164,13 +164,13 @@ class CacheEngine:
         base = self.tier.budget if not quota else min(quota, self.tier.budget)
         return int(self.settings.max_pinned_fraction * base)
 
-    def pin_prefix(self, scope: "Scope", keys: list[bytes]) -> int:
+    def pin_prefix(self, fingerprint: bytes, owner: str, keys: list[bytes]) -> int:
         """A priority hint: pin `keys` (a prefix, root first) while they are held and fit the owner's bound;
         stops at the first that is not held or does not fit, so what is pinned is always a whole prefix."""
-        limit = self.pin_limit(scope.owner)
+        limit = self.pin_limit(owner)
         pinned = 0
         for i, key in enumerate(keys):
-            done = self.tier.pin(key, scope.fingerprint, limit)
+            done = self.tier.pin(key, fingerprint, limit)
             if done is None:
                 break
             if not done:
@@ -188,9 +188,7 @@ class CacheEngine:
             return
         if index and not self.tier.is_pinned(parent, fingerprint):
             return
-        done = self.tier.pin(key, fingerprint, self.pin_limit(owner))
-        if done is not None:
-            self.metrics.pins.labels("pinned" if done else "refused").inc()
+        self.pin_prefix(fingerprint, owner, [key])
 
     def check_tokens(self, tokens) -> None:
         if len(tokens) == 0:

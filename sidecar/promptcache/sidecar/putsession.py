@@ -177,7 +177,7 @@ class PutSession:
             if not self.priority and declared:  # the prefixes the operator declared pinned (pinned.py)
                 covered = covered[:declared.leading(self.scope.fingerprint, covered)]
             if covered and (self.priority or declared):
-                self.engine.pin_prefix(self.scope, covered)
+                self.engine.pin_prefix(self.scope.fingerprint, self.scope.owner, covered)
         self.abort()
         self.engine.metrics.stored_chunks.inc(self.stored)
         return pb.PutResponse(stored_chunks=self.stored, skipped_chunks=self.skipped,

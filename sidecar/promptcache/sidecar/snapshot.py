@@ -143,10 +143,16 @@ def _records(path: str, verify_only: bool) -> Iterator[Record]:
 
 def verify(path: str) -> int:
     """Check the whole file; returns its record count. SnapshotError when it is not usable."""
-    n = 0
-    for n, _ in enumerate(_records(path, False), start=1):
-        pass
-    return n
+    return _tally(path)[0]
+
+
+def _tally(path: str) -> tuple[int, int]:
+    """Check the whole file; returns (records, payload bytes)."""
+    n = payload = 0
+    for r in _records(path, False):
+        n += 1
+        payload += len(r.payload)
+    return n, payload
 
 
 def read_snapshot(path: str) -> Iterator[Record]:
@@ -171,9 +177,10 @@ def encode_stream(records) -> Iterator[bytes]:
     yield _TRAILER.pack(END, count, h.intdigest())
 
 
-def write_pieces(path: str, pieces, verify_first: bool = False) -> int:
+def write_pieces(path: str, pieces, verify_first: bool = False) -> tuple[int, int]:
     """Write the byte strings `pieces` to `path` atomically (a temporary file renamed into place); with
-    verify_first, the whole file is verified (SnapshotError) before the rename. Returns the bytes written."""
+    verify_first, the whole file is verified (SnapshotError) before the rename. Returns (records, payload bytes)
+    when verified, else (0, bytes written)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     n = 0
     try:
@@ -183,9 +190,10 @@ def write_pieces(path: str, pieces, verify_first: bool = False) -> int:
                 n += len(b)
             f.flush()
             os.fsync(f.fileno())
+        tally = (0, n)
         if verify_first:
             try:
-                verify(tmp)
+                tally = _tally(tmp)
             except SnapshotError as exc:
                 raise SnapshotError(str(exc).replace(tmp, path)) from None
         os.replace(tmp, path)
@@ -195,7 +203,7 @@ def write_pieces(path: str, pieces, verify_first: bool = False) -> int:
         except OSError:
             pass
         raise
-    return n
+    return tally
 
 
 def write_snapshot(path: str, records) -> tuple[int, int]:
@@ -411,12 +419,7 @@ def export_live(args) -> tuple[int, int]:
 
     _check_credentials(args)
     with _client(args) as client:
-        write_pieces(args.output, client.export(args.max_bytes, timeout=args.timeout), verify_first=True)
-    n = b = 0
-    for r in _records(args.output, False):
-        n += 1
-        b += len(r.payload)
-    return n, b
+        return write_pieces(args.output, client.export(args.max_bytes, timeout=args.timeout), verify_first=True)
 
 
 def _run_import(args) -> int:
