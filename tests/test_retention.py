@@ -224,6 +224,58 @@ def test_a_declared_prefix_is_pinned_again_when_it_comes_back_from_the_disk_tier
         assert [ch.tier for ch in c.lookup(SMALL, system).chunks][:2] == ["device"] * 2
 
 
+@pytest.mark.parametrize("warmup_seconds", [0.0, 30.0])
+def test_a_priority_hints_pin_survives_a_restart_through_the_disk_tier(sidecar_factory, tmp_path, warmup_seconds):
+    """A Put's priority hint pins its chunks in memory; a graceful stop sends them to the disk tier marked as
+    pinned, and they are pinned again when warm-up or a Get brings them back (root first, within the bound), so
+    the pinned prefix survives pressure after the restart too, bit-exact. A chunk that was not pinned comes back
+    unpinned."""
+    flags = dict(memory_bytes=8 * NB, max_pinned_fraction=0.25, data_dir=str(tmp_path / "data"),
+                 disk_bytes=64 * NB, disk_min_free_bytes=0)
+    hinted, plain = prompt(90), prompt(91)
+    kv = make_kv(SMALL, 2 * CHUNK, seed=90)
+    first = sidecar_factory(**flags)
+    with PromptCacheClient(first.address) as c:
+        c.put(SMALL, hinted, kv, priority=1)
+        c.put(SMALL, plain, make_kv(SMALL, 2 * CHUNK, seed=91))
+    assert first.tier.pinned_usage() == {"": 2 * NB}
+    first.stop()  # graceful: memory goes to the disk tier, the pins marked in its records
+    again = sidecar_factory(**flags, warmup_seconds=warmup_seconds)
+    assert again.warmup.ready.wait(30)
+    with PromptCacheClient(again.address) as c:
+        if not warmup_seconds:
+            assert again.tier.pinned_usage() == {}
+            assert c.get(SMALL, hinted)[0] == 2 * CHUNK  # promoted from disk, root first
+            assert c.get(SMALL, plain)[0] == 2 * CHUNK
+        assert again.tier.pinned_usage() == {"": 2 * NB}  # the hinted prompt's chunks, not the plain one's
+        _fill(c, 600, 12)  # 24 chunks through an 8-chunk tier
+        assert [ch.tier for ch in c.lookup(SMALL, hinted).chunks] == ["device"] * 2
+        cached, got = c.get(SMALL, hinted)
+        assert cached == 2 * CHUNK
+        for (k, v), (gk, gv) in zip(kv, got):
+            assert torch.equal(bits(gk), bits(k)) and torch.equal(bits(gv), bits(v))
+        assert [ch.tier for ch in c.lookup(SMALL, plain).chunks] != ["device"] * 2
+
+
+def test_pins_that_come_back_from_disk_stay_within_the_owners_bound(sidecar_factory, tmp_path):
+    """Pins marked on disk are hints, not grants: a restart with a smaller --max-pinned-fraction pins again only
+    what the new bound allows, root first."""
+    flags = dict(memory_bytes=8 * NB, data_dir=str(tmp_path / "data"), disk_bytes=64 * NB, disk_min_free_bytes=0)
+    long = [92 * 10_000 + t for t in range(4 * CHUNK)]
+    first = sidecar_factory(**flags, max_pinned_fraction=0.5)  # 4 chunks may be pinned
+    with PromptCacheClient(first.address) as c:
+        c.put(SMALL, long, make_kv(SMALL, 4 * CHUNK, seed=92), priority=1)
+    assert first.tier.pinned_usage() == {"": 4 * NB}
+    first.stop()
+    again = sidecar_factory(**flags, max_pinned_fraction=0.25, warmup_seconds=30.0)  # 2 chunks may be pinned
+    assert again.warmup.ready.wait(30)
+    assert again.tier.pinned_usage() == {"": 2 * NB}
+    with PromptCacheClient(again.address) as c:
+        _fill(c, 700, 12)
+        tiers = [ch.tier for ch in c.lookup(SMALL, long).chunks]
+        assert tiers[:2] == ["device"] * 2 and "device" not in tiers[2:]  # the pinned root pair stays in memory
+
+
 @pytest.mark.parametrize("doc, fragment", [
     ("{", "not JSON"),
     ('{"name": "a"}', "must be a JSON list"),

@@ -60,6 +60,18 @@ def test_index_records_keep_hits_last_access_and_owner_and_version_1_is_still_re
     assert disktier._decode_index(b"x" * 32, disktier._encode_index(key, e)) is None  # bound to its key
 
 
+def test_index_records_keep_a_priority_hints_pin_in_the_flags_byte():
+    key = b"k" * 32
+    e = disktier.DiskEntry(0, 5, 123, 10.0, 99.0, b"meta", b"p" * 32, 12.5, 7, "tenant-a", 0.0, pinned=True)
+    rec = disktier._encode_index(key, e)
+    assert rec[5] == disktier.FLAG_PINNED  # magic (4 bytes), version, flags
+    assert disktier._decode_index(key, rec).pinned
+    e.pinned = False
+    assert not disktier._decode_index(key, disktier._encode_index(key, e)).pinned
+    e.pinned = True
+    assert not disktier._decode_index(key, disktier._encode_index(key, e, version=1)).pinned  # version 1: no flags
+
+
 def test_a_disk_tier_with_version_1_records_opens_and_orders_by_hits(tmp_path):
     import rocksdict as rd
 

@@ -58,6 +58,9 @@ _HDR = struct.Struct("<4sBBddQQIB")
 # access = created, no hits, the shared owner, no TTL of its own.
 _HDR2_TAIL = struct.Struct("<dIHd")
 INDEX_VERSION = 2
+# The header's flags byte (0 in records written before it was used, which read as "no flags"):
+# hints only, so a flag this version does not know is ignored rather than the record dropped.
+FLAG_PINNED = 0x01  # a Put's priority hint had pinned it in memory: pinned again when it comes back
 _CHK = struct.Struct("<Q")
 RECORD_OVERHEAD = 128  # bytes counted per record on top of payload and meta (keys, headers, RocksDB framing)
 CODECS = ("none", "lz4", "zstd")
@@ -156,6 +159,7 @@ class DiskEntry:
     hits: int = 0  # hits it had in any tier since it was first stored (capped at 2^32 - 1)
     owner: str = ""  # whose quota it is charged to once back in memory ("": the shared namespace)
     ttl_hint: float = 0.0  # its own sliding TTL once back in memory (a Put's retention hint); 0: the tier's
+    pinned: bool = False  # it was pinned in memory when it came down (a priority hint): pin it again on the way up
 
     def hotness(self) -> tuple:
         """Warm-up's order, hottest first when sorted descending: hit count, then recency."""
@@ -164,7 +168,8 @@ class DiskEntry:
 
 def _encode_index(key: bytes, e: DiskEntry, version: int = INDEX_VERSION) -> bytes:
     parent = e.parent or b""
-    body = _HDR.pack(_MAGIC, version, 0, e.created, e.expires, e.length, e.checksum, len(e.meta), len(parent))
+    flags = FLAG_PINNED if e.pinned and version >= 2 else 0
+    body = _HDR.pack(_MAGIC, version, flags, e.created, e.expires, e.length, e.checksum, len(e.meta), len(parent))
     if version >= 2:
         owner = e.owner.encode()
         body += _HDR2_TAIL.pack(e.last_access, min(e.hits, 0xFFFFFFFF), len(owner), e.ttl_hint) \
@@ -180,7 +185,7 @@ def _decode_index(key: bytes, rec: bytes) -> DiskEntry | None:
     body, (chk,) = rec[:-_CHK.size], _CHK.unpack(rec[-_CHK.size:])
     if xxhash.xxh3_64_intdigest(key + body) != chk:
         return None
-    magic, version, _flags, created, expires, length, checksum, meta_len, parent_len = _HDR.unpack_from(body)
+    magic, version, flags, created, expires, length, checksum, meta_len, parent_len = _HDR.unpack_from(body)
     if magic != _MAGIC or version not in (1, 2):
         return None
     at, last_access, hits, owner_len, ttl_hint = _HDR.size, created, 0, 0, 0.0
@@ -198,7 +203,7 @@ def _decode_index(key: bytes, rec: bytes) -> DiskEntry | None:
     except UnicodeDecodeError:
         return None
     return DiskEntry(length + meta_len + RECORD_OVERHEAD, length, checksum, created, expires, meta, parent,
-                     last_access, hits, owner, ttl_hint if ttl_hint > 0 else 0.0)
+                     last_access, hits, owner, ttl_hint if ttl_hint > 0 else 0.0, bool(flags & FLAG_PINNED))
 
 
 class DiskTier:
@@ -528,19 +533,20 @@ class DiskTier:
     # ------------------------------------------------------------------------------------------------ serving
     def put(self, key: bytes, payload, meta: bytes = b"", parent: bytes | None = None,
             ttl_seconds: float | None = None, created: float | None = None, last_access: float | None = None,
-            hits: int = 0, owner: str = "", ttl_hint: float | None = None) -> bool:
+            hits: int = 0, owner: str = "", ttl_hint: float | None = None, pinned: bool = False) -> bool:
         """Queue a chunk for writing. Returns False (and counts why) when it is not taken: too large, disk full,
         write queue full, or closed. Never blocks on I/O. `created`: when the chunk was first stored anywhere
         (this tier's clock, wall time), kept in the record so its maximum lifetime survives restarts.
         `last_access` (wall time) and `hits`: how hot it was in memory, what warm-up orders by; `owner`: whose
-        quota it is charged to when warm-up brings it back; `ttl_hint`: its own sliding TTL once back in memory."""
+        quota it is charged to when warm-up brings it back; `ttl_hint`: its own sliding TTL once back in memory;
+        `pinned`: a priority hint had pinned it in memory (it is pinned again when it comes back)."""
         payload = bytes(payload)
         now = self.clock()
         born = now if created is None else min(created, now)
         e = DiskEntry(len(payload) + len(meta) + RECORD_OVERHEAD, len(payload), payload_checksum(key, payload),
                       born, now + (self.ttl if ttl_seconds is None else ttl_seconds), bytes(meta), parent,
                       born if last_access is None else min(max(last_access, born), now), max(0, int(hits)), owner,
-                      float(ttl_hint or 0.0))
+                      float(ttl_hint or 0.0), bool(pinned))
         with self._lock:
             if self._closed:
                 self.counters["put_rejected_closed"] += 1

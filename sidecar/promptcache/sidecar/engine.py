@@ -103,8 +103,9 @@ class CacheEngine:
         self._scopes: dict = {}  # (Model bytes, identity) -> Scope; namespace() is pure
         self._event_models: dict[bytes, str | None] = {}  # fingerprint -> model announced in KV events, or None
         self._looked_up = LookedUp()
-        if pinned_prefixes:  # a declared prefix comes back pinned from the disk or cluster tier, or a warm-up
-            self.stack.promoted = self._pin_if_declared
+        # A chunk a priority hint had pinned, or a declared prefix's, is pinned again when a Get's promotion or a
+        # warm-up brings it back from the disk tier (after a restart) or the cluster tier.
+        self.stack.promoted = self._pin_again
 
     # --- requests, checked ------------------------------------------------------------------------------
     def scope(self, model: pb.Model | None, caller: Caller) -> Scope:
@@ -181,10 +182,12 @@ class CacheEngine:
             self.metrics.pins.labels("pinned").inc(pinned)
         return pinned
 
-    def _pin_if_declared(self, key: bytes, fingerprint: bytes, parent: bytes, index: int, owner: str) -> None:
-        """A chunk just promoted into memory: pinned again if it is a declared prefix's and its parent is pinned (a
-        pinned prefix is always whole from its root), within its owner's bound."""
-        if key not in self.pinned_prefixes.keys(fingerprint):
+    def _pin_again(self, key: bytes, fingerprint: bytes, parent: bytes, index: int, owner: str,
+                   was_pinned: bool) -> None:
+        """A chunk just promoted into memory: pinned again if it was pinned when it came down (a priority hint's
+        pin) or is a declared prefix's, and its parent is pinned (a pinned prefix is always whole from its root),
+        within its owner's bound."""
+        if not was_pinned and (not self.pinned_prefixes or key not in self.pinned_prefixes.keys(fingerprint)):
             return
         if index and not self.tier.is_pinned(parent, fingerprint):
             return

@@ -31,6 +31,7 @@ class Record:
     idle: float | None = None  # seconds since its last access, where the tier keeps it
     ttl_hint: float | None = None  # its own sliding TTL (a retention hint), where it had one
     owner: str = ""  # whose quota it was charged to, where the tier keeps it
+    pinned: bool = False  # a priority hint had pinned it in memory before it came down, where the tier keeps it
 
     @property
     def nbytes(self) -> int:

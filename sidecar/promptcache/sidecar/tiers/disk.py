@@ -80,7 +80,7 @@ class DiskLowerTier(LowerTier):
         now = self.disk.clock()
         return Record(key, fp, parent, index, dtype, shape, value, raw, ttl=e.expires - now, age=now - e.created,
                       hits=e.hits, idle=max(0.0, now - (e.last_access or e.created)), ttl_hint=e.ttl_hint or None,
-                      owner=e.owner)
+                      owner=e.owner, pinned=e.pinned)
 
     def taken(self, key: bytes, hit: bool) -> None:
         self.disk.delete(key)
@@ -98,12 +98,13 @@ class DiskLowerTier(LowerTier):
             return False
         host = entry.data if entry.data.device.type == "cpu" else entry.data.cpu()
         # The disk keeps what is left of its sliding TTL and when it was born (in wall time, across restarts),
-        # how hot it was (warm-up brings the hottest back first) and whose quota it is charged to.
+        # how hot it was (warm-up brings the hottest back first), whose quota it is charged to and whether a
+        # priority hint had pinned it (pinned again when it comes back: a restart keeps a hint's pins).
         born = self.disk.clock() - (now - MemoryTier.birth(entry))
         last = self.disk.clock() - (now - entry.last_access)
         taken = self.disk.put(entry.key, host.numpy(), meta=encode_meta(entry), parent=entry.parent,
                               ttl_seconds=remaining, created=born, last_access=last, hits=entry.hits,
-                              owner=entry.owner, ttl_hint=entry.ttl)
+                              owner=entry.owner, ttl_hint=entry.ttl, pinned=entry.pinned)
         if self.metrics is not None:
             (self.metrics.demotions if taken else self.metrics.demotion_failures).inc()
         return taken

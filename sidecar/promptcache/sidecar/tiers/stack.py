@@ -25,8 +25,9 @@ class TierStack(StoreListener):
         self.lowers = list(lowers)
         self.publishers = [t for t in self.lowers if t.publishes]  # told of every chunk a Put stores
         self.tenancy = tenancy  # promptcache.sidecar.tenancy.Tenancy: promotions are charged to the owner's quota
-        # told of each chunk a promotion or warm-up stored in memory: (key, fingerprint, parent, index, owner)
-        self.promoted: Callable[[bytes, bytes, bytes, int, str], None] | None = None
+        # told of each chunk a promotion or warm-up stored in memory: (key, fingerprint, parent, index, owner,
+        # whether it was pinned before it came down)
+        self.promoted: Callable[[bytes, bytes, bytes, int, str, bool], None] | None = None
         memory.subscribe(self)  # capacity evictions go down the stack
 
     def lower(self, name: str) -> LowerTier | None:
@@ -103,7 +104,7 @@ class TierStack(StoreListener):
             if self.tenancy is not None and charged:
                 self.tenancy.release(owner, charged)
         if stored and self.promoted is not None:
-            self.promoted(key, fp, record.parent, record.index, owner)
+            self.promoted(key, fp, record.parent, record.index, owner, record.pinned)
         if not serve:
             if stored and source is not None:
                 source.taken(key, hit=False)
