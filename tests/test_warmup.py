@@ -383,7 +383,7 @@ def test_the_warm_up_benchmark_shows_each_source_filling_memory_and_none_changin
     pairs = [("no warm-up (restart on its disk tier)", "warm-up from its disk tier"),
              ("new node, no disk: no warm-up", "new node, no disk: warm-up from a snapshot"),
              ("new node, no disk, cluster tier: no warm-up", "new node, no disk: warm-up from the cluster's hot lists")]
-    assert len(rows) == 6
+    assert len(rows) == 7 and "reference: no restart (the same sidecar goes on)" in rows
     for cold, warm in pairs:
         assert rows[cold][1] == 0 and rows[warm][1] > 0, (cold, warm)
         assert rows[warm][2] > rows[cold][2], (cold, warm)  # memory hit ratio
@@ -500,3 +500,76 @@ def test_an_unauthenticated_export_from_another_address_is_refused(sidecar_facto
     out = tmp_path / "remote.pcsnap"
     assert cli.main(["export", "--address", f"{ip}:{s.port}", "--output", str(out)]) == 1
     assert "PERMISSION_DENIED" in capsys.readouterr().out and not out.exists()
+
+
+# --- the resident list: what memory held at the last graceful stop comes back first ---------------------------
+def test_warm_up_brings_back_what_memory_held_at_the_stop_before_hotter_chunks_it_had_evicted(sidecar_factory,
+                                                                                               tmp_path):
+    """Memory for 4 chunks under LRU: an old prompt with many hits was evicted to disk by two newer ones. The
+    resident list written at the graceful stop makes warm-up bring back the two newer prompts (the policy's own
+    choice), not the old one that ranks first by hit count; the list is consumed by that start. The control (the
+    list removed before the start) warms the old prompt first."""
+    from promptcache.sidecar.warmup import RESIDENT_FILE
+
+    old, new1, new2 = prompts(3, 2)
+    tiers = {}
+    for case in ("resident list", "control"):
+        data = str(tmp_path / case)
+        flags = dict(memory_bytes=4 * CHUNK_BYTES, disk_bytes=64 << 20, data_dir=data, eviction_policy="lru")
+        first = sidecar_factory(**flags)
+        with PromptCacheClient(first.address) as c:
+            for seed, tokens in enumerate((old, new1, new2)):
+                c.put(SMALL, tokens, make_kv(SMALL, len(tokens), seed=seed))
+                for _ in range(5 if tokens is old else 1):
+                    c.get(SMALL, tokens)
+            assert [ch.tier for ch in c.lookup(SMALL, old).chunks] == ["disk"] * 2
+        first.stop()
+        listed = os.path.join(first.spill.disk.path, RESIDENT_FILE)
+        assert os.path.exists(listed)
+        if case == "control":
+            os.unlink(listed)
+        again = sidecar_factory(**flags, warmup_seconds=30.0)
+        assert again.warmup.done.wait(30) and again.warmup.report["disk_chunks"] == 4
+        assert not os.path.exists(listed)  # consumed: a later start does not read it again
+        with PromptCacheClient(again.address) as c:
+            tiers[case] = {name: [ch.tier for ch in c.lookup(SMALL, t).chunks]
+                           for name, t in (("old", old), ("new1", new1), ("new2", new2))}
+        again.stop()
+    assert tiers["resident list"] == {"old": ["disk"] * 2, "new1": ["device"] * 2, "new2": ["device"] * 2}
+    assert tiers["control"]["old"] == ["device"] * 2
+
+
+def test_a_resident_list_that_is_not_one_only_orders_nothing(tmp_path):
+    """The list only orders warm-up (each chunk is still read and verified from the disk tier): a corrupt,
+    truncated, foreign or oversized file gives no keys, is removed, and does not stop the sidecar."""
+    from promptcache.sidecar import hotlist, warmup
+
+    path = tmp_path / warmup.RESIDENT_FILE
+    assert warmup.take_resident(str(tmp_path)) == []  # none written
+    entries = [hotlist.HotEntry(bytes([i]) * 32, b"f" * 32, "") for i in range(3)]
+    good = hotlist.encode(entries, 1.0)
+    path.write_bytes(good)
+    assert warmup.take_resident(str(tmp_path)) == [e.key for e in entries]
+    assert not path.exists()
+    for bad in (good[:-1], good[:-8] + bytes(8), b"not a list", bytes(warmup.HOT_LIST_MAX_BYTES + 1)):
+        path.write_bytes(bad)
+        assert warmup.take_resident(str(tmp_path)) == []
+        assert not path.exists()
+
+
+def test_a_chunk_restored_with_hits_is_scored_as_proven_not_as_fresh():
+    """rate-hazard (the default): a chunk inserted with hits of an earlier life (warm-up, a promotion) gets a gap of
+    one turnover of the cache and is not sampled as a fresh chunk; one without hits is fresh as before."""
+    from promptcache.sidecar.policies import ROOT_PARENT, key_hash64, make_policy
+
+    p = make_policy("rate-hazard", capacity=100 * 10)
+    warm, new = [k for k in (bytes([i]) * 32 for i in range(256)) if key_hash64(k) % p.fresh_sample == 0][:2]
+    p.inserted(warm, 10, ROOT_PARENT)
+    assert warm in p._tracked  # (a key the policy samples as a fresh chunk...)
+    p.restored(warm, 3)
+    assert warm not in p._tracked  # (...no longer)
+    p.inserted(new, 10, ROOT_PARENT)
+    p.restored(new, 0)
+    assert p.stats[warm][1] == 100 and p.stats[new][1] is None and new in p._tracked
+    p.requested(warm)  # its own gaps take over from the prior as it is requested
+    assert p.stats[warm][1] != 100

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -41,7 +42,7 @@ from promptcache.sidecar.server import SERVICE_NAME, KVCacheServicer
 from promptcache.sidecar.shmbuffers import SharedBuffers
 from promptcache.sidecar.store import MemoryTier
 from promptcache.sidecar.tenancy import Tenancy, TenantCollector
-from promptcache.sidecar.warmup import Warmup, WarmupMetrics
+from promptcache.sidecar.warmup import Warmup, WarmupMetrics, save_resident
 
 log = logging.getLogger("promptcache.sidecar")
 
@@ -340,6 +341,10 @@ class Sidecar:
         if self.spill is not None:
             # A graceful stop (upgrade, rescheduling) keeps the cache: memory goes to disk for the next start.
             disk = self.spill.disk
+            try:  # what memory holds, for the next start's warm-up to bring back first
+                save_resident(disk.path, self.stack.memory, time.time())
+            except OSError as exc:
+                log.warning("cannot write the resident list for the next warm-up: %s", exc)
             demoted = self.stack.demote_all()
             flushed = disk.flush()
             try:

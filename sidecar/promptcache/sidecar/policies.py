@@ -68,6 +68,9 @@ class EvictionPolicy(Protocol):
 
     def accessed(self, key: bytes) -> None: ...
 
+    # Optional (the store asks hasattr): restored(key, hits), after inserted(), for a chunk brought back from a
+    # lower tier with the hits of an earlier life.
+
     def removed(self, key: bytes) -> None: ...
 
     def victim(self) -> bytes | None:
@@ -780,6 +783,23 @@ class ReuseRate:
     def accessed(self, key: Key) -> None:
         pass  # `requested` has counted the reference, hit or miss
 
+    def restored(self, key: Key, hits: int) -> None:
+        """`key` was just inserted from a lower tier (warm-up, or a Get's promotion) with `hits` from an earlier
+        life (another process, or before it left memory). A chunk that had hits is not a fresh one: it gets a gap
+        of one turnover of the cache (as many references as it holds chunks; its own gaps were counted in a clock
+        that is gone), and is not sampled as a fresh chunk (that would teach the fresh rate what proven chunks do).
+        Measured with warmup_bench: what the first minute after a restart serves from memory (docs/warmup.md)."""
+        st = self.stats.get(key)
+        if hits <= 0 or st is None or st[1] is not None or key not in self.size:
+            return
+        self._censor(key)
+        size = self.size[key]
+        st[1] = max(1, self.capacity // size if self.capacity and size else len(self.size))
+
+    def _censor(self, key: Key) -> None:
+        """Stop sampling `key` as a fresh chunk, counting neither a return nor exposure."""
+        self._fresh.pop(key, None)
+
     def removed(self, key: Key) -> None:
         if key not in self.size:
             return
@@ -884,6 +904,10 @@ class ClassRate(ReuseRate):
         self._cls.pop(key, None)
         self._off.pop(key, None)
         self._depth.pop(key, None)
+
+    def _censor(self, key: Key) -> None:
+        if key in self._tracked:
+            self._untrack(key, returned=False)  # (inserted just now: no exposure yet)
 
     def _untrack(self, key: Key, returned: bool) -> None:
         t0 = self._tracked.pop(key)

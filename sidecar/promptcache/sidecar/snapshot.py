@@ -25,7 +25,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import xxhash
 
@@ -271,12 +271,18 @@ def live_records(memory, disk, max_bytes: int, wall=time.time) -> Iterator[Recor
                      bytes(payload))
 
 
-def hottest_chains(disk) -> list[bytes]:
-    """The disk tier's keys hottest first (DiskTier.hottest), each one's ancestors (those it holds) before it."""
+def hottest_chains(disk, first: Iterable[bytes] = ()) -> list[bytes]:
+    """The disk tier's keys, `first` (those it holds: the resident list, warmup.read_resident) then the rest hottest
+    first (DiskTier.hottest), each one's ancestors (those it holds) before it."""
     out, seen = [], set()
-    for key, e in disk.hottest():
+    ranked = [(key, e) for key in first if (e := disk.entry(key)) is not None] + disk.hottest()
+    for key, e in ranked:
+        if key in seen:
+            continue
         chain, parent = [key], e.parent
         while parent is not None and parent not in seen and (pe := disk.entry(parent)) is not None:
+            if len(chain) > len(ranked):  # (keys chain by hash: a loop means records were forged; stop)
+                break
             chain.append(parent)
             parent = pe.parent
         for k in reversed(chain):
@@ -293,14 +299,18 @@ def _open_disk(data_dir: str, budget: int):
 
 
 def export(data_dir: str, out: str, max_bytes: int) -> tuple[int, int]:
-    """The hottest `max_bytes` of payload (0: all) in the disk tier of `data_dir` to the file `out`."""
+    """The hottest `max_bytes` of payload (0: all) in the disk tier of `data_dir` to the file `out`: first what the
+    memory tier held at the sidecar's last graceful stop (the resident list it wrote then, left in place), then the
+    rest hottest first."""
     if not os.path.isdir(os.path.join(data_dir, "rocksdb")):
         raise SnapshotError(f"--data-dir {data_dir}: no disk tier there (no rocksdb folder)")
     disk = _open_disk(data_dir, 1 << 60)  # no record is dropped over a budget
     try:
-        def records():
+        from promptcache.sidecar.warmup import read_resident
+
+        def records():  # what memory held when the sidecar stopped first (its resident list), then the hottest
             total = 0
-            for key in hottest_chains(disk):
+            for key in hottest_chains(disk, read_resident(disk.path)):
                 e = disk.entry(key)
                 if e is None:
                     continue

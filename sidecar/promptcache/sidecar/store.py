@@ -440,6 +440,8 @@ class MemoryTier:
             self._soonest_expiry = min(self._soonest_expiry, entry.expires)
             self._used += entry.accounted
             self.policy.inserted(key, entry.nbytes, parent)
+            if hits and hasattr(self.policy, "restored"):
+                self.policy.restored(key, hits)
             for listener in self._listeners:
                 listener.inserted(entry)
             return True

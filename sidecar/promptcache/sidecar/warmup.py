@@ -3,7 +3,9 @@
 Sources, in this order, each until the memory tier has no room left without evicting:
 * a snapshot file (--warmup-snapshot, written by `promptcache export`; promptcache.sidecar.snapshot), read and
   verified whole before anything of it is stored, its chunks in the order they were written (hottest first);
-* its own disk tier: the records it holds, hottest first (DiskTier.hottest: hit count, then last access, as
+* its own disk tier: first what the memory tier held when the sidecar last stopped gracefully (the resident list
+  it wrote then, RESIDENT_FILE: the eviction policy's own choice, which measured better than any order of the
+  whole disk tier), then the other records hottest first (DiskTier.hottest: hit count, then last access, as
   recorded when the chunk left memory), not in key order. A chunk's ancestors are brought in before it (a
   prefix is only reachable from its root), so a hot deep chunk never sits in memory without its parents.
 Warming moves a chunk (it leaves the disk tier, as a promotion does), charged to the owner recorded with it.
@@ -20,6 +22,7 @@ loaded in the background without holding readiness back.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -29,8 +32,55 @@ from promptcache.sidecar import hotlist
 
 log = logging.getLogger("promptcache.sidecar.warmup")
 
+RESIDENT_FILE = "promptcache.resident"  # in the disk tier's folder: memory's chunks at the last graceful stop
 HOT_LIST_MAX_AGE = 3600.0  # seconds since a hot list was published, beyond which warm-up passes it over
 HOT_LIST_MAX_BYTES = 8 << 20  # a slot's record larger than this is refused unread (hotlist.MAX_ENTRIES fit in 4 MiB)
+
+
+def save_resident(folder: str, memory, wall: float) -> int:
+    """At a graceful stop, before memory goes down to the disk tier: write the keys of what memory holds (a hot list,
+    promptcache.sidecar.hotlist: hottest first, each after its ancestors, at most hotlist.MAX_ENTRIES) to
+    `folder`/RESIDENT_FILE, whole or not at all (written aside, then renamed). Returns the keys written."""
+    entries = hotlist.hot_order(memory.snapshot())
+    path = os.path.join(folder, RESIDENT_FILE)
+    aside = path + ".writing"
+    with open(aside, "wb") as f:
+        f.write(hotlist.encode(entries, wall))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(aside, path)
+    return len(entries)
+
+
+def read_resident(folder: str) -> list[bytes]:
+    """The keys save_resident wrote in `folder`. A missing, unreadable, foreign or corrupt file gives no keys
+    (logged): the list only orders warm-up and exports, each chunk is still read from the disk tier and verified."""
+    path = os.path.join(folder, RESIDENT_FILE)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HOT_LIST_MAX_BYTES + 1)
+        if len(raw) > HOT_LIST_MAX_BYTES:
+            raise hotlist.HotListError(f"larger than {HOT_LIST_MAX_BYTES} bytes")
+        _, entries = hotlist.decode(raw)
+    except FileNotFoundError:
+        return []
+    except (OSError, hotlist.HotListError) as exc:
+        log.warning("%s is not a resident list we can read (%s); the hottest chunks go first instead", path, exc)
+        return []
+    return [e.key for e in entries]
+
+
+def take_resident(folder: str) -> list[bytes]:
+    """read_resident, and the file removed: it describes one stop, and a later start must not read it again (the
+    run in between changed what is hot)."""
+    try:
+        return read_resident(folder)
+    finally:
+        for name in (RESIDENT_FILE, RESIDENT_FILE + ".writing"):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
 
 
 class WarmupMetrics:
@@ -76,6 +126,8 @@ class Warmup:
     def start(self, on_ready) -> None:
         """Warm in a thread; call on_ready() once, when warm-up ends or the bound passes."""
         self._started = self.clock()
+        if self.spill is not None and not self.seconds > 0:
+            take_resident(self.spill.disk.path)  # it describes the last stop only: not for a later start
         if not self.needed:
             self.ready.set()
             self.done.set()
@@ -155,27 +207,16 @@ class Warmup:
             self._tick()
 
     def _from_disk(self) -> None:
-        disk = self.spill.disk
-        order = disk.hottest()
-        tried: set[bytes] = set()
-        for key, _entry in order:
+        from promptcache.sidecar.snapshot import hottest_chains
+
+        # what memory held at the last graceful stop, then the hottest; each chunk's ancestors before it (they are
+        # at least as hot: every request for it asked for them)
+        for key in hottest_chains(self.spill.disk, take_resident(self.spill.disk.path)):
             if self._stop.is_set() or self.tier.room() <= 0:
                 break
-            # its ancestors first, root down (they are at least as hot: every request for it asked for them)
-            chain = [key]
-            parent = _entry.parent
-            while parent is not None and parent not in tried and disk.entry(parent) is not None:
-                chain.append(parent)
-                parent = disk.entry(parent).parent
-                if len(chain) > 1 << 16:
-                    break
-            for k in reversed(chain):
-                if k in tried:
-                    continue
-                tried.add(k)
-                n = self.stack.warm(self.spill, k)
-                if n:
-                    self._count("disk", n)
+            n = self.stack.warm(self.spill, key)
+            if n:
+                self._count("disk", n)
             self._tick()
 
     def _from_cluster(self) -> None:
