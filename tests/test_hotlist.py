@@ -143,6 +143,28 @@ def test_a_list_round_trips_and_anything_else_is_refused_with_a_reason():
         hotlist.encode([HotEntry(b"short", b"f" * 32, "")], 0.0)
 
 
+def test_version_2_carries_hit_counts_and_version_1_lists_are_still_read():
+    """A node still on version 1 during a rolling upgrade publishes lists without hit counts: read, hits 0."""
+    entries = [HotEntry(k("a"), b"f" * 32, "alice", 7), HotEntry(k("b"), b"g" * 32, "", 2 ** 32 - 1)]
+    raw = hotlist.encode(entries, published=5.0)
+    assert raw[:4] == b"PCH2" and hotlist.decode(raw) == (5.0, entries)
+    assert hotlist.decode(hotlist.encode([HotEntry(k("a"), b"f" * 32, "", 2 ** 40)], 5.0))[1][0].hits == 2 ** 32 - 1
+
+    def signed(body: bytes) -> bytes:
+        return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+    header = struct.Struct("<4sdI")
+    v1 = signed(header.pack(b"PCH1", 6.0, 1) + struct.pack("<32s32sB", k("a"), b"f" * 32, 5) + b"alice")
+    assert hotlist.decode(v1) == (6.0, [HotEntry(k("a"), b"f" * 32, "alice", 0)])
+    with pytest.raises(HotListError, match="runs past the end"):  # a version 1 entry under the version 2 magic
+        hotlist.decode(signed(header.pack(b"PCH2", 6.0, 1) + struct.pack("<32s32sB", k("a"), b"f" * 32, 0)))
+
+
+def test_the_hot_order_carries_each_chunks_hits():
+    held = chain("p", 2, [4, 9])
+    assert [(h.key, h.hits) for h in hotlist.hot_order(held)] == [(k("p0"), 4), (k("p1"), 9)]
+
+
 def test_lists_merge_rank_by_rank_once_each_with_ancestors_first():
     a = [HotEntry(k(x), b"f" * 32, "") for x in ("a0", "a1", "a2", "s0")]
     b = [HotEntry(k(x), b"f" * 32, "") for x in ("s0", "b1")]

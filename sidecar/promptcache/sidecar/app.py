@@ -343,7 +343,7 @@ class Sidecar:
             disk = self.spill.disk
             try:  # what memory holds, for the next start's warm-up to bring back first
                 save_resident(disk.path, self.stack.memory, time.time())
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # (only an order for warm-up: never in the way of the demotion)
                 log.warning("cannot write the resident list for the next warm-up: %s", exc)
             demoted = self.stack.demote_all()
             flushed = disk.flush()

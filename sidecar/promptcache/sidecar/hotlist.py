@@ -19,13 +19,15 @@ from typing import Iterable, Protocol, Sequence
 
 import xxhash
 
-MAGIC = b"PCH1"
+MAGIC = b"PCH2"  # version 2 gives each entry its hit count; version 1 lists (MAGIC_V1, no counts) are still read
+MAGIC_V1 = b"PCH1"
 HOT_SLOTS = 16
 KEY_PREFIX = "promptcache/v1/hot/"  # beside the chunk records' promptcache/v1/<hex key> (cluster.store_key)
 MAX_ENTRIES = 16_384  # per list: 64 B of keys each (plus the owner), at most about 4 MiB
 MAX_OWNER_BYTES = 255
 _HEADER = struct.Struct("<4sdI")  # magic, published (Unix s), entries
-_ENTRY = struct.Struct("<32s32sB")  # key, fingerprint, owner length (the owner's UTF-8 follows)
+_ENTRY = struct.Struct("<32s32sIB")  # key, fingerprint, hits, owner length (the owner's UTF-8 follows)
+_ENTRY_V1 = struct.Struct("<32s32sB")  # key, fingerprint, owner length
 _TRAILER = struct.Struct("<Q")  # xxh3_64 of every byte before it
 
 
@@ -38,6 +40,7 @@ class HotEntry:
     key: bytes
     fingerprint: bytes
     owner: str  # whose quota the chunk is charged to where it is warmed
+    hits: int = 0  # Gets that served it on the node that listed it: the warming node's eviction policy starts there
 
 
 class Held(Protocol):  # what hot_order reads of a memory-tier entry (store.Entry)
@@ -91,7 +94,7 @@ def hot_order(entries: Iterable[Held], max_entries: int = MAX_ENTRIES, max_bytes
         if len(out) + len(chain) > max_entries or (max_bytes is not None and used + size > max_bytes):
             continue  # a smaller one further down may still fit
         for e in reversed(chain):
-            out.append(HotEntry(e.key, e.fingerprint, e.owner))
+            out.append(HotEntry(e.key, e.fingerprint, e.owner, min(e.hits, 0xFFFFFFFF)))
             listed.add(e.key)
         used += size
     return out
@@ -106,7 +109,7 @@ def encode(entries: Sequence[HotEntry], published: float) -> bytes:
         if len(e.key) != 32 or len(e.fingerprint) != 32 or len(owner) > MAX_OWNER_BYTES:
             raise ValueError("a hot list entry needs a 32-byte key and fingerprint and an owner of at most "
                              f"{MAX_OWNER_BYTES} bytes")
-        parts.append(_ENTRY.pack(e.key, e.fingerprint, len(owner)) + owner)
+        parts.append(_ENTRY.pack(e.key, e.fingerprint, min(max(e.hits, 0), 0xFFFFFFFF), len(owner)) + owner)
     body = b"".join(parts)
     return body + _TRAILER.pack(xxhash.xxh3_64_intdigest(body))
 
@@ -118,8 +121,9 @@ def decode(raw: bytes) -> tuple[float, list[HotEntry]]:
     if len(raw) < _HEADER.size + _TRAILER.size:
         raise HotListError(f"{len(raw)} bytes: shorter than a hot list's header and trailer")
     magic, published, count = _HEADER.unpack_from(raw)
-    if magic != MAGIC:
-        raise HotListError(f"magic {magic!r} is not {MAGIC!r}: not a hot list of this version")
+    if magic not in (MAGIC, MAGIC_V1):
+        raise HotListError(f"magic {magic!r} is not {MAGIC!r} or {MAGIC_V1!r}: not a hot list of a known version")
+    entry_format = _ENTRY if magic == MAGIC else _ENTRY_V1
     if count > MAX_ENTRIES:
         raise HotListError(f"{count} entries announced, more than the bound of {MAX_ENTRIES}")
     body_end = len(raw) - _TRAILER.size
@@ -128,10 +132,13 @@ def decode(raw: bytes) -> tuple[float, list[HotEntry]]:
         raise HotListError("checksum mismatch: truncated or corrupt")
     at, entries = _HEADER.size, []
     for i in range(count):
-        if at + _ENTRY.size > body_end:
+        if at + entry_format.size > body_end:
             raise HotListError(f"entry {i} of {count} runs past the end")
-        key, fp, n = _ENTRY.unpack_from(raw, at)
-        at += _ENTRY.size
+        if magic == MAGIC:
+            key, fp, hits, n = entry_format.unpack_from(raw, at)
+        else:
+            (key, fp, n), hits = entry_format.unpack_from(raw, at), 0
+        at += entry_format.size
         if at + n > body_end:
             raise HotListError(f"entry {i}'s owner runs past the end")
         try:
@@ -139,7 +146,7 @@ def decode(raw: bytes) -> tuple[float, list[HotEntry]]:
         except UnicodeDecodeError:
             raise HotListError(f"entry {i}'s owner is not UTF-8") from None
         at += n
-        entries.append(HotEntry(key, fp, owner))
+        entries.append(HotEntry(key, fp, owner, hits))
     if at != body_end:
         raise HotListError(f"{body_end - at} bytes after the {count} entries announced")
     return published, entries

@@ -11,7 +11,7 @@ Sources, in this order, each until the memory tier has no room left without evic
 Warming moves a chunk (it leaves the disk tier, as a promotion does), charged to the owner recorded with it.
 * the cluster tier: the hot lists its nodes publish (promptcache.sidecar.hotlist: each node's hottest chunks,
   ancestors first), merged rank by rank, each chunk fetched and verified as a cluster hit is (it stays in the
-  cluster), charged to the owner the list names. Lists older than HOT_LIST_MAX_AGE are passed over (their node is
+  cluster), charged to the owner the list names, with the hits the list gives it. Lists older than HOT_LIST_MAX_AGE are passed over (their node is
   likely gone, and its chunks with it).
 
 The gRPC health service says NOT_SERVING until warm-up ends or --warmup-seconds pass, whichever is first; then
@@ -21,6 +21,7 @@ loaded in the background without holding readiness back.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -235,6 +236,8 @@ class Warmup:
             record = self.cluster.fetch(entry.key, entry.fingerprint, counted=False)  # verified
             if record is None:
                 continue
+            # the hits it had on the node that listed it: where its eviction policy's estimate starts here
+            record = dataclasses.replace(record, hits=max(record.hits, entry.hits))
             n = self.stack.promote(record, entry.owner, serve=False)
             if n:
                 self._count("cluster", n)
