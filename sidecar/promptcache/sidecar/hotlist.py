@@ -94,7 +94,7 @@ def hot_order(entries: Iterable[Held], max_entries: int = MAX_ENTRIES, max_bytes
         if len(out) + len(chain) > max_entries or (max_bytes is not None and used + size > max_bytes):
             continue  # a smaller one further down may still fit
         for e in reversed(chain):
-            out.append(HotEntry(e.key, e.fingerprint, e.owner, min(e.hits, 0xFFFFFFFF)))
+            out.append(HotEntry(e.key, e.fingerprint, e.owner, e.hits))  # (encode caps the count)
             listed.add(e.key)
         used += size
     return out

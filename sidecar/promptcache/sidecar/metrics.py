@@ -70,7 +70,8 @@ class Metrics:
         self.ttl_hints = Counter("promptcache_ttl_hints", "Puts that carried a retention hint (ttl_seconds), by "
                                  "whether it was capped at --max-ttl-hint-seconds", ["capped"], registry=r)
         self.pins = Counter("promptcache_pins", "chunks asked to be pinned (a Put's priority hint, a declared pinned "
-                            "prefix, a promotion of one; an already pinned chunk asked again counts again), by result "
+                            "prefix, a pinned or declared chunk back from the disk or cluster tier; an already pinned "
+                            "chunk asked again counts again), by result "
                             "(pinned, refused: over --max-pinned-fraction)", ["result"], registry=r)
         for name, metric in list(vars(self).items()):
             if isinstance(metric, (Counter, Histogram)) and metric._labelnames:
