@@ -12,12 +12,12 @@ from promptcache.contract.layout import chunk_nbytes
 from promptcache.contract.wire import NAME_TO_DTYPE, model_to_proto
 from promptcache.sidecar.config import Settings
 from promptcache.sidecar.engine import CacheEngine
-from promptcache.sidecar.errors import CacheError, InvalidRequest, NoCapacity, NotServed, PermissionDenied
+from promptcache.sidecar.errors import CacheError, DataLoss, InvalidRequest, NoCapacity, NotServed, PermissionDenied
 from promptcache.sidecar.identity import Caller, Identity
 from promptcache.sidecar.metrics import Metrics
 from promptcache.sidecar.observer import TrafficObserver
 from promptcache.sidecar.policies import make_policy
-from promptcache.sidecar.store import MemoryTier, checksum
+from promptcache.sidecar.store import ChunkCheck, MemoryTier, checksum
 from promptcache.sidecar.tenancy import Tenancy
 from promptcache.v1 import kvcache_pb2 as pb
 
@@ -101,20 +101,39 @@ def test_an_exception_inside_the_session_releases_the_reservation():
     assert held(e, ALICE) == (0, 0, 0) and e.tier.usage()["entries"] == 0
 
 
-def test_data_received_in_place_through_data_target():
-    e = engine()
-    (begin0, blob0), = chunks(SMALL, 1)
-    with e.put(ALICE, header(1)) as put:
-        put.begin_chunk(begin0)
-        while put.unread:
-            target = put.data_target()
-            n = min(put.unread, 100)
-            start = len(blob0) - put.unread
-            target[:n] = blob0[start:start + n]
-            put.advance(n)
-        assert put.commit().stored_chunks == 1
-    request = pb.GetRequest(model=model_to_proto(SMALL), tokens=list(range(CHUNK)))
-    assert [bytes(v) for _, v in e.read_chunks(ALICE, request)] == [blob0]
+@pytest.mark.parametrize("size", [None, 100, 7], ids=["whole", "whole-values", "split-values"])
+def test_a_chunk_is_checked_as_its_bytes_are_copied_in_whatever_their_pieces(size, monkeypatch):
+    """add_data checksums and scans each piece of a chunk as it copies it in (ChunkCheck), so nothing reads the
+    chunk back; pieces that split a value (7 bytes of float32 values) leave the scan to the end, over the whole
+    chunk. Either way a NaN (one split across two pieces, or the last value) and one changed byte are refused, and
+    what is accepted is stored exactly."""
+    import struct
+
+    monkeypatch.setattr(ChunkCheck, "PIECE", 64)  # copy_in splits every piece it gets too
+    (begin, blob), = chunks(SMALL, 1)
+    assert SMALL.kv_dtype == "float32" and len(blob) > 3 * 64
+
+    def put(data: bytes, xxh3: int):
+        e = engine()
+        with e.put(ALICE, header(1)) as session:
+            session.begin_chunk(pb.ChunkBegin(index=0, nbytes=len(data), shape=begin.shape, dtype=begin.dtype,
+                                              xxh3_64=xxh3))
+            for at in range(0, len(data), size or len(data)):
+                session.add_data(data[at:at + (size or len(data))])
+            assert session.commit().stored_chunks == 1
+        request = pb.GetRequest(model=model_to_proto(SMALL), tokens=list(range(CHUNK)))
+        return [bytes(v) for _, v in e.read_chunks(ALICE, request)]
+
+    assert put(blob, checksum(blob)) == [blob]
+    for value in (1, len(blob) // 4 - 1):  # bytes 4-7 straddle the first 7-byte piece; the last value
+        bad = bytearray(blob)
+        bad[4 * value:4 * value + 4] = struct.pack("<f", float("nan"))
+        with pytest.raises(InvalidRequest, match="chunk 0 has NaN or Inf"):
+            put(bytes(bad), checksum(bytes(bad)))
+    changed = bytearray(blob)
+    changed[-5] ^= 1
+    with pytest.raises(DataLoss, match="checksum"):
+        put(bytes(changed), checksum(blob))
 
 
 def test_refusals_are_the_projects_own_errors_with_their_status():

@@ -145,3 +145,51 @@ def test_the_compiled_finite_scan_and_the_numpy_one_agree_on_every_value_class(k
             assert layout.values_finite(raw, kv_dtype) == expected, (kv_dtype, i, at)
             assert layout.values_finite_numpy(raw, kv_dtype) == expected, (kv_dtype, i, at)
     assert layout.values_finite(np.empty(0, dtype=np.uint8), kv_dtype)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "numpy"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16", None])
+def test_the_copy_and_scan_copies_every_byte_and_finds_every_bad_value(kv_dtype, native, monkeypatch):
+    """copy_finite, compiled (pc_copy_finite: scan 4 KiB blocks, streaming stores after an unaligned head) and
+    without a C compiler (numpy), against values_finite_numpy: destinations at every offset of a 16-byte line,
+    lengths around the 64-byte store groups and the 4 KiB blocks, one non-finite value at the first, a block-edge
+    and the last position. None: bytes copied, never scanned."""
+    import numpy as np
+
+    from promptcache.contract import layout
+
+    if native:
+        assert layout.native_copy() is not None, "the compiled scan was not built: run make install (needs a C compiler)"
+    else:
+        monkeypatch.setattr(layout, "_native", False)
+        assert layout.native_copy() is None and layout.native_scan() is None
+    itemsize = 1 if kv_dtype is None else layout.ITEMSIZES[kv_dtype]
+    rng = np.random.default_rng(3)
+    bad = {"float32": np.float32(np.nan).view(np.uint32), "float16": np.float16(np.inf).view(np.uint16),
+           "bfloat16": np.uint16(0xFF80), None: None}[kv_dtype]  # bfloat16 -Inf
+    for n_values in (0, 1, 15, 16, 17, 4096 // itemsize - 1, 4096 // itemsize, 3 * 4096 // itemsize + 5):
+        n = n_values * itemsize
+        for dst_offset in range(16):
+            for at in sorted({0, 4096 // itemsize - 1, 4096 // itemsize, n_values - 1}):
+                if not 0 <= at < max(n_values, 1):
+                    continue
+                # small finite values: uniform bytes would be NaN or Inf by chance for 16-bit floats
+                src = (rng.standard_normal(n_values).astype(np.float32 if itemsize == 4 else np.float16)
+                       .view(np.uint8) if itemsize > 1 else rng.integers(0, 256, n, dtype=np.uint8))
+                if kv_dtype == "bfloat16":
+                    src = np.ascontiguousarray(src.view(np.uint16) & 0x3FFF).view(np.uint8)
+                if bad is not None and n_values:
+                    src.view(bad.dtype)[at] = bad
+                room = np.full(n + 32, 0xA5, dtype=np.uint8)
+                dst = room[dst_offset:dst_offset + n]
+                finite = layout.copy_finite(dst, src, kv_dtype)
+                assert bytes(dst) == bytes(src), (kv_dtype, n, dst_offset)
+                assert not room[dst_offset + n:].size or (room[dst_offset + n:] == 0xA5).all()  # nothing past
+                assert (room[:dst_offset] == 0xA5).all()  # nothing before
+                expected = kv_dtype is None or n == 0 or layout.values_finite_numpy(src, kv_dtype)
+                assert finite == expected and expected == (bad is None or n == 0), (kv_dtype, n, dst_offset, at)
+    if kv_dtype is not None:
+        with pytest.raises(ValueError, match="not whole"):
+            layout.copy_finite(np.empty(3, dtype=np.uint8), np.zeros(3, dtype=np.uint8), kv_dtype)
+    with pytest.raises(ValueError, match="into"):
+        layout.copy_finite(np.empty(4, dtype=np.uint8), np.zeros(8, dtype=np.uint8), kv_dtype)

@@ -53,3 +53,57 @@ CLONES int pc_all_finite(const void *data, int64_t n, int kind)
     }
     return -1;
 }
+
+/* A Put's chunk bytes, copied from where they arrived (a small receive buffer, a data frame, a client's memfd)
+ * into the chunk's own memory and scanned on the way (promptcache.contract.layout.copy_finite): one read of the
+ * source while it is in the CPU's cache, instead of a copy into the chunk and then a second pass that reads it back
+ * from memory. The chunk's memory is long-lived and mostly written far from where it was last touched (memory of an
+ * evicted chunk), so the copy uses streaming stores: no read of each destination line before it is written, and no
+ * cache filled with bytes nobody reads soon. kind: 0-2 as pc_all_finite, 3 copy only (opaque bytes). nbytes must be
+ * whole values of `kind`. Returns as pc_all_finite (-1 also for a partial value). */
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#define COPY_BLOCK 4096 /* scanned, then copied, while in the first-level cache */
+
+static void copy_streaming(unsigned char *d, const unsigned char *s, int64_t n)
+{
+#if defined(__SSE2__)
+    int64_t head = (int64_t)((16 - ((uintptr_t)d & 15)) & 15);
+    if (head > n)
+        head = n;
+    memcpy(d, s, (size_t)head);
+    d += head, s += head, n -= head;
+    for (; n >= 64; n -= 64, d += 64, s += 64) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+        const __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+#endif
+    memcpy(d, s, (size_t)n);
+}
+
+int pc_copy_finite(void *dst, const void *src, int64_t nbytes, int kind)
+{
+    static const int itemsize[4] = {4, 2, 2, 1};
+    if (kind < 0 || kind > 3 || nbytes < 0 || nbytes % itemsize[kind])
+        return -1;
+    unsigned char *d = (unsigned char *)dst;
+    const unsigned char *s = (const unsigned char *)src;
+    int finite = 1;
+    for (int64_t at = 0; at < nbytes; at += COPY_BLOCK) {
+        const int64_t len = nbytes - at < COPY_BLOCK ? nbytes - at : COPY_BLOCK;
+        if (kind != 3 && finite)
+            finite = pc_all_finite(s + at, len / itemsize[kind], kind);
+        copy_streaming(d + at, s + at, len);
+    }
+#if defined(__SSE2__)
+    _mm_sfence(); /* the streaming stores are visible before the chunk is committed (another thread may read it) */
+#endif
+    return finite;
+}

@@ -65,15 +65,16 @@ _NONFINITE = {"float32": (np.int32, np.uint32, 0x7F800000, 0xFF800000),
 
 
 _SCAN_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
-_scan = None
+COPY_ONLY = 3  # pc_copy_finite's kind for bytes that are not scanned
+_native = None
 
 
-def native_scan():
-    """The compiled one-pass scan (_scanc.c, built by setup.py at install) as a ctypes function, or None when it
-    was not built or PROMPTCACHE_NATIVE_SCAN=0."""
-    global _scan
-    if _scan is None:
-        _scan = False
+def _native_functions():
+    """(pc_all_finite, pc_copy_finite) from the compiled scan (_scanc.c, built by setup.py at install) as ctypes
+    functions, or None when it was not built or PROMPTCACHE_NATIVE_SCAN=0."""
+    global _native
+    if _native is None:
+        _native = False
         import os
 
         if os.environ.get("PROMPTCACHE_NATIVE_SCAN", "1") != "0":
@@ -82,13 +83,28 @@ def native_scan():
 
             for path in sorted(Path(__file__).parent.glob("_scanc*.so")):
                 try:
-                    fn = ctypes.CDLL(str(path)).pc_all_finite
+                    lib = ctypes.CDLL(str(path))
+                    scan, copy = lib.pc_all_finite, lib.pc_copy_finite
                 except (OSError, AttributeError):
                     continue
-                fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-                _scan = fn
+                scan.restype, scan.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+                copy.restype = ctypes.c_int
+                copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+                _native = scan, copy
                 break
-    return _scan or None
+    return _native or None
+
+
+def native_scan():
+    """The compiled one-pass scan (pc_all_finite) as a ctypes function, or None (see _native_functions)."""
+    native = _native_functions()
+    return native[0] if native else None
+
+
+def native_copy():
+    """The compiled copy-and-scan (pc_copy_finite) as a ctypes function, or None (see _native_functions)."""
+    native = _native_functions()
+    return native[1] if native else None
 
 
 def scanned(kv_dtype: str) -> bool:
@@ -119,6 +135,29 @@ def values_finite_numpy(raw: np.ndarray, kv_dtype: str) -> bool:
     if raw.size == 0:
         return True
     return int(raw.view(signed).max()) < positive and int(raw.view(unsigned).max()) < negative
+
+
+def copy_kind(kv_dtype: str | None) -> int:
+    """pc_copy_finite's `kind` for chunks of `kv_dtype` (None: bytes that are not scanned)."""
+    return COPY_ONLY if kv_dtype is None else _SCAN_KINDS[kv_dtype]
+
+
+def copy_finite(dst: np.ndarray, src: np.ndarray, kv_dtype: str | None) -> bool:
+    """Copy `src` into `dst` (uint8, the same length, `dst` contiguous) and tell whether the copied bytes, read as
+    `kv_dtype` values, hold no NaN or Inf (always True for None: bytes that are not scanned). One pass of the
+    compiled copy (pc_copy_finite: each piece scanned while in the CPU's cache, written with streaming stores)
+    where it was built, else numpy's copy and values_finite. ValueError for an fp8 dtype or a partial value."""
+    if kv_dtype is not None and not scanned(kv_dtype):
+        raise ValueError(f"{kv_dtype} chunks are raw bytes: they are not scanned for finite values")
+    if dst.size != src.size:
+        raise ValueError(f"copy of {src.size} bytes into {dst.size}")
+    if kv_dtype is not None and src.size % ITEMSIZES[kv_dtype]:
+        raise ValueError(f"{src.size} bytes are not whole {kv_dtype} values")
+    copy = native_copy()
+    if copy is None or not (dst.flags.c_contiguous and src.flags.c_contiguous) or src.size == 0:
+        np.copyto(dst, src)
+        return kv_dtype is None or values_finite(dst, kv_dtype)
+    return copy(dst.ctypes.data, src.ctypes.data, src.size, copy_kind(kv_dtype)) == 1
 
 
 def all_finite(t: "torch.Tensor") -> bool:

@@ -348,7 +348,9 @@ class CacheEngine:
         begin = incoming.begin
         # fp8 chunks are a KV cache's raw bytes (layout.scanned): stored as they are, like packed codes
         unquantized = spec.quantization == "none" and scanned(spec.kv_dtype)
-        if unquantized:  # checked once here, so no reader has to scan a lent chunk (it cannot change afterwards)
+        if incoming.check is not None:  # checked as the bytes were copied in (PutSession.add_data)
+            value, finite = incoming.check.result()
+        elif unquantized:  # checked once here, so no reader has to scan a lent chunk (it cannot change afterwards)
             value, finite = checksum_and_finite(incoming.buffer, spec.kv_dtype)
         else:  # opaque packed codes: the quantized format's own checks run where it is unpacked
             value, finite = checksum(incoming.buffer), False

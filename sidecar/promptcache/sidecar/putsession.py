@@ -1,7 +1,8 @@
 """A Put, chunk by chunk: `PutSession` checks each chunk frame, reserves room for its bytes (memory, the owner's
-quota, the client's share of the budget), receives them (from frames, straight into the reservation, or from the
-caller's shared-memory file) and hands each complete chunk to CacheEngine.store. Every reservation is released on
-any exit, so a Put cut short anywhere leaves nothing held and nothing partial stored."""
+quota, the client's share of the budget), copies them into the reservation as they arrive (from data frames or a
+bulk connection's receive buffer, checksummed and scanned on the way; or from the caller's shared-memory file) and
+hands each complete chunk to CacheEngine.store. Every reservation is released on any exit, so a Put cut short
+anywhere leaves nothing held and nothing partial stored."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,13 +12,13 @@ import numpy as np
 import torch
 
 from promptcache.contract import keys as keyspec
-from promptcache.contract.layout import chunk_nbytes, chunk_shape
+from promptcache.contract.layout import chunk_nbytes, chunk_shape, scanned
 from promptcache.contract.shm import SharedBufferError
 from promptcache.contract.wire import NAME_TO_DTYPE
 from promptcache.sidecar.errors import InvalidRequest, NoCapacity
 from promptcache.sidecar.identity import Caller
 from promptcache.sidecar.shmbuffers import shared_file
-from promptcache.sidecar.store import AdmissionRejected, ChunkTooLarge, NoRoom, Reservation
+from promptcache.sidecar.store import AdmissionRejected, ChunkCheck, ChunkTooLarge, NoRoom, Reservation
 from promptcache.sidecar.tenancy import TenancyError
 from promptcache.v1 import kvcache_pb2 as pb
 
@@ -34,15 +35,16 @@ class Incoming:
     reservation: Reservation | None  # None: not kept (cached already, or refused): the bytes are read and dropped
     buffer: np.ndarray | None
     host: torch.Tensor | None
+    check: ChunkCheck | None = None  # checksum and scan of the bytes copied in so far (add_data)
     offset: int = 0
     charged: int = 0  # bytes charged to the owner's quota (tenancy)
     held: int = 0  # bytes counted against the client's --max-put-reserved-fraction
 
 
 class PutSession:
-    """One Put: begin_chunk() for each chunk frame, then its bytes (add_data(), or straight into data_target()
-    and advance()), then commit() for the result. Every reservation it holds (memory, quota, the client's share)
-    is released on any exit: abort(), or leaving the `with` block by an exception. With header.shared_buffer the
+    """One Put: begin_chunk() for each chunk frame, then its bytes (add_data()), then commit() for the result.
+    Every reservation it holds (memory, quota, the client's share) is released on any exit: abort(), or leaving
+    the `with` block by an exception. With header.shared_buffer the
     bytes are read from the caller's shared-memory file at begin_chunk() (buffer_offset)."""
 
     def __init__(self, engine: "CacheEngine", caller: Caller, header: pb.PutHeader, watch=None):
@@ -63,6 +65,9 @@ class PutSession:
         self.shape = list(chunk_shape(spec, ct))
         self.nbytes = chunk_nbytes(spec, ct)  # a layout scope() already checked
         self.dtype = NAME_TO_DTYPE[spec.kv_dtype]
+        # Unquantized float chunks are scanned for NaN and Inf once, here, so no reader has to scan a lent chunk
+        # (it cannot change afterwards); opaque bytes (packed codes, fp8) are checked where they are unpacked.
+        self.scan_dtype = spec.kv_dtype if spec.quantization == "none" and scanned(spec.kv_dtype) else None
         self.stored = self.skipped = self.rejected = self.stored_bytes = 0
         self.ttl = e.ttl_hint(header.ttl_seconds)
         self.priority = min(header.priority, 1)
@@ -122,7 +127,9 @@ class PutSession:
         # Received into host memory first, checksummed, then moved to the device in one copy.
         current.host = e.tier.host_buffer(current.reservation)
         current.buffer = current.reservation.array
-        if self.shared is not None:
+        if self.shared is None:
+            current.check = ChunkCheck(current.buffer, self.scan_dtype)
+        else:  # read by the kernel into the chunk: CacheEngine.store checks it in one pass
             end = begin.buffer_offset + begin.nbytes
             if end > self.shared.size:
                 raise InvalidRequest(f"chunk {begin.index}: buffer_offset {begin.buffer_offset} + nbytes "
@@ -134,32 +141,20 @@ class PutSession:
             e.metrics.received_bytes.inc(begin.nbytes)
             self._complete(current)
 
-    def data_target(self) -> memoryview | None:
-        """Where the current chunk's next bytes go (the rest of its reserved memory), or None when they are to
-        be dropped; receive at most `unread` bytes into it, then advance()."""
-        c = self._expect_data()
-        return None if c.buffer is None else memoryview(c.buffer)[c.offset:]
-
-    @property
-    def unread(self) -> int:
-        """Bytes of the current chunk still to come (0: no chunk is being received)."""
-        c = self.current
-        return 0 if c is None else c.begin.nbytes - c.offset
+    def wants_data(self) -> bool:
+        """Whether the current chunk's bytes are kept (else add_data drops them: cached already, or refused)."""
+        return self._expect_data().buffer is not None
 
     def add_data(self, data) -> None:
-        """A data frame: the next bytes of the current chunk (copied into its reserved memory)."""
+        """The next bytes of the current chunk (a data frame, or what a bulk connection received): copied into
+        its reserved memory, checksummed and scanned on the way (ChunkCheck)."""
         c = self._expect_data()
         n = len(data)
         if c.offset + n > c.begin.nbytes:
             raise InvalidRequest(f"chunk {c.begin.index}: data frames carry more than the {c.begin.nbytes} bytes "
                                  "its chunk frame announced")
         if c.buffer is not None:
-            c.buffer[c.offset:c.offset + n] = np.frombuffer(data, dtype=np.uint8)
-        self.advance(n)
-
-    def advance(self, n: int) -> None:
-        """`n` more bytes of the current chunk have arrived (written through data_target(), or add_data())."""
-        c = self.current
+            c.check.copy_in(c.offset, np.frombuffer(data, dtype=np.uint8))
         c.offset += n
         if self.watch is not None:
             self.watch.progress(n)
