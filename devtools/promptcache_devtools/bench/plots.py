@@ -65,7 +65,7 @@ def _hit_ratio(result: Any) -> float:
 
 def throughput(rows: list[tuple], path: str) -> bool:
     """Get and Put MB/s against prefix size per transport, Redis GET and SET of the same bytes for comparison.
-    rows: (size MiB, transport, put MB/s, get MB/s, memcpy MB/s, Redis SET MB/s, Redis GET MB/s)."""
+    rows: (size MiB, transport, put MB/s, get MB/s, memcpy MB/s, Redis SET MB/s, Redis GET MB/s, and maybe more)."""
     plt = pyplot()
     if plt is None:
         return _missing(path)

@@ -2,8 +2,10 @@
 channel of docs/bulk-channel.md), against memcpy and Redis.
 
 Everything is measured in the same run: an in-process copy of the same bytes (the ceiling), a sidecar
-subprocess driven by PromptCacheClient, and a redis-server subprocess driven by redis-py (with hiredis) from
-the same Python process, with the same chunk payloads (one Redis key per chunk, pipelined).
+subprocess driven by PromptCacheClient, and redis-server subprocesses driven by redis-py (with hiredis) from
+the same Python process, with the same chunk payloads (one Redis key per chunk, pipelined). Puts are compared with
+two: SETs that overwrite the same keys (the ratios of the first table), and Redis used as a cache the way the
+sidecar is (maxmemory the sidecar's budget, allkeys-lru, filled first, every SET a new key: "new keys").
 """
 from __future__ import annotations
 
@@ -192,20 +194,35 @@ def run(args) -> int:
             [redis_bin, "--port", str(redis_port), "--bind", "127.0.0.1", "--unixsocket", str(redis_sock),
              "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--maxmemory", "0"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        # Redis used as this cache is: its budget as maxmemory, filled, and every SET a new key, so each one evicts
+        # (allkeys-lru) as much as it stores and writes into memory an evicted value held, as a sidecar's Put does.
+        # The first Redis SETs the same keys over and over: its values stay in the CPU's cache.
+        cache_port = free_port()
+        cache_sock = tmp / "redis-cache.sock"
+        procs.append(subprocess.Popen(
+            [redis_bin, "--port", str(cache_port), "--bind", "127.0.0.1", "--unixsocket", str(cache_sock),
+             "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--maxmemory", str(budget),
+             "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         # Redis has no shared-memory path: the shm rows compare against Redis over its unix socket.
         rclients = {"tcp": redis.Redis(host="127.0.0.1", port=redis_port),
                     "unix": redis.Redis(unix_socket_path=str(redis_sock))}
         rclients["shm"] = rclients["bulk-unix"] = rclients["bulk-shm"] = rclients["bulk-lent"] = rclients["unix"]
         rclients["bulk-tcp"] = rclients["tcp"]
+        caches = {"tcp": redis.Redis(host="127.0.0.1", port=cache_port),
+                  "unix": redis.Redis(unix_socket_path=str(cache_sock))}
+        caches.update({t: caches["tcp" if "tcp" in t else "unix"] for t in rclients})
         clients = {t: PromptCacheClient(addresses[t], timeout=120, chunk_tokens=chunk_tokens,
                                         shm_dir=str(shm_dir) if t == "shm" else None, bulk_address=bulk.get(t),
                                         bulk_shared_memory=t in ("bulk-shm", "bulk-lent"),
                                         bulk_zero_copy=t == "bulk-lent")
                    for t in transports}
-        # procs: the TCP sidecar, the unix one, redis-server; each wait lasts while its process starts (StartWatch).
+        # procs: the TCP sidecar, the unix one, redis-server, Redis as a cache; each wait lasts while its process
+        # starts (StartWatch).
         for t in transports:
             wait_until(lambda: clients[t].healthy(), f"sidecar ({t})", proc=procs[0 if "tcp" in t else 1])
             wait_until(lambda: rclients[t].ping(), f"redis ({t})", proc=procs[2])
+            wait_until(lambda: caches[t].ping(), f"redis as a cache ({t})", proc=procs[3])
 
         rows, profile = [], []
         for size in sizes:
@@ -235,16 +252,28 @@ def run(args) -> int:
                         pipe.set(k, v)
                     pipe.execute()
 
+                cc, cache_counter = caches[t], iter(range(10**9))
+
+                def redis_cache_put():
+                    n = next(cache_counter)
+                    pipe = cc.pipeline(transaction=False)
+                    for i, v in enumerate(payloads):
+                        pipe.set(f"bench:{size}:{n}:{i}", v)
+                    pipe.execute()
+
                 # Each Put stores a new prefix and each SET overwrites its keys. The sidecar is filled to its
                 # budget first, as a cache in service is: each timed Put then evicts as many bytes as it stores
                 # (Redis reuses the memory of the values it replaces; a sidecar still filling up pays a page fault
                 # per 4 KiB of new memory instead, docs/benchmarks.md).
                 for _ in range(budget // (n_chunks * chunk_bytes) + 1):
                     put_once()
-                cpu = CpuMeter({"sidecar": procs[0 if t in ("tcp", "bulk-tcp") else 1].pid, "redis": procs[2].pid})
-                puts = _interleaved_medians({"Put": put_once, "Redis SET": redis_put}, args.repeats,
-                                            args.block_seconds, cpu, f"{t} ")
-                put_s, rput_s = puts["Put"], puts["Redis SET"]
+                    redis_cache_put()
+                cpu = CpuMeter({"sidecar": procs[0 if t in ("tcp", "bulk-tcp") else 1].pid, "redis": procs[2].pid,
+                                "redis-cache": procs[3].pid})
+                puts = _interleaved_medians({"Put": put_once, "Redis SET": redis_put,
+                                             "Redis SET, new keys": redis_cache_put},
+                                            args.repeats, args.block_seconds, cpu, f"{t} ")
+                put_s, rput_s, rcache_s = puts["Put"], puts["Redis SET"], puts["Redis SET, new keys"]
                 client.put_blobs(spec, tokens, blobs)
 
                 def get_once(copy=True):
@@ -264,23 +293,27 @@ def run(args) -> int:
                 for name in cpu.calls:
                     profile.append((size, name, cpu.per_call_ms(name)))
                 rc.flushall()
+                cc.flushall()
                 mb = n_chunks * chunk_bytes / 1e6
-                rows.append((size, t, mb / put_s, mb / get_s, mb / memcpy, mb / rput_s, mb / rget_s))
-                print(f"throughput: {size} MiB {t}: Put {mb / put_s:,.0f} MB/s ({rput_s / put_s:.2f}x Redis SET), "
-                      f"Get {mb / get_s:,.0f} MB/s ({rget_s / get_s:.2f}x Redis GET)", file=sys.stderr, flush=True)
+                rows.append((size, t, mb / put_s, mb / get_s, mb / memcpy, mb / rput_s, mb / rget_s, mb / rcache_s))
+                print(f"throughput: {size} MiB {t}: Put {mb / put_s:,.0f} MB/s ({rput_s / put_s:.2f}x Redis SET, "
+                      f"{rcache_s / put_s:.2f}x as a cache), Get {mb / get_s:,.0f} MB/s ({rget_s / get_s:.2f}x Redis "
+                      "GET)", file=sys.stderr, flush=True)
                 if view_s is not None:
-                    rows.append((size, f"{t}, views", mb / put_s, mb / view_s, mb / memcpy, mb / rput_s, mb / rget_s))
+                    rows.append((size, f"{t}, views", mb / put_s, mb / view_s, mb / memcpy, mb / rput_s, mb / rget_s,
+                                 mb / rcache_s))
                 client.purge(spec)
         lines = ["| prefix | transport | Put MB/s | Get MB/s | memcpy MB/s | Redis SET MB/s | Redis GET MB/s "
-                 "| Put / Redis | Get / Redis | Get / memcpy |",
-                 "|---|---|---|---|---|---|---|---|---|---|"]
-        for size, t, put, get, mc, rput, rget in rows:
+                 "| Put / Redis | Get / Redis | Get / memcpy | Redis SET, new keys MB/s | Put / Redis, new keys |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for size, t, put, get, mc, rput, rget, rcache in rows:
             lines.append(f"| {size} MiB | {t} | {put:,.0f} | {get:,.0f} | {mc:,.0f} | {rput:,.0f} | {rget:,.0f} "
-                         f"| {put / rput:.2f}x | {get / rget:.2f}x | {get / mc:.3f} |")
+                         f"| {put / rput:.2f}x | {get / rget:.2f}x | {get / mc:.3f} | {rcache:,.0f} "
+                         f"| {put / rcache:.2f}x |")
         lines += ["", "CPU ms per call, each process (client: this benchmark; sidecar or redis-server: the server):",
                   "", "| prefix | call | client | server | total |", "|---|---|---|---|---|"]
         for size, name, ms in profile:
-            server = ms["redis"] if "Redis" in name else ms["sidecar"]
+            server = ms["redis-cache"] if "new keys" in name else ms["redis"] if "Redis" in name else ms["sidecar"]
             lines.append(f"| {size} MiB | {name} | {ms['client']:.2f} | {server:.2f} | {ms['client'] + server:.2f} |")
         table = "\n".join(lines)
         print(table)
