@@ -87,6 +87,32 @@ def test_bulk_put_and_get_are_bit_identical(sidecar_factory, tmp_path, dtype, tr
     assert metric(sidecar, "promptcache_bulk_lent_chunks_total") == (3 if transport == "unix-lent" else 0)
 
 
+@pytest.mark.parametrize("transport", ["unix-memfd", "tcp"])
+def test_a_bulk_put_through_the_clients_memfd_is_checked_from_the_sidecars_copy(sidecar_factory, tmp_path,
+                                                                                 monkeypatch, transport):
+    """The client can still write its memfd while the sidecar copies a Put out of it, so those bytes go through
+    ChunkCheck's client_writable path (copied, then checked from the chunk: tests/test_engine.py shows the race it
+    closes); bytes received into the sidecar's own buffer take the one-pass path."""
+    from promptcache.sidecar.store import ChunkCheck
+
+    seen = []
+    inner = ChunkCheck.copy_in
+    monkeypatch.setattr(ChunkCheck, "copy_in",
+                        lambda self, at, src, client_writable=False: (seen.append(client_writable),
+                                                                      inner(self, at, src, client_writable))[1])
+    address = f"unix:{tmp_path}/bulk.sock" if transport.startswith("unix") else f"127.0.0.1:{free_port()}"
+    sidecar = sidecar_factory(bulk_address=address, bulk_zero_copy="off" if address[0] == "u" else "auto")
+    spec = ModelSpec("test/bulk", "r1", "float32", num_layers=2, num_kv_heads=2, head_dim=8)
+    kv = make_kv(spec, len(TOKENS))
+    with PromptCacheClient(sidecar.address, bulk_address=sidecar.bulk_address,
+                           bulk_shared_memory=transport == "unix-memfd") as c:
+        assert c.put(spec, TOKENS, kv).stored_chunks == 3
+        _, got = c.get(spec, TOKENS)
+    assert all(torch.equal(gk, k) and torch.equal(gv, v) for (k, v), (gk, gv) in zip(kv, got))
+    assert metric(sidecar, 'promptcache_requests_total{code="OK",rpc="BulkPut"}') == 1
+    assert len(seen) >= 3 and set(seen) == {transport == "unix-memfd"}
+
+
 def test_a_bulk_put_hashes_each_chunk_just_before_sending_it(sidecar_factory, monkeypatch):
     """Over a socket the client sends chunk i as soon as its frame (with its xxh3) is built, so the sidecar
     receives and verifies it while chunk i+1 is hashed: not every chunk hashed before the first byte leaves.

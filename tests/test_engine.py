@@ -9,6 +9,7 @@ from support import CHUNK, SMALL, make_kv
 from promptcache.client.client import encode_chunk
 from promptcache.contract.keys import ModelSpec
 from promptcache.contract.layout import chunk_nbytes
+from promptcache.contract.layout import values_finite as layout_values_finite
 from promptcache.contract.wire import NAME_TO_DTYPE, model_to_proto
 from promptcache.sidecar.config import Settings
 from promptcache.sidecar.engine import CacheEngine
@@ -134,6 +135,37 @@ def test_a_chunk_is_checked_as_its_bytes_are_copied_in_whatever_their_pieces(siz
     changed[-5] ^= 1
     with pytest.raises(DataLoss, match="checksum"):
         put(bytes(changed), checksum(blob))
+
+
+@pytest.mark.parametrize("client_writable", [True, False])
+def test_bytes_the_client_can_still_write_are_checked_as_they_are_stored(client_writable):
+    """A bulk Put through the client's memfd hands the session memory the client can still write. A client
+    rewriting it while the sidecar copies (here: NaN everywhere right after each hash update) must not get one
+    thing checked and another stored: with client_writable each piece is copied first and checked from the chunk's
+    own memory, so the checksum and the finite flag are those of the stored bytes. The same race against the
+    path for the sidecar's own buffers (False) shows what the flag guards against."""
+    import numpy as np
+    import xxhash
+
+    src = np.zeros(3 * ChunkCheck.PIECE // 4, dtype=np.float32).view(np.uint8)  # finite: zeros
+    dst = np.empty_like(src)
+    check = ChunkCheck(dst, "float32")
+
+    class RacingClient:  # the hash's update runs between the checks of a piece and the next read of the source
+        inner = xxhash.xxh3_64()
+
+        def update(self, data):
+            self.inner.update(data)
+            src.view(np.float32)[:] = np.nan
+
+        def intdigest(self):
+            return self.inner.intdigest()
+
+    check._hash = RacingClient()
+    check.copy_in(0, src, client_writable)
+    value, finite = check.result()
+    consistent = (value, finite) == (checksum(dst), layout_values_finite(dst, "float32"))
+    assert consistent == client_writable
 
 
 def test_refusals_are_the_projects_own_errors_with_their_status():

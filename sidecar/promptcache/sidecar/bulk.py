@@ -44,8 +44,8 @@ MAX_CHUNK_FRAME_BYTES = 4096  # a ChunkBegin takes a few dozen bytes
 # A kept chunk's bytes arrive in pieces this large or smaller, into the connection's receive buffer, which stays in
 # the CPU's cache, and are checksummed, scanned and copied into the chunk from there (PutSession.add_data). Received
 # straight into the chunk's memory (cold: an evicted chunk's) and then checked, an 8 MiB Put took 2.0 ms of the
-# connection's CPU for its bytes where this takes 1.4 ms (hack/bulk-split.py, a full 320 MiB tier); pieces of 128
-# KiB-1 MiB cost about the same, smaller ones more system calls.
+# connection's CPU for its bytes where this takes 1.6 ms (hack/bulk-split.py, a full 320 MiB tier); pieces of 128
+# KiB-1 MiB cost about the same in a scratch harness, smaller ones more system calls.
 RECEIVE_PIECE = 512 << 10
 SEND_BATCH_BYTES = 16 << 20  # a Get sends its chunks once this many bytes are queued (leased until sent)
 MAX_FDS_PER_WRITE = 250  # the kernel passes at most 253 descriptors per message (SCM_MAX_FD)
@@ -641,9 +641,9 @@ class _GetAnswer:
 class _PutFrames:
     """The frames of one bulk Put, fed to a PutSession: for each chunk its ChunkBegin, then its bytes, received
     in pieces of at most `piece` bytes (RECEIVE_PIECE for a chunk that is kept) into the connection's reused
-    receive buffer, or, with put.shared_buffer, a view of the attached memfd; the session copies either into the
-    chunk's memory, verifying on the way. The session checks each chunk frame (index, layout, --max-chunk-bytes) before the
-    bytes after it are read."""
+    receive buffer, or, with put.shared_buffer, a view of the attached memfd (which the client can still write:
+    the session verifies its copy of it). The session copies either into the chunk's memory, verifying on the
+    way, and checks each chunk frame (index, layout, --max-chunk-bytes) before the bytes after it are read."""
 
     def __init__(self, conn: socket.socket, put: pb.BulkPut, shared: "_SharedBuffer | None", piece: int,
                  deadline: float):
@@ -675,7 +675,7 @@ class _PutFrames:
                     raise InvalidRequest(f"chunk {begin.index}: buffer_offset {begin.buffer_offset} + nbytes "
                                          f"{begin.nbytes} runs past the attached buffer's {self.shared.array.size} "
                                          "bytes")
-                session.add_data(memoryview(self.shared.array[begin.buffer_offset:end]))
+                session.add_data(memoryview(self.shared.array[begin.buffer_offset:end]), client_writable=True)
                 continue
             while self.unread:
                 if session.wants_data():

@@ -145,16 +145,17 @@ class PutSession:
         """Whether the current chunk's bytes are kept (else add_data drops them: cached already, or refused)."""
         return self._expect_data().buffer is not None
 
-    def add_data(self, data) -> None:
-        """The next bytes of the current chunk (a data frame, or what a bulk connection received): copied into
-        its reserved memory, checksummed and scanned on the way (ChunkCheck)."""
+    def add_data(self, data, client_writable: bool = False) -> None:
+        """The next bytes of the current chunk (a data frame, what a bulk connection received, or a piece of the
+        client's memfd: `client_writable`): copied into its reserved memory, checksummed and scanned on the way
+        (ChunkCheck)."""
         c = self._expect_data()
         n = len(data)
         if c.offset + n > c.begin.nbytes:
             raise InvalidRequest(f"chunk {c.begin.index}: data frames carry more than the {c.begin.nbytes} bytes "
                                  "its chunk frame announced")
         if c.buffer is not None:
-            c.check.copy_in(c.offset, np.frombuffer(data, dtype=np.uint8))
+            c.check.copy_in(c.offset, np.frombuffer(data, dtype=np.uint8), client_writable)
         c.offset += n
         if self.watch is not None:
             self.watch.progress(n)

@@ -161,9 +161,9 @@ class ChunkCheck:
     """A Put's chunk verified as its bytes are copied into the chunk's memory `dst` (copy_in): xxh3_64 of every
     byte and, with `scan_dtype`, the finite scan, each piece read while it is still in the CPU's cache. The
     alternative, a copy (or a receive) into the chunk and then checksum_and_finite, reads every byte back from
-    memory: the chunk's memory is mostly an evicted chunk's, cold, and that second pass cost a third of the receive
-    (issue #31). A piece that splits a value (a data frame of odd length) leaves the scan to result(), over the
-    whole chunk."""
+    memory, and the chunk's memory is mostly an evicted chunk's, cold: an 8 MiB Put into a full tier took 2.0 ms of
+    the connection's CPU for its bytes that way, 1.6 ms this way (issue #31, docs/benchmarks.md). A piece that splits
+    a value (a data frame of odd length) leaves the scan to result(), over the whole chunk."""
 
     __slots__ = ("_hash", "_dtype", "_finite", "_scan_at_end", "_dst", "_address", "_copy", "_kind", "_itemsize")
     PIECE = 512 << 10  # hashed, then scanned and copied, while in the CPU's cache (within a server core's L2)
@@ -180,23 +180,30 @@ class ChunkCheck:
         self._kind = copy_kind(scan_dtype)
         self._itemsize = ITEMSIZES[scan_dtype] if scan_dtype is not None else 1
 
-    def copy_in(self, at: int, src: np.ndarray) -> None:
-        """Copy `src` (uint8) into the chunk's memory at byte `at`, checking it on the way."""
+    def copy_in(self, at: int, src: np.ndarray, client_writable: bool = False) -> None:
+        """Copy `src` (uint8) into the chunk's memory at byte `at`, checking it on the way. `client_writable`: the
+        client can still change `src` (its shared memfd), so each piece is copied first and then checked from the
+        chunk's own memory: read twice from `src`, it could be checked as one thing and stored as another."""
         n = src.size
         if at < 0 or at + n > self._dst.size:
             raise ValueError(f"{n} bytes at offset {at} run past the chunk's {self._dst.size}")
         if at % self._itemsize or n % self._itemsize:
             self._scan_at_end = True
-        copy = self._copy if src.flags.c_contiguous else None
+        copy = self._copy if src.flags.c_contiguous and not client_writable else None
         source = src.ctypes.data if copy is not None and n else 0
         for start in range(0, n, self.PIECE):
             piece = src[start:start + self.PIECE]
-            self._hash.update(piece)
-            scan = self._finite and not self._scan_at_end
-            if copy is None:
-                finite = copy_finite(self._dst[at + start:at + start + piece.size], piece,
-                                     self._dtype if scan else None)
+            scan = self._dtype if self._finite and not self._scan_at_end else None
+            if client_writable:
+                stored = self._dst[at + start:at + start + piece.size]
+                np.copyto(stored, piece)  # plain stores: the piece is read back at once, from the cache
+                self._hash.update(stored)
+                finite = scan is None or values_finite(stored, scan)
+            elif copy is None:
+                self._hash.update(piece)
+                finite = copy_finite(self._dst[at + start:at + start + piece.size], piece, scan)
             else:
+                self._hash.update(piece)
                 finite = copy(self._address + at + start, source + start, piece.size,
                               self._kind if scan else COPY_ONLY)
                 if finite < 0:
