@@ -125,20 +125,57 @@ def test_a_client_cannot_change_lent_memory(lending):
     assert len(after) == 3 and all(torch.equal(a, b) for a, b in zip(before, after))
 
 
-def test_the_sidecar_cannot_change_a_sealed_chunk_so_lending_needs_no_hash(lending, monkeypatch):
-    """From the seal on, the sidecar's own mapping of a chunk is read-only too: nothing can change it, so the
-    checksum verified when it arrived holds and a lend does not hash it again."""
+def test_a_chunk_is_sealed_and_verified_at_its_first_lend_and_never_hashed_again(lending, monkeypatch):
+    """A stored chunk's memfd stays unsealed, its memory reusable, until the chunk is first read. The first lend
+    seals it and makes the sidecar's own mapping read-only, then verifies it there (one hash per chunk): from then
+    on nothing can change it, so later lends hash nothing."""
     from promptcache.sidecar import engine
 
     with _client(lending) as c:
         c.put(SMALL, TOKENS, make_kv(SMALL, len(TOKENS)))
         entries = [lending.tier._entries[ch.key] for ch in c.lookup(SMALL, TOKENS).chunks]
-        assert all(e.memfd.sealed and e.memfd.immutable for e in entries)
-        assert {mapping_permissions(e.data.data_ptr()) for e in entries} == {"r--s"}
+        assert not any(e.memfd.sealed or e.immutable for e in entries)
+        assert {mapping_permissions(e.data.data_ptr()) for e in entries} == {"rw-s"}
         hashed, real = [], engine.checksum
         monkeypatch.setattr(engine, "checksum", lambda buf: hashed.append(buf) or real(buf))
         assert len(c.get_blobs(SMALL, TOKENS)) == 3
+        assert len(hashed) == 3  # the first lend: sealed, then verified where the client maps it
+        assert all(e.memfd.sealed and e.memfd.immutable and e.immutable for e in entries)
+        assert {mapping_permissions(e.data.data_ptr()) for e in entries} == {"r--s"}
+        hashed.clear()
+        assert len(c.get_blobs(SMALL, TOKENS)) == 3
         assert hashed == []
+    assert metric(lending, "promptcache_bulk_lent_chunks_total") == 6
+
+
+def test_unread_chunks_memory_is_reused_and_a_lent_chunk_never_is(sidecar_factory, tmp_path):
+    """Chunks nobody read leave their memfds to the next chunks when evicted (no new memfd, no fresh pages for
+    every Put into a full tier); a chunk that was lent is sealed, so its memfd is never written again: the
+    client's mapping still holds what it was lent after the tier turned over many times (LRU, so the lent
+    chunks go too)."""
+    lending = sidecar_factory(bulk_address=f"unix:{tmp_path}/bulk.sock", bulk_zero_copy="on", eviction_policy="lru")
+    kv = make_kv(SMALL, len(TOKENS))
+    nbytes = lending.tier.usage()["budget"]
+    with _client(lending) as c:
+        c.put(SMALL, TOKENS, kv)
+        lent = c.get_blobs(SMALL, TOKENS, copy=False)  # views of the lent memfds, mapped in this process
+        lent_bytes = [bytes(v.numpy()) for v in lent]
+        keys = {ch.key for ch in c.lookup(SMALL, TOKENS).chunks}
+        lent_memfds = [lending.tier._entries[k].memfd for k in keys]  # held: their ids stay theirs
+        chunk = len(lent_bytes[0])
+        reused = 0
+        for round_ in range(3 * (nbytes // (3 * chunk)) + 3):  # three turnovers of the tier
+            before = {id(e.memfd) for e in lending.tier._entries.values()}
+            tokens = [10**6 + round_ * len(TOKENS) + i for i in range(len(TOKENS))]
+            assert c.put(SMALL, tokens, make_kv(SMALL, len(TOKENS), seed=round_ + 1)).stored_chunks == 3
+            for e in lending.tier._entries.values():
+                assert e.key in keys or all(e.memfd is not m for m in lent_memfds)  # never another chunk's
+                reused += e.key not in keys and id(e.memfd) in before  # an evicted chunk's memfd, again
+        assert all(k not in lending.tier._entries for k in keys)  # the lent chunks were evicted
+        assert [bytes(v.numpy()) for v in lent] == lent_bytes  # unchanged: sealed, never reused
+        assert reused > 0
+    live = lending.tier.host_memory.live
+    assert live <= nbytes // chunk + 3  # memfds reused, not one per chunk ever stored
     assert metric(lending, "promptcache_bulk_lent_chunks_total") == 3
 
 

@@ -804,16 +804,17 @@ def _is_stale_socket(path: str) -> bool:
 
 
 class LendSink(ChunkSink):
-    """A Get on a unix connection that takes descriptors: a chunk kept in a sealed memfd is lent, not copied (its
-    memory is immutable since it was sealed, memfd.py: its checksum was verified on the way in and cannot have
-    changed); it is yielded as (its ChunkBegin with sealed_memfd set, (its SealedChunk, the encoded frame)).
-    Every other chunk goes to `inner`."""
+    """A Get on a unix connection that takes descriptors: a chunk kept in a memfd is lent, not copied. It is
+    sealed first, if this is its first read (memfd.py), so the bytes the engine then verifies are the ones the
+    client maps, and nothing can change them afterwards; once verified there it is lent without hashing. It is
+    yielded as (its ChunkBegin with sealed_memfd set, (its SealedChunk, the encoded frame)). Every other chunk
+    (and one whose memfd could not be sealed) goes to `inner`."""
 
     def __init__(self, inner: ChunkSink):
         self.inner = inner
 
     def place(self, entry, position: int):
-        if entry.memfd is not None and entry.memfd.sealed:
+        if entry.memfd is not None and entry.memfd.seal():
             return entry.array, entry.memfd.immutable  # the sidecar's mapping of the very pages the client maps
         return self.inner.place(entry, position)
 

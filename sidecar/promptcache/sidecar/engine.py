@@ -306,7 +306,7 @@ class CacheEngine:
                         log.error("chunk failed its checksum and was dropped",
                                   extra={"chunk_index": i, "key": key.hex()})
                         break
-                    if not verified and entry.protectable and view is entry.array:
+                    if not verified and (entry.protectable or entry.memfd is not None) and view is entry.array:
                         self.tier.seal(entry)  # verified where it lies: read-only from now on, never hashed again
                     item, used = sink.emit(i, entry, view, position)
                     yielded = True

@@ -1,4 +1,4 @@
-"""Chunk memory the sidecar can lend: each stored chunk in a memfd of its own, sealed once it is written.
+"""Chunk memory the sidecar can lend: each stored chunk in a memfd of its own, sealed before it is first read.
 
 Why: on the bulk channel's unix socket a Get can then hand the client the chunk's memfd (SCM_RIGHTS) and the
 client maps it: no chunk byte is copied by anyone (docs/bulk-channel.md, "Lent chunks"). The seals make the
@@ -6,9 +6,14 @@ lent memory immutable: after F_SEAL_FUTURE_WRITE no new writable shared mapping 
 (through any descriptor, a reopened one included), and F_SEAL_SHRINK/F_SEAL_GROW/F_SEAL_SEAL keep its size and
 seals fixed, so no client can change the bytes, punch holes or truncate it under the sidecar (which would make
 its reads fault). The sidecar's own mapping, made before sealing to receive the bytes, is then made read-only
-(mprotect): from the seal on nothing in any process can change the chunk, so its checksum, verified when it was
-received, holds for as long as it lives and a lend need not hash it again (a stray write in the sidecar faults
-instead of corrupting it).
+(mprotect): from the seal on nothing in any process can change the chunk, so once a Get has verified it there
+its checksum holds for as long as it lives and later lends need not hash it again (a stray write in the sidecar
+faults instead of corrupting it).
+
+The seal waits for the chunk's first read (MemoryTier.seal, bulk.LendSink), not its Put: a chunk nobody read
+was never lent, so when it is evicted its memfd, mapping and pages go to the next chunk of its size (the tier's
+free list). A fresh memfd for every chunk a Put stores (create, fault in, seal; unmap and free at eviction) took
+5 of an 8 MiB Put's 8.4 ms of CPU (hack/bulk-split.py). A sealed memfd is never reused: a client may map it.
 
 A CPU tier that does not lend (an old kernel, a TCP-only bulk channel, --bulk-zero-copy off) keeps each chunk in
 an anonymous mapping of its own instead (ProtectedMemory), made read-only in the same way once the first Get has
@@ -42,24 +47,34 @@ class SealedChunk:
     """One chunk's memfd. Its descriptor is closed when the last reference goes (entry evicted and no Get still
     sending it); memory a client has mapped lives on until the client unmaps it."""
 
-    __slots__ = ("fd", "sealed", "immutable", "_pool", "_mapping")
+    __slots__ = ("fd", "sealed", "read_only", "immutable", "_pool", "_mapping")
+    _sealing = threading.Lock()  # two Gets may seal one chunk at once: the second finds it sealed
 
     def __init__(self, fd: int, pool: "ChunkMemory"):
-        self.fd, self.sealed, self.immutable, self._pool = fd, False, False, pool
+        self.fd, self.sealed, self.read_only, self.immutable, self._pool = fd, False, False, False, pool
         self._mapping: tuple[int, int] | None = None  # (address, length) of the sidecar's own mapping
 
     def seal(self) -> bool:
-        """Seal the memfd, then make the sidecar's mapping read-only; `immutable` says both held."""
-        try:
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
-        except OSError as exc:  # never expected after probe(); the chunk is then served by copying
-            log.warning("could not seal a chunk memfd; it will not be lent: %s", exc)
-            return False
-        self.sealed = True
-        if self._mapping is not None:
-            # the chunk is still lent when this fails, and hashed again before each lend
-            self.immutable = protect(*self._mapping, writable=False)
-        return True
+        """Seal the memfd, then make the sidecar's mapping read-only (`read_only` says it is); idempotent. False if
+        it cannot be sealed (it is then never lent)."""
+        with self._sealing:
+            if self.sealed:
+                return True
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
+            except OSError as exc:  # never expected after probe(); the chunk is then served by copying
+                log.warning("could not seal a chunk memfd; it will not be lent: %s", exc)
+                return False
+            self.sealed = True
+            if self._mapping is not None:
+                # the chunk is still lent when this fails, and hashed again before each lend
+                self.read_only = protect(*self._mapping, writable=False)
+            return True
+
+    def verified(self) -> None:
+        """A reader hashed the sealed chunk where it lies and found its checksum: with the mapping read-only,
+        nothing can change it any more, so no lend hashes it again (`immutable`)."""
+        self.immutable = self.sealed and self.read_only
 
     def __del__(self):
         try:

@@ -78,7 +78,7 @@ class Entry:
     leases: int = 0
     evicted: bool = False
     last_access: float = field(default=0.0)
-    memfd: SealedChunk | None = None  # set when `data` is a sealed memfd's mapping: the chunk can be lent
+    memfd: SealedChunk | None = None  # set when `data` is a memfd's mapping: the chunk can be lent (sealed first)
     born: float | None = None  # first stored in any tier (memory clock; a promoted chunk keeps its age); None: created
     owner: str = ""  # whose quota it is charged to (promptcache.sidecar.tenancy)
     values_finite: bool = False  # an unquantized chunk whose values the store found finite (PutSession)
@@ -88,7 +88,7 @@ class Entry:
     _array: np.ndarray | None = field(default=None, repr=False)
     recyclable: bool = False  # its memory goes back to the tier's free list once nobody reads it (host_buffer's)
     protectable: bool = False  # `data` is a mapping of its own (memfd.ProtectedMemory)...
-    immutable: bool = False  # ...read-only since a Get verified it there (or a sealed memfd's): not hashed again
+    immutable: bool = False  # ...read-only since a Get verified it there (a memfd's: sealed too): not hashed again
     wire: object = field(default=None, repr=False)  # a transport's encoding of this chunk, made once (bulk.py)
 
     @functools.cached_property
@@ -256,10 +256,11 @@ class MemoryTier:
         # nobody reads any more (no lease) is kept, and at most what the budget leaves free, so the process never
         # holds more than the budget. (Transparent huge pages for fresh memory were tried: with the kernel's
         # direct compaction an 8 MiB Put took 28 ms of CPU instead of 8.) Off where another thread may still read
-        # a stored chunk's memory after it left (the cluster tier publishes from it): `recycle` False.
-        self._recycle = recycle and device.type == "cpu" and self.host_memory is None
-        # size -> (memory, its numpy view or None, protectable, read-only)
-        self._free: dict[int, list[tuple[torch.Tensor, np.ndarray | None, bool, bool]]] = {}
+        # a stored chunk's memory after it left (the cluster tier publishes from it): `recycle` False. A memfd is
+        # kept the same way until it is sealed (memfd.py): never once it may have been lent.
+        self._recycle = recycle and device.type == "cpu"
+        # size -> (memory, its numpy view or None, protectable, read-only, its unsealed memfd or None)
+        self._free: dict[int, list[tuple[torch.Tensor, np.ndarray | None, bool, bool, SealedChunk | None]]] = {}
         # Chunk memory that can be made read-only once a Get verified it (seal): later Gets send it unhashed.
         self._protected = (ProtectedMemory(mapping_budget())
                            if protect_memory and device.type == "cpu" and self.host_memory is None else None)
@@ -343,15 +344,16 @@ class MemoryTier:
         return self._budget if self._shrinking_to is None else self._shrinking_to
 
     def _give_back(self, data: torch.Tensor | None, protectable: bool = False, read_only: bool = False,
-                   array: np.ndarray | None = None) -> None:
+                   array: np.ndarray | None = None, memfd: SealedChunk | None = None) -> None:
         """Under the lock: keep a chunk's memory that nobody reads any more for the next chunk of its size
-        (host_buffer makes it writable again if it is read-only)."""
-        if data is None or not self._recycle:
+        (host_buffer makes it writable again if it is read-only). A sealed memfd is let go: a client may have
+        mapped it."""
+        if data is None or not self._recycle or (memfd is not None and memfd.sealed):
             return
         n = data.numel()
         if self._free_bytes + n + self._committed() > self._budget:
             return  # the budget's worth is held already: let it go back to the system
-        self._free.setdefault(n, []).append((data, array, protectable, read_only))
+        self._free.setdefault(n, []).append((data, array, protectable, read_only, memfd))
         self._free_bytes += n
 
     def _drop_free(self) -> None:
@@ -383,7 +385,7 @@ class MemoryTier:
         for listener in self._listeners:
             listener.removed(entry, reason, age)  # (a demotion copies the bytes before it returns)
         if not entry.leases and entry.recyclable:
-            self._give_back(entry.data, entry.protectable, entry.immutable, entry._array)
+            self._give_back(entry.data, entry.protectable, entry.immutable, entry._array, entry.memfd)
 
     def _expire(self, now: float) -> int:
         # _soonest_expiry is at most every entry's expiry (kept on insert, recomputed here), so a full tier's
@@ -435,29 +437,29 @@ class MemoryTier:
                 reservation.done = True
                 self._reserved -= reservation.accounted
                 self._let_go()
-                if reservation.memfd is None:
-                    self._give_back(reservation.host, reservation.protectable, array=reservation.array)
+                self._give_back(reservation.host, reservation.protectable, array=reservation.array,
+                                memfd=reservation.memfd)
 
     def host_buffer(self, reservation: Reservation) -> torch.Tensor:
         """Host memory to receive the reserved chunk into (a CPU tier stores this very tensor)."""
-        if self.host_memory is None:
-            kept = None
-            with self._lock:
-                free = self._free.get(reservation.nbytes)
-                if free:
-                    kept = free.pop()
-                    self._free_bytes -= reservation.nbytes
-            if kept is not None:
-                host, array, protectable, read_only = kept
-                if not read_only or protect(host.data_ptr(), host.numel(), writable=True):
-                    reservation.host, reservation.array, reservation.protectable = host, array, protectable
-            if reservation.host is None:
-                if self._protected is not None:
-                    reservation.host, reservation.protectable = self._protected.allocate(reservation.nbytes)
-                else:
-                    reservation.host = torch.empty(reservation.nbytes, dtype=torch.uint8)
-        else:
-            reservation.host, reservation.memfd = self.host_memory.allocate(reservation.nbytes)
+        kept = None
+        with self._lock:
+            free = self._free.get(reservation.nbytes)
+            if free:
+                kept = free.pop()
+                self._free_bytes -= reservation.nbytes
+        if kept is not None:
+            host, array, protectable, read_only, memfd = kept
+            if not read_only or protect(host.data_ptr(), host.numel(), writable=True):
+                reservation.host, reservation.array, reservation.protectable = host, array, protectable
+                reservation.memfd = memfd
+        if reservation.host is None:
+            if self.host_memory is not None:
+                reservation.host, reservation.memfd = self.host_memory.allocate(reservation.nbytes)
+            elif self._protected is not None:
+                reservation.host, reservation.protectable = self._protected.allocate(reservation.nbytes)
+            else:
+                reservation.host = torch.empty(reservation.nbytes, dtype=torch.uint8)
         if reservation.array is None:
             reservation.array = reservation.host.numpy()
         return reservation.host
@@ -472,12 +474,10 @@ class MemoryTier:
         its first store), charged to `owner`; `hits` and `last_access` (memory clock) carry how hot it was in the
         tier it comes from; `sliding_ttl`: its own TTL from now on (a retention hint; None: the tier's). False if
         an equal key won the race (bytes released).
-        A chunk stored in its reservation's memfd is sealed here: from now on its bytes cannot change."""
+        A chunk stored in its reservation's memfd is sealed at its first read (seal; memfd.py), not here."""
         memfd = reservation.memfd if data is reservation.host and reservation.memfd is not None else None
-        if memfd is not None and not memfd.sealed and not memfd.seal():
-            memfd = None
         protectable = data is reservation.host and reservation.protectable
-        immutable = memfd is not None and memfd.immutable
+        immutable = False  # made read-only, and sealed, once a reader has verified it where it lies (seal)
         now = self.clock()
         with self._lock:
             if reservation.done:
@@ -486,10 +486,10 @@ class MemoryTier:
             self._reserved -= reservation.accounted
             self._let_go()  # reserved became used (or was dropped): a shrink can now evict it
             existing = self._entries.get(key)
-            own = data is reservation.host and reservation.memfd is None  # memory host_buffer gave it
+            own = data is reservation.host  # memory host_buffer gave it
             if existing is not None and existing.expires > now:
                 if own:
-                    self._give_back(data, protectable, immutable, reservation.array)
+                    self._give_back(data, protectable, immutable, reservation.array, memfd)
                 return False
             if existing is not None:
                 self._remove(existing, "ttl")
@@ -576,15 +576,21 @@ class MemoryTier:
                 self._draining -= entry.accounted
                 self._let_go()
                 if entry.recyclable:
-                    self._give_back(entry.data, entry.protectable, entry.immutable, entry._array)
+                    self._give_back(entry.data, entry.protectable, entry.immutable, entry._array, entry.memfd)
 
     def seal(self, entry: Entry) -> None:
         """A reader (holding a lease) verified `entry`'s own memory against its checksum: make that memory read-only
-        if it can be (ProtectedMemory), so later Gets send it without hashing it again and a stray write faults
-        instead of corrupting it. Done on the first verified read rather than at commit: making 1 MiB read-only
-        and writable again costs about as much CPU as hashing it (~35 us each way, measured), so a chunk that is
-        never read pays neither."""
-        if entry.protectable and not entry.immutable and not entry.evicted:
+        if it can be (ProtectedMemory; a memfd is sealed too, memfd.py), so later Gets send it without hashing it
+        again and a stray write faults instead of corrupting it. Done on the first verified read rather than at
+        commit: making 1 MiB read-only and writable again costs about as much CPU as hashing it (~35 us each way,
+        measured), so a chunk that is never read pays neither, and its memory goes to the next chunk when it is
+        evicted. A lend seals the memfd before that read (bulk.LendSink): what the client maps is what was
+        verified."""
+        if entry.memfd is not None:
+            if not entry.immutable and entry.memfd.seal():
+                entry.memfd.verified()
+                entry.immutable = entry.memfd.immutable
+        elif entry.protectable and not entry.immutable and not entry.evicted:
             entry.immutable = protect(entry.data.data_ptr(), entry.data.numel(), writable=False)
 
     def drop_corrupt(self, entry: Entry) -> None:
