@@ -157,6 +157,17 @@ def checksum_and_finite(buf: np.ndarray, kv_dtype: str) -> tuple[int, bool]:
     return h.intdigest(), finite
 
 
+_STAGING = threading.local()
+
+
+def _staging() -> np.ndarray:
+    """This thread's ChunkCheck.PIECE bytes to take a piece of client-writable memory into before checking it."""
+    buf = getattr(_STAGING, "buf", None)
+    if buf is None or buf.size < ChunkCheck.PIECE:
+        buf = _STAGING.buf = np.empty(ChunkCheck.PIECE, dtype=np.uint8)
+    return buf
+
+
 class ChunkCheck:
     """A Put's chunk verified as its bytes are copied into the chunk's memory `dst` (copy_in): xxh3_64 of every
     byte and, with `scan_dtype`, the finite scan, each piece read while it is still in the CPU's cache. The
@@ -182,29 +193,28 @@ class ChunkCheck:
 
     def copy_in(self, at: int, src: np.ndarray, client_writable: bool = False) -> None:
         """Copy `src` (uint8) into the chunk's memory at byte `at`, checking it on the way. `client_writable`: the
-        client can still change `src` (its shared memfd), so each piece is copied first and then checked from the
-        chunk's own memory: read twice from `src`, it could be checked as one thing and stored as another."""
+        client can still change `src` (its shared memfd): read twice, it could be checked as one thing and stored
+        as another, so each piece is first copied into memory of the sidecar's own (this thread's staging buffer,
+        which stays in the CPU's cache) and checked and stored from there."""
         n = src.size
         if at < 0 or at + n > self._dst.size:
             raise ValueError(f"{n} bytes at offset {at} run past the chunk's {self._dst.size}")
         if at % self._itemsize or n % self._itemsize:
             self._scan_at_end = True
-        copy = self._copy if src.flags.c_contiguous and not client_writable else None
-        source = src.ctypes.data if copy is not None and n else 0
+        staging = _staging() if client_writable else None
+        copy = self._copy if src.flags.c_contiguous or staging is not None else None
+        source = (staging.ctypes.data if staging is not None else src.ctypes.data) if copy is not None and n else 0
         for start in range(0, n, self.PIECE):
-            piece = src[start:start + self.PIECE]
+            piece, offset = src[start:start + self.PIECE], start
+            if staging is not None:  # from here on nothing the client does can change what is checked and stored
+                piece, offset = staging[:piece.size], 0
+                np.copyto(piece, src[start:start + self.PIECE])
             scan = self._dtype if self._finite and not self._scan_at_end else None
-            if client_writable:
-                stored = self._dst[at + start:at + start + piece.size]
-                np.copyto(stored, piece)  # plain stores: the piece is read back at once, from the cache
-                self._hash.update(stored)
-                finite = scan is None or values_finite(stored, scan)
-            elif copy is None:
-                self._hash.update(piece)
+            self._hash.update(piece)
+            if copy is None:
                 finite = copy_finite(self._dst[at + start:at + start + piece.size], piece, scan)
             else:
-                self._hash.update(piece)
-                finite = copy(self._address + at + start, source + start, piece.size,
+                finite = copy(self._address + at + start, source + offset, piece.size,
                               self._kind if scan else COPY_ONLY)
                 if finite < 0:
                     raise ValueError(f"pc_copy_finite refused {piece.size} bytes of kind {self._kind}")
