@@ -2,10 +2,10 @@
 """Where a bulk Put's or Get's sidecar CPU goes, call by call (issue #31; docs/benchmarks.md).
 
     nice .venv/bin/python hack/bulk-split.py [--mode put|get] [--chunk-kib 1024] [--size-mb 8] [--calls 400]
-        [--profile N]
+        [--budget-mb N] [--memfd] [--profile N]
 
-Runs a sidecar in this process on loopback TCP (the `promptcache bench throughput` layout: 4 KiB a token, a budget
-of 4 x the call's bytes + 64 MiB) with the functions below wrapped to add up the CPU time (thread CPU, so waiting on
+Runs a sidecar in this process on loopback TCP, or with --memfd on a unix socket (the `promptcache bench
+throughput` layout: 4 KiB a token, a budget of 4 x the call's bytes + 64 MiB unless --budget-mb) with the functions below wrapped to add up the CPU time (thread CPU, so waiting on
 the socket is not counted) of the calls made under them; a client in another process then fills the budget (puts),
 the counters are reset, and it makes `--calls` timed puts of new prefixes (each evicts as much as it stores) or
 gets of one stored prefix. Prints microseconds per call of each wrapped function, inclusive of what it calls, and
@@ -22,6 +22,7 @@ import argparse
 import collections
 import os
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -32,8 +33,9 @@ from promptcache.contract.keys import ModelSpec
 from promptcache_devtools.procs import wait_until
 grpc_address, bulk_address, ct, n_chunks, calls, mode, fills = sys.argv[1:8]
 ct, n_chunks, calls, fills = int(ct), int(n_chunks), int(calls), int(fills)
+memfd = bulk_address.startswith("unix:")  # --memfd: puts through the client's memfd
 spec = ModelSpec("bench/1mib-chunks", "v1", "float16", num_layers=4, num_kv_heads=4, head_dim=64)
-c = PromptCacheClient(grpc_address, timeout=120, chunk_tokens=ct, bulk_address=bulk_address)
+c = PromptCacheClient(grpc_address, timeout=120, chunk_tokens=ct, bulk_address=bulk_address, bulk_shared_memory=memfd)
 wait_until(lambda: c.healthy(), "sidecar")
 blobs = {i: torch.randn(ct * 2048).to(torch.float16).view(torch.uint8) for i in range(n_chunks)}
 def tokens(k):
@@ -60,6 +62,12 @@ def main() -> int:
     ap.add_argument("--chunk-kib", type=int, default=1024, choices=(256, 1024, 4096, 8192))
     ap.add_argument("--size-mb", type=int, default=8)
     ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--budget-mb", type=int, default=0,
+                    help="the memory tier's budget (default: 4 x --size-mb + 64, the throughput bench's for this size "
+                         "alone; `bench throughput --sizes-mb 8,64` runs at 320)")
+    ap.add_argument("--memfd", action="store_true",
+                    help="the bulk channel on a unix socket, the client putting through its memfd and the sidecar "
+                         "lending (zero copy on): the bulk-lent path, instead of bytes on loopback TCP")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="cProfile each call instead of the timers; print the N functions with the most own time")
     args = ap.parse_args()
@@ -69,7 +77,7 @@ def main() -> int:
     n_chunks, ct = (args.size_mb << 20) // chunk_bytes, chunk_bytes // 4096
 
     from promptcache.contract import bulkwire
-    from promptcache.sidecar import bulk, engine, observer, putsession, sinks, store, tenancy
+    from promptcache.sidecar import bulk, engine, memfd, observer, putsession, sinks, store, tenancy
     from promptcache.sidecar.tiers import stack
     from promptcache.sidecar.app import Sidecar
     from promptcache.sidecar.config import Settings
@@ -125,6 +133,7 @@ def main() -> int:
         wrap(putsession.PutSession, "add_data", "PutSession.add_data (copy_in; stores a complete chunk)")
         wrap(engine.CacheEngine, "store", "CacheEngine.store (in add_data)")
         wrap(store.MemoryTier, "commit", "MemoryTier.commit (in store)")
+        wrap(memfd.ChunkMemory, "allocate", "ChunkMemory.allocate (a new memfd, --memfd)")
         wrap(bulk._PutFrames, "_chunk_frame", "reading chunk frames")
         wrap(putsession.PutSession, "commit", "PutSession.commit")
         wrap(bulkwire, "send", "sending the status")
@@ -136,14 +145,16 @@ def main() -> int:
         wrap(engine.CacheEngine, "release_leases")
         wrap(bulk._GetAnswer, "chunk", "_GetAnswer.chunk (queues; sends each 16 MiB)")
         wrap(bulk._GetAnswer, "finish", "_GetAnswer.finish (the status)")
-    tcp, bulk_port = free_port(), free_port()
-    budget = 4 * (args.size_mb << 20) + (64 << 20)
-    sidecar = Sidecar(Settings(grpc_address=f"127.0.0.1:{tcp}", bulk_address=f"127.0.0.1:{bulk_port}",
-                               metrics_port=0, memory_bytes=budget, chunk_tokens=ct,
-                               max_chunk_bytes=chunk_bytes, log_level="warning")).start()
+    tcp = free_port()
+    bulk_address = (f"unix:{tempfile.mkdtemp(prefix='bulk-split-')}/bulk.sock" if args.memfd
+                    else f"127.0.0.1:{free_port()}")
+    budget = (args.budget_mb or 4 * args.size_mb + 64) << 20
+    sidecar = Sidecar(Settings(grpc_address=f"127.0.0.1:{tcp}", bulk_address=bulk_address,
+                               bulk_zero_copy="on" if args.memfd else "auto", metrics_port=0, memory_bytes=budget,
+                               chunk_tokens=ct, max_chunk_bytes=chunk_bytes, log_level="warning")).start()
     try:
         client = subprocess.Popen(
-            [sys.executable, "-c", CLIENT, f"127.0.0.1:{tcp}", f"127.0.0.1:{bulk_port}", str(ct), str(n_chunks),
+            [sys.executable, "-c", CLIENT, f"127.0.0.1:{tcp}", bulk_address, str(ct), str(n_chunks),
              str(args.calls), args.mode, str(budget // (args.size_mb << 20) + 1)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert client.stdout.readline().strip() == "reset"
         time.sleep(0.2)

@@ -113,6 +113,13 @@ def scanned(kv_dtype: str) -> bool:
     return kv_dtype not in FP8_DTYPES
 
 
+def scan_dtype(spec: ModelSpec) -> str | None:
+    """What a stored chunk of `spec` is scanned as for NaN and Inf, once, where it is stored (so no reader scans a
+    lent chunk): its KV dtype when unquantized; None for opaque bytes, checked where they are unpacked (quantized
+    codes) or never (fp8, see scanned)."""
+    return spec.kv_dtype if spec.quantization == "none" and scanned(spec.kv_dtype) else None
+
+
 def values_finite(raw: np.ndarray, kv_dtype: str) -> bool:
     """Whether the bytes `raw` (uint8, whole values of `kv_dtype`) hold no NaN or Inf: one pass of the compiled
     scan (native_scan) over a contiguous buffer, else values_finite_numpy. ValueError for an fp8 dtype (never

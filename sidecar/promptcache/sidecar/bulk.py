@@ -44,7 +44,7 @@ MAX_CHUNK_FRAME_BYTES = 4096  # a ChunkBegin takes a few dozen bytes
 # A kept chunk's bytes arrive in pieces this large or smaller, into the connection's receive buffer, which stays in
 # the CPU's cache, and are checksummed, scanned and copied into the chunk from there (PutSession.add_data). Received
 # straight into the chunk's memory (cold: an evicted chunk's) and then checked, an 8 MiB Put took 2.0 ms of the
-# connection's CPU for its bytes where this takes 1.6 ms (hack/bulk-split.py, a full 320 MiB tier); pieces of 128
+# connection's CPU for its bytes where this takes 1.6 ms (hack/bulk-split.py --budget-mb 320); pieces of 128
 # KiB-1 MiB cost about the same in a scratch harness, smaller ones more system calls.
 RECEIVE_PIECE = 512 << 10
 SEND_BATCH_BYTES = 16 << 20  # a Get sends its chunks once this many bytes are queued (leased until sent)
@@ -640,7 +640,7 @@ class _GetAnswer:
 
 class _PutFrames:
     """The frames of one bulk Put, fed to a PutSession: for each chunk its ChunkBegin, then its bytes, received
-    in pieces of at most `piece` bytes (RECEIVE_PIECE for a chunk that is kept) into the connection's reused
+    in pieces of at most `piece` bytes and RECEIVE_PIECE into the connection's reused
     receive buffer, or, with put.shared_buffer, a view of the attached memfd (which the client can still write:
     the session verifies its copy of it). The session copies either into the chunk's memory, verifying on the
     way, and checks each chunk frame (index, layout, --max-chunk-bytes) before the bytes after it are read."""
@@ -677,11 +677,8 @@ class _PutFrames:
                                          "bytes")
                 session.add_data(memoryview(self.shared.array[begin.buffer_offset:end]), client_writable=True)
                 continue
-            while self.unread:
-                if session.wants_data():
-                    session.add_data(self._receive(min(self.unread, self.piece, RECEIVE_PIECE)))
-                else:  # a chunk not kept: read and dropped
-                    session.add_data(self._receive(min(self.unread, self.piece)))
+            while self.unread:  # (a chunk not kept is read all the same, and dropped by the session)
+                session.add_data(self._receive(min(self.unread, self.piece, RECEIVE_PIECE)))
 
     def _chunk_frame(self) -> pb.ChunkBegin:
         frame = bulkwire.recv(self.conn, limit=MAX_CHUNK_FRAME_BYTES)

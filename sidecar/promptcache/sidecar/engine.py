@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from promptcache.contract import keys as keyspec
 from promptcache.contract.keys import ModelSpec
-from promptcache.contract.layout import chunk_nbytes, scanned
+from promptcache.contract.layout import chunk_nbytes, scan_dtype
 from promptcache.sidecar import cgroup
 from promptcache.sidecar.errors import DataLoss, InvalidRequest, NotServed, PermissionDenied, TimedOut
 from promptcache.sidecar.identity import Caller
@@ -346,17 +346,16 @@ class CacheEngine:
         """Verify a fully received chunk (putsession's Incoming) and commit it; the bytes stored (0: an equal
         chunk won the race)."""
         begin = incoming.begin
-        # fp8 chunks are a KV cache's raw bytes (layout.scanned): stored as they are, like packed codes
-        unquantized = spec.quantization == "none" and scanned(spec.kv_dtype)
+        scanned_as = scan_dtype(spec)  # None: opaque bytes (packed codes, fp8), checksummed only
         if incoming.check is not None:  # checked as the bytes were copied in (PutSession.add_data)
             value, finite = incoming.check.result()
-        elif unquantized:  # checked once here, so no reader has to scan a lent chunk (it cannot change afterwards)
-            value, finite = checksum_and_finite(incoming.buffer, spec.kv_dtype)
-        else:  # opaque packed codes: the quantized format's own checks run where it is unpacked
+        elif scanned_as is not None:  # read into the chunk by the kernel (a shared-memory file): one pass here
+            value, finite = checksum_and_finite(incoming.buffer, scanned_as)
+        else:
             value, finite = checksum(incoming.buffer), False
         if begin.xxh3_64 and begin.xxh3_64 != value:
             raise DataLoss(f"chunk {begin.index}: checksum of the received bytes does not match xxh3_64")
-        if unquantized and not finite:
+        if scanned_as is not None and not finite:
             raise InvalidRequest(f"chunk {begin.index} has NaN or Inf values: K/V must be finite")
         data = incoming.host if self.tier.on_cpu else incoming.host.to(self.tier.device)
         reservation, incoming.reservation = incoming.reservation, None

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from promptcache.contract import keys as keyspec
-from promptcache.contract.layout import chunk_nbytes, chunk_shape, scanned
+from promptcache.contract.layout import chunk_nbytes, chunk_shape, scan_dtype
 from promptcache.contract.shm import SharedBufferError
 from promptcache.contract.wire import NAME_TO_DTYPE
 from promptcache.sidecar.errors import InvalidRequest, NoCapacity
@@ -44,8 +44,8 @@ class Incoming:
 class PutSession:
     """One Put: begin_chunk() for each chunk frame, then its bytes (add_data()), then commit() for the result.
     Every reservation it holds (memory, quota, the client's share) is released on any exit: abort(), or leaving
-    the `with` block by an exception. With header.shared_buffer the
-    bytes are read from the caller's shared-memory file at begin_chunk() (buffer_offset)."""
+    the `with` block by an exception. With header.shared_buffer the bytes are read from the caller's shared-memory
+    file at begin_chunk() (buffer_offset)."""
 
     def __init__(self, engine: "CacheEngine", caller: Caller, header: pb.PutHeader, watch=None):
         e = self.engine = engine
@@ -65,9 +65,7 @@ class PutSession:
         self.shape = list(chunk_shape(spec, ct))
         self.nbytes = chunk_nbytes(spec, ct)  # a layout scope() already checked
         self.dtype = NAME_TO_DTYPE[spec.kv_dtype]
-        # Unquantized float chunks are scanned for NaN and Inf once, here, so no reader has to scan a lent chunk
-        # (it cannot change afterwards); opaque bytes (packed codes, fp8) are checked where they are unpacked.
-        self.scan_dtype = spec.kv_dtype if spec.quantization == "none" and scanned(spec.kv_dtype) else None
+        self.scan_dtype = scan_dtype(spec)
         self.stored = self.skipped = self.rejected = self.stored_bytes = 0
         self.ttl = e.ttl_hint(header.ttl_seconds)
         self.priority = min(header.priority, 1)
@@ -140,10 +138,6 @@ class PutSession:
                 raise InvalidRequest(f"chunk {begin.index}: {exc}") from None
             e.metrics.received_bytes.inc(begin.nbytes)
             self._complete(current)
-
-    def wants_data(self) -> bool:
-        """Whether the current chunk's bytes are kept (else add_data drops them: cached already, or refused)."""
-        return self._expect_data().buffer is not None
 
     def add_data(self, data, client_writable: bool = False) -> None:
         """The next bytes of the current chunk (a data frame, what a bulk connection received, or a piece of the
