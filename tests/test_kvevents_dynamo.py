@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 
 from support import CHUNK, SMALL, make_kv
 from promptcache.client import PromptCacheClient
+from promptcache_devtools.procs import free_port
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("dynamo") is None or importlib.util.find_spec("dynamo.indexer") is None,
@@ -26,15 +26,9 @@ pytestmark = pytest.mark.skipif(
 NODES = {1: "node-a", 2: "node-b"}  # Dynamo worker (instance) id -> sidecar
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Indexer:
     def __init__(self, workers: dict[int, str], block_size: int, model: str, log_path):
-        self.port = _free_port()
+        self.port = free_port()
         self.model = model
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(

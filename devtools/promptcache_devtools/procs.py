@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import threading
 import time
 from typing import Callable
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on loopback that was free a moment ago, and not one this process was given before: the kernel may
+    hand the same ephemeral port to two binds in a row once the first socket is closed, and a sidecar given one port for
+    gRPC and metrics then fails to start ("Address already in use")."""
+    with _handed_out_lock:
+        for _ in range(1000):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise RuntimeError(f"no free loopback port that this process was not given before ({len(_handed_out)} given)")
 
 
 # How long a starting process may take while it is alive and making progress (CPU time or page faults: a cold page

@@ -175,15 +175,13 @@ def _cluster_rows(base, tmp: Path, spec, first, window, ct: int) -> list:
 
 def _mooncake_master(log: Path):
     """A Mooncake master on loopback (the 'cluster' extra's binary) and its HOST:PORT."""
-    import socket
     import subprocess
 
     import mooncake
 
-    with socket.socket() as a, socket.socket() as b:
-        a.bind(("127.0.0.1", 0))
-        b.bind(("127.0.0.1", 0))
-        port, admin = a.getsockname()[1], b.getsockname()[1]
+    from promptcache_devtools.procs import free_port
+
+    port, admin = free_port(), free_port()
     master = subprocess.Popen([str(Path(mooncake.__file__).parent / "mooncake_master"), f"-rpc_port={port}",
                                "-rpc_address=127.0.0.1", f"-metrics_port={admin}", "-metrics_host=127.0.0.1"],
                               stdout=open(log, "w"), stderr=subprocess.STDOUT)

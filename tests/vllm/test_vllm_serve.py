@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import time
 import urllib.request
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from promptcache_devtools import models
+from promptcache_devtools.procs import free_port
 from support import REPO, SidecarProcess, metric
 
 VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")
@@ -36,12 +36,6 @@ def readme_command() -> list[str]:
     section = text[text.index("## With vLLM"):]
     block = re.search(r"```sh\n(vllm serve .*?)```", section, re.S).group(1)
     return shlex.split(block.replace("\\\n", " "))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -61,12 +61,9 @@ class SidecarProcess:
             self.address = f"unix://{self.tmp}/sidecar.sock"
             listen = f"unix:{self.tmp}/sidecar.sock"
         else:
-            import socket
+            from promptcache_devtools.procs import free_port
 
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            self.address = listen = f"127.0.0.1:{port}"
+            self.address = listen = f"127.0.0.1:{free_port()}"
         cmd = [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", listen, "--metrics-port", "0",
                "--memory-bytes", str(memory_bytes), "--chunk-tokens", str(chunk_tokens), "--device", device,
                "--data-dir", self.tmp, "--log-level", "warning"] + \
