@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,7 +35,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "devtools"))
 import images  # noqa: E402
+from promptcache_devtools.procs import free_port  # noqa: E402  (never the same port twice: etcd's two, ...)
 
 CACHE = images.CACHE
 BRIDGE = "pcbr0"
@@ -50,12 +51,6 @@ CNI_BIN = next((p for p in ("/usr/lib/cni", "/opt/cni/bin") if Path(p, "bridge")
 
 def log(msg: str) -> None:
     print(f"cluster: {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tools() -> dict[str, Path]:
