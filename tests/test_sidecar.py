@@ -370,6 +370,38 @@ def test_pre_encoded_data_frames_are_plain_proto_on_the_wire(client, sidecar):
     assert data == b"".join(b.numpy().tobytes() for b in client.get_blobs(SMALL, tokens))
 
 
+@pytest.mark.parametrize("compression", [grpc.Compression.NoCompression, grpc.Compression.Gzip])
+def test_a_third_party_client_puts_and_gets_with_the_generated_stubs(sidecar, compression):
+    """What any gRPC client can do with the proto alone: a Put whose data frames split each chunk anywhere (and,
+    with grpc-encoding gzip, compressed), then a Get whose bytes are those it sent, in any client's framing."""
+    import xxhash
+
+    from promptcache.client.client import encode_chunk
+    from promptcache.contract.layout import chunk_shape
+    from promptcache.contract.wire import NAME_TO_DTYPE, model_to_proto
+    from promptcache.v1 import kvcache_pb2 as pb
+    from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+    tokens = list(range(500, 500 + 3 * CHUNK))
+    kv = make_kv(SMALL, len(tokens), seed=int(compression) + 3)
+    blobs = [encode_chunk(SMALL, kv, i * CHUNK, (i + 1) * CHUNK).numpy().tobytes() for i in range(3)]
+    frames = [pb.PutRequest(header=pb.PutHeader(model=model_to_proto(SMALL), tokens=tokens))]
+    for i, blob in enumerate(blobs):
+        frames.append(pb.PutRequest(chunk=pb.ChunkBegin(index=i, nbytes=len(blob), shape=chunk_shape(SMALL, CHUNK),
+                                                        dtype=NAME_TO_DTYPE[SMALL.kv_dtype],
+                                                        xxh3_64=xxhash.xxh3_64_intdigest(blob))))
+        cut = 1 + 997 * (i + 1) % (len(blob) - 1)
+        frames += [pb.PutRequest(data=blob[:cut]), pb.PutRequest(data=blob[cut:])]
+    with grpc.insecure_channel(sidecar.address, compression=compression) as ch:
+        stub = pb_grpc.KVCacheStub(ch)
+        put = stub.Put(iter(frames), timeout=10)
+        assert (put.stored_chunks, put.stored_bytes) == (3, sum(map(len, blobs)))
+        answer = list(stub.Get(pb.GetRequest(model=model_to_proto(SMALL), tokens=tokens), timeout=10))
+    chunks = [m.chunk for m in answer if m.WhichOneof("frame") == "chunk"]
+    assert [c.index for c in chunks] == [0, 1, 2] and [c.nbytes for c in chunks] == list(map(len, blobs))
+    assert b"".join(m.data for m in answer if m.WhichOneof("frame") == "data") == b"".join(blobs)
+
+
 def test_orphan_chunk_is_not_stored(client):
     """A chunk whose parent is cached nowhere can never be reached by a lookup: it is refused, not stored."""
     tokens = list(range(3 * CHUNK))
