@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from promptcache.contract.keys import ModelSpec
-from promptcache_devtools.procs import free_port, stop_process, wait_healthy  # noqa: F401 - free_port re-exported
+from promptcache_devtools.procs import free_port, port_taken, stop_process, wait_healthy  # noqa: F401 - free_port re-exported
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ModelSpec("test/tiny-llama", "rev-1", "float32", num_layers=2, num_kv_heads=2, head_dim=8)
@@ -88,20 +88,38 @@ class SidecarProcess:
     """`promptcache serve` as a real subprocess, for what needs a process: exit codes, signals, kill -9."""
 
     def __init__(self, *args: str, env: dict | None = None):
+        self._args, self._env = args, {**os.environ, **(env or {})}
+        self._start()
+
+    def _start(self) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", self.address,
-               "--metrics-port", str(self.metrics_port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+               "--metrics-port", str(self.metrics_port), *self._args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self._env)
 
     def wait_ready(self, timeout: float | None = None, **client_kwargs) -> "SidecarProcess":
         """Wait until it answers its health check: as long as it is alive and starting (procs.StartWatch), or
         `timeout` seconds when given. client_kwargs: how to reach it (tls_ca=... when it serves TLS; health needs
-        no token)."""
-        wait_healthy(self.address, self.proc, timeout,
-                     lambda: f": {self.proc.stdout.read()}" if self.proc.poll() is not None else "", **client_kwargs)
+        no token). A start that lost one of its free ports to another process in the meantime (the port is in
+        use) is retried on new ports, twice."""
+        for attempt in range(3):
+            output = []
+
+            def describe() -> str:
+                if self.proc.poll() is None:
+                    return ""
+                output.append(self.proc.stdout.read())
+                return f": {output[-1]}"
+
+            try:
+                wait_healthy(self.address, self.proc, timeout, describe, **client_kwargs)
+                return self
+            except RuntimeError:
+                if attempt == 2 or not output or not port_taken(output[-1]):
+                    raise
+            self._start()
         return self
 
     def stop(self) -> None:

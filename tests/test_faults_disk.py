@@ -214,22 +214,37 @@ class _LoggedSidecar:
     """`promptcache serve` writing its log to a file (a pipe nobody reads would stall a chatty process)."""
 
     def __init__(self, log_path, *args: str):
+        self.log_path, self._args = log_path, args
+        self._log = open(log_path, "a")
+        self._start()
+
+    def _start(self) -> None:
         import sys
 
         from promptcache_devtools.procs import free_port
 
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "a")
+        self._log.flush()
+        self._started_at = os.path.getsize(self.log_path)  # (bytes) where this start's output begins
         self.proc = subprocess.Popen([sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address",
                                       self.address, "--metrics-port", str(self.metrics_port), "--log-format", "text",
-                                      *args], stdout=self._log, stderr=subprocess.STDOUT)
+                                      *self._args], stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60.0) -> "_LoggedSidecar":
-        from promptcache_devtools.procs import wait_healthy
+        """As SidecarProcess.wait_ready: a start that lost a free port to another process is retried, twice."""
+        from promptcache_devtools.procs import port_taken, wait_healthy
 
-        wait_healthy(self.address, self.proc, timeout, lambda: f": {open(self.log_path).read()[-2000:]}")
+        for attempt in range(3):
+            try:
+                wait_healthy(self.address, self.proc, timeout, lambda: f": {open(self.log_path).read()[-2000:]}")
+                return self
+            except RuntimeError:
+                self._log.flush()
+                output = open(self.log_path, "rb").read()[self._started_at:].decode(errors="replace")
+                if attempt == 2 or not port_taken(output):
+                    raise
+            self._start()
         return self
 
     def terminate(self, timeout: float = 30.0) -> int:

@@ -28,6 +28,12 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port that this process was not given before ({len(_handed_out)} given)")
 
 
+def port_taken(output: str) -> bool:
+    """Whether a `promptcache serve` that exited said it could not listen because a port was in use: with ports
+    from free_port, another process took one in between (a start worth retrying on new ports)."""
+    return "cannot listen on" in output and "in use" in output
+
+
 # How long a starting process may take while it is alive and making progress (CPU time or page faults: a cold page
 # cache loading torch's libraries shows as faults), and how long it may make none before it counts as stuck. A
 # loaded machine slows a start down, it does not stop it, so the waits below fail on an exit or a stall, not at a
