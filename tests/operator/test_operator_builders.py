@@ -149,6 +149,12 @@ def test_config_change_rolls_pods():
     ({"memory": {"host": "1Gi", "warmupSnapshot": {"claimName": "s", "path": "a//b"}}}, "must be a relative path"),
     ({"memory": {"host": "1Gi", "disk": "1Gi", "warmupSeconds": 91}}, "spec.memory.warmupSeconds"),
     ({"memory": {"host": "1Gi", "disk": "1Gi", "warmupSeconds": -1}}, "spec.memory.warmupSeconds"),
+    ({"memory": {"host": "8Ei"}}, "spec.memory.host must be below 8Ei"),
+    ({"memory": {"host": "1Gi", "disk": "1000000Ei"}}, "spec.memory.disk must be below 8Ei"),
+    ({"cluster": {"enabled": True, "segmentMemory": "9223372036854775808"}}, "spec.cluster.segmentMemory must be below"),
+    ({"autoscaling": {"maxMemory": "9Ei"}}, "spec.autoscaling.maxMemory must be below 8Ei"),
+    ({"model": {"name": "", "revision": "r"}}, "spec.model.name must be 1 to 253 characters"),
+    ({"model": {"name": "m", "revision": "r" * 129}}, "spec.model.revision must be 1 to 128 characters"),
 ])
 def test_model_rejects_what_the_crd_rejects(patch, field):
     spec = {**example("minimal")["spec"], **patch}
@@ -156,6 +162,22 @@ def test_model_rejects_what_the_crd_rejects(patch, field):
         spec["memory"] = {"host": "1Gi"}
     with pytest.raises(SpecError, match=field.replace(".", r"\.")):
         PromptCacheSpec.from_dict(spec)
+
+
+@pytest.mark.parametrize("memory,placement,message", [
+    ({"host": "7Ei"}, {}, "times spec.placement.maxNodes 100 (the ResourceQuota's memory), is more than 8Ei"),
+    ({"host": "1Ei"}, {"maxNodes": 8}, "times spec.placement.maxNodes 8"),
+    ({"host": "1Gi", "disk": "8589934591Gi"}, {}, "spec.memory.disk '8589934591Gi' plus 1Gi"),
+])
+def test_sizes_that_fit_alone_but_not_added_up_are_refused(memory, placement, message):
+    """Each size is below 8Ei, but the pod's memory times the nodes (the ResourceQuota) or the disk tier plus
+    RocksDB's own files (the pod's ephemeral storage) would not be: refused before anything is built."""
+    spec = {**example("minimal")["spec"], "memory": memory, "placement": placement}
+    with pytest.raises(SpecError, match=re.escape(message)):
+        PromptCacheSpec.from_dict(spec)
+    fits = {**spec, "placement": {"maxNodes": 7}} if memory["host"] == "1Ei" else None
+    if fits is not None:  # one node fewer fits: the bound is the sum, not the size
+        assert builders.resource_quota(PromptCacheSpec.from_dict(fits), OWNER)["spec"]["hard"]["limits.memory"]
 
 
 def _secured(security: dict, **extra) -> PromptCacheSpec:

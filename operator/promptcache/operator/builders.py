@@ -21,7 +21,8 @@ from typing import Any
 import yaml
 
 from . import alerts
-from .model import GROUP, KIND, VERSION, PromptCacheSpec, SpecError, isolated_identity, quantity_bytes, to_dict
+from .model import (DISK_OVERHEAD, GROUP, KIND, MEMORY_OVERHEAD, VERSION, PromptCacheSpec, SpecError,  # noqa: F401
+                    isolated_identity, quantity_bytes, to_dict)  # (MEMORY_OVERHEAD: autoscale reads it here)
 
 GRPC_PORT = 50051
 BULK_PORT = 50052  # the bulk channel (docs/bulk-channel.md); plaintext, so only without TLS
@@ -33,7 +34,6 @@ MANAGED_BY = "promptcache-operator"
 CACHE_LABEL = f"{GROUP}/cache"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 DATA_DIR = "/var/cache/promptcache"
-MEMORY_OVERHEAD = 512 * 2**20  # process + gRPC buffers on top of the cache budget
 RUN_AS = 65532
 SECRETS_DIR = "/etc/promptcache"
 # spec.security: volume name, mount path, and the sidecar settings pointing into it (docs/security.md).
@@ -338,12 +338,11 @@ def config_hash(cm: dict[str, Any]) -> str:
 
 
 def _resources(spec: PromptCacheSpec) -> dict[str, Any]:
-    segment = quantity_bytes(spec.cluster.segmentMemory) if spec.cluster.enabled else 0
-    memory = format_bytes(quantity_bytes(spec.memory.host) + segment + MEMORY_OVERHEAD)
+    memory = format_bytes(spec.container_memory_bytes())
     requests: dict[str, Any] = {"cpu": "250m", "memory": memory}
     limits: dict[str, Any] = {"memory": memory}
     if spec.memory.disk and not spec.memory.diskClaim:  # on a claim the disk tier is not ephemeral storage
-        disk = format_bytes(quantity_bytes(spec.memory.disk) + 2**30)
+        disk = format_bytes(quantity_bytes(spec.memory.disk) + DISK_OVERHEAD)
         requests["ephemeral-storage"] = disk
         limits["ephemeral-storage"] = disk
     if spec.gpu.count > 0:

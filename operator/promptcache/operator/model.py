@@ -64,8 +64,12 @@ def isolated_identity(sec: "Security") -> bool:
 
 
 def _positive_quantity(path: str, value: str | None) -> None:
+    """A size in bytes: positive, and below 8Ei (what the sidecar's flags and a Kubernetes resource value hold)."""
     if value is not None and parse_quantity(value) <= 0:
         raise SpecError(f"{path} must be a positive quantity, got {value!r}")
+    if value is not None and parse_quantity(value) > quantity.MAX_INT64:
+        raise SpecError(f"{path} must be below 8Ei (2^63 bytes, what the sidecar and a Kubernetes resource value "
+                        f"hold), got {value!r}")
 
 
 CLAIM_NAME = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"  # a PersistentVolumeClaim's name (DNS subdomain)
@@ -77,6 +81,9 @@ MAX_PINNED_TOKENS_TOTAL = 65536
 MAX_TOKEN_ID = (1 << 32) - 1
 PINNED_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"
 SNAPSHOT_PATH = r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*"  # no '..', no absolute path
+# What the sidecar container takes beyond its budgets (its resources; the autoscaler subtracts it from a target).
+MEMORY_OVERHEAD = 512 * 2**20  # process + gRPC buffers on top of the cache budget
+DISK_OVERHEAD = 2**30  # RocksDB's own files (logs, manifests, a write being compacted) next to the disk budget
 MAX_WARMUP_SECONDS = 90  # spec.memory.warmupSeconds: under the sidecar startup probe's 120 s
 
 @dataclass(frozen=True)
@@ -343,6 +350,10 @@ class PromptCacheSpec:
         """The CRD's rules, repeated so the builders never see a spec the API server would reject."""
         if (self.model.revision is None) == (self.model.weightsDigest is None):
             raise SpecError("exactly one of spec.model.revision or spec.model.weightsDigest must be set")
+        for name, most in (("name", 253), ("revision", 128)):
+            value = getattr(self.model, name)
+            if value is not None and not 1 <= len(value) <= most:
+                raise SpecError(f"spec.model.{name} must be 1 to {most} characters, got {len(value)}")
         for name in ("host", "device", "disk"):
             _positive_quantity(f"spec.memory.{name}", getattr(self.memory, name))
         if self.memory.diskClaim is not None:
@@ -418,7 +429,21 @@ class PromptCacheSpec:
             taken = sorted(set(given) & set(reserved))
             if taken:
                 raise SpecError(f"spec.pod.{what} may not set {', '.join(taken)}: the operator sets them")
+        # Each size fits on its own (above); what the operator adds them up to must fit too.
+        if self.container_memory_bytes() * self.placement.maxNodes > quantity.MAX_INT64:
+            raise SpecError(f"spec.memory.host {self.memory.host!r} plus spec.cluster.segmentMemory and "
+                            f"{MEMORY_OVERHEAD >> 20}Mi for the process, times spec.placement.maxNodes "
+                            f"{self.placement.maxNodes} (the ResourceQuota's memory), is more than 8Ei")
+        if self.memory.disk and quantity_bytes(self.memory.disk) + DISK_OVERHEAD > quantity.MAX_INT64:
+            raise SpecError(f"spec.memory.disk {self.memory.disk!r} plus {DISK_OVERHEAD >> 30}Gi for RocksDB's own "
+                            "files (the pod's ephemeral storage) is more than 8Ei")
         return self
+
+    def container_memory_bytes(self) -> int:
+        """The sidecar container's memory request and limit: the host budget, the cluster segment it contributes,
+        and the process's own."""
+        segment = quantity_bytes(self.cluster.segmentMemory) if self.cluster.enabled else 0
+        return quantity_bytes(self.memory.host) + segment + MEMORY_OVERHEAD
 
 
 def json_name(f: dataclasses.Field) -> str:

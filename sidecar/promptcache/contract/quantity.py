@@ -14,6 +14,9 @@ _QUANTITY = re.compile(r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMG
 _BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}   # powers of 1024
 _DECIMAL = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}  # powers of 10
 EXAMPLES = "examples: 1073741824, 512Mi, 4Gi, 1.5G"
+# The largest count or size anything here holds: int64, as the API's fields, the sidecar's flags and counters and a
+# Kubernetes resource value (in quantities: 8Ei - 1).
+MAX_INT64 = (1 << 63) - 1
 
 
 def parse_quantity(text: str | int) -> Decimal:

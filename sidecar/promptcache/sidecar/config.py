@@ -16,7 +16,7 @@ Every flag can also be set by an environment variable: --memory-bytes is PROMPTC
 Byte sizes accept Kubernetes quantities: 512Mi, 4Gi, 1G, or plain integers.
 """
 
-from promptcache.contract.quantity import parse_bytes  # noqa: E402,F401 - byte flags are Kubernetes quantities
+from promptcache.contract.quantity import MAX_INT64, parse_bytes  # noqa: E402,F401 - byte flags are Kubernetes quantities
 
 # The settings that take one of a few words: the words are written once, here (validate() and docs/configuration.md
 # read them through typing.get_args).
@@ -450,7 +450,7 @@ HELP = {
     "kv_events_id": "the id in the KV event topic kv@ID@MODEL; empty: this host's name",
 }
 
-MAX_QUANTITY = (1 << 63) - 1  # every count and size: the sidecar's counters, metrics and the API's int64 fields
+MAX_QUANTITY = MAX_INT64  # every count and size: the sidecar's counters, metrics and the API's int64 fields
 _BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "disk_min_free_bytes", "frame_bytes",
                 "tenant_quota_bytes", "shm_max_bytes", "min_put_bytes_per_second", "access_log_max_bytes",
                 "cluster_segment_bytes", "cluster_buffer_bytes"}
