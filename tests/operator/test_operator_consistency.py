@@ -113,6 +113,21 @@ def test_crd_chunk_tokens_rule_matches_model():
     assert all(n & (n - 1) == 0 for n in allowed)
 
 
+def test_crd_model_string_bounds_match_model():
+    props = spec_schema()["properties"]["model"]["properties"]
+    assert (props["name"]["minLength"], props["name"]["maxLength"]) == (1, model.MODEL_NAME_MAX)
+    assert (props["revision"]["minLength"], props["revision"]["maxLength"]) == (1, model.MODEL_REVISION_MAX)
+
+
+def test_crd_byte_quantities_are_bounded_as_the_model_bounds_them():
+    """Every quantity rule of the CRD (all of them byte sizes) refuses 8Ei and more, as the model does (the sidecar's
+    flags and a Kubernetes resource value hold at most 2^63 - 1)."""
+    rules = re.findall(r"rule: (isQuantity\(self\).*)", CRD.read_text())
+    assert len(rules) >= 7
+    assert all("quantity(self).isLessThan(quantity('8Ei'))" in r for r in rules), rules
+    assert model.quantity.MAX_INT64 == 8 * 2**60 - 1
+
+
 def test_sidecar_enums_match_the_sidecar():
     """The CRD's eviction policies and quantization modes include every one the sidecar implements."""
     policies = pytest.importorskip("promptcache.sidecar.policies")

@@ -84,6 +84,7 @@ SNAPSHOT_PATH = r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*" 
 # What the sidecar container takes beyond its budgets (its resources; the autoscaler subtracts it from a target).
 MEMORY_OVERHEAD = 512 * 2**20  # process + gRPC buffers on top of the cache budget
 DISK_OVERHEAD = 2**30  # RocksDB's own files (logs, manifests, a write being compacted) next to the disk budget
+MODEL_NAME_MAX, MODEL_REVISION_MAX = 253, 128  # spec.model.name and .revision, as the CRD bounds them
 MAX_WARMUP_SECONDS = 90  # spec.memory.warmupSeconds: under the sidecar startup probe's 120 s
 
 @dataclass(frozen=True)
@@ -350,7 +351,7 @@ class PromptCacheSpec:
         """The CRD's rules, repeated so the builders never see a spec the API server would reject."""
         if (self.model.revision is None) == (self.model.weightsDigest is None):
             raise SpecError("exactly one of spec.model.revision or spec.model.weightsDigest must be set")
-        for name, most in (("name", 253), ("revision", 128)):
+        for name, most in (("name", MODEL_NAME_MAX), ("revision", MODEL_REVISION_MAX)):
             value = getattr(self.model, name)
             if value is not None and not 1 <= len(value) <= most:
                 raise SpecError(f"spec.model.{name} must be 1 to {most} characters, got {len(value)}")
