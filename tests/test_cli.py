@@ -101,11 +101,35 @@ def test_flag_beats_environment_and_quantities_parse():
     (["--cluster-id", "a/b"], {}, "--cluster-id must be letters, digits"),
     (["--cluster-hot-list-seconds", "-1"], {}, "--cluster-hot-list-seconds must be 0 (off) or a positive number"),
     ([], {"PROMPTCACHE_CLUSTER_HOT_LIST_SECONDS": "nan"}, "--cluster-hot-list-seconds must be a finite number"),
+    # gRPC would listen on 99999 % 65536 = 34463, on 443 for an empty port, on 65531 for -5
+    (["--grpc-address", "127.0.0.1:99999"], {}, "--grpc-address '127.0.0.1:99999': the port '99999' is not a number"),
+    (["--grpc-address", "127.0.0.1:"], {}, "the port '' is not a number within 0..65535"),
+    (["--grpc-address", "127.0.0.1:-5"], {}, "the port '-5' is not a number"),
+    (["--grpc-address", "127.0.0.1:5x"], {}, "the port '5x' is not a number"),
+    (["--grpc-address", "unix:"], {}, "--grpc-address 'unix:': unix: needs a socket path"),
+    (["--grpc-address", "localhost"], {}, "it is neither HOST:PORT nor unix:PATH"),
+    (["--grpc-address", "::1:50051"], {}, "an IPv6 host goes in brackets, as in [::1]:50051"),
+    ([], {"PROMPTCACHE_GRPC_ADDRESS": "127.0.0.1:\u0665"}, "is not a number"),
+    (["--kv-events-address", "tcp://127.0.0.1:99999"], {}, "the port '99999' is not a number"),
+    (["--bulk-address", "unix:/run/pc/bulk.sock,127.0.0.1:\u0665"], {}, "is not HOST:PORT or unix:/PATH"),
+    (["--cluster-master", "10.0.0.1:\u0665"], {}, "is not HOST:PORT"),
+    (["--kv-events-address", "tcp://:5557"], {}, "tcp:// needs HOST:PORT"),
+    (["--kv-events-address", "ipc://"], {}, "ipc:// needs a path"),
+    (["--kv-events-address", "tcp://127.0.0.1:5557 "], {}, "it contains white space"),
+    (["--kv-events-address", "udp://127.0.0.1:5557"], {}, "it is neither tcp://HOST:PORT nor ipc://PATH"),
 ])
 def test_bad_settings_name_the_flag_or_variable(argv, env, fragment):
     with pytest.raises(ValueError) as info:
         parse(argv, env)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("grpc,events", [("127.0.0.1:0", "tcp://127.0.0.1:*"), ("[::1]:50051", "tcp://*:5557"),
+                                         ("0.0.0.0:65535", "tcp://127.0.0.1:0"), ("unix:/run/pc/grpc.sock", "ipc:///x"),
+                                         ("unix:///run/pc/grpc.sock", "tcp://[::1]:5557"), (":50051", "ipc://rel")])
+def test_listen_addresses_gRPC_and_ZMQ_take(grpc, events):
+    settings = parse(["--grpc-address", grpc, "--kv-events-address", events, "--allow-insecure-remote"])
+    assert (settings.grpc_address, settings.kv_events_address) == (grpc, events)
 
 
 @pytest.mark.parametrize("address", ["10.0.0.1:50051", "master.ns.svc:50051", "etcd://127.0.0.1:2379",

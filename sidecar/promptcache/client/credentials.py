@@ -136,6 +136,11 @@ def client_channel(target: str, *, root_certificates: str | bytes | None = None,
             return value
         return read_credential(value, flag)
 
+    from promptcache.contract.addresses import target_error
+
+    problem = target_error(target)
+    if problem:  # (gRPC would dial 99999 as 34463, an empty port as 443)
+        raise ValueError(f"sidecar address {target!r}: {problem}")
     options = list(options or [])
     use_tls = tls if tls is not None else any(v is not None for v in (root_certificates, client_cert, client_key))
     if use_tls:

@@ -200,6 +200,11 @@ class Settings:
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not self.grpc_address:
             raise ValueError("--grpc-address is empty")
+        from promptcache.contract.addresses import listen_address_error, zmq_endpoint_error
+
+        problem = listen_address_error(self.grpc_address)
+        if problem:
+            raise ValueError(f"--grpc-address {self.grpc_address!r}: {problem}")
         if self.token_reload_seconds < 0:
             raise ValueError("--token-reload-seconds must not be negative")
         if self.max_calls_per_client < 0:
@@ -242,9 +247,10 @@ class Settings:
         if self.cluster_hot_list_seconds < 0:
             raise ValueError(f"--cluster-hot-list-seconds must be 0 (off) or a positive number of seconds, got "
                              f"{self.cluster_hot_list_seconds}")
-        if self.kv_events_address and not re.fullmatch(r"(tcp|ipc)://\S+", self.kv_events_address):
+        problem = zmq_endpoint_error(self.kv_events_address) if self.kv_events_address else ""
+        if problem:
             raise ValueError(f"--kv-events-address must be a ZMQ endpoint tcp://HOST:PORT or ipc://PATH, got "
-                             f"{self.kv_events_address!r}")
+                             f"{self.kv_events_address!r}: {problem}")
         self._validate_security()
         self._validate_chunk_size()
         if self.bulk_zero_copy == "on" and not any(a.startswith("unix:") for a in self.bulk_addresses):
@@ -462,7 +468,7 @@ def cluster_master_error(address: str) -> str:
     endpoints = address.removeprefix("etcd://").split(";") if address.startswith("etcd://") else [address]
     for endpoint in endpoints:
         host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             return (f"{endpoint!r} is not HOST:PORT (expected HOST:PORT of the master, "
                     "or etcd://HOST:PORT[;HOST:PORT...])")
     return ""
