@@ -208,5 +208,20 @@ from promptcache.client.metrics import RECONNECTS  # noqa: E402
 
 out["after"] = matched(req())
 out["reconnects"] = sum(s.value for f in RECONNECTS.collect() for s in f.samples if s.name.endswith("_total"))
+# Malformed settings are refused at start, naming the key and its variable (float("1s") named neither; an address
+# gRPC would dial elsewhere, 99999 as 34463, was taken).
+out["bad_settings"] = {}
+for name, patch in {"load_timeout 1s": {"load_timeout": "1s"}, "lookup_timeout nan": {"lookup_timeout": "nan"},
+                    "save_timeout 0": {"save_timeout": 0}, "max_pending_saves 2.5": {"max_pending_saves": 2.5},
+                    "address port 99999": {"address": "127.0.0.1:99999"}}.items():
+    bad = KVTransferConfig(kv_connector="PromptCacheConnector",
+                           kv_connector_module_path="promptcache.client.vllm_connector", kv_role="kv_both",
+                           kv_connector_extra_config={"address": args["address"], **patch})
+    try:
+        vc.PromptCacheConnector(VllmConfig(model_config=mc, kv_transfer_config=bad,
+                                           cache_config=CacheConfig(block_size=128)), KVConnectorRole.SCHEDULER)
+        out["bad_settings"][name] = "accepted"
+    except ValueError as exc:
+        out["bad_settings"][name] = str(exc)
 out["seconds"] = time.monotonic() - t0
 print("@@" + json.dumps(out), flush=True)

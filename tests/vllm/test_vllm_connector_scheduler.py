@@ -125,3 +125,14 @@ def test_retention_hints_come_from_kv_transfer_params_and_bad_ones_are_ignored(p
     for name in ("none", "other_connector", "negative_ttl", "nan_ttl", "string_ttl", "priority_7", "priority_true",
                  "unknown_key", "not_an_object"):
         assert hints[name] == [0.0, 0], name
+
+
+def test_malformed_settings_are_refused_naming_the_key(probe):
+    bad = probe["bad_settings"]
+    assert bad["load_timeout 1s"] == ("kv_connector_extra_config.load_timeout (or PROMPTCACHE_LOAD_TIMEOUT) must be a "
+                                      "number of seconds above 0, got '1s'")
+    assert "lookup_timeout" in bad["lookup_timeout nan"] and "got 'nan'" in bad["lookup_timeout nan"]
+    assert "save_timeout" in bad["save_timeout 0"] and "above 0" in bad["save_timeout 0"]
+    assert "max_pending_saves" in bad["max_pending_saves 2.5"] and "a whole number" in bad["max_pending_saves 2.5"]
+    assert bad["address port 99999"] == ("sidecar address '127.0.0.1:99999': the port '99999' is not a number "
+                                         "within 0..65535")

@@ -132,6 +132,22 @@ def _setting(extra: dict, key: str, default=None):
     return default if value is None or value == "" else value
 
 
+def _number(extra: dict, key: str, default: float, *, positive: bool = False, whole: bool = False):
+    """A numeric setting: a finite number, 0 or more (above 0 when `positive`), whole when `whole`; anything else is
+    refused with a message that names the key and its variable (float("1s") would name neither)."""
+    value = _setting(extra, key, default)
+    try:
+        number = math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not (math.isfinite(number) and (number > 0 if positive else number >= 0)
+            and (not whole or number.is_integer())):
+        what = "a whole number" if whole else "a number of seconds"
+        raise ValueError(f"kv_connector_extra_config.{key} (or PROMPTCACHE_{key.upper()}) must be {what} "
+                         f"{'above 0' if positive else '0 or more'}, got {value!r}")
+    return int(number) if whole else number
+
+
 def weights_digest(model_dir: str) -> str:
     """A cheap identity of local weight files: names, sizes and the first and last MiB of each (like a GGUF digest)."""
     path = Path(model_dir)
@@ -450,11 +466,11 @@ class PromptCacheConnector(KVConnectorBase_V1):
         mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
         self.role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self.block_size = cc.block_size
-        self.load_timeout = float(_setting(extra, "load_timeout", 1.0))
-        self.lookup_timeout = float(_setting(extra, "lookup_timeout", 0.25))
-        self.save_timeout = float(_setting(extra, "save_timeout", 30.0))
-        self.retry_interval = float(_setting(extra, "retry_interval", 2.0))
-        self.idle_wait = float(_setting(extra, "idle_wait", 0.01))
+        self.load_timeout = _number(extra, "load_timeout", 1.0, positive=True)
+        self.lookup_timeout = _number(extra, "lookup_timeout", 0.25, positive=True)
+        self.save_timeout = _number(extra, "save_timeout", 30.0, positive=True)
+        self.retry_interval = _number(extra, "retry_interval", 2.0)
+        self.idle_wait = _number(extra, "idle_wait", 0.01)
         self.disabled: str | None = None  # why the connector is inert, if it is
         self.address = address = _setting(extra, "address")
         if not address:
@@ -590,7 +606,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self._loaded: set[str] = set()  # finished loads whose errors are reported, to report as finished recvs
         self._done: list[tuple[str, set[int]]] = []  # finished loads: (req id, failed block ids)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-save")
-        self._slots = threading.BoundedSemaphore(int(_setting(extra, "max_pending_saves", 8)))
+        self._slots = threading.BoundedSemaphore(_number(extra, "max_pending_saves", 8, whole=True))
         # the save and load threads' page-locked host buffers (client/staging.py), each allocated at its first use
         # on a GPU and sized to what passed through it, up to staging_bytes
         staging_bytes = parse_bytes(_setting(extra, "staging_bytes", DEFAULT_CAPACITY), "staging_bytes")
