@@ -51,3 +51,17 @@ def test_zmq_endpoints(endpoint, words):
 def test_a_client_refuses_an_address_grpc_would_dial_elsewhere():
     with pytest.raises(ValueError, match=r"sidecar address '127.0.0.1:99999': the port '99999' is not a number"):
         PromptCacheClient("127.0.0.1:99999")
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"timeout": float("nan")}, "timeout=...) must be a number of seconds above 0, got nan"),
+    ({"timeout": 0}, "timeout=...) must be a number of seconds above 0"), ({"retries": -1}, "retries=..."),
+    ({"retries": 1.5}, "retries=..."), ({"backoff": float("inf")}, "backoff=..."),
+    ({"frame_bytes": 0}, "frame_bytes=...) must be a whole number of bytes above 0"),
+    ({"chunk_tokens": 100}, "chunk_tokens=...) must be None (the sidecar's) or a power of two"),
+    ({"bulk_lent_cache_bytes": -1}, "bulk_lent_cache_bytes=..."),
+])
+def test_a_client_refuses_numbers_it_cannot_use_naming_the_argument(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        PromptCacheClient("127.0.0.1:50051", **kwargs)
+    assert words in str(info.value)

@@ -7,6 +7,7 @@ after they arrive. Every chunk received is checked against the checksum the serv
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -70,6 +71,29 @@ def _tokens(tokens) -> list[int]:
     return list(tokens)
 
 
+def _check_arguments(*, timeout, retries, backoff, frame_bytes, chunk_tokens, bulk_lent_cache_bytes) -> None:
+    """PromptCacheClient's numbers, refused up front naming the argument (a frame_bytes of 0 failed inside gRPC's
+    request stream as an unknown error; a NaN timeout reached gRPC)."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    for name, value, ok, what in (
+            ("timeout", timeout, number(timeout) and timeout > 0, "a number of seconds above 0"),
+            ("retries", retries, whole(retries) and retries >= 0, "a whole number, 0 or more"),
+            ("backoff", backoff, number(backoff) and backoff >= 0, "a number of seconds, 0 or more"),
+            ("frame_bytes", frame_bytes, whole(frame_bytes) and frame_bytes > 0, "a whole number of bytes above 0"),
+            ("chunk_tokens", chunk_tokens, chunk_tokens is None or (whole(chunk_tokens) and chunk_tokens > 0
+                                                                    and chunk_tokens & (chunk_tokens - 1) == 0),
+             "None (the sidecar's) or a power of two"),
+            ("bulk_lent_cache_bytes", bulk_lent_cache_bytes, whole(bulk_lent_cache_bytes) and bulk_lent_cache_bytes >= 0,
+             "a whole number of bytes, 0 or more")):
+        if not ok:
+            raise ValueError(f"PromptCacheClient({name}=...) must be {what}, got {value!r}")
+
+
 class PromptCacheClient:
     """Thread-safe; share one per process.
 
@@ -104,6 +128,8 @@ class PromptCacheClient:
                  tls_server_name: str | None = None, token: str | None = None, token_file: str | None = None,
                  bulk_address: str | None = None, bulk_shared_memory: bool = True,
                  bulk_zero_copy: bool = True, bulk_lent_cache_bytes: int = 512 << 20):
+        _check_arguments(timeout=timeout, retries=retries, backoff=backoff, frame_bytes=frame_bytes,
+                         chunk_tokens=chunk_tokens, bulk_lent_cache_bytes=bulk_lent_cache_bytes)
         self.target = target
         self.timeout = timeout
         self.retries = retries
