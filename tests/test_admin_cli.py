@@ -92,10 +92,23 @@ def test_tokens_are_required_when_the_sidecar_authenticates(sidecar_factory, tmp
     (["lookup", *MODEL_ARGS, "--tokens", "1,two"], "token ids must be integers"),
     (["lookup", *MODEL_ARGS, "--tokens", "-1"], "0..4294967295"),
     (["lookup", *MODEL_ARGS[:4], "--kv-dtype", "int3", *MODEL_ARGS[6:], "--tokens", "1"], "kv_dtype"),
+    (["stats", "--timeout", "nan"], "--timeout must be a number of seconds above 0, got nan"),
+    (["top", "--interval", "0"], "--interval must be a number of seconds above 0, got 0.0"),
+    (["top", "--iterations", "-1"], "--iterations must be 0 (never stop) or more"),
 ])
 def test_bad_input_is_refused_before_any_call(capsys, argv, message):
     code, _, err = run_cli(capsys, *argv, "--address", "127.0.0.1:1")
     assert code == 2 and message in err
+
+
+@pytest.mark.parametrize("command", [["stats"], ["top"], ["resize", "1Gi"], ["purge", *MODEL_ARGS]])
+@pytest.mark.parametrize("address,message", [
+    ("127.0.0.1:99999", "--address '127.0.0.1:99999': the port '99999' is not a number within 0..65535"),
+    ("sidecar", "--address 'sidecar': it is not HOST:PORT"),
+])
+def test_an_address_grpc_would_dial_elsewhere_is_refused(capsys, command, address, message):
+    code, _, err = run_cli(capsys, *command, "--address", address)
+    assert code == 2 and message in err and "Traceback" not in err
 
 
 def test_unreachable_sidecar_is_one_line(capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -177,6 +178,7 @@ def _emit(args, data: dict[str, Any], text: str) -> None:
 def run(args) -> int:
     prog = f"promptcache {args.command}"
     try:
+        _check_flags(args)
         if args.command == "lookup":
             raw = sys.stdin.read() if args.tokens_file == "-" else (
                 open(args.tokens_file, encoding="utf-8").read() if args.tokens_file else args.tokens)
@@ -222,6 +224,21 @@ def run(args) -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_flags(args) -> None:
+    """The address and the numbers, each refused naming its flag (ValueError) before anything is dialled."""
+    from promptcache.contract.addresses import target_error
+
+    problem = target_error(args.address)
+    if problem:
+        raise ValueError(f"--address {args.address!r}: {problem}")
+    seconds = [("--timeout", args.timeout)] + ([("--interval", args.interval)] if args.command == "top" else [])
+    for flag, value in seconds:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a number of seconds above 0, got {value}")
+    if args.command == "top" and args.iterations < 0:
+        raise ValueError(f"--iterations must be 0 (never stop) or more, got {args.iterations}")
 
 
 def _check_credentials(args) -> None:

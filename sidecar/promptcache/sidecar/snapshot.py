@@ -414,7 +414,7 @@ def _run_export(args) -> int:
             n, b = export(args.data_dir, args.output, args.max_bytes)
         else:
             n, b = export_live(args)
-    except (SnapshotError, DiskTierError, OSError, CredentialError) as exc:
+    except (SnapshotError, DiskTierError, OSError, CredentialError, ValueError) as exc:
         return _fail(exc)
     except PromptCacheError as exc:  # its message starts with the gRPC code: PERMISSION_DENIED: ...
         print(f"promptcache export: {args.address}: {exc}", flush=True)
@@ -425,8 +425,9 @@ def _run_export(args) -> int:
 
 def export_live(args) -> tuple[int, int]:
     """A running sidecar's Export call into args.output, verified whole before it is renamed into place."""
-    from promptcache.admin import _check_credentials, _client
+    from promptcache.admin import _check_credentials, _check_flags, _client
 
+    _check_flags(args)
     _check_credentials(args)
     with _client(args) as client:
         return write_pieces(args.output, client.export(args.max_bytes, timeout=args.timeout), verify_first=True)
