@@ -11,7 +11,7 @@ from promptcache.contract.addresses import listen_address_error, target_error, z
 
 @pytest.mark.parametrize("address", ["127.0.0.1:0", "127.0.0.1:50051", "0.0.0.0:65535", "[::1]:50051", "[::]:0",
                                      ":50051", "localhost:1", "unix:/run/pc/grpc.sock", "unix:///run/pc/grpc.sock",
-                                     "unix:relative.sock"])
+                                     "unix:relative.sock", "unix-abstract:promptcache"])
 def test_listen_addresses_taken(address):
     assert listen_address_error(address) == ""
 
@@ -20,7 +20,8 @@ def test_listen_addresses_taken(address):
     ("127.0.0.1:65536", "'65536' is not a number within 0..65535"), ("127.0.0.1:99999", "'99999'"),
     ("127.0.0.1:", "the port ''"), ("127.0.0.1:-1", "'-1'"), ("127.0.0.1:+5", "'+5'"), ("127.0.0.1:5 ", "'5 '"),
     ("127.0.0.1:\u0665", "is not a number"), ("127.0.0.1:1e3", "'1e3'"), ("localhost", "neither HOST:PORT"),
-    ("::1:50051", "[::1]:50051"), ("unix:", "needs a socket path"), ("unix:///", "needs a socket path"),
+    ("::1:50051", "[::1]:50051"), ("unix:", "needs a path"), ("unix:///", "needs a path"),
+    ("unix-abstract:", "needs a name"),
 ])
 def test_listen_addresses_refused(address, words):
     assert words in listen_address_error(address)
@@ -30,7 +31,7 @@ def test_listen_addresses_refused(address, words):
     ("127.0.0.1:50051", ""), ("dns:///promptcache.ns.svc:50051", ""), ("ipv4:127.0.0.1:50051", ""),
     ("[::1]:50051", ""), ("unix:/run/pc/grpc.sock", ""), ("node-cache.ns.svc.cluster.local:50051", ""),
     ("127.0.0.1:0", "must not be 0"), ("127.0.0.1:99999", "'99999'"), ("promptcache", "not HOST:PORT"),
-    ("unix:", "needs a socket path"), (":50051", "not HOST:PORT"),
+    ("unix:", "needs a path"), (":50051", "not HOST:PORT"),
 ])
 def test_targets(target, words):
     got = target_error(target)

@@ -106,7 +106,7 @@ def test_flag_beats_environment_and_quantities_parse():
     (["--grpc-address", "127.0.0.1:"], {}, "the port '' is not a number within 0..65535"),
     (["--grpc-address", "127.0.0.1:-5"], {}, "the port '-5' is not a number"),
     (["--grpc-address", "127.0.0.1:5x"], {}, "the port '5x' is not a number"),
-    (["--grpc-address", "unix:"], {}, "--grpc-address 'unix:': unix: needs a socket path"),
+    (["--grpc-address", "unix:"], {}, "--grpc-address 'unix:': unix: needs a path"),
     (["--grpc-address", "localhost"], {}, "it is neither HOST:PORT nor unix:PATH"),
     (["--grpc-address", "::1:50051"], {}, "an IPv6 host goes in brackets, as in [::1]:50051"),
     ([], {"PROMPTCACHE_GRPC_ADDRESS": "127.0.0.1:\u0665"}, "is not a number"),

@@ -88,8 +88,8 @@ def _check_arguments(*, timeout, retries, backoff, frame_bytes, chunk_tokens, bu
             ("chunk_tokens", chunk_tokens, chunk_tokens is None or (whole(chunk_tokens) and chunk_tokens > 0
                                                                     and chunk_tokens & (chunk_tokens - 1) == 0),
              "None (the sidecar's) or a power of two"),
-            ("bulk_lent_cache_bytes", bulk_lent_cache_bytes, whole(bulk_lent_cache_bytes) and bulk_lent_cache_bytes >= 0,
-             "a whole number of bytes, 0 or more")):
+            ("bulk_lent_cache_bytes", bulk_lent_cache_bytes,
+             whole(bulk_lent_cache_bytes) and bulk_lent_cache_bytes >= 0, "a whole number of bytes, 0 or more")):
         if not ok:
             raise ValueError(f"PromptCacheClient({name}=...) must be {what}, got {value!r}")
 

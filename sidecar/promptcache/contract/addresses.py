@@ -16,11 +16,13 @@ def port_error(port: str, wildcard: bool = False) -> str:
 
 
 def listen_address_error(address: str) -> str:
-    """Why `address` is not a gRPC listen address ("" when it is): unix:PATH, or HOST:PORT with a port within
-    0..65535 (0: any free port) and an IPv6 host in brackets. gRPC itself takes a port out of range modulo 65536
-    (99999 listened on 34463) and an empty one as 443."""
+    """Why `address` is not a gRPC listen address ("" when it is): unix:PATH, unix-abstract:NAME, or HOST:PORT with
+    a port within 0..65535 (0: any free port) and an IPv6 host in brackets. gRPC itself takes a port out of range
+    modulo 65536 (99999 listened on 34463) and an empty one as 443."""
     if address.startswith("unix:"):
-        return "" if address[len("unix:"):].lstrip("/") else "unix: needs a socket path (unix:/run/promptcache/grpc.sock)"
+        return "" if address[len("unix:"):].lstrip("/") else "unix: needs a path (unix:/run/promptcache/grpc.sock)"
+    if address.startswith("unix-abstract:"):
+        return "" if address[len("unix-abstract:"):] else "unix-abstract: needs a name"
     host, sep, port = address.rpartition(":")
     if not sep:
         return "it is neither HOST:PORT nor unix:PATH"
