@@ -61,11 +61,38 @@ def test_peering_identity_needs_no_passwd_entry():
 
 
 @pytest.mark.parametrize("name, value", [("PROMPTCACHE_AUTOSCALE_VPA_UPDATE_MODE", "Sometimes"),
-                                         ("PROMPTCACHE_OPERATOR_CRD_CACHE_SECONDS", "ten")])
+                                         ("PROMPTCACHE_OPERATOR_CRD_CACHE_SECONDS", "ten"),
+                                         ("PROMPTCACHE_OPERATOR_CRD_CACHE_SECONDS", "nan"),
+                                         ("PROMPTCACHE_OPERATOR_METRICS_PORT", "x"),
+                                         ("PROMPTCACHE_OPERATOR_PRIORITY", "1.5"),
+                                         ("PROMPTCACHE_OPERATOR_RESYNC_SECONDS", "soon"),
+                                         ("PROMPTCACHE_OPERATOR_WORKERS", "0")])
 def test_a_bad_environment_variable_exits_2_naming_it(monkeypatch, capsys, name, value):
     monkeypatch.setenv(name, value)
     assert operator_main.main(["--standalone"]) == 2
     assert name in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--metrics-port", "99999"], "--metrics-port must be in 0..65535 (0: off), got 99999"),
+    (["--resync-seconds", "0"], "--resync-seconds must be a number of seconds above 0"),
+    (["--resync-seconds", "nan"], "--resync-seconds must be a number of seconds above 0, got nan"),
+    (["--namespace", "Inference_Pods"], "--namespace 'Inference_Pods' is not a namespace name"),
+    (["--namespace", "a" * 64], "is not a namespace name"),
+    (["--peering", ""], "--peering '' is not an object name"),
+])
+def test_a_bad_option_exits_2_naming_it(capsys, argv, words):
+    assert operator_main.main(argv) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_no_kubernetes_configuration_is_one_line_not_a_traceback(monkeypatch, capsys, tmp_path):
+    (tmp_path / "kubeconfig").write_text("not: [a kubeconfig\n")
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert operator_main.main(["--standalone", "--metrics-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("promptcache operator: no Kubernetes API to talk to: ") and "Traceback" not in err
 
 
 def test_importing_the_operator_reads_and_writes_no_environment():

@@ -33,7 +33,13 @@ def main(argv: list[str] | None = None, stop_flag: threading.Event | None = None
     from .kube import Kube
 
     kopf.configure(debug=config.debug, verbose=config.verbose, log_format=kopf.LogFormat[config.log_format.upper()])
-    operator = Operator(config, Kube(crd_cache_seconds=config.crd_cache_seconds))
+    try:
+        kube = Kube(crd_cache_seconds=config.crd_cache_seconds)
+    except Exception as exc:  # noqa: BLE001 - no service account and no kubeconfig, or one the loader cannot read
+        print(f"promptcache operator: no Kubernetes API to talk to: {type(exc).__name__}: {exc} (in a pod its "
+              "service account is used; elsewhere $KUBECONFIG or ~/.kube/config)", file=sys.stderr)
+        return 2
+    operator = Operator(config, kube)
     if not config.standalone:
         problem = operator.kube.peering_problem(config.peering, list(config.namespaces))
         if problem:  # kopf would wait for the peering silently, doing nothing: refuse to start instead

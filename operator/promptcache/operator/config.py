@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import pwd
 import random
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,10 +54,29 @@ class OperatorConfig:
                    resync_seconds=args.resync_seconds, log_format=args.log_format, verbose=args.verbose,
                    debug=args.debug,
                    crd_cache_seconds=_number(env, "PROMPTCACHE_OPERATOR_CRD_CACHE_SECONDS", cls.crd_cache_seconds),
-                   workers=int(_number(env, "PROMPTCACHE_OPERATOR_WORKERS", cls.workers)),
+                   workers=_whole(env, "PROMPTCACHE_OPERATOR_WORKERS", cls.workers),
                    prometheus_url=env.get("PROMPTCACHE_OPERATOR_PROMETHEUS_URL") or None,
                    defaults=OperatorDefaults.from_env(env), autoscale=AutoscaleConfig.from_env(env),
-                   identity=peering_identity(env, os.getuid(), socket.gethostname()))
+                   identity=peering_identity(env, os.getuid(), socket.gethostname())).validate()
+
+    def validate(self) -> "OperatorConfig":
+        """Raises ValueError naming the option (and its variable) that no run could use."""
+        for ns in self.namespaces:
+            if not _DNS_LABEL.fullmatch(ns):
+                raise ValueError(f"--namespace {ns!r} is not a namespace name (a DNS-1123 label: lower-case letters, "
+                                 "digits and '-', at most 63)")
+        if not self.standalone and not (len(self.peering) <= 253 and _DNS_SUBDOMAIN.fullmatch(self.peering)):
+            raise ValueError(f"--peering {self.peering!r} is not an object name (a DNS-1123 subdomain)")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in 0..65535 (0: off), got {self.metrics_port}")
+        if not (math.isfinite(self.resync_seconds) and self.resync_seconds > 0):
+            raise ValueError(f"--resync-seconds must be a number of seconds above 0, got {self.resync_seconds}")
+        if not (math.isfinite(self.crd_cache_seconds) and self.crd_cache_seconds >= 0):
+            raise ValueError("PROMPTCACHE_OPERATOR_CRD_CACHE_SECONDS must be a number of seconds, 0 or more, got "
+                             f"{self.crd_cache_seconds}")
+        if self.workers < 1:
+            raise ValueError(f"PROMPTCACHE_OPERATOR_WORKERS must be at least 1, got {self.workers}")
+        return self
 
 
 def login_name(env: Mapping[str, str], uid: int) -> str | None:
@@ -85,6 +106,21 @@ def peering_identity(env: Mapping[str, str], uid: int, host: str, now: datetime.
     return f"{user}@{host}/{now.strftime('%Y%m%d%H%M%S')}/{rnd}"
 
 
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def _whole(env: Mapping[str, str], name: str, default: int) -> int:
+    """An integer from the environment (a default of an option), refused naming the variable."""
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a whole number") from None
+
+
 def _number(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name)
     if raw is None or raw == "":
@@ -108,16 +144,16 @@ def build_parser(env: Mapping[str, str], description: str = "") -> argparse.Argu
     p.add_argument("--standalone", action="store_true",
                    default=get("PROMPTCACHE_OPERATOR_STANDALONE", "") in ("1", "true"),
                    help="no peering: for a single replica without the peering CRD")
-    p.add_argument("--priority", type=int, default=int(get("PROMPTCACHE_OPERATOR_PRIORITY", "0")) or None,
+    p.add_argument("--priority", type=int, default=_whole(env, "PROMPTCACHE_OPERATOR_PRIORITY", 0) or None,
                    help="peering priority (env PROMPTCACHE_OPERATOR_PRIORITY; default: random, distinct per "
                         "replica)")
     p.add_argument("--liveness", default=get("PROMPTCACHE_OPERATOR_LIVENESS", d.liveness),
                    help="kopf liveness endpoint URL, '' for none (default %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=int(get("PROMPTCACHE_OPERATOR_METRICS_PORT", d.metrics_port)),
+    p.add_argument("--metrics-port", type=int, default=_whole(env, "PROMPTCACHE_OPERATOR_METRICS_PORT", d.metrics_port),
                    help="port of the operator's Prometheus /metrics (cache conditions, reconciles); 0: off "
                         "(env PROMPTCACHE_OPERATOR_METRICS_PORT; default %(default)s)")
     p.add_argument("--resync-seconds", type=float,
-                   default=float(get("PROMPTCACHE_OPERATOR_RESYNC_SECONDS", d.resync_seconds)),
+                   default=_number(env, "PROMPTCACHE_OPERATOR_RESYNC_SECONDS", d.resync_seconds),
                    help="interval of the level-based resync timer (default %(default)s)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default=get("PROMPTCACHE_OPERATOR_LOG_FORMAT", d.log_format))
     p.add_argument("-v", "--verbose", action="store_true")
