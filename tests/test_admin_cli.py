@@ -101,6 +101,11 @@ def test_bad_input_is_refused_before_any_call(capsys, argv, message):
     assert code == 2 and message in err
 
 
+def test_a_tokens_file_that_never_ends_is_refused(capsys):
+    code, _, err = run_cli(capsys, "lookup", *MODEL_ARGS, "--tokens-file", "/dev/zero", "--address", "127.0.0.1:1")
+    assert code == 2 and "--tokens-file /dev/zero: more than 67108864 bytes" in err
+
+
 @pytest.mark.parametrize("command", [["stats"], ["top"], ["resize", "1Gi"], ["purge", *MODEL_ARGS]])
 @pytest.mark.parametrize("address,message", [
     ("127.0.0.1:99999", "--address '127.0.0.1:99999': the port '99999' is not a number within 0..65535"),

@@ -192,7 +192,7 @@ def test_plaintext_only_on_loopback_unless_allowed(pki):
         Sidecar(dataclasses.replace(base, grpc_address="127.0.0.1:0", tls_cert_file=pki.server_cert))
     with pytest.raises(ValueError, match="mTLS"):
         Sidecar(dataclasses.replace(base, grpc_address="127.0.0.1:0", tls_client_ca_file=pki.ca_file))
-    with pytest.raises(ValueError, match="cannot read --tls-key-file"):
+    with pytest.raises(ValueError, match="--tls-key-file /nonexistent/key.pem: No such file"):
         Sidecar(dataclasses.replace(base, grpc_address="127.0.0.1:0", tls_cert_file=pki.server_cert,
                                     tls_key_file="/nonexistent/key.pem"))
     # With TLS, a non-loopback address needs no extra flag (constructed, never started: no traffic).

@@ -107,6 +107,27 @@ def test_unusable_tls_files_are_named_and_exit_2(pem, cert, key, ca, message):
     assert "cannot start: " + message.format(**names) in text, text
 
 
+@pytest.mark.parametrize("flags,kind,message", [
+    (["--tenant-secret-file", "{f}"], "/dev/zero", "--tenant-secret-file {f}: not a regular file"),
+    (["--tenant-secret-file", "{f}"], "fifo", "--tenant-secret-file {f}: not a regular file"),
+    pytest.param(["--tls-cert-file", "{f}", "--tls-key-file", "{f}"], "/dev/zero",
+                 "--tls-cert-file {f}: not a regular file", marks=SLOW),
+    (["--tls-cert-file", "{f}", "--tls-key-file", "{f}"], "fifo", "--tls-cert-file {f}: not a regular file"),
+    (["--pinned-prefixes-file", "{f}"], "fifo", "--pinned-prefixes-file {f}: not a regular file"),
+    pytest.param(["--warmup-snapshot", "{f}"], "/dev/zero", "--warmup-snapshot {f}: not a regular file", marks=SLOW),
+    pytest.param(["--pinned-prefixes-file", "{f}"], "folder", "--pinned-prefixes-file {f}: a directory", marks=SLOW),
+])
+def test_files_that_never_end_or_block_are_refused_naming_the_flag(tmp_path, flags, kind, message):
+    """A FIFO blocks its reader until someone writes; /dev/zero never ends (the whole of it was read into memory for
+    the tenant secret and the TLS files): each is refused at start, exit 2."""
+    f = {"/dev/zero": "/dev/zero", "fifo": str(tmp_path / "fifo"), "folder": str(tmp_path)}[kind]
+    if kind == "fifo":
+        os.mkfifo(f)
+    result = serve("--grpc-address", "127.0.0.1:0", "--metrics-port", "0", *[a.format(f=f) for a in flags],
+                   timeout=60)
+    assert result.returncode == 2 and message.format(f=f) in output(result), output(result)[-2000:]
+
+
 @pytest.mark.slow  # a TLS sidecar process; test_auth.py serves TLS in process in the fast lane
 def test_good_tls_files_still_serve(pem):
     proc = SidecarProcess("--tls-cert-file", pem("cert"), "--tls-key-file", pem("key"))

@@ -180,8 +180,7 @@ def run(args) -> int:
     try:
         _check_flags(args)
         if args.command == "lookup":
-            raw = sys.stdin.read() if args.tokens_file == "-" else (
-                open(args.tokens_file, encoding="utf-8").read() if args.tokens_file else args.tokens)
+            raw = _read_tokens_file(args.tokens_file) if args.tokens_file else args.tokens
             tokens = parse_token_ids(raw)
         spec = _spec(args) if args.command in ("lookup", "purge") else None
         if args.command == "resize":
@@ -224,6 +223,23 @@ def run(args) -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+# A prompt's token ids as text: the largest request (4Mi tokens) of 10-digit ids with separators is 46 MB. A pipe
+# (`--tokens-file <(...)`, stdin) is read as it comes; /dev/zero is not read to the end.
+MAX_TOKENS_FILE_BYTES = 64 << 20
+
+
+def _read_tokens_file(path: str) -> str:
+    with (open(sys.stdin.fileno(), "rb", closefd=False) if path == "-" else open(path, "rb")) as f:
+        raw = f.read(MAX_TOKENS_FILE_BYTES + 1)
+    if len(raw) > MAX_TOKENS_FILE_BYTES:
+        raise ValueError(f"--tokens-file {path}: more than {MAX_TOKENS_FILE_BYTES} bytes, more token ids than a "
+                         "request may carry")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--tokens-file {path}: not UTF-8 text") from None
 
 
 def _check_flags(args) -> None:

@@ -230,12 +230,10 @@ class CertificateFiles:
         return tuple(sig)
 
     def _configuration(self):
-        data = {}
-        for flag, path in self.files.items():
-            try:
-                data[flag] = Path(path).read_bytes()
-            except OSError as exc:
-                raise ValueError(f"cannot read {flag} {path}: {exc.strerror}") from None
+        from promptcache.client.credentials import read_credential
+
+        # bounded, and only regular files (a FIFO or /dev/zero is refused); CredentialError is a ValueError
+        data = {flag: read_credential(path, flag) for flag, path in self.files.items()}
         self._check_pem()
         return grpc.ssl_server_certificate_configuration(
             [(data["--tls-key-file"], data["--tls-cert-file"])], root_certificates=data.get("--tls-client-ca-file"))

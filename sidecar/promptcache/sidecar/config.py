@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 
@@ -143,10 +145,11 @@ class Settings:
             raise ValueError(f"--max-ttl-hint-seconds must be positive, got {self.max_ttl_hint_seconds}")
         if self.warmup_seconds < 0:
             raise ValueError("--warmup-seconds must not be negative")
-        if self.pinned_prefixes_file and not os.path.isfile(self.pinned_prefixes_file):
-            raise ValueError(f"--pinned-prefixes-file {self.pinned_prefixes_file}: no such file")
-        if self.warmup_snapshot and not os.path.isfile(self.warmup_snapshot):
-            raise ValueError(f"--warmup-snapshot {self.warmup_snapshot}: no such file")
+        for flag, path in (("--pinned-prefixes-file", self.pinned_prefixes_file),
+                           ("--warmup-snapshot", self.warmup_snapshot)):
+            problem = file_problem(path) if path else ""
+            if problem:
+                raise ValueError(f"{flag} {path}: {problem}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.bulk_address:
@@ -460,6 +463,18 @@ MAX_QUANTITY = MAX_INT64  # every count and size: the sidecar's counters, metric
 _BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "disk_min_free_bytes", "frame_bytes",
                 "tenant_quota_bytes", "shm_max_bytes", "min_put_bytes_per_second", "access_log_max_bytes",
                 "cluster_segment_bytes", "cluster_buffer_bytes"}
+
+
+def file_problem(path: str) -> str:
+    """Why `path` is not a regular file to read ("" when it is): missing, a directory, or something else (a FIFO
+    would block the reader, a device such as /dev/zero never end)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return "no such file" if exc.errno == errno.ENOENT else (exc.strerror or str(exc))
+    if stat.S_ISREG(st.st_mode):
+        return ""
+    return "a directory, not a file" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, socket or device)"
 
 
 def cluster_master_error(address: str) -> str:

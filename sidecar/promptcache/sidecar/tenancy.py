@@ -27,7 +27,6 @@ import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from promptcache.sidecar.identity import Identity, check_tenant_name
 
@@ -87,10 +86,9 @@ def parse_quotas(text: str) -> dict[str, int]:
 def load_secret(path: str) -> bytes:
     if not path:
         return secrets.token_bytes(32)
-    try:
-        secret = Path(path).read_bytes().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read --tenant-secret-file {path}: {exc.strerror}") from None
+    from promptcache.client.credentials import read_credential
+
+    secret = read_credential(path, "--tenant-secret-file").strip()  # bounded; a FIFO or /dev/zero is refused
     if len(secret) < 16:
         raise ValueError(f"--tenant-secret-file {path} holds {len(secret)} bytes; at least 16 are needed")
     return secret
