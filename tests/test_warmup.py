@@ -261,6 +261,12 @@ def test_export_then_a_new_sidecar_warms_from_the_snapshot_and_bad_files_are_ref
             in r.stdout, r.stdout
         assert "Traceback" not in r.stdout + r.stderr
         assert not (tmp_path / f"d-{name}").exists()  # refused before the data folder was touched
+    os.mkfifo(tmp_path / "fifo.pcsnap")  # would block the reader until someone writes (and it is read twice)
+    for path, words in ((tmp_path / "fifo.pcsnap", "not a regular file"), (tmp_path, "a directory, not a file")):
+        r = subprocess.run([*cli, "import", str(path), "--data-dir", str(tmp_path / "d-odd"), "--disk-bytes", "64Mi"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and f"promptcache import: {path}: {words}" in r.stdout, r.stdout + r.stderr
+    assert not (tmp_path / "d-odd").exists()
     with pytest.raises(snapshot.SnapshotError, match="truncated"):
         snapshot.verify(str(tmp_path / "truncated.pcsnap"))
 

@@ -436,6 +436,12 @@ def export_live(args) -> tuple[int, int]:
 def _run_import(args) -> int:
     from promptcache.sidecar.disk import DiskTierError
 
+    from promptcache.sidecar.config import file_problem
+
+    problem = file_problem(args.snapshot)  # (a FIFO would block; the file is read twice: verified, then imported)
+    if problem:
+        print(f"promptcache import: {args.snapshot}: {problem}", flush=True)
+        return 2
     t = time.monotonic()
     try:
         if args.verify_only:
