@@ -24,8 +24,11 @@ RUN python -m venv /protoc \
  && /protoc/bin/python -m grpc_tools.protoc -I/proto --python_out=/app promptcache/v1/kvcache.proto \
  && rm -rf /protoc
 COPY operator/promptcache/operator /app/promptcache/operator
-# The one Kubernetes-quantity parser, shared with the sidecar (promptcache.contract.quantity).
+# The one Kubernetes-quantity parser, shared with the sidecar (promptcache.contract.quantity), and the bounded
+# /metrics server (promptcache.sidecar.metricsserver); tests/operator/test_operator_dockerfiles.py checks that every
+# promptcache module the operator imports is here.
 COPY sidecar/promptcache/contract/quantity.py /app/promptcache/contract/quantity.py
+COPY sidecar/promptcache/sidecar/metricsserver.py /app/promptcache/sidecar/metricsserver.py
 RUN /venv/bin/python -m compileall -q /app
 
 FROM ${PYTHON_IMAGE}

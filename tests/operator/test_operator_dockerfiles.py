@@ -89,3 +89,23 @@ def test_operator_image_ships_the_resize_stubs():
     as_tuple = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
     assert as_tuple(pinned.group(1)) >= as_tuple(floor)
     assert "COPY --from=build /app /app" in final
+
+
+def test_operator_image_holds_every_promptcache_module_the_operator_imports():
+    """The image copies promptcache.operator, the generated promptcache.v1 and single shared modules; an import of
+    any other promptcache module (at the top or inside a function) would fail only in the image."""
+    import ast
+
+    text = (DOCKER / "operator.Dockerfile").read_text()
+    copied = {m.group(1).replace("/", ".") for m in re.finditer(r"^COPY \S+ /app/(promptcache/\S+)\.py$", text, re.M)}
+    imported = set()
+    for path in (ROOT / "operator" / "promptcache" / "operator").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("promptcache."):
+                imported.update(f"{node.module}.{a.name}" for a in node.names)  # a module, or a name in one
+            elif isinstance(node, ast.Import):
+                imported.update(a.name for a in node.names if a.name.startswith("promptcache."))
+    outside = {m for m in imported if not m.startswith(("promptcache.operator", "promptcache.v1"))}
+    assert outside, "the operator imports shared modules (quantity, metricsserver)"
+    missing = {m for m in outside if m not in copied and m.rsplit(".", 1)[0] not in copied}
+    assert not missing, f"imported by the operator but not in its image: {sorted(missing)}"

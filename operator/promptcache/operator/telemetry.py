@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 REGISTRY = CollectorRegistry()
 CONDITION = Gauge("promptcache_operator_cache_condition",
@@ -45,5 +45,9 @@ def forget(namespace: str, name: str) -> None:
 
 
 def serve(port: int, host: str = "0.0.0.0") -> int:
-    server, _ = start_http_server(port, addr=host, registry=REGISTRY)
+    """/metrics on a bounded server (promptcache.sidecar.metricsserver: idle connections cannot pile up threads in
+    the operator; the image copies that one module)."""
+    from promptcache.sidecar import metricsserver
+
+    server, _ = metricsserver.serve(port, host, REGISTRY)
     return server.server_port

@@ -20,7 +20,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import Counter, start_http_server
+from prometheus_client import Counter
 
 from promptcache.contract import frames
 from promptcache.sidecar import cgroup, logs, memfd, pinned
@@ -270,8 +270,10 @@ class Sidecar:
                 started.append(b.start())
             if self.settings.metrics_port is not None:
                 try:
-                    self._http, _ = start_http_server(self.settings.metrics_port, addr=self.settings.metrics_host,
-                                                      registry=self.metrics.registry)
+                    from promptcache.sidecar import metricsserver
+
+                    self._http, _ = metricsserver.serve(self.settings.metrics_port, self.settings.metrics_host,
+                                                        self.metrics.registry)
                 except OSError as exc:
                     raise OSError(f"cannot listen on --metrics-host {self.settings.metrics_host} --metrics-port "
                                   f"{self.settings.metrics_port}: {exc.strerror or exc}") from None
