@@ -155,6 +155,20 @@ def test_config_change_rolls_pods():
     ({"autoscaling": {"maxMemory": "9Ei"}}, "spec.autoscaling.maxMemory must be below 8Ei"),
     ({"model": {"name": "", "revision": "r"}}, "spec.model.name must be 1 to 253 characters"),
     ({"model": {"name": "m", "revision": "r" * 129}}, "spec.model.revision must be 1 to 128 characters"),
+    # Kubernetes' own rules for what the operator writes into the DaemonSet: refused as InvalidSpec naming the spec
+    # field, not as the API server's 422 on a child object
+    ({"pod": {"labels": {"team": "ml infra"}}}, "spec.pod.labels: 'ml infra' is not a label value"),
+    ({"pod": {"labels": {"-team": "ml"}}}, "spec.pod.labels: '-team': the name is not"),
+    ({"pod": {"labels": {"Example_.com/team": "ml"}}}, "spec.pod.labels: 'Example_.com/team': the prefix"),
+    ({"pod": {"annotations": {"a b": "x"}}}, "spec.pod.annotations: 'a b'"),
+    ({"pod": {"annotations": {"note": "x" * 300_000}}}, "spec.pod.annotations: more than"),
+    ({"placement": {"nodeSelector": {"gpu": "h100 80gb"}}}, "spec.placement.nodeSelector: 'h100 80gb'"),
+    ({"monitoring": {"labels": {"release": "kube prometheus"}}}, "spec.monitoring.labels"),
+    ({"placement": {"maxNodes": 0}}, "spec.placement.maxNodes must be within 1..10000"),
+    ({"placement": {"priorityClassName": "Node_Cache"}}, "spec.placement.priorityClassName 'Node_Cache'"),
+    ({"image": {"tag": "v1 beta"}}, "spec.image.tag 'v1 beta' is not an image tag"),
+    ({"resources": {"requests": {"cpu": "lots"}}}, "spec.resources.requests.cpu: 'lots' is not a Kubernetes quantity"),
+    ({"resources": {"limits": {"memory": "-1Gi"}}}, "spec.resources.limits.memory must be 0 or more"),
 ])
 def test_model_rejects_what_the_crd_rejects(patch, field):
     spec = {**example("minimal")["spec"], **patch}

@@ -58,6 +58,28 @@ ISOLATED_MESSAGE = ("spec.tenancy.mode Isolated requires spec.security.tokens or
                     "tenants are told apart by their credentials")
 
 
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_IMAGE_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+MAX_ANNOTATIONS_BYTES = 256 * 1024  # the API server's limit on an object's annotations, keys and values together
+
+
+def label_key_error(key: str) -> str:
+    """Why `key` is not a Kubernetes label or annotation key ("" when it is): [prefix/]name, the prefix a DNS
+    subdomain of at most 253 characters, the name at most 63 alphanumerics with '-', '_' or '.' inside."""
+    prefix, _, name = key.rpartition("/")
+    if prefix and (len(prefix) > 253 or not _SECRET_NAME.fullmatch(prefix)):
+        return f"{key!r}: the prefix is not a DNS subdomain"
+    if not _LABEL_NAME.fullmatch(name):
+        return f"{key!r}: the name is not 1-63 letters, digits, '-', '_' or '.' (alphanumeric at both ends)"
+    return ""
+
+
+def label_value_error(value: str) -> str:
+    """Why `value` is not a Kubernetes label value ("" when it is): empty, or a name as label_key_error's."""
+    return "" if value == "" or _LABEL_NAME.fullmatch(value) else (
+        f"{value!r} is not a label value (at most 63 letters, digits, '-', '_' or '.', alphanumeric at both ends)")
+
+
 def isolated_identity(sec: "Security") -> bool:
     """Whether the sidecar authenticates callers (a token folder or mTLS), which tenant isolation is keyed by."""
     return sec.tokens is not None or (sec.tls is not None and sec.tls.mutual)
@@ -425,6 +447,37 @@ class PromptCacheSpec:
         for name in (pod.serviceAccountName, *(r.name for r in pod.imagePullSecrets)):
             if len(name) > 253 or not _SECRET_NAME.match(name):
                 raise SpecError(f"spec.pod: {name!r} is not a valid object name (DNS-1123 subdomain)")
+        for where, labels in (("spec.pod.labels", pod.labels), ("spec.placement.nodeSelector",
+                                                                 self.placement.nodeSelector),
+                              ("spec.monitoring.labels", self.monitoring.labels)):
+            for key, value in labels.items():
+                problem = label_key_error(key) or label_value_error(str(value))
+                if problem:
+                    raise SpecError(f"{where}: {problem}")
+        for key in pod.annotations:
+            problem = label_key_error(key)
+            if problem:
+                raise SpecError(f"spec.pod.annotations: {problem}")
+        if sum(len(k) + len(str(v)) for k, v in pod.annotations.items()) > MAX_ANNOTATIONS_BYTES - 4096:
+            raise SpecError(f"spec.pod.annotations: more than {MAX_ANNOTATIONS_BYTES - 4096} bytes in all (the API "
+                            "server allows 256 KiB, and the operator adds its own)")
+        if not 1 <= self.placement.maxNodes <= 10000:
+            raise SpecError(f"spec.placement.maxNodes must be within 1..10000, got {self.placement.maxNodes}")
+        pc = self.placement.priorityClassName
+        if not (len(pc) <= 253 and _SECRET_NAME.fullmatch(pc)):
+            raise SpecError(f"spec.placement.priorityClassName {pc!r} is not a PriorityClass name (DNS-1123 "
+                            "subdomain)")
+        if self.image.tag is not None and not _IMAGE_TAG.fullmatch(self.image.tag):
+            raise SpecError(f"spec.image.tag {self.image.tag!r} is not an image tag (letters, digits, '_', '.', '-', "
+                            "at most 128, not starting with '.' or '-')")
+        for kind, values in (("requests", self.resources.requests), ("limits", self.resources.limits)):
+            for name, value in values.items():
+                try:
+                    amount = parse_quantity(value)
+                except SpecError:
+                    raise SpecError(f"spec.resources.{kind}.{name}: {value!r} is not a Kubernetes quantity") from None
+                if amount < 0 or amount > quantity.MAX_INT64:
+                    raise SpecError(f"spec.resources.{kind}.{name} must be 0 or more and below 8Ei, got {value!r}")
         for what, given, reserved in (("labels", pod.labels, RESERVED_POD_LABELS),
                                       ("annotations", pod.annotations, RESERVED_POD_ANNOTATIONS)):
             taken = sorted(set(given) & set(reserved))
