@@ -110,25 +110,19 @@ _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
+def _number(env: Mapping[str, str], name: str, default, kind=float):
+    """A number from the environment (float, or int for kind=int), refused naming the variable."""
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a {'whole number' if kind is int else 'number'}") from None
+
+
 def _whole(env: Mapping[str, str], name: str, default: int) -> int:
-    """An integer from the environment (a default of an option), refused naming the variable."""
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a whole number") from None
-
-
-def _number(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+    return _number(env, name, default, int)
 
 
 def build_parser(env: Mapping[str, str], description: str = "") -> argparse.ArgumentParser:
