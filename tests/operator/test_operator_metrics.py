@@ -57,3 +57,38 @@ def test_malformed_exposition_is_refused():
 
 def test_scrape_unreachable_is_none():
     assert fleet.scrape("http://127.0.0.1:9/metrics", timeout=0.5) is None
+
+
+def test_scrape_of_an_endless_or_trickling_answer_is_bounded():
+    """Whatever answers on a pod's address is read at most MAX_SCRAPE_BYTES, within the scrape's timeout in all."""
+    import http.server
+    import threading
+    import time
+
+    class Endless(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            try:
+                while True:
+                    self.wfile.write(b"promptcache_x 1\n" * 4096 if self.path == "/flood" else b"#")
+                    if self.path != "/flood":
+                        time.sleep(0.05)
+            except OSError:
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        t = time.monotonic()
+        assert fleet.scrape(f"http://127.0.0.1:{port}/flood", timeout=5) is None  # over the byte bound
+        assert fleet.scrape(f"http://127.0.0.1:{port}/trickle", timeout=1) is None  # past the deadline
+        assert time.monotonic() - t < 10
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -273,10 +273,32 @@ def discover(kube, owner: Owner) -> list[Sidecar] | None:
     return sorted((s for s in found if s is not None), key=lambda s: (s.node, s.pod))
 
 
+# A sidecar's /metrics is a few hundred KiB. Whatever answers on a pod's address is read at most this much, within
+# the scrape's timeout in all: an endless or trickling answer cannot fill the operator's memory or hold its pool.
+MAX_SCRAPE_BYTES = 16 << 20
+
+
+def read_bounded(response, limit: int, deadline: float) -> bytes:
+    """The body of `response`, refused (ValueError) past `limit` bytes or `deadline` (time.monotonic())."""
+    read = getattr(response, "read1", response.read)  # one recv at a time: read(n) waits for n bytes of a trickle
+    chunks, got = [], 0
+    while True:
+        piece = read(min(1 << 16, limit + 1 - got))
+        if not piece:
+            return b"".join(chunks)
+        chunks.append(piece)
+        got += len(piece)
+        if got > limit:
+            raise ValueError(f"answer larger than {limit} bytes")
+        if time.monotonic() > deadline:
+            raise ValueError("answer still arriving at the deadline")
+
+
 def scrape(url: str, timeout: float = 2.0) -> Counters | None:
+    deadline = time.monotonic() + timeout
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - pod IPs from the API server
-            return parse(r.read().decode("utf-8", "replace"))
+            return parse(read_bounded(r, MAX_SCRAPE_BYTES, deadline).decode("utf-8", "replace"))
     except (OSError, ValueError) as exc:
         log.debug("scraping %s: %s", url, exc)
         return None
@@ -391,7 +413,7 @@ class PrometheusSource:
         q = urllib.parse.urlencode({"query": promql})
         with urllib.request.urlopen(f"{self.url.rstrip('/')}/api/v1/query?{q}",  # noqa: S310 - configured URL
                                     timeout=self.timeout_s) as r:
-            body = json.loads(r.read())
+            body = json.loads(read_bounded(r, 8 * MAX_SCRAPE_BYTES, time.monotonic() + 4 * self.timeout_s))
         if body.get("status") != "success":
             raise ValueError(f"Prometheus query failed: {body.get('error')}")
         return [(s["metric"], float(s["value"][1])) for s in body["data"]["result"]
