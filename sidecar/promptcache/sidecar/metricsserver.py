@@ -27,6 +27,7 @@ class _Handler(WSGIRequestHandler):
 class BoundedMetricsServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     max_connections = MAX_CONNECTIONS
+    request_queue_size = 128  # the listen backlog (socketserver's 5 left connections waiting in SYN retries)
 
     def server_bind(self) -> None:
         self._slots = threading.BoundedSemaphore(self.max_connections)
@@ -43,6 +44,10 @@ class BoundedMetricsServer(ThreadingMixIn, WSGIServer):
         except BaseException:
             self._slots.release()
             raise
+
+    def handle_error(self, request, client_address) -> None:
+        """A connection that timed out or went away: nothing to report (socketserver printed a traceback to stderr
+        for each, which idle connections would turn into a flood)."""
 
     def process_request_thread(self, request, client_address) -> None:
         try:
