@@ -15,6 +15,7 @@ import struct
 import sys
 import time
 
+from promptcache.contract.addresses import port_error
 from promptcache.v1 import kvcache_pb2 as pb
 
 VERSION = 1
@@ -80,7 +81,7 @@ def parse_address(address: str) -> tuple[int, object]:
             raise ValueError(f"bulk address {address!r}: a unix socket needs an absolute path (unix:/run/x.sock)")
         return socket.AF_UNIX, path
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+    if not sep or not host or port_error(port):
         raise ValueError(f"bulk address {address!r} is not HOST:PORT or unix:/PATH")
     host = host.strip("[]")
     return (socket.AF_INET6 if ":" in host else socket.AF_INET), (host, int(port))

@@ -18,6 +18,7 @@ Every flag can also be set by an environment variable: --memory-bytes is PROMPTC
 Byte sizes accept Kubernetes quantities: 512Mi, 4Gi, 1G, or plain integers.
 """
 
+from promptcache.contract.addresses import listen_address_error, port_error, zmq_endpoint_error  # noqa: E402
 from promptcache.contract.quantity import MAX_INT64, parse_bytes  # noqa: E402,F401 - byte flags are Kubernetes quantities
 
 # The settings that take one of a few words: the words are written once, here (validate() and docs/configuration.md
@@ -203,8 +204,6 @@ class Settings:
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not self.grpc_address:
             raise ValueError("--grpc-address is empty")
-        from promptcache.contract.addresses import listen_address_error, zmq_endpoint_error
-
         problem = listen_address_error(self.grpc_address)
         if problem:
             raise ValueError(f"--grpc-address {self.grpc_address!r}: {problem}")
@@ -483,7 +482,7 @@ def cluster_master_error(address: str) -> str:
     endpoints = address.removeprefix("etcd://").split(";") if address.startswith("etcd://") else [address]
     for endpoint in endpoints:
         host, _, port = endpoint.rpartition(":")
-        if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        if not host or port_error(port) or int(port) == 0:
             return (f"{endpoint!r} is not HOST:PORT (expected HOST:PORT of the master, "
                     "or etcd://HOST:PORT[;HOST:PORT...])")
     return ""
