@@ -3,12 +3,14 @@
 
     nice .venv/bin/python hack/put-glue.py [--calls 300] [--chunks 8] [--policy rate-hazard]
 
-Drives CacheEngine.put's PutSession directly, in this process, the way the bulk channel does (begin_chunk, the
-bytes written into data_target() - a numpy copy standing in for recv_into - then advance()), against a sidecar
-engine whose memory tier is full, so each chunk stored evicts one (the `promptcache bench throughput` layout:
-1 MiB chunks, 4 KiB a token, a budget of 4 x the Put's bytes + 64 MiB). Prints the thread CPU per chunk: in all,
-in the checksum and finite scan, in the copy, and the rest (reservation, eviction, commit, the listeners and the
-session: the per-chunk work hack/bulk-split.py cannot separate from the socket's).
+Drives CacheEngine.put's PutSession directly, in this process, the way the bulk channel does (begin_chunk, then
+the chunk's bytes through add_data() in the channel's 512 KiB receive pieces, from a buffer that stays in the CPU's
+cache as the connection's receive buffer does), against a sidecar engine whose memory tier is full, so each chunk
+stored evicts one (the `promptcache bench throughput` layout: 1 MiB chunks, 4 KiB a token, a budget of 4 x the
+Put's bytes + 64 MiB). Prints the thread CPU per chunk: in all, in ChunkCheck.copy_in (the xxh3, the finite scan
+and the streaming copy into the chunk), and the rest (reservation, eviction, commit, the listeners and the
+session: the per-chunk work hack/bulk-split.py cannot separate from the socket's). `--profile N`: cProfile's N
+functions with the most time of their own over the timed Puts instead (inflated by the profiler, per call).
 """
 from __future__ import annotations
 
@@ -21,15 +23,15 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=300, help="timed Puts")
     ap.add_argument("--chunks", type=int, default=8, help="chunks of 1 MiB per Put")
     ap.add_argument("--policy", default=None, help="--eviction-policy (default: the sidecar's)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N by own time")
     args = ap.parse_args()
 
-    import numpy as np
     import torch
 
     from promptcache.contract.keys import ModelSpec
     from promptcache.contract.layout import chunk_shape
     from promptcache.contract.wire import NAME_TO_DTYPE, model_to_proto
-    from promptcache.sidecar import engine as engine_module
+    from promptcache.sidecar.store import ChunkCheck
     from promptcache.sidecar.app import Sidecar
     from promptcache.sidecar.config import Settings
     from promptcache.sidecar.identity import ANONYMOUS, Caller
@@ -45,6 +47,7 @@ def main() -> int:
     spec = ModelSpec("bench/put-glue", "v1", "float16", num_layers=4, num_kv_heads=4, head_dim=64)
     data = torch.randn(ct * 2048).to(torch.float16).view(torch.uint8).numpy()
     checksum = xxhash.xxh3_64_intdigest(data)
+    piece = 512 << 10  # bulk.RECEIVE_PIECE
     shape, dtype = list(chunk_shape(spec, ct)), NAME_TO_DTYPE["float16"]
     caller = Caller(ANONYMOUS, "put-glue")
 
@@ -54,46 +57,46 @@ def main() -> int:
             for i in range(n):
                 session.begin_chunk(pb.ChunkBegin(index=i, nbytes=data.size, shape=shape, dtype=dtype,
                                                   xxh3_64=checksum))
-                target = session.data_target()
-                if target is not None:
-                    np.frombuffer(target, dtype=np.uint8)[:] = data  # where recv_into would write
-                session.advance(data.size)
+                for at in range(0, data.size, piece):
+                    session.add_data(memoryview(data[at:at + piece]))
             return session.commit()
 
     for k in range(10**6, 10**6 + budget // (n << 20) + 2):  # fill the budget: from here on each chunk evicts one
         put(k)
-    scanned = [0]
-    verify = engine_module.checksum_and_finite
+    if args.profile:
+        import cProfile
+        import pstats
+        profile = cProfile.Profile()
+        profile.enable()
+        for k in range(args.calls):
+            put(100 + k)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
+        return 0
+    copied = [0]
+    copy_in = ChunkCheck.copy_in
 
-    def timed_verify(buf, kv_dtype):
+    def timed_copy_in(self, *a, **kw):
         t = time.thread_time_ns()
         try:
-            return verify(buf, kv_dtype)
+            return copy_in(self, *a, **kw)
         finally:
-            scanned[0] += time.thread_time_ns() - t
+            copied[0] += time.thread_time_ns() - t
 
-    engine_module.checksum_and_finite = timed_verify
+    ChunkCheck.copy_in = timed_copy_in
     start = time.thread_time_ns()
     for k in range(args.calls):
         if put(100 + k).stored_chunks != n:
             raise SystemExit("a timed Put did not store every chunk")
     total = time.thread_time_ns() - start
-    # The copy apart, into as many buffers as the tier holds chunks, in turn: each write lands in memory that is
-    # not in the cache, as it does into the reservation an eviction just freed.
-    scratch = [np.ones_like(data) for _ in range(budget // data.size)]
-    start = time.thread_time_ns()
-    for i in range(args.calls * n):
-        scratch[i % len(scratch)][:] = data
-    copied = time.thread_time_ns() - start
 
     def per_chunk(ns: int) -> str:
         return f"{ns / (args.calls * n) / 1e3:7.1f} us"
 
     print(f"put of {n} x 1 MiB, {args.calls} calls, policy {engine.tier.policy.name}; thread CPU per chunk:")
     print(f"  {per_chunk(total)}  in all")
-    print(f"  {per_chunk(scanned[0])}  checksum and finite scan")
-    print(f"  {per_chunk(copied)}  the copy standing in for recv_into (measured apart)")
-    print(f"  {per_chunk(total - scanned[0] - copied)}  the rest: reservation, eviction, commit, listeners, session")
+    print(f"  {per_chunk(copied[0])}  ChunkCheck.copy_in: xxh3, finite scan, streaming copy into the chunk")
+    print(f"  {per_chunk(total - copied[0])}  the rest: reservation, eviction, commit, listeners, session")
     return 0
 
 
