@@ -256,6 +256,71 @@ def test_default_on_the_halves_of_the_synthetic_trace(half, fraction):
     _check_target(hr, DEFAULT_POLICY, fraction)
 
 
+def _warm(path, fractions, policies=("lru", DEFAULT_POLICY)) -> dict:
+    """Token hit ratio per (fraction, policy) with `--split half-warm` semantics: the whole trace replayed by time,
+    only its second half counted, the capacity a fraction of the whole trace's working set."""
+    ordered = sorted(traces.read_trace(str(path)), key=lambda r: r.timestamp)
+    reqs, ws = replay.prepare(ordered)
+    out = {}
+    for fraction in fractions:
+        cap = int(ws * fraction)
+        for name in policies:
+            r = replay.simulate_policy(reqs, make_policy(name, capacity=cap), cap, measure_from=len(ordered) // 2)
+            out[fraction, name] = r["hit"] / r["total"]
+    return out
+
+
+# Measured (docs/eviction.md, "Warm, with the sixth round's default"): 1.99 / 1.49 / 1.11 / 1.03x LRU.
+_WARM_CONVERSATION_MISSES = {0.05, 0.10}
+
+
+@needs_conversation
+@pytest.mark.slow
+def test_default_warm_on_the_conversation_trace_never_below_lru():
+    """Issue #32's evaluators also replay the held-back half warm (`--split half-warm`). On the file we have, its
+    second half counted after its first warmed the cache: the default is never more than 0.005 below LRU in any
+    cell and meets the factor at 2 %; at 5 % (1.49x) and 10 % (1.11x) the factor is not met, and a change that
+    meets it fails here on purpose (update the set and docs/eviction.md)."""
+    hr = _warm(CONVERSATION_TRACE, TARGETS)
+    met = set()
+    for fraction, factor in TARGETS.items():
+        lru, default = hr[fraction, "lru"], hr[fraction, DEFAULT_POLICY]
+        assert default >= lru - 0.005, (fraction, hr)
+        if factor and default >= factor * lru:
+            met.add(fraction)
+    assert set(f for f in TARGETS if TARGETS[f]) - met == _WARM_CONVERSATION_MISSES, hr
+
+
+@needs_conversation
+@pytest.mark.slow
+@pytest.mark.parametrize("third", [0, 1, 2])
+def test_default_on_each_third_of_the_conversation_trace(third):
+    """Windows of a length nothing was tuned on (each third of the file by time, from an empty cache, the capacity
+    a fraction of that third's working set): never more than 0.005 below LRU, and at least 1.2x LRU at 2, 5 and 10 %
+    (measured 1.41-2.01x; docs/eviction.md)."""
+    ordered = sorted(traces.read_trace(str(CONVERSATION_TRACE)), key=lambda r: r.timestamp)
+    n = len(ordered)
+    reqs, ws = replay.prepare(ordered[third * n // 3:(third + 1) * n // 3])
+    for fraction in TARGETS:
+        cap = int(ws * fraction)
+        lru, default = (replay.simulate_policy(reqs, make_policy(p, capacity=cap), cap)
+                        for p in ("lru", DEFAULT_POLICY))
+        lru, default = lru["hit"] / lru["total"], default["hit"] / default["total"]
+        assert default >= lru - 0.005, (third, fraction, lru, default)
+        if fraction < 0.25:
+            assert default >= 1.2 * lru, (third, fraction, lru, default)
+
+
+@needs_trace
+@pytest.mark.slow
+def test_default_warm_on_the_synthetic_trace_never_below_lru():
+    """The synthetic trace replayed warm: 0.97 / 1.01 / 1.04 / 1.01x LRU, the 2 % cell 0.004 below it (the closest
+    cell anywhere, docs/eviction.md): never more than 0.005 below."""
+    hr = _warm(SHARED_TRACE, TARGETS)
+    for fraction in TARGETS:
+        assert hr[fraction, DEFAULT_POLICY] >= hr[fraction, "lru"] - 0.005, (fraction, hr)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", [DEFAULT_POLICY, "rate"])
 @pytest.mark.parametrize("name", list(traces.GENERATORS))
