@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What a bulk Put's bookkeeping costs per chunk, without any socket (issue #31; docs/benchmarks.md).
 
-    nice .venv/bin/python hack/put-glue.py [--calls 300] [--chunks 8] [--policy rate-hazard]
+    nice .venv/bin/python hack/put-glue.py [--calls 300] [--chunks 8] [--policy rate-hazard] [--piece-kib 512]
+        [--profile N]
 
 Drives CacheEngine.put's PutSession directly, in this process, the way the bulk channel does (begin_chunk, then
 the chunk's bytes through add_data() in the channel's 512 KiB receive pieces, from a buffer that stays in the CPU's
@@ -23,6 +24,8 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=300, help="timed Puts")
     ap.add_argument("--chunks", type=int, default=8, help="chunks of 1 MiB per Put")
     ap.add_argument("--policy", default=None, help="--eviction-policy (default: the sidecar's)")
+    ap.add_argument("--piece-kib", type=int, default=512, help="bytes per add_data call (the bulk channel's "
+                    "receive piece, bulk.RECEIVE_PIECE, is 512 KiB)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N by own time")
     args = ap.parse_args()
 
@@ -47,7 +50,7 @@ def main() -> int:
     spec = ModelSpec("bench/put-glue", "v1", "float16", num_layers=4, num_kv_heads=4, head_dim=64)
     data = torch.randn(ct * 2048).to(torch.float16).view(torch.uint8).numpy()
     checksum = xxhash.xxh3_64_intdigest(data)
-    piece = 512 << 10  # bulk.RECEIVE_PIECE
+    piece = args.piece_kib << 10
     shape, dtype = list(chunk_shape(spec, ct)), NAME_TO_DTYPE["float16"]
     caller = Caller(ANONYMOUS, "put-glue")
 
