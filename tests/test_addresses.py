@@ -10,8 +10,8 @@ from promptcache.contract.addresses import listen_address_error, target_error, z
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:0", "127.0.0.1:50051", "0.0.0.0:65535", "[::1]:50051", "[::]:0",
-                                     ":50051", "localhost:1", "unix:/run/pc/grpc.sock", "unix:///run/pc/grpc.sock",
-                                     "unix:relative.sock", "unix-abstract:promptcache"])
+                                     "localhost:1", "unix:/run/pc/grpc.sock", "unix:///run/pc/grpc.sock",
+                                     "unix:relative.sock", "unix-abstract:promptcache", "node-1.example:50051"])
 def test_listen_addresses_taken(address):
     assert listen_address_error(address) == ""
 
@@ -22,6 +22,10 @@ def test_listen_addresses_taken(address):
     ("127.0.0.1:\u0665", "is not a number"), ("127.0.0.1:1e3", "'1e3'"), ("localhost", "neither HOST:PORT"),
     ("::1:50051", "[::1]:50051"), ("unix:", "needs a path"), ("unix:///", "needs a path"),
     ("unix-abstract:", "needs a name"),
+    # gRPC's Python server cannot listen on these (":PORT" failed at start saying the port was in use)
+    (":50051", "names no host: use 0.0.0.0:PORT"), ("*:50051", "[::]:PORT (every address)"),
+    ("[::1]", "needs :PORT after it"), ("[::]", "needs :PORT after it"),
+    ("dns:///0.0.0.0:50051", "dns: is not an address to listen on"), ("UNIX:/run/pc.sock", "lower case: unix:"),
 ])
 def test_listen_addresses_refused(address, words):
     assert words in listen_address_error(address)
@@ -32,6 +36,11 @@ def test_listen_addresses_refused(address, words):
     ("[::1]:50051", ""), ("unix:/run/pc/grpc.sock", ""), ("node-cache.ns.svc.cluster.local:50051", ""),
     ("127.0.0.1:0", "must not be 0"), ("127.0.0.1:99999", "'99999'"), ("promptcache", "not HOST:PORT"),
     ("unix:", "needs a path"), (":50051", "not HOST:PORT"),
+    # schemes are case-insensitive, as gRPC's channels take them; an unknown one is named as such
+    ("DNS:///promptcache.ns.svc:50051", ""), ("Unix:/run/pc/grpc.sock", ""), ("unix-abstract:promptcache", ""),
+    ("unix-abstract:", "needs a name"), ("[::1]", "needs :PORT after it"),
+    ("passthrough:///localhost:50051", "unknown scheme passthrough"), ("http://localhost:50051", "unknown scheme http"),
+    ("localhost:abc", "the port 'abc' is not a number"),
 ])
 def test_targets(target, words):
     got = target_error(target)
@@ -52,6 +61,14 @@ def test_zmq_endpoints(endpoint, words):
 def test_a_client_refuses_an_address_grpc_would_dial_elsewhere():
     with pytest.raises(ValueError, match=r"sidecar address '127.0.0.1:99999': the port '99999' is not a number"):
         PromptCacheClient("127.0.0.1:99999")
+
+
+def test_a_client_takes_numpy_numbers():
+    import numpy as np
+
+    c = PromptCacheClient("127.0.0.1:50051", timeout=np.float64(3), retries=np.int64(2), frame_bytes=np.int32(1 << 20))
+    assert (c.timeout, c.retries, c.frame_bytes) == (3.0, 2, 1 << 20) and type(c.retries) is int
+    c.close()
 
 
 @pytest.mark.parametrize("kwargs,words", [

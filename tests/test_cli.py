@@ -126,7 +126,7 @@ def test_bad_settings_name_the_flag_or_variable(argv, env, fragment):
 
 @pytest.mark.parametrize("grpc,events", [("127.0.0.1:0", "tcp://127.0.0.1:*"), ("[::1]:50051", "tcp://*:5557"),
                                          ("0.0.0.0:65535", "tcp://127.0.0.1:0"), ("unix:/run/pc/grpc.sock", "ipc:///x"),
-                                         ("unix:///run/pc/grpc.sock", "tcp://[::1]:5557"), (":50051", "ipc://rel")])
+                                         ("unix:///run/pc/grpc.sock", "tcp://[::1]:5557"), ("[::]:50051", "ipc://rel")])
 def test_listen_addresses_gRPC_and_ZMQ_take(grpc, events):
     settings = parse(["--grpc-address", grpc, "--kv-events-address", events, "--allow-insecure-remote"])
     assert (settings.grpc_address, settings.kv_events_address) == (grpc, events)

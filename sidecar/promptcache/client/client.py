@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import random
 import time
 from dataclasses import dataclass
@@ -74,11 +75,11 @@ def _tokens(tokens) -> list[int]:
 def _check_arguments(*, timeout, retries, backoff, frame_bytes, chunk_tokens, bulk_lent_cache_bytes) -> None:
     """PromptCacheClient's numbers, refused up front naming the argument (a frame_bytes of 0 failed inside gRPC's
     request stream as an unknown error; a NaN timeout reached gRPC)."""
-    def number(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    def number(value) -> bool:  # (numbers.Real and Integral: numpy's scalars too)
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
     def whole(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
     for name, value, ok, what in (
             ("timeout", timeout, number(timeout) and timeout > 0, "a number of seconds above 0"),
@@ -131,10 +132,12 @@ class PromptCacheClient:
         _check_arguments(timeout=timeout, retries=retries, backoff=backoff, frame_bytes=frame_bytes,
                          chunk_tokens=chunk_tokens, bulk_lent_cache_bytes=bulk_lent_cache_bytes)
         self.target = target
-        self.timeout = timeout
-        self.retries = retries
-        self.backoff = backoff
-        self.frame_bytes = frame_bytes
+        self.timeout = float(timeout)  # (numpy scalars are taken too: plain numbers from here on)
+        self.retries = int(retries)
+        self.backoff = float(backoff)
+        self.frame_bytes = int(frame_bytes)
+        chunk_tokens = None if chunk_tokens is None else int(chunk_tokens)
+        bulk_lent_cache_bytes = int(bulk_lent_cache_bytes)
         if channel is None:
             from promptcache.client.credentials import client_channel
 
