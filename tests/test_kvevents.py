@@ -89,6 +89,7 @@ def _subscribe(address: str):
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
     sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.IPV6, 1)  # (also connects to IPv4 addresses)
     sub.connect(address)
     time.sleep(0.3)  # a PUB socket drops what it sends before the subscription has arrived
     return sub
@@ -144,6 +145,31 @@ def test_a_sidecar_announces_what_it_stores_and_evicts_and_vllm_decodes_it(sidec
     assert {(e["block_size"], e["medium"]) for e in stored} == {(CHUNK, "CPU")}
     removed = sorted(h for e in events if e["type"] == "BlockRemoved" for h in e["block_hashes"])
     assert removed == sorted(wire_hash(k) for k in keys)
+    sub.close()
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_an_ipv6_endpoint_binds_and_publishes(sidecar_factory):
+    """libzmq binds an IPv6 address only with ZMQ_IPV6 set: without it `--kv-events-address tcp://[::1]:5557` (or
+    [::] on an IPv6-only cluster) stopped the sidecar at start with "No such device"."""
+    sidecar = sidecar_factory(kv_events_address="tcp://[::1]:*", kv_events_id="node-6")
+    assert sidecar.events.address.startswith("tcp://[::1]:")
+    sub = _subscribe(sidecar.events.address)
+    tokens = list(range(4000, 4000 + CHUNK))
+    with PromptCacheClient(sidecar.address, timeout=10) as c:
+        assert c.put(SMALL, tokens, make_kv(SMALL, len(tokens))).stored_chunks == 1
+        frames = _receive(sub, 2)
+    assert {topic for topic, _, _ in frames} == {f"kv@node-6@{SMALL.model_id}".encode()}
     sub.close()
 
 

@@ -113,6 +113,8 @@ class KVEvents:
         self._socket = self._zmq.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, 100_000)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if address.startswith("tcp://["):  # libzmq binds an IPv6 address only with ZMQ_IPV6 set ("No such device")
+            self._socket.setsockopt(zmq.IPV6, 1)
         self._socket.bind(address)
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_events)
