@@ -213,6 +213,7 @@ out["reconnects"] = sum(s.value for f in RECONNECTS.collect() for s in f.samples
 out["bad_settings"] = {}
 for name, patch in {"load_timeout 1s": {"load_timeout": "1s"}, "lookup_timeout nan": {"lookup_timeout": "nan"},
                     "save_timeout 0": {"save_timeout": 0}, "max_pending_saves 2.5": {"max_pending_saves": 2.5},
+                    "max_pending_saves 0": {"max_pending_saves": 0},
                     "address port 99999": {"address": "127.0.0.1:99999"}}.items():
     bad = KVTransferConfig(kv_connector="PromptCacheConnector",
                            kv_connector_module_path="promptcache.client.vllm_connector", kv_role="kv_both",

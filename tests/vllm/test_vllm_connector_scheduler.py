@@ -134,5 +134,6 @@ def test_malformed_settings_are_refused_naming_the_key(probe):
     assert "lookup_timeout" in bad["lookup_timeout nan"] and "got 'nan'" in bad["lookup_timeout nan"]
     assert "save_timeout" in bad["save_timeout 0"] and "above 0" in bad["save_timeout 0"]
     assert "max_pending_saves" in bad["max_pending_saves 2.5"] and "a whole number" in bad["max_pending_saves 2.5"]
+    assert bad["max_pending_saves 0"].endswith("must be a whole number above 0, got 0")  # 0 dropped every save
     assert bad["address port 99999"] == ("sidecar address '127.0.0.1:99999': the port '99999' is not a number "
                                          "within 0..65535")

@@ -64,7 +64,7 @@ lookup_timeout     PROMPTCACHE_LOOKUP_TIMEOUT       seconds the scheduler waits 
 load_timeout       PROMPTCACHE_LOAD_TIMEOUT         seconds for one worker-side fetch (default 1.0)
 retry_interval     PROMPTCACHE_RETRY_INTERVAL       seconds a failed sidecar is not asked again (default 2.0)
 save_timeout       PROMPTCACHE_SAVE_TIMEOUT         seconds for one background Put (default 30)
-max_pending_saves  PROMPTCACHE_MAX_PENDING_SAVES    saves queued at most; more are dropped (default 8)
+max_pending_saves  PROMPTCACHE_MAX_PENDING_SAVES    saves queued at most (1 or more); more are dropped (default 8)
 staging_bytes      PROMPTCACHE_STAGING_BYTES        page-locked host buffers of a GPU worker's saves and loads (one
                                                     each, default 512Mi; 0: none); a larger save or load goes
                                                     through its buffer in parts (staging.py)
@@ -606,7 +606,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self._loaded: set[str] = set()  # finished loads whose errors are reported, to report as finished recvs
         self._done: list[tuple[str, set[int]]] = []  # finished loads: (req id, failed block ids)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-save")
-        self._slots = threading.BoundedSemaphore(_number(extra, "max_pending_saves", 8, whole=True))
+        # (0 would drop every save as "queue full": a pod that should only load says kv_role kv_consumer)
+        self._slots = threading.BoundedSemaphore(_number(extra, "max_pending_saves", 8, positive=True, whole=True))
         # the save and load threads' page-locked host buffers (client/staging.py), each allocated at its first use
         # on a GPU and sized to what passed through it, up to staging_bytes
         staging_bytes = parse_bytes(_setting(extra, "staging_bytes", DEFAULT_CAPACITY), "staging_bytes")
