@@ -98,6 +98,8 @@ def test_flag_beats_environment_and_quantities_parse():
     (["--cluster-master", "etcd://10.0.0.1:2379;10.0.0.2"], {}, "'10.0.0.2' is not HOST:PORT"),
     (["--cluster-master", "etcd://"], {}, "'' is not HOST:PORT"),
     (["--cluster-master", "10.0.0.1:99999"], {}, "'10.0.0.1:99999' is not HOST:PORT"),
+    (["--cluster-master", "etcd://a:2379,b:2379"], {}, "'a:2379,b:2379' is not HOST:PORT"),  # ';' separates
+    (["--cluster-master", "http://master:50051"], {}, "'http://master:50051' is not HOST:PORT"),
     (["--cluster-id", "a/b"], {}, "--cluster-id must be letters, digits"),
     (["--cluster-hot-list-seconds", "-1"], {}, "--cluster-hot-list-seconds must be 0 (off) or a positive number"),
     ([], {"PROMPTCACHE_CLUSTER_HOT_LIST_SECONDS": "nan"}, "--cluster-hot-list-seconds must be a finite number"),

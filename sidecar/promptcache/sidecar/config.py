@@ -482,7 +482,10 @@ def cluster_master_error(address: str) -> str:
     endpoints = address.removeprefix("etcd://").split(";") if address.startswith("etcd://") else [address]
     for endpoint in endpoints:
         host, _, port = endpoint.rpartition(":")
-        if not host or port_error(port) or int(port) == 0:
+        # (a host holds no separator or scheme: "a:2379,b:2379" or "http://m:50051" would reach Mooncake as one)
+        bad_host = (not host or any(c.isspace() or c in ",;/@" for c in host)
+                    or (":" in host and not (host.startswith("[") and host.endswith("]"))))
+        if bad_host or port_error(port) or int(port) == 0:
             return (f"{endpoint!r} is not HOST:PORT (expected HOST:PORT of the master, "
                     "or etcd://HOST:PORT[;HOST:PORT...])")
     return ""
