@@ -312,3 +312,21 @@ def test_chart_operator_rule_degraded_reads_the_operators_own_series(helm_offlin
         {"rule_files": ["bare.yaml"], "evaluation_interval": "1m", "tests": tests}, sort_keys=False, width=10000))
     r = promtool("test", "rules", "tests.yaml", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.tools
+@pytest.mark.parametrize("duration", ["1h30m", "1d", "1w", "0"])
+def test_every_prometheus_duration_the_crd_admits_passes_promtool(helm_offline, tmp_path, duration):
+    """spec.alerts.for (and the chart's cacheAlerts.for) take Prometheus' duration grammar, not only N(ms|s|m|h):
+    the operator's rule and the chart's both pass `promtool check rules` with it."""
+    spec = PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "4Gi"},
+                                      "alerts": {"for": duration}})
+    groups = builders.prometheus_rule(spec, Owner(NAME, NS, "uid"))["spec"]["groups"]
+    out = helm_offline("template", "x", str(CHART), "--set", "cacheAlerts.enabled=true",
+                       "--set-string", f"cacheAlerts.for={duration}", "--show-only", "templates/cache-alerts.yaml")
+    (doc,) = [d for d in yaml.safe_load_all(out.stdout) if d]
+    for name, g in (("operator", groups), ("chart", doc["spec"]["groups"])):
+        assert duration in {r.get("for") for grp in g for r in grp["rules"]}, name
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({"groups": g}, sort_keys=False, width=10000))
+        r = promtool("check", "rules", f"{name}.yaml", cwd=tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr

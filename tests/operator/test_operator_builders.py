@@ -624,3 +624,213 @@ def test_pinned_prefixes_reach_the_sidecar_as_a_file_of_the_caches_config_map():
     assert builders.PINNED_FILE not in builders.config_map(plain, OWNER)["data"]
     assert "PROMPTCACHE_PINNED_PREFIXES_FILE" not in builders.sidecar_env(plain)
     assert "pinnedPrefixes" not in builders.config_map(plain, OWNER)["data"]["promptcache.yaml"]
+
+
+# -- child names, resources, quota arithmetic, and what the API server refuses (audit against kube-apiserver 1.34) --
+
+BASE = {"model": {"name": "m", "revision": "r"}, "memory": {"host": "16Gi"}}
+_DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_DNS_1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def crd_name_max() -> int:
+    """The longest PromptCache name the CRD admits (its metadata.name rule)."""
+    text = (ROOT / "crds" / "promptcache.io_promptcaches.yaml").read_text()
+    return int(re.search(r"self\.metadata\.name\.size\(\) <= (\d+)", text).group(1))
+
+
+cache_names = st.integers(1, 55).flatmap(lambda n: st.from_regex(rf"\A[a-z]([-a-z0-9]{{{max(n - 2, 0)}}}[a-z0-9])?\Z"
+                                                                 if n > 1 else r"\A[a-z]\Z"))
+
+
+@settings(max_examples=80, deadline=None)
+@given(name=cache_names, ha=st.booleans())
+def test_every_child_name_is_within_its_kinds_limit(name, ha):
+    """For every name the CRD admits, each child's name fits its kind (a Service's is a DNS-1035 label of at most
+    63 characters, every other a DNS-1123 subdomain), its label values are label values, and the sidecars are
+    pointed at the master Service that is built. Names that fit unchanged stay as they were (upgrades)."""
+    assert len(name) <= crd_name_max() == 55  # the strategy covers every length the CRD admits
+    cluster = {"enabled": True, **({"master": {"replicas": 2, "etcdEndpoints": ["etcd:2379"]}} if ha else {})}
+    spec = PromptCacheSpec.from_dict({**BASE, "cluster": cluster})
+    owner = Owner(name=name, namespace="ns", uid="u")
+    children = builders.desired_children(spec, owner, ALL)
+    for c in children:
+        n = c["metadata"]["name"]
+        if c["kind"] == "Service":
+            assert len(n) <= 63 and _DNS_1035.fullmatch(n), n
+        assert len(n) <= 253 and _DNS_1123_SUBDOMAIN.fullmatch(n), n
+        for value in c["metadata"]["labels"].values():
+            assert len(value) <= 63 and re.fullmatch(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?", value)
+    services = {c["metadata"]["name"] for c in children if c["kind"] == "Service"}
+    assert {name, builders.metrics_name(name), builders.master_name(owner)} == services
+    if not ha:
+        env = next(c for c in children if c["kind"] == "ConfigMap")["data"]
+        assert env["PROMPTCACHE_CLUSTER_MASTER"] == f"{builders.master_name(owner)}.ns.svc:50051"
+    for suffix in ("-mooncake-master", "-metrics"):
+        if len(name + suffix) <= 63:
+            assert builders.child_name(name, suffix) == name + suffix
+
+
+def test_long_names_get_a_stable_hash_and_stay_apart():
+    a, b = "a" * 54 + "b", "a" * 54 + "c"
+    na, nb = (builders.master_name(Owner(name=n, namespace="ns", uid="u")) for n in (a, b))
+    assert len(na) == len(nb) == 63 and na != nb
+    assert na.endswith("-mooncake-master") and na == builders.master_name(Owner(name=a, namespace="x", uid="v"))
+    assert builders.master_name(Owner(name="a" * 47, namespace="ns", uid="u")) == "a" * 47 + "-mooncake-master"
+    cut = builders.master_name(Owner(name="a" * 37 + "-" + "b" * 17, namespace="ns", uid="u"))  # cut at the '-'
+    assert re.fullmatch(r"a{37}-[0-9a-f]{8}-mooncake-master", cut), cut
+
+
+def _res(patch: dict) -> dict:
+    return builders.daemon_set(PromptCacheSpec.from_dict({**BASE, **patch}), OWNER, OperatorDefaults(),
+                               "h")["spec"]["template"]["spec"]["containers"][0]["resources"]
+
+
+def test_explicit_resources_are_reconciled_with_the_derived_ones():
+    # (a) an explicit limit below a default request: the request is lowered to it
+    r = _res({"resources": {"limits": {"cpu": "200m"}}})
+    assert r["requests"]["cpu"] == "200m" and r["limits"]["cpu"] == "200m"
+    # (b) an explicit request above a derived limit: the limit is raised to it
+    r = _res({"resources": {"requests": {"memory": "32Gi"}}})
+    assert r["requests"]["memory"] == r["limits"]["memory"] == "32Gi"
+    # (e) an extended resource on one side: the other side the same (an explicit value over gpu.count)
+    r = _res({"gpu": {"count": 1}, "resources": {"requests": {"nvidia.com/gpu": "2"}}})
+    assert r["requests"]["nvidia.com/gpu"] == r["limits"]["nvidia.com/gpu"] == "2"
+    r = _res({"resources": {"limits": {"example.com/fpga": 1}}})
+    assert r["requests"]["example.com/fpga"] == r["limits"]["example.com/fpga"] == "1"
+    # untouched where nothing conflicts
+    r = _res({"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "8", "memory": "64Gi"}}})
+    assert (r["requests"]["cpu"], r["limits"]["cpu"], r["requests"]["memory"], r["limits"]["memory"]) == (
+        "2", "8", "16896Mi", "64Gi")
+    for r in (_res({"resources": {"limits": {"cpu": "200m"}}}), _res({"resources": {"requests": {"memory": "32Gi"}}})):
+        for name in r["requests"].keys() & r["limits"].keys():
+            assert builders.parse_quantity(r["requests"][name]) <= builders.parse_quantity(r["limits"][name])
+
+
+def test_master_resources_are_validated_and_reconciled_the_same_way():
+    spec = PromptCacheSpec.from_dict({**BASE, "cluster": {"enabled": True, "master": {"resources": {
+        "limits": {"cpu": "50m"}, "requests": {"memory": "1Gi"}}}}})
+    r = builders.mooncake_master(spec, OWNER, OperatorDefaults())["spec"]["template"]["spec"]["containers"][0][
+        "resources"]
+    assert r == {"requests": {"cpu": "50m", "memory": "1Gi"}, "limits": {"cpu": "50m", "memory": "1Gi"}}
+
+
+@pytest.mark.parametrize("resources,words", [
+    # (c) a memory limit below what the cache needs (16Gi + 512Mi): OOM
+    ({"limits": {"memory": "16Gi"}}, "spec.resources.limits.memory '16Gi' is below the 16896Mi the cache needs"),
+    # (d) an explicit request above the explicit limit
+    ({"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}, "spec.resources.requests.cpu '2' is above "
+                                                         "spec.resources.limits.cpu '1'"),
+    # (e) an extended resource with different request and limit
+    ({"requests": {"nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "1"}},
+     "spec.resources.requests.nvidia.com/gpu '2' must equal spec.resources.limits.nvidia.com/gpu '1'"),
+    ({"requests": {"nvidia.com/gpu": "0.5"}}, "spec.resources.requests.nvidia.com/gpu must be a whole number"),
+    ({"requests": {"gpu": "1"}}, "spec.resources.requests: 'gpu' is not a resource name"),
+    ({"limits": {"Memory": "1Gi"}}, "spec.resources.limits: 'Memory' is not a resource name"),
+    ({"limits": {"kubernetes.io/foo": "1"}},
+     "spec.resources.limits: 'kubernetes.io/foo' is not a resource a container"),
+    ({"limits": {"hugepages-big": "1"}}, "spec.resources.limits: 'hugepages-big' is not a resource name"),
+])
+def test_resources_the_api_server_would_refuse_are_refused_naming_the_field(resources, words):
+    with pytest.raises(SpecError, match=re.escape(words)):
+        PromptCacheSpec.from_dict({**BASE, "resources": resources})
+
+
+def test_disk_limit_below_the_disk_tier_is_refused():
+    with pytest.raises(SpecError, match=re.escape("spec.resources.limits.ephemeral-storage '10Gi' is below the 11Gi")):
+        PromptCacheSpec.from_dict({**BASE, "memory": {"host": "1Gi", "disk": "10Gi"},
+                                   "resources": {"limits": {"ephemeral-storage": "10Gi"}}})
+
+
+@pytest.mark.parametrize("resources,words", [
+    ({"requests": {"cpu": "lots"}}, "spec.cluster.master.resources.requests.cpu: 'lots' is not a Kubernetes quantity"),
+    ({"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}, "spec.cluster.master.resources.requests.cpu '2' is above"),
+    ({"limits": {"gpu": "1"}}, "spec.cluster.master.resources.limits: 'gpu' is not a resource name"),
+])
+def test_master_resources_are_refused_like_the_sidecars(resources, words):
+    with pytest.raises(SpecError, match=re.escape(words)):
+        PromptCacheSpec.from_dict({**BASE, "cluster": {"enabled": True, "master": {"resources": resources}}})
+
+
+@pytest.mark.parametrize("resources,n,hard", [
+    ({"requests": {"cpu": "0.5"}}, 10, {"requests.cpu": "5"}),
+    ({"requests": {"cpu": "1.5"}}, 10, {"requests.cpu": "15"}),
+    ({"requests": {"cpu": "0.25"}, "limits": {"cpu": "1.05"}}, 3, {"requests.cpu": "750m", "limits.cpu": "3150m"}),
+    ({}, 100, {"requests.cpu": "25", "requests.memory": "1650Gi", "limits.memory": "1650Gi"}),
+    ({"requests": {"memory": "1.5Gi"}, "limits": {"memory": "17Gi"}}, 3, {"requests.memory": "4608Mi",
+                                                                          "limits.memory": "51Gi"}),
+    ({"requests": {"memory": "20G"}}, 7, {"requests.memory": "136718750Ki", "limits.memory": "136718750Ki"}),
+    ({"limits": {"nvidia.com/gpu": 2}}, 10, {"requests.nvidia.com/gpu": "20"}),
+])
+def test_quota_multiplies_exactly(resources, n, hard):
+    spec = PromptCacheSpec.from_dict({**BASE, "resources": resources, "placement": {"maxNodes": n}})
+    got = builders.resource_quota(spec, OWNER)["spec"]["hard"]
+    assert {k: got[k] for k in hard} == hard
+    for q in got.values():  # the API server's own canonical form: what it stores is what the operator applies
+        assert builders.format_quantity(builders.parse_quantity(q), binary=q.endswith("i")) == q
+
+
+@pytest.mark.parametrize("tolerations,words", [
+    ([{"key": "a", "operator": "Exists", "value": "x"}], "spec.placement.tolerations[0].value must be empty"),
+    ([{"key": "a", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}],
+     "spec.placement.tolerations[0].tolerationSeconds needs effect NoExecute"),
+    ([{"key": "a", "operator": "Equal", "value": "v", "tolerationSeconds": 30}],
+     "spec.placement.tolerations[0].tolerationSeconds needs effect NoExecute"),
+    ([{"operator": "Exists"}, {"key": "a b", "operator": "Exists"}], "spec.placement.tolerations[1].key: 'a b'"),
+    ([{"operator": "Equal", "value": "x"}], "spec.placement.tolerations[0].operator must be Exists when key is empty"),
+    ([{"key": "a", "value": "x y"}], "spec.placement.tolerations[0].value: 'x y' is not a label value"),
+    ([{"key": "a", "operator": "In"}], "spec.placement.tolerations[0].operator must be one of Exists, Equal"),
+    ([{"key": "a", "operator": "Exists", "effect": "NoRun"}], "spec.placement.tolerations[0].effect must be one of"),
+])
+def test_tolerations_the_api_server_would_refuse(tolerations, words):
+    with pytest.raises(SpecError, match=re.escape(words)):
+        PromptCacheSpec.from_dict({**BASE, "placement": {"tolerations": tolerations}})
+    ok = [{"operator": "Exists"}, {"key": "k", "operator": "Equal", "value": "v", "effect": "NoExecute",
+                                   "tolerationSeconds": 60}, {"key": "example.com/Dedicated"}]
+    PromptCacheSpec.from_dict({**BASE, "placement": {"tolerations": ok}})
+
+
+@pytest.mark.parametrize("repository", [
+    "registry.local:5000/team/img@sha256:" + "a" * 64, "registry.local:5000/team/img:1.2", "img:1.2",
+    "registry.local/Team/img", "Team/img", "team//img", "/img", "img/", "registry.local:5000",
+    "-img", "team/img-", "a" * 256])
+def test_image_repository_with_a_tag_digest_or_an_upper_case_path_is_refused(repository):
+    with pytest.raises(SpecError, match=r"spec\.image\.repository .* spec\.image\.tag or spec\.image\.digest"):
+        PromptCacheSpec.from_dict({**BASE, "image": {"repository": repository}})
+
+
+@pytest.mark.parametrize("repository", ["registry.local:5000/team/img", "ghcr.io/promptcache/promptcache-sidecar",
+                                        "img", "localhost/a__b.c--d/e", "10.0.0.1:5000/x",
+                                        "Registry.Local:5000/team/img"])  # (a registry's host name may have capitals)
+def test_image_repository_accepted(repository):
+    spec = PromptCacheSpec.from_dict({**BASE, "image": {"repository": repository}})
+    image = builders.daemon_set(spec, OWNER, OperatorDefaults(), "h")["spec"]["template"]["spec"]["containers"][0][
+        "image"]
+    assert image == f"{repository}:0.1.0"
+
+
+@pytest.mark.parametrize("duration,ok", [
+    ("10m", True), ("1h30m", True), ("1d", True), ("1w", True), ("1y", True), ("0", True), ("500ms", True),
+    ("1y2w3d4h5m6s7ms", True), ("", False), ("10", False), ("30m1h", False), ("1.5h", False), ("10 m", False),
+    ("1h1h", False), ("-1m", False)])
+def test_alerts_for_takes_prometheus_durations(duration, ok):
+    spec = {**BASE, "alerts": {"for": duration}}
+    if not ok:
+        with pytest.raises(SpecError, match=r"spec\.alerts\.for: .* is not a Prometheus duration"):
+            PromptCacheSpec.from_dict(spec)
+        return
+    rule = builders.prometheus_rule(PromptCacheSpec.from_dict(spec), OWNER)
+    assert duration in {r.get("for") for r in rule["spec"]["groups"][0]["rules"]}
+
+
+def test_annotation_keys_are_checked_as_the_api_server_does():
+    """Annotation keys are qualified names after lower-casing (label keys are not); the 256 KiB counts bytes."""
+    PromptCacheSpec.from_dict({**BASE, "pod": {"annotations": {"Example.COM/Owner": "x"}}})
+    with pytest.raises(SpecError, match=re.escape("spec.pod.labels: 'Example.COM/owner': the prefix")):
+        PromptCacheSpec.from_dict({**BASE, "pod": {"labels": {"Example.COM/owner": "x"}}})
+    with pytest.raises(SpecError, match=re.escape("spec.pod.annotations: 'Example_.COM/Owner': the prefix")):
+        PromptCacheSpec.from_dict({**BASE, "pod": {"annotations": {"Example_.COM/Owner": "x"}}})
+    # 100k three-byte characters: 300 KB though 100k characters
+    with pytest.raises(SpecError, match="spec.pod.annotations: more than"):
+        PromptCacheSpec.from_dict({**BASE, "pod": {"annotations": {"note": "\u20ac" * 100_000}}})
+    PromptCacheSpec.from_dict({**BASE, "pod": {"annotations": {"note": "x" * 100_000}}})

@@ -154,3 +154,50 @@ def test_monitoring_labels_reach_every_monitoring_object(helm_offline):
     dep = next(d for d in docs if d["kind"] == "Deployment")
     env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["PROMPTCACHE_OPERATOR_MONITORING_LABELS"] == "release=kube-prometheus-stack"
+
+
+def _label_maps(doc: dict):
+    """Every label map of a rendered object: its own, a pod template's, a selector's."""
+    yield doc["metadata"].get("labels") or {}
+    spec = doc.get("spec") or {}
+    if isinstance(spec, dict):
+        yield ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
+        sel = spec.get("selector") or {}
+        yield sel.get("matchLabels", sel) if isinstance(sel, dict) else {}
+
+
+@pytest.mark.tools
+def test_longest_release_name_keeps_names_and_labels_within_63(helm_offline):
+    """Helm allows release names of 53 characters; the fullname is cut to 63 before a suffix, so the metrics
+    Service was `<63 characters>-metrics` and the API server refused it."""
+    release = "ml-platform-inference-cache-ops-prod1-" + "x" * 15
+    assert len(release) == 53
+    out = helm_offline("template", release, str(CHART), "--namespace", "t1", "--set", "prometheusRule.enabled=true",
+                       "--set", "cacheAlerts.enabled=true", "--set", "metrics.serviceMonitor.enabled=true",
+                       "--set", "grafanaDashboard.enabled=true", "--set", "podLabels.team=ml")
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    services = [d["metadata"]["name"] for d in docs if d["kind"] == "Service"]
+    assert services
+    for name in services:
+        assert len(name) <= 63 and not name.endswith("-"), name
+    assert any(name.endswith("-metrics") for name in services)
+    for d in docs:
+        for labels in _label_maps(d):
+            for key, value in labels.items():
+                assert len(str(value)) <= 63, (d["kind"], key, value)
+    # a release name that fits keeps its names (upgrades)
+    short = [d for d in yaml.safe_load_all(helm_offline("template", "promptcache", str(CHART)).stdout)
+             if d and d["kind"] == "Service"]
+    assert [d["metadata"]["name"] for d in short] == ["promptcache-promptcache-operator-metrics"]
+
+
+@pytest.mark.tools
+@pytest.mark.parametrize("key", ["app.kubernetes.io/name", "app.kubernetes.io/instance"])
+def test_pod_labels_cannot_override_the_selector(helm_offline, key):
+    escaped = key.replace(".", r"\.")
+    out = helm_offline("template", "x", str(CHART), "--set", f"podLabels.{escaped}=other", check=False)
+    assert out.returncode != 0 and f"podLabels may not set {key}" in out.stderr, out.stderr
+    out = helm_offline("template", "x", str(CHART), "--set", "podLabels.team=ml")
+    dep = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment")
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert labels["team"] == "ml" and dep["spec"]["selector"]["matchLabels"].items() <= labels.items()

@@ -109,3 +109,34 @@ def test_importing_the_operator_reads_and_writes_no_environment():
     env = {**os.environ, "PROMPTCACHE_AUTOSCALE_VPA_UPDATE_MODE": "Sometimes"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr
+
+
+def test_namespaces_from_the_environment_are_stripped_and_named_by_their_source(capsys, monkeypatch):
+    env = {"PROMPTCACHE_OPERATOR_NAMESPACES": "team-a, team-b ,"}
+    assert OperatorConfig.from_args(["--standalone"], env).namespaces == ("team-a", "team-b")
+    monkeypatch.setenv("PROMPTCACHE_OPERATOR_NAMESPACES", "team-a,Team_B")
+    assert operator_main.main(["--standalone"]) == 2
+    assert "PROMPTCACHE_OPERATOR_NAMESPACES 'Team_B' is not a namespace name" in capsys.readouterr().err
+    assert operator_main.main(["--standalone", "-n", "Team_B"]) == 2  # the flag wins over the variable
+    assert "--namespace 'Team_B' is not a namespace name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pattern", ["team-*", "team-?", "*", "!kube-*", "team-*,!*-pr-*, *pr-123", "ml"])
+def test_kopf_namespace_patterns_are_accepted(pattern):
+    """kopf matches --namespace values as globs ('*', '?'), '!' negations and comma-separated lists
+    (kopf match_namespace); they were accepted before namespace names were checked, and are again."""
+    from kopf._cogs.structs.references import match_namespace  # what kopf does with them
+
+    from promptcache.operator.config import literal_namespaces
+
+    c = OperatorConfig.from_args(["--standalone", "-n", pattern], {})
+    assert c.namespaces == (pattern,)
+    assert literal_namespaces(c.namespaces) == (["ml"] if pattern == "ml" else [])
+    assert match_namespace("team-a", pattern) == (pattern in ("team-*", "team-?", "*", "!kube-*",
+                                                                     "team-*,!*-pr-*, *pr-123"))
+
+
+@pytest.mark.parametrize("pattern", ["Team-*", "team_*", "!", "team-*,", "-team", "a" * 64 + "*"])
+def test_bad_namespace_patterns_are_refused(pattern):
+    with pytest.raises(ValueError, match="is not a namespace name .* or a kopf namespace pattern"):
+        OperatorConfig.from_args(["--standalone", f"--namespace={pattern}"], {})

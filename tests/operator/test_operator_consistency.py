@@ -228,3 +228,32 @@ def test_zero_copy_host_paths_agree_across_chart_crd_and_operator():
     chart = json.loads((CHART / "values.schema.json").read_text())["properties"]["zeroCopy"]["properties"]
     assert crd["pattern"] == chart["allowedHostPaths"]["items"]["pattern"] == model._HOST_PATH.pattern
     assert crd["maxLength"] == chart["allowedHostPaths"]["items"]["maxLength"] == model.HOST_PATH_MAX
+
+
+@pytest.mark.parametrize("path,regex", [
+    ("image.tag", model._IMAGE_TAG),
+    ("image.repository", model._IMAGE_REPOSITORY),
+    ("alerts.for", model._PROM_DURATION),
+    ("model.weightsDigest", re.compile(r"sha256:[a-f0-9]{64}")),
+    ("image.digest", re.compile(r"sha256:[a-f0-9]{64}")),
+    ("zeroCopy.hostPath", model._HOST_PATH),
+])
+def test_crd_patterns_are_the_models(path, regex):
+    """A string field the model checks with a pattern carries the same pattern in the CRD (anchored), so the API
+    server refuses what the operator would (spec.image.tag had none)."""
+    node = spec_schema()
+    for part in path.split("."):
+        node = node["properties"][part]
+    assert node["pattern"] == "^" + regex.pattern.strip("^$") + "$", path
+
+
+def test_chart_patterns_agree_with_the_crd():
+    """The chart's sidecarImage (the operator's default spec.image) and cacheAlerts.for take what the CRD takes."""
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    crd = spec_schema()["properties"]
+    side = schema["sidecarImage"]["properties"]
+    assert side["repository"]["pattern"] == crd["image"]["properties"]["repository"]["pattern"]
+    assert side["tag"]["pattern"] == "^(" + model._IMAGE_TAG.pattern + ")?$"  # empty: the chart's appVersion
+    assert schema["cacheAlerts"]["properties"]["for"]["pattern"] == crd["alerts"]["properties"]["for"]["pattern"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert model._IMAGE_REPOSITORY.fullmatch(values["sidecarImage"]["repository"])

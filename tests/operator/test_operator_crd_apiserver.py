@@ -128,7 +128,85 @@ INVALID = [
     ("zeroCopy with mTLS and no tokens", {"zeroCopy": {"hostPath": "/run/pc"},
                                           "security": {"tls": {"secretName": "t", "mutual": True}}},
      "spec.zeroCopy.hostPath"),
+    # tolerations the API server would refuse on the DaemonSet's pods
+    ("toleration Exists with a value", {"placement": {"tolerations": [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "a", "operator": "Exists", "value": "x"}]}}, "spec.placement.tolerations[1].value"),
+    ("toleration seconds without NoExecute", {"placement": {"tolerations": [
+        {"key": "a", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}]}},
+     "spec.placement.tolerations[0].tolerationSeconds"),
+    ("toleration key not a label key", {"placement": {"tolerations": [{"key": "a b", "operator": "Exists"}]}},
+     "spec.placement.tolerations[0].key"),
+    ("toleration without key and not Exists", {"placement": {"tolerations": [{"operator": "Equal", "value": "x"}]}},
+     "spec.placement.tolerations[0].operator"),
+    ("toleration value not a label value", {"placement": {"tolerations": [
+        {"key": "a", "operator": "Equal", "value": "x y"}]}}, "spec.placement.tolerations[0].value"),
+    ("toleration operator unknown", {"placement": {"tolerations": [{"key": "a", "operator": "In"}]}},
+     "spec.placement.tolerations[0].operator"),
+    ("toleration effect unknown", {"placement": {"tolerations": [{"key": "a", "operator": "Exists",
+                                                                 "effect": "NoRun"}]}},
+     "spec.placement.tolerations[0].effect"),
+    ("image repository with a digest", {"image": {"repository": "registry.local:5000/team/img@sha256:" + "a" * 64}},
+     "spec.image.repository"),
+    ("image repository with a tag", {"image": {"repository": "registry.local:5000/team/img:1.2"}},
+     "spec.image.repository"),
+    ("image repository upper case", {"image": {"repository": "Registry.local/Team/Img"}}, "spec.image.repository"),
+    ("image tag with a space", {"image": {"tag": "v1 beta"}}, "spec.image.tag"),
+    ("alerts for not a duration", {"alerts": {"for": "10 minutes"}}, "spec.alerts.for"),
+    ("alerts for units out of order", {"alerts": {"for": "30m1h"}}, "spec.alerts.for"),
+    ("alerts for empty", {"alerts": {"for": ""}}, "spec.alerts.for"),
+    ("resource name unknown", {"resources": {"requests": {"gpu": "1"}}}, "spec.resources.requests"),
+    ("resource quantity bad", {"resources": {"limits": {"cpu": "lots"}}}, "spec.resources.limits"),
+    ("master resource quantity bad", {"cluster": {"master": {"resources": {"requests": {"cpu": "lots"}}}}},
+     "spec.cluster.master.resources.requests"),
+    ("master resource name unknown", {"cluster": {"master": {"resources": {"limits": {"Memory": "1Gi"}}}}},
+     "spec.cluster.master.resources.limits"),
 ]
+
+
+@pytest.mark.parametrize("patch", [
+    {"placement": {"tolerations": [{"operator": "Exists"}, {"key": "k", "operator": "Equal", "value": "v",
+                                                            "effect": "NoExecute", "tolerationSeconds": 60},
+                                   {"key": "example.com/Dedicated", "value": "", "effect": ""}]}},
+    {"image": {"repository": "registry.local:5000/team/img", "tag": "1.2_rc-1"}},
+    {"image": {"repository": "localhost/a__b.c--d/e"}},
+    {"alerts": {"for": "1h30m"}}, {"alerts": {"for": "1d"}}, {"alerts": {"for": "1w"}}, {"alerts": {"for": "0"}},
+    {"alerts": {"for": "1y2w3d4h5m6s7ms"}},
+    {"resources": {"requests": {"cpu": "0.5", "memory": 1073741824, "hugepages-2Mi": "0"},
+                   "limits": {"example.com/fpga": 1}}},
+])
+def test_valid_specs_accepted_by_crd_and_model(kube, crd, namespace, patch):
+    """What the CRD admits the model admits too (and the other way round: INVALID above, test_operator_builders)."""
+    from promptcache.operator.model import PromptCacheSpec
+
+    obj = example("minimal")
+    obj["spec"].update(patch)
+    apply(kube, obj, namespace, dry_run=True)
+    PromptCacheSpec.from_dict(obj["spec"])
+
+
+def test_children_of_a_longest_named_cache_are_admitted(kube, crd, namespace):
+    """A PromptCache whose name is as long as the CRD allows, with the cluster tier, explicit resources the
+    operator has to reconcile with its own (a CPU limit below its default request, a memory request above its
+    derived limit, a one-sided GPU request): the API server admits every child it builds (dry run)."""
+    import re as _re
+
+    from promptcache.operator import builders
+    from promptcache.operator.model import PromptCacheSpec
+
+    most = int(_re.search(r"metadata\.name\.size\(\) <= (\d+)", (ROOT / "crds" / "promptcache.io_promptcaches.yaml")
+                          .read_text()).group(1))
+    name = "c" + "x" * (most - 1)
+    spec = PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "16Gi"},
+                                      "gpu": {"count": 1}, "cluster": {"enabled": True, "master": {"resources": {
+                                          "limits": {"cpu": "50m"}, "requests": {"memory": "1Gi"}}}},
+                                      "resources": {"limits": {"cpu": "200m"},
+                                                    "requests": {"memory": "32Gi", "nvidia.com/gpu": "2"}},
+                                      "placement": {"maxNodes": 10}})
+    owner = builders.Owner(name=name, namespace=namespace, uid="00000000-0000-0000-0000-000000000001")
+    for child in builders.desired_children(spec, owner, builders.Capabilities()):
+        child["metadata"].pop("ownerReferences")  # no such owner in the API server; the dry run needs none
+        apply(kube, child, namespace, dry_run=True)
 
 
 @pytest.mark.parametrize("label,patch,field", INVALID, ids=[i[0] for i in INVALID])

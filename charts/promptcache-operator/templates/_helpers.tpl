@@ -12,6 +12,23 @@
 {{- end }}
 {{- end }}
 
+{{/* The metrics Service: "<fullname>-metrics" within a Service name's 63 characters (fullname cut to 55). */}}
+{{- define "promptcache-operator.metricsServiceName" -}}
+{{- printf "%s-metrics" (include "promptcache-operator.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
+{{/* podLabels, refused where they would override the selector labels (the Deployment would be refused). */}}
+{{- define "promptcache-operator.podLabels" -}}
+{{- range $key := list "app.kubernetes.io/name" "app.kubernetes.io/instance" }}
+{{- if hasKey $.Values.podLabels $key }}
+{{- fail (printf "podLabels may not set %s: the chart sets it, and the Deployment selects its pods by it" $key) }}
+{{- end }}
+{{- end }}
+{{- with .Values.podLabels }}
+{{- toYaml . }}
+{{- end }}
+{{- end }}
+
 {{- define "promptcache-operator.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{ include "promptcache-operator.selectorLabels" . }}

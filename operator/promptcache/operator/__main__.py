@@ -14,7 +14,7 @@ import random
 import sys
 import threading
 
-from .config import OperatorConfig
+from .config import OperatorConfig, literal_namespaces
 
 log = logging.getLogger("promptcache.operator")
 
@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None, stop_flag: threading.Event | None = None
         return 2
     operator = Operator(config, kube)
     if not config.standalone:
-        problem = operator.kube.peering_problem(config.peering, list(config.namespaces))
+        # only namespaces given by name can be checked; kopf finds those its patterns match as they come
+        problem = operator.kube.peering_problem(config.peering, literal_namespaces(config.namespaces),
+                                                namespaced=bool(config.namespaces))
         if problem:  # kopf would wait for the peering silently, doing nothing: refuse to start instead
             log.error("cannot start: %s", problem)
             print(f"promptcache operator: {problem}", file=sys.stderr, flush=True)

@@ -16,13 +16,15 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import yaml
 
 from . import alerts
 from .model import (DISK_OVERHEAD, GROUP, KIND, MEMORY_OVERHEAD, VERSION, PromptCacheSpec, SpecError,  # noqa: F401
-                    isolated_identity, quantity_bytes, to_dict)  # (MEMORY_OVERHEAD: autoscale reads it here)
+                    format_bytes, is_extended_resource, isolated_identity, not_overcommittable, parse_quantity,
+                    quantity_bytes, to_dict)  # (MEMORY_OVERHEAD, format_bytes: autoscale reads them here)
 
 GRPC_PORT = 50051
 BULK_PORT = 50052  # the bulk channel (docs/bulk-channel.md); plaintext, so only without TLS
@@ -109,6 +111,35 @@ class Capabilities:
     prometheus_rule: bool = False
 
 
+DNS_LABEL_MAX = 63  # a Service's name (DNS-1035 label)
+DNS_SUBDOMAIN_MAX = 253  # most other objects' names (DNS-1123 subdomain)
+
+
+def child_name(name: str, suffix: str, limit: int = DNS_LABEL_MAX) -> str:
+    """`name` + `suffix` within `limit` characters. Unchanged where it fits (children keep their names across
+    upgrades); longer: the name cut short, '-', 8 hex digits of the full name's sha256, then the suffix, so two long
+    names sharing a beginning still differ, and the result is the same on every reconcile."""
+    full = f"{name}{suffix}"
+    if len(full) <= limit:
+        return full
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    head = name[:max(limit - len(suffix) - len(digest) - 1, 0)].rstrip("-.")
+    return f"{head}-{digest}{suffix}" if head else f"{digest}{suffix}"
+
+
+def config_name(owner: Owner) -> str:
+    return child_name(owner.name, "-config", DNS_SUBDOMAIN_MAX)
+
+
+def quota_name(owner: Owner) -> str:
+    return child_name(owner.name, "-quota", DNS_SUBDOMAIN_MAX)
+
+
+def metrics_name(owner_name: str) -> str:
+    """The headless metrics Service (its name is the `service` label of every sidecar series)."""
+    return child_name(owner_name, "-metrics")
+
+
 def labels(owner: Owner) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "promptcache",
@@ -141,14 +172,6 @@ def _image(spec: PromptCacheSpec, d: OperatorDefaults) -> tuple[str, str]:
 
 def _bytes(q: str) -> str:
     return str(quantity_bytes(q))
-
-
-def format_bytes(n: int) -> str:
-    """Bytes as the shortest exact binary quantity: 17716740096 -> '16896Mi'."""
-    for suffix, factor in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
-        if n and n % factor == 0:
-            return f"{n // factor}{suffix}"
-    return str(n)
 
 
 def restricted_container_security() -> dict[str, Any]:
@@ -329,7 +352,7 @@ def config_map(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults =
     if spec.cachePolicy.pinnedPrefixes:  # the sidecar's --pinned-prefixes-file (a volume of this key)
         data[PINNED_FILE] = json.dumps([{"name": p.name, "tokens": list(p.tokens)}
                                         for p in spec.cachePolicy.pinnedPrefixes], separators=(",", ":"))
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(owner, f"{owner.name}-config"),
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(owner, config_name(owner)),
             "data": data}
 
 
@@ -348,9 +371,37 @@ def _resources(spec: PromptCacheSpec) -> dict[str, Any]:
     if spec.gpu.count > 0:
         requests[spec.gpu.resourceName] = str(spec.gpu.count)
         limits[spec.gpu.resourceName] = str(spec.gpu.count)
-    requests.update({k: str(v) for k, v in spec.resources.requests.items()})
-    limits.update({k: str(v) for k, v in spec.resources.limits.items()})
-    return {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items()))}
+    return merge_resources(requests, limits, spec.resources.requests, spec.resources.limits)
+
+
+def merge_resources(requests: dict[str, str], limits: dict[str, str], explicit_requests: Mapping[str, Any],
+                    explicit_limits: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """The operator's requests and limits with a spec's explicit ones over them, so that the API server takes the
+    result (model.validate_resources has refused an explicit request above its explicit limit, and an explicit
+    limit below what the cache needs):
+      - an extended resource or huge pages given on one side only: the other side the same (they cannot be
+        overcommitted);
+      - an explicit limit below the operator's request (limits.cpu 200m, the default request 250m): the request
+        lowered to the limit;
+      - an explicit request above the operator's limit (requests.memory above the derived limit): the limit
+        raised to the request."""
+    req = {**requests, **{k: str(v) for k, v in explicit_requests.items()}}
+    lim = {**limits, **{k: str(v) for k, v in explicit_limits.items()}}
+    for name in explicit_requests.keys() | explicit_limits.keys():
+        if not_overcommittable(name):
+            if name not in explicit_limits:
+                lim[name] = req[name]
+            elif name not in explicit_requests:
+                req[name] = lim[name]
+    for name in req.keys() & lim.keys():
+        if parse_quantity(req[name]) > parse_quantity(lim[name]):
+            if name in explicit_limits and name not in explicit_requests:
+                req[name] = lim[name]
+            elif name in explicit_requests and name not in explicit_limits:
+                lim[name] = req[name]
+            else:  # both the operator's, or both explicit (refused by validate): never built
+                raise SpecError(f"resources.requests.{name} {req[name]} is above resources.limits.{name} {lim[name]}")
+    return {"requests": dict(sorted(req.items())), "limits": dict(sorted(lim.items()))}
 
 
 def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, cfg_hash: str) -> dict[str, Any]:
@@ -373,7 +424,7 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
     file_mounts: list[dict[str, Any]] = []  # files the sidecar reads (pinned prefixes, a snapshot)
     if spec.cachePolicy.pinnedPrefixes:
         volumes.append({"name": "pinned-prefixes", "configMap": {
-            "name": f"{owner.name}-config", "items": [{"key": PINNED_FILE, "path": PINNED_FILE}]}})
+            "name": config_name(owner), "items": [{"key": PINNED_FILE, "path": PINNED_FILE}]}})
         file_mounts.append({"name": "pinned-prefixes", "mountPath": PINNED_DIR, "readOnly": True})
     if spec.memory.warmupSnapshot is not None:
         volumes.append({"name": "warmup-snapshot", "persistentVolumeClaim": {
@@ -389,7 +440,7 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
         "image": image,
         "imagePullPolicy": pull,
         "args": ["serve"],
-        "envFrom": [{"configMapRef": {"name": f"{owner.name}-config"}}],
+        "envFrom": [{"configMapRef": {"name": config_name(owner)}}],
         # The root filesystem is read-only: libraries that cache under $HOME (torch, triton) use the tmp volume.
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TMPDIR", "value": "/tmp"}, *node_env],
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
@@ -467,7 +518,8 @@ def node_local_service(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
 
 
 def master_name(owner: Owner) -> str:
-    return f"{owner.name}-mooncake-master"
+    """The Mooncake master's Deployment and Service (a DNS-1035 label: at most 63 characters)."""
+    return child_name(owner.name, "-mooncake-master")
 
 
 def _master_selector(owner: Owner) -> dict[str, str]:
@@ -494,10 +546,8 @@ def mooncake_master(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefau
     its RPC port, so the probes use the metrics port, and a rolling update hands the lease over."""
     master = spec.cluster.master
     image, pull = _image(spec, defaults)
-    requests: dict[str, Any] = {"cpu": "100m", "memory": "256Mi"}
-    limits: dict[str, Any] = {"memory": "256Mi"}
-    requests.update({k: str(v) for k, v in spec.cluster.master.resources.requests.items()})
-    limits.update({k: str(v) for k, v in spec.cluster.master.resources.limits.items()})
+    resources = merge_resources({"cpu": "100m", "memory": "256Mi"}, {"memory": "256Mi"},
+                                master.resources.requests, master.resources.limits)
     component = {"app.kubernetes.io/component": "cluster-master"}
     probe_port = MASTER_METRICS_PORT if master.ha else MASTER_PORT
     container = {
@@ -511,7 +561,7 @@ def mooncake_master(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefau
                   {"name": "metrics", "containerPort": MASTER_METRICS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": probe_port}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": probe_port}, "periodSeconds": 10, "failureThreshold": 3},
-        "resources": {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items()))},
+        "resources": resources,
         "securityContext": restricted_container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -564,7 +614,7 @@ def metrics_service(owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(owner, f"{owner.name}-metrics", {f"{GROUP}/metrics": "true"}),
+        "metadata": _meta(owner, metrics_name(owner.name), {f"{GROUP}/metrics": "true"}),
         "spec": {
             "clusterIP": "None",
             "selector": selector(owner),
@@ -584,13 +634,13 @@ def resource_quota(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
     for kind, values in (("requests", res["requests"]), ("limits", res["limits"])):
         for r, v in values.items():
             if r in ("cpu", "memory"):
-                hard[f"{kind}.{r}"] = _times(v, n)
+                hard[f"{kind}.{r}"] = _times(v, n, r)
             elif kind == "requests" and "/" in r:
-                hard[f"requests.{r}"] = _times(v, n)
+                hard[f"requests.{r}"] = _times(v, n, r)
     return {
         "apiVersion": "v1",
         "kind": "ResourceQuota",
-        "metadata": _meta(owner, f"{owner.name}-quota"),
+        "metadata": _meta(owner, quota_name(owner)),
         "spec": {
             "hard": dict(sorted(hard.items())),
             "scopeSelector": {"matchExpressions": [
@@ -599,10 +649,23 @@ def resource_quota(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
     }
 
 
-def _times(q: str, n: int) -> str:
-    if q.endswith("m") and q[:-1].isdigit():
-        return f"{int(q[:-1]) * n}m"
-    return format_bytes(int(quantity_bytes(q) * n))
+def _times(q: str, n: int, resource: str = "") -> str:
+    """`n` times the quantity `q`, exactly (decimal arithmetic), in canonical form: a whole number of bytes as the
+    shortest binary quantity (memory, ephemeral-storage, hugepages), another whole number plain ('5'), a fraction in
+    milli-units ('1500m'), or finer where it must be (the API server keeps nano-units)."""
+    return format_quantity(parse_quantity(q) * n, binary=resource in ("memory", "ephemeral-storage")
+                           or resource.startswith("hugepages-"))
+
+
+def format_quantity(value: Decimal, binary: bool = False) -> str:
+    """An exact quantity as its canonical string: 5 -> '5', 0.5 -> '500m', 2^30 bytes -> '1Gi' (binary)."""
+    if value == value.to_integral_value():
+        return format_bytes(int(value)) if binary else str(int(value))
+    for suffix, scale in (("m", 3), ("u", 6), ("n", 9)):
+        scaled = value.scaleb(scale)
+        if scaled == scaled.to_integral_value():
+            return f"{int(scaled)}{suffix}"
+    return f"{int(value.scaleb(9).to_integral_value(rounding='ROUND_CEILING'))}n"  # as the API server rounds
 
 
 def vertical_pod_autoscaler(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
@@ -649,7 +712,7 @@ def service_monitor(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefau
 def prometheus_rule(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults = OperatorDefaults()
                     ) -> dict[str, Any]:
     """The cache alerts of promptcache.operator.alerts (shared with the chart), for this cache's series only."""
-    sel = f'namespace="{owner.namespace}",service="{owner.name}-metrics"'
+    sel = f'namespace="{owner.namespace}",service="{metrics_name(owner.name)}"'
     rules = alerts.rules(sel, alerts.thresholds_from_spec(spec.alerts), defaults.runbook_base_url)
     return {
         "apiVersion": PROMETHEUS_RULE[0],

@@ -21,7 +21,8 @@ LOG_FORMATS = ("plain", "full", "json")
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    namespaces: tuple[str, ...] = ()            # empty: all namespaces
+    namespaces: tuple[str, ...] = ()            # empty: all namespaces; kopf patterns ('team-*', '!kube-*')
+    namespaces_source: str = field(default="--namespace", compare=False)  # what the message of a bad one names
     peering: str = "promptcache-operator"
     standalone: bool = False
     priority: int | None = None                 # None: random, distinct per replica
@@ -48,8 +49,13 @@ class OperatorConfig:
     def from_args(cls, argv: list[str], env: Mapping[str, str], description: str = "") -> "OperatorConfig":
         """Raises SystemExit (argparse) for a bad option, ValueError for a bad environment variable."""
         args = build_parser(env, description).parse_args(argv)
-        namespaces = args.namespace or [n for n in env.get("PROMPTCACHE_OPERATOR_NAMESPACES", "").split(",") if n]
-        return cls(namespaces=tuple(namespaces), peering=args.peering, standalone=args.standalone,
+        if args.namespace:
+            namespaces, source = [n.strip() for n in args.namespace], "--namespace"
+        else:
+            namespaces = [n.strip() for n in env.get("PROMPTCACHE_OPERATOR_NAMESPACES", "").split(",") if n.strip()]
+            source = "PROMPTCACHE_OPERATOR_NAMESPACES"
+        return cls(namespaces=tuple(namespaces), namespaces_source=source, peering=args.peering,
+                   standalone=args.standalone,
                    priority=args.priority, liveness=args.liveness or None, metrics_port=args.metrics_port,
                    resync_seconds=args.resync_seconds, log_format=args.log_format, verbose=args.verbose,
                    debug=args.debug,
@@ -62,9 +68,9 @@ class OperatorConfig:
     def validate(self) -> "OperatorConfig":
         """Raises ValueError naming the option (and its variable) that no run could use."""
         for ns in self.namespaces:
-            if not _DNS_LABEL.fullmatch(ns):
-                raise ValueError(f"--namespace {ns!r} is not a namespace name (a DNS-1123 label: lower-case letters, "
-                                 "digits and '-', at most 63)")
+            problem = namespace_pattern_error(ns)
+            if problem:
+                raise ValueError(f"{self.namespaces_source} {ns!r} {problem}")
         if not self.standalone and not (len(self.peering) <= 253 and _DNS_SUBDOMAIN.fullmatch(self.peering)):
             raise ValueError(f"--peering {self.peering!r} is not an object name (a DNS-1123 subdomain)")
         if not 0 <= self.metrics_port <= 65535:
@@ -107,6 +113,32 @@ def peering_identity(env: Mapping[str, str], uid: int, host: str, now: datetime.
 
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_NAMESPACE_GLOB = re.compile(r"[a-z0-9*?]([-a-z0-9*?]{0,61}[a-z0-9*?])?")
+
+
+def is_namespace_pattern(ns: str) -> bool:
+    """Whether kopf reads `ns` as a pattern (globs, negations, a list), not one namespace."""
+    return any(c in ns for c in "*?!,")
+
+
+def literal_namespaces(namespaces: tuple[str, ...] | list[str]) -> list[str]:
+    """The namespaces given by name (kopf's select_specific_namespaces): those a per-namespace object (the
+    chart's RBAC, a KopfPeering) can be looked up in."""
+    return [ns for ns in namespaces if not is_namespace_pattern(ns)]
+
+
+def namespace_pattern_error(ns: str) -> str:
+    """Why kopf could match no namespace with `ns` ("" when it can): a namespace name (DNS-1123 label), or kopf's
+    pattern syntax (kopf match_namespace): comma-separated globs, each a namespace name in which '*' and '?' stand
+    for any characters or one, a leading '!' excluding what it matches."""
+    parts = [p.strip() for p in ns.split(",")]
+    for part in parts:
+        glob = part[1:] if part.startswith("!") else part
+        if not (_NAMESPACE_GLOB.fullmatch(glob) if is_namespace_pattern(ns) else _DNS_LABEL.fullmatch(glob)):
+            return ("is not a namespace name (a DNS-1123 label: lower-case letters, digits and '-', at most 63) "
+                    "or a kopf namespace pattern (globs with '*' and '?', '!' in front to exclude, "
+                    "comma-separated)")
+    return ""
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
@@ -131,8 +163,8 @@ def build_parser(env: Mapping[str, str], description: str = "") -> argparse.Argu
     p = argparse.ArgumentParser(prog="promptcache operator", description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--namespace", action="append", default=None,
-                   help="watch only this namespace (repeatable; env PROMPTCACHE_OPERATOR_NAMESPACES, comma-"
-                        "separated); default: all namespaces")
+                   help="watch only this namespace, or those a kopf pattern matches ('team-*', '!kube-*') "
+                        "(repeatable; env PROMPTCACHE_OPERATOR_NAMESPACES, comma-separated); default: all namespaces")
     p.add_argument("--peering", default=get("PROMPTCACHE_OPERATOR_PEERING", d.peering),
                    help="kopf peering object name (env PROMPTCACHE_OPERATOR_PEERING; default %(default)s)")
     p.add_argument("--standalone", action="store_true",

@@ -420,7 +420,7 @@ class PrometheusSource:
                 if math.isfinite(float(s["value"][1]))]
 
     def signal(self, obs: Observation) -> tuple[Signal | None, dict[str, Counters]]:
-        sel = f'namespace="{obs.namespace}",service="{obs.name}-metrics"'
+        sel = f'namespace="{obs.namespace}",service="{builders.metrics_name(obs.name)}"'
         mem = f'{sel},tier="{MEMORY_TIER}"'
         w = f"{int(self.window_s)}s"
         try:

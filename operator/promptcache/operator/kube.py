@@ -173,14 +173,16 @@ class Kube:
                 return True
             raise
 
-    def peering_problem(self, name: str, namespaces: list[str]) -> str | None:
+    def peering_problem(self, name: str, namespaces: list[str], namespaced: bool | None = None) -> str | None:
         """Why kopf would idle with peering `name` (its CRD or object missing), or None. kopf itself waits
-        silently for a peering object that never comes."""
-        plural, kind = ("kopfpeerings", "KopfPeering") if namespaces else ("clusterkopfpeerings", "ClusterKopfPeering")
+        silently for a peering object that never comes. `namespaces`: those named literally (a kopf pattern's
+        namespaces are found as they come); `namespaced`: whether kopf peers per namespace (default: any named)."""
+        namespaced = bool(namespaces) if namespaced is None else namespaced
+        plural, kind = ("kopfpeerings", "KopfPeering") if namespaced else ("clusterkopfpeerings", "ClusterKopfPeering")
         if not self.crd_established(f"{plural}.kopf.dev"):
             return (f"the peering CRD {plural}.kopf.dev is not installed: install the chart's CRDs "
                     "(charts/promptcache-operator/crds/) or run a single replica with --standalone")
-        for ns in namespaces or [None]:
+        for ns in namespaces if namespaced else [None]:
             path = f"/apis/kopf.dev/v1/namespaces/{ns}/{plural}/{name}" if ns else f"/apis/kopf.dev/v1/{plural}/{name}"
             try:
                 self.request("GET", path)

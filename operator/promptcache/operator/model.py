@@ -45,6 +45,14 @@ def parse_quantity(text: str | int) -> Decimal:
         raise SpecError(str(exc)) from None
 
 
+def format_bytes(n: int) -> str:
+    """Bytes as the shortest exact binary quantity: 17716740096 -> '16896Mi'."""
+    for suffix, factor in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if n and n % factor == 0:
+            return f"{n // factor}{suffix}"
+    return str(n)
+
+
 def quantity_bytes(text: str | int) -> int:
     """Whole bytes, a fraction rounded up as Kubernetes does."""
     try:
@@ -59,19 +67,54 @@ ISOLATED_MESSAGE = ("spec.tenancy.mode Isolated requires spec.security.tokens or
 
 
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+# The CRD's patterns of spec.image.tag, spec.image.repository and spec.alerts.for are these, anchored with ^...$
+# (tests/operator/test_operator_consistency.py checks that they are the same).
 _IMAGE_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+# An image repository without tag or digest (the distribution reference grammar): an optional registry host, read
+# as one only where it has a '.' or a :port or is localhost (its name may hold upper case), then '/'-separated
+# lower-case path components (alphanumerics joined by '.', '_', '__' or '-'s).
+_DOMAIN_PART = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_DOMAIN = (rf"(?:localhost(?::[0-9]+)?|{_DOMAIN_PART}(?:\.{_DOMAIN_PART})+(?::[0-9]+)?|{_DOMAIN_PART}:[0-9]+)")
+_PATH_PART = r"[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*"
+_IMAGE_REPOSITORY = re.compile(rf"(?:{_DOMAIN}/)?{_PATH_PART}(?:/{_PATH_PART})*")
+IMAGE_REPOSITORY_MAX = 255
+# A Prometheus duration (prometheus/common model.ParseDuration, and the PrometheusRule CRD's `for`): units from
+# years down to milliseconds, each at most once and in that order, or 0; not empty.
+_PROM_DURATION = re.compile(r"(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?"
+                            r"(([0-9]+)ms)?)")
 MAX_ANNOTATIONS_BYTES = 256 * 1024  # the API server's limit on an object's annotations, keys and values together
 
 
-def label_key_error(key: str) -> str:
+def label_key_error(key: str, shown: str | None = None) -> str:
     """Why `key` is not a Kubernetes label or annotation key ("" when it is): [prefix/]name, the prefix a DNS
-    subdomain of at most 253 characters, the name at most 63 alphanumerics with '-', '_' or '.' inside."""
+    subdomain of at most 253 characters, the name at most 63 alphanumerics with '-', '_' or '.' inside. `shown`:
+    the key as the message names it (default `key`)."""
+    shown = key if shown is None else shown
     prefix, _, name = key.rpartition("/")
     if prefix and (len(prefix) > 253 or not _SECRET_NAME.fullmatch(prefix)):
-        return f"{key!r}: the prefix is not a DNS subdomain"
+        return f"{shown!r}: the prefix is not a DNS subdomain"
     if not _LABEL_NAME.fullmatch(name):
-        return f"{key!r}: the name is not 1-63 letters, digits, '-', '_' or '.' (alphanumeric at both ends)"
+        return f"{shown!r}: the name is not 1-63 letters, digits, '-', '_' or '.' (alphanumeric at both ends)"
     return ""
+
+
+def annotation_key_error(key: str) -> str:
+    """Why `key` is not an annotation key ("" when it is): the API server checks annotation keys as label keys
+    after lower-casing them (apimachinery ValidateAnnotations), so `Example.COM/Owner` is one."""
+    return label_key_error(key.lower(), key)
+
+
+def annotations_bytes(annotations: dict[str, str]) -> int:
+    """What the API server counts against its 256 KiB: the UTF-8 bytes of every key and value."""
+    return sum(len(k.encode()) + len(str(v).encode()) for k, v in annotations.items())
+
+
+def prometheus_duration_error(value: str) -> str:
+    """Why `value` is not a Prometheus duration ("" when it is)."""
+    if value and _PROM_DURATION.fullmatch(value):
+        return ""
+    return (f"{value!r} is not a Prometheus duration (units y, w, d, h, m, s, ms, each at most once and in that "
+            "order, such as 10m, 1h30m, 1d or 1w)")
 
 
 def label_value_error(value: str) -> str:
@@ -92,6 +135,72 @@ def _positive_quantity(path: str, value: str | None) -> None:
     if value is not None and parse_quantity(value) > quantity.MAX_INT64:
         raise SpecError(f"{path} must be below 8Ei (2^63 bytes, what the sidecar and a Kubernetes resource value "
                         f"hold), got {value!r}")
+
+
+STANDARD_RESOURCES = ("cpu", "memory", "ephemeral-storage")  # and hugepages-<page size>
+RESOURCE_NAME_HELP = ("cpu, memory, ephemeral-storage, hugepages-<page size>, or a fully qualified DOMAIN/NAME such as "
+                      "nvidia.com/gpu")
+
+
+def is_extended_resource(name: str) -> bool:
+    """An extended resource (nvidia.com/gpu): a DOMAIN/NAME outside kubernetes.io."""
+    domain = name.partition("/")[0]
+    return "/" in name and domain != "kubernetes.io" and not domain.endswith(".kubernetes.io")
+
+
+def not_overcommittable(name: str) -> bool:
+    """Extended resources and huge pages: the API server wants a limit, and a request equal to it."""
+    return is_extended_resource(name) or name.startswith("hugepages-")
+
+
+def resource_name_error(name: str) -> str:
+    """Why `name` is not a container resource name the API server accepts ("" when it is)."""
+    if "/" not in name:
+        if name in STANDARD_RESOURCES:
+            return ""
+        if name.startswith("hugepages-"):
+            try:
+                if quantity.parse_quantity(name[len("hugepages-"):]) > 0:
+                    return ""
+            except ValueError:
+                pass
+        return f"{name!r} is not a resource name ({RESOURCE_NAME_HELP})"
+    if not is_extended_resource(name):
+        return f"{name!r} is not a resource a container can set (kubernetes.io names are reserved)"
+    if label_key_error(name) or name.startswith("requests."):
+        return f"{name!r} is not a resource name ({RESOURCE_NAME_HELP})"
+    return ""
+
+
+def validate_resources(path: str, requests: dict[str, str | int], limits: dict[str, str | int]) -> dict[
+        tuple[str, str], Decimal]:
+    """A container's explicit requests and limits (`path`: spec.resources or spec.cluster.master.resources): names,
+    quantities, and the API server's rules between a request and its limit. Returns the parsed amounts."""
+    amounts: dict[tuple[str, str], Decimal] = {}
+    for kind, values in (("requests", requests), ("limits", limits)):
+        for name, value in values.items():
+            problem = resource_name_error(name)
+            if problem:
+                raise SpecError(f"{path}.{kind}: {problem}")
+            try:
+                amount = parse_quantity(value)
+            except SpecError:
+                raise SpecError(f"{path}.{kind}.{name}: {value!r} is not a Kubernetes quantity") from None
+            if amount < 0 or amount > quantity.MAX_INT64:
+                raise SpecError(f"{path}.{kind}.{name} must be 0 or more and below 8Ei, got {value!r}")
+            if is_extended_resource(name) and amount != amount.to_integral_value():
+                raise SpecError(f"{path}.{kind}.{name} must be a whole number (an extended resource), got {value!r}")
+            amounts[kind, name] = amount
+    for name in sorted(requests.keys() & limits.keys()):
+        req, lim = amounts["requests", name], amounts["limits", name]
+        if not_overcommittable(name) and req != lim:
+            raise SpecError(f"{path}.requests.{name} {requests[name]!r} must equal {path}.limits.{name} "
+                            f"{limits[name]!r}: {name} cannot be overcommitted (give one of them and the operator "
+                            "sets the other)")
+        if req > lim:
+            raise SpecError(f"{path}.requests.{name} {requests[name]!r} is above {path}.limits.{name} "
+                            f"{limits[name]!r}: a request may not exceed its limit")
+    return amounts
 
 
 CLAIM_NAME = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"  # a PersistentVolumeClaim's name (DNS subdomain)
@@ -455,10 +564,10 @@ class PromptCacheSpec:
                 if problem:
                     raise SpecError(f"{where}: {problem}")
         for key in pod.annotations:
-            problem = label_key_error(key)
+            problem = annotation_key_error(key)
             if problem:
                 raise SpecError(f"spec.pod.annotations: {problem}")
-        if sum(len(k) + len(str(v)) for k, v in pod.annotations.items()) > MAX_ANNOTATIONS_BYTES - 4096:
+        if annotations_bytes(pod.annotations) > MAX_ANNOTATIONS_BYTES - 4096:
             raise SpecError(f"spec.pod.annotations: more than {MAX_ANNOTATIONS_BYTES - 4096} bytes in all (the API "
                             "server allows 256 KiB, and the operator adds its own)")
         if not 1 <= self.placement.maxNodes <= 10000:
@@ -470,14 +579,28 @@ class PromptCacheSpec:
         if self.image.tag is not None and not _IMAGE_TAG.fullmatch(self.image.tag):
             raise SpecError(f"spec.image.tag {self.image.tag!r} is not an image tag (letters, digits, '_', '.', '-', "
                             "at most 128, not starting with '.' or '-')")
-        for kind, values in (("requests", self.resources.requests), ("limits", self.resources.limits)):
-            for name, value in values.items():
-                try:
-                    amount = parse_quantity(value)
-                except SpecError:
-                    raise SpecError(f"spec.resources.{kind}.{name}: {value!r} is not a Kubernetes quantity") from None
-                if amount < 0 or amount > quantity.MAX_INT64:
-                    raise SpecError(f"spec.resources.{kind}.{name} must be 0 or more and below 8Ei, got {value!r}")
+        repo = self.image.repository
+        if repo is not None and (len(repo) > IMAGE_REPOSITORY_MAX or not _IMAGE_REPOSITORY.fullmatch(repo)):
+            raise SpecError(f"spec.image.repository {repo!r} is not an image repository: [HOST[:PORT]/]PATH, the "
+                            f"path in lower case, at most {IMAGE_REPOSITORY_MAX} characters, without a tag or digest "
+                            "(give those in spec.image.tag or spec.image.digest)")
+        problem = prometheus_duration_error(self.alerts.for_)
+        if problem:
+            raise SpecError(f"spec.alerts.for: {problem}")
+        self._validate_tolerations()
+        validate_resources("spec.cluster.master.resources", master.resources.requests, master.resources.limits)
+        amounts = validate_resources("spec.resources", self.resources.requests, self.resources.limits)
+        # An explicit limit below what the cache needs: the sidecar would be killed (OOM, or evicted for its disk).
+        needs = {"memory": (self.container_memory_bytes(), "spec.memory.host, plus spec.cluster.segmentMemory with "
+                            f"the cluster tier, plus {MEMORY_OVERHEAD >> 20}Mi for the process; the sidecar would be "
+                            "OOM-killed")}
+        if self.memory.disk and not self.memory.diskClaim:
+            needs["ephemeral-storage"] = (self.disk_request_bytes(), f"spec.memory.disk plus {DISK_OVERHEAD >> 30}Gi "
+                                          "for RocksDB's own files; the pod would be evicted")
+        for name, (need, why) in needs.items():
+            if ("limits", name) in amounts and amounts["limits", name] < need:
+                raise SpecError(f"spec.resources.limits.{name} {self.resources.limits[name]!r} is below the "
+                                f"{format_bytes(need)} the cache needs ({why})")
         for what, given, reserved in (("labels", pod.labels, RESERVED_POD_LABELS),
                                       ("annotations", pod.annotations, RESERVED_POD_ANNOTATIONS)):
             taken = sorted(set(given) & set(reserved))
@@ -492,6 +615,30 @@ class PromptCacheSpec:
             raise SpecError(f"spec.memory.disk {self.memory.disk!r} plus {DISK_OVERHEAD >> 30}Gi for RocksDB's own "
                             "files (the pod's ephemeral storage) is more than 8Ei")
         return self
+
+    def _validate_tolerations(self) -> None:
+        """What the API server checks of a toleration beyond the CRD's enums (core/v1 validateTolerations)."""
+        for i, t in enumerate(self.placement.tolerations):
+            where = f"spec.placement.tolerations[{i}]"
+            if t.key:
+                problem = label_key_error(t.key)
+                if problem:
+                    raise SpecError(f"{where}.key: {problem}")
+            elif t.operator != "Exists":
+                raise SpecError(f"{where}.operator must be Exists when key is empty (which tolerates every taint)")
+            if t.operator == "Exists":
+                if t.value:
+                    raise SpecError(f"{where}.value must be empty when operator is Exists, got {t.value!r}")
+            elif t.value:
+                problem = label_value_error(t.value)
+                if problem:
+                    raise SpecError(f"{where}.value: {problem}")
+            if t.tolerationSeconds is not None and t.effect != "NoExecute":
+                raise SpecError(f"{where}.tolerationSeconds needs effect NoExecute, got effect {t.effect!r}")
+
+    def disk_request_bytes(self) -> int:
+        """The sidecar's ephemeral storage with an emptyDir disk tier: the tier and RocksDB's own files."""
+        return quantity_bytes(self.memory.disk) + DISK_OVERHEAD if self.memory.disk else 0
 
     def container_memory_bytes(self) -> int:
         """The sidecar container's memory request and limit: the host budget, the cluster segment it contributes,
