@@ -716,8 +716,9 @@ def test_master_resources_are_validated_and_reconciled_the_same_way():
 
 
 @pytest.mark.parametrize("resources,words", [
-    # (c) a memory limit below what the cache needs (16Gi + 512Mi): OOM
-    ({"limits": {"memory": "16Gi"}}, "spec.resources.limits.memory '16Gi' is below the 16896Mi the cache needs"),
+    # (c) a memory limit at or below what the cache itself holds (16Gi): OOM once it is full
+    ({"limits": {"memory": "16Gi"}}, "spec.resources.limits.memory '16Gi' is not above the 16Gi the cache itself"),
+    ({"limits": {"memory": "8Gi"}}, "spec.resources.limits.memory '8Gi' is not above the 16Gi the cache itself"),
     # (d) an explicit request above the explicit limit
     ({"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}, "spec.resources.requests.cpu '2' is above "
                                                          "spec.resources.limits.cpu '1'"),
@@ -737,9 +738,19 @@ def test_resources_the_api_server_would_refuse_are_refused_naming_the_field(reso
 
 
 def test_disk_limit_below_the_disk_tier_is_refused():
-    with pytest.raises(SpecError, match=re.escape("spec.resources.limits.ephemeral-storage '10Gi' is below the 11Gi")):
+    with pytest.raises(SpecError, match=re.escape("spec.resources.limits.ephemeral-storage '10Gi' is not above the "
+                                                  "10Gi the cache itself holds")):
         PromptCacheSpec.from_dict({**BASE, "memory": {"host": "1Gi", "disk": "10Gi"},
                                    "resources": {"limits": {"ephemeral-storage": "10Gi"}}})
+
+
+def test_a_tight_memory_limit_above_the_cache_is_the_users_call():
+    """Between the cache's own bytes and the operator's default (plus 512Mi for the process) a limit is taken, the
+    request lowered to it (tests/cluster's OOM scenario sets the budget plus 256Mi on purpose)."""
+    spec = PromptCacheSpec.from_dict({**BASE, "resources": {"limits": {"memory": "16640Mi"}}})
+    r = builders.daemon_set(spec, OWNER, OperatorDefaults(), "h")["spec"]["template"]["spec"]["containers"][0][
+        "resources"]
+    assert r["limits"]["memory"] == r["requests"]["memory"] == "16640Mi"
 
 
 @pytest.mark.parametrize("resources,words", [

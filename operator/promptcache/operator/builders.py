@@ -377,8 +377,8 @@ def _resources(spec: PromptCacheSpec) -> dict[str, Any]:
 def merge_resources(requests: dict[str, str], limits: dict[str, str], explicit_requests: Mapping[str, Any],
                     explicit_limits: Mapping[str, Any]) -> dict[str, dict[str, str]]:
     """The operator's requests and limits with a spec's explicit ones over them, so that the API server takes the
-    result (model.validate_resources has refused an explicit request above its explicit limit, and an explicit
-    limit below what the cache needs):
+    result (the spec's validation has refused an explicit request above its explicit limit, and an explicit
+    limit at or below the bytes the cache itself holds):
       - an extended resource or huge pages given on one side only: the other side the same (they cannot be
         overcommitted);
       - an explicit limit below the operator's request (limits.cpu 200m, the default request 250m): the request

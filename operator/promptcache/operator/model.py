@@ -590,17 +590,22 @@ class PromptCacheSpec:
         self._validate_tolerations()
         validate_resources("spec.cluster.master.resources", master.resources.requests, master.resources.limits)
         amounts = validate_resources("spec.resources", self.resources.requests, self.resources.limits)
-        # An explicit limit below what the cache needs: the sidecar would be killed (OOM, or evicted for its disk).
-        needs = {"memory": (self.container_memory_bytes(), "spec.memory.host, plus spec.cluster.segmentMemory with "
-                            f"the cluster tier, plus {MEMORY_OVERHEAD >> 20}Mi for the process; the sidecar would be "
-                            "OOM-killed")}
+        # An explicit limit at or below what the cache itself fills: the sidecar would be killed once it is full
+        # (OOM, or evicted for its disk). Between that and the operator's default (the cache plus its estimate of
+        # the process's own, MEMORY_OVERHEAD / DISK_OVERHEAD) is the user's call: a tight limit is a choice.
+        segment = quantity_bytes(self.cluster.segmentMemory) if self.cluster.enabled else 0
+        fills = {"memory": (quantity_bytes(self.memory.host) + segment,
+                            "spec.memory.host" + (" plus spec.cluster.segmentMemory" if segment else "")
+                            + f"; the sidecar would be OOM-killed once it is full (the operator's default limit adds "
+                            f"{MEMORY_OVERHEAD >> 20}Mi for the process)")}
         if self.memory.disk and not self.memory.diskClaim:
-            needs["ephemeral-storage"] = (self.disk_request_bytes(), f"spec.memory.disk plus {DISK_OVERHEAD >> 30}Gi "
-                                          "for RocksDB's own files; the pod would be evicted")
-        for name, (need, why) in needs.items():
-            if ("limits", name) in amounts and amounts["limits", name] < need:
-                raise SpecError(f"spec.resources.limits.{name} {self.resources.limits[name]!r} is below the "
-                                f"{format_bytes(need)} the cache needs ({why})")
+            fills["ephemeral-storage"] = (quantity_bytes(self.memory.disk), "spec.memory.disk; the pod would be "
+                                          f"evicted once it is full (the operator's default limit adds "
+                                          f"{DISK_OVERHEAD >> 30}Gi for RocksDB's own files)")
+        for name, (cache, why) in fills.items():
+            if ("limits", name) in amounts and amounts["limits", name] <= cache:
+                raise SpecError(f"spec.resources.limits.{name} {self.resources.limits[name]!r} is not above the "
+                                f"{format_bytes(cache)} the cache itself holds ({why})")
         for what, given, reserved in (("labels", pod.labels, RESERVED_POD_LABELS),
                                       ("annotations", pod.annotations, RESERVED_POD_ANNOTATIONS)):
             taken = sorted(set(given) & set(reserved))
