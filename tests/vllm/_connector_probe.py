@@ -77,7 +77,7 @@ def legacy_spec(base, r):
 t0 = time.monotonic()
 mc = ModelConfig(model=args["model_dir"], dtype="float32", max_model_len=2048, enforce_eager=True)
 kt = KVTransferConfig(kv_connector="PromptCacheConnector", kv_connector_module_path="promptcache.client.vllm_connector",
-                      kv_role="kv_both", kv_connector_extra_config={"address": args["address"], "load_timeout": 5.0,
+                      kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={"address": args["address"], "load_timeout": 5.0,
                                                  "lookup_timeout": LOOKUP_TIMEOUT, "retry_interval": RETRY})
 cfg = VllmConfig(model_config=mc, kv_transfer_config=kt, cache_config=CacheConfig(block_size=128))
 conn = vc.PromptCacheConnector(cfg, KVConnectorRole.SCHEDULER)
@@ -217,6 +217,7 @@ for name, patch in {"load_timeout 1s": {"load_timeout": "1s"}, "lookup_timeout n
                     "address port 99999": {"address": "127.0.0.1:99999"}}.items():
     bad = KVTransferConfig(kv_connector="PromptCacheConnector",
                            kv_connector_module_path="promptcache.client.vllm_connector", kv_role="kv_both",
+                           kv_load_failure_policy="recompute",
                            kv_connector_extra_config={"address": args["address"], **patch})
     try:
         vc.PromptCacheConnector(VllmConfig(model_config=mc, kv_transfer_config=bad,
@@ -224,5 +225,47 @@ for name, patch in {"load_timeout 1s": {"load_timeout": "1s"}, "lookup_timeout n
         out["bad_settings"][name] = "accepted"
     except ValueError as exc:
         out["bad_settings"][name] = str(exc)
+# The model's identity (engine_identity): the same engine config, the same revision (scheduler and workers, every
+# pod of a deployment); what changes K/V for the same weights - RoPE overrides, max_model_len (LongRoPE), the
+# compute dtype - a different one; weights that are random (load_format dummy), or a failure policy that would fail
+# requests, an inert connector.
+from vllm.config import LoadConfig  # noqa: E402
+
+
+def engine(policy="recompute", load_format="auto", **model):
+    kw = {"model": args["model_dir"], "dtype": "float32", "max_model_len": 2048, "enforce_eager": True, **model}
+    transfer = KVTransferConfig(kv_connector="PromptCacheConnector",
+                                kv_connector_module_path="promptcache.client.vllm_connector", kv_role="kv_both",
+                                kv_connector_extra_config={"address": args["address"]},
+                                **({"kv_load_failure_policy": policy} if policy else {}))
+    c = vc.PromptCacheConnector(VllmConfig(model_config=ModelConfig(**kw), kv_transfer_config=transfer,
+                                           cache_config=CacheConfig(block_size=128),
+                                           load_config=LoadConfig(load_format=load_format)), KVConnectorRole.SCHEDULER)
+    return {"revision": c.base_spec.revision, "disabled": c.disabled}
+
+
+import tempfile  # noqa: E402
+
+# A fine-tune whose first and last MiB of weights (embeddings, head) are its base's: the digest sees the middle too.
+with tempfile.TemporaryDirectory() as d:
+    body = os.urandom(8 << 20)
+    middle = (8 << 20) * 32 // 65 + 100  # inside the window read at 32/65 of the file
+    digests = []
+    for name, data in (("base", body), ("tuned", body[:middle] + bytes([body[middle] ^ 1]) + body[middle + 1:])):
+        os.makedirs(os.path.join(d, name))
+        with open(os.path.join(d, name, "model.safetensors"), "wb") as f:
+            f.write(data)
+        digests.append(vc.weights_digest(os.path.join(d, name)))
+    with open(os.path.join(d, "base", "config.json"), "w") as f:
+        f.write('{"rope_theta": 10000}')
+    digests.append(vc.weights_digest(os.path.join(d, "base")))
+out["weights_digests"] = digests
+
+same = engine()
+out["identity"] = {
+    "base": same, "again": engine(), "max_model_len": engine(max_model_len=1024),
+    "rope": engine(hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "dtype": engine(dtype="bfloat16"), "dummy": engine(load_format="dummy"), "policy_default": engine(policy=None),
+}
 out["seconds"] = time.monotonic() - t0
 print("@@" + json.dumps(out), flush=True)

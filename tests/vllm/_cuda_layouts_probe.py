@@ -84,7 +84,7 @@ def config(dtype: str, layout: str, cache_dtype: str = "auto", block_size: int =
     mc = ModelConfig(model=model, dtype=dtype, max_model_len=2048, enforce_eager=True)
     kt = KVTransferConfig(kv_connector="PromptCacheConnector",
                           kv_connector_module_path="promptcache.client.vllm_connector",
-                          kv_role="kv_both", kv_connector_extra_config={
+                          kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={
                               "address": args["address"], "load_timeout": 10.0, "kv_layout": "paged",
                               "model_id": f"cuda-layouts-{layout}-{dtype}", **extra})
     cfg = VllmConfig(model_config=mc, kv_transfer_config=kt, cache_config=CacheConfig(block_size=block_size))

@@ -137,3 +137,22 @@ def test_malformed_settings_are_refused_naming_the_key(probe):
     assert bad["max_pending_saves 0"].endswith("must be a whole number above 0, got 0")  # 0 dropped every save
     assert bad["address port 99999"] == ("sidecar address '127.0.0.1:99999': the port '99999' is not a number "
                                          "within 0..65535")
+
+
+def test_the_model_identity_covers_what_changes_kv_for_the_same_weights(probe):
+    """The fingerprint's revision (engine_identity): a revision name alone said nothing (hub models without
+    --revision were all "main"), and RoPE overrides or max_model_len (LongRoPE's factors) changed every K under one
+    key. The same config gives the same revision (the scheduler's Lookups and the workers' Puts must agree)."""
+    ident = probe["identity"]
+    base = ident["base"]["revision"]
+    assert ident["base"]["disabled"] is None and base.startswith("weights-") and " engine-" in base
+    assert ident["again"]["revision"] == base
+    for name in ("max_model_len", "rope", "dtype"):
+        assert ident[name]["disabled"] is None and ident[name]["revision"] != base, name
+    assert "load_format dummy" in ident["dummy"]["disabled"]
+    assert "kv_load_failure_policy is 'fail'" in ident["policy_default"]["disabled"]
+    # weights that differ only between their first and last MiB (a fine-tune with frozen embeddings and head), or
+    # only in config.json, are told apart
+    base_weights, tuned, with_config = probe["weights_digests"]
+    assert len({base_weights, tuned, with_config}) == 3 and base_weights.startswith("weights-")
+

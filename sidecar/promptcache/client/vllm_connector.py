@@ -25,8 +25,9 @@ A sidecar that failed is not asked again for ``retry_interval`` (one fast failur
 request); the gRPC channel reconnects within a second, so a sidecar restarted on the same address is used again.
 
 The fingerprint (promptcache.contract.keys.ModelSpec) comes from the engine's config: model id (served name), revision
-(the configured revision, else a digest of the weight files), KV dtype, layers, KV heads, head dim, the quantization
-mode. The salt (docs/keys.md, "Request salt (v2)") carries vLLM's per-request ``cache_salt``, the request's LoRA
+(the ``revision`` setting, else engine_identity: the weights' commit or a digest of the weight files, and a digest of
+what in the engine's config changes K/V for the same weights: hf_overrides, online quantization, dtype,
+max_model_len), KV dtype, layers, KV heads, head dim, the quantization mode. The salt (docs/keys.md, "Request salt (v2)") carries vLLM's per-request ``cache_salt``, the request's LoRA
 adapter, multimodal items and prompt embeddings (request_spec), and the rank's slice of KV heads and layers; a
 request with an input that cannot be identified is neither loaded nor stored.
 
@@ -42,8 +43,9 @@ every token. An fp8 KV cache (fp8/fp8_e4m3, fp8_e5m2) moves as its raw bytes (kv
 float8_e5m2), under keys that carry the per-layer K/V scales the config says (setting kv_scales; each worker checks
 its real scales against them, docs/keys.md "Request salt (v2)"); an MLA model's chunks are its latents (kv_kind mla),
 stored by TP rank 0 and loaded by every rank. Several KV cache groups (the hybrid allocator on, Mamba layers), fp8
-scales computed at run time or not the configured ones, KV heads that do not split over the TP ranks or a layout
-neither path recognises leaves the connector inert (said in vLLM's log): every request is
+scales computed at run time or not the configured ones, KV heads that do not split over the TP ranks, decode or
+prefill context parallelism, ``kv_load_failure_policy`` other than ``recompute``, weights it cannot identify (or
+``load_format dummy``) or a layout neither path recognises leaves the connector inert (said in vLLM's log): every request is
 a normal prefill. A chunk is never stored or served in a layout that was not identified.
 
 Counters reach vLLM's /metrics through vLLM's connector stats (get_kv_connector_stats, build_kv_connector_stats,
@@ -59,7 +61,7 @@ bulk_address       PROMPTCACHE_BULK_ADDRESS         the sidecar's --bulk-address
 quantization       PROMPTCACHE_QUANTIZATION         none (bit-exact, default), k8v8, k8v4, k6v4z
 tenant_salt        PROMPTCACHE_TENANT_SALT          salt for every request without a cache_salt of its own
 model_id           PROMPTCACHE_MODEL_ID             model identity in the fingerprint (default: served name)
-revision           PROMPTCACHE_REVISION             weights identity (default: model revision, else weights digest)
+revision           PROMPTCACHE_REVISION             the model's identity (default: engine_identity, below)
 lookup_timeout     PROMPTCACHE_LOOKUP_TIMEOUT       seconds the scheduler waits for a Lookup (default 0.25)
 load_timeout       PROMPTCACHE_LOAD_TIMEOUT         seconds for one worker-side fetch (default 1.0)
 retry_interval     PROMPTCACHE_RETRY_INTERVAL       seconds a failed sidecar is not asked again (default 2.0)
@@ -78,6 +80,7 @@ kv_scales          PROMPTCACHE_KV_SCALES            fp8 KV cache: auto (default:
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -148,22 +151,75 @@ def _number(extra: dict, key: str, default: float, *, positive: bool = False, wh
     return int(number) if whole else number
 
 
+_SAMPLES = 64  # windows of _SAMPLE bytes read at evenly spaced offsets of each weight file, besides its ends
+_SAMPLE = 64 << 10
+
+
 def weights_digest(model_dir: str) -> str:
-    """A cheap identity of local weight files: names, sizes and the first and last MiB of each (like a GGUF digest)."""
+    """A cheap identity of local weight files: names, sizes, the first and last MiB of each and 64 windows of 64 KiB
+    spread over it (a fine-tune that froze the embeddings and the head differs from its base in the middle of the
+    file), and the folder's config.json. About 6 MiB read per file."""
     path = Path(model_dir)
     files = sorted(p for p in path.glob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".gguf")) if path.is_dir() \
         else ([path] if path.is_file() else [])
     if not files:
         return ""
     h = hashlib.sha256()
+    config = path / "config.json" if path.is_dir() else None
+    if config is not None and config.is_file():
+        h.update(b"config.json:" + config.read_bytes()[:1 << 20])
     for p in files:
         size = p.stat().st_size
         h.update(f"{p.name}:{size}".encode())
         with open(p, "rb") as f:
             h.update(f.read(1 << 20))
+            for i in range(1, _SAMPLES + 1):
+                f.seek(size * i // (_SAMPLES + 1))
+                h.update(f.read(_SAMPLE))
             f.seek(max(0, size - (1 << 20)))
             h.update(f.read(1 << 20))
     return "weights-" + h.hexdigest()[:32]
+
+
+def _hub_commit(repo: str, revision) -> str:
+    """The commit of `repo` at `revision` in the local Hugging Face cache, as vLLM loaded it ("" if not there)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot = Path(snapshot_download(repo, revision=str(revision) if revision else None, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not a hub model, not cached, no huggingface_hub: unidentified
+        return ""
+    return snapshot.name if re.fullmatch(r"[0-9a-f]{40}", snapshot.name) else ""
+
+
+def engine_identity(vllm_config) -> tuple[str, str | None]:
+    """The model's identity for the fingerprint's `revision` when none is configured, and why there is none (the
+    connector is then inert): what the weights are - the commit vLLM resolved the revision to, else the local
+    Hugging Face cache's commit, else a digest of the local weight files (weights_digest) - and a digest of what in
+    the engine's config changes K and V for the same weights: the model's config after hf_overrides (RoPE scaling
+    and theta, ...), online weight quantization, the compute dtype (an fp8 KV cache's values come from it) and
+    max_model_len (which picks LongRoPE's long or short factors). A revision name alone ("main", a tag, or none)
+    says nothing: the branch moves."""
+    mc = vllm_config.model_config
+    load_format = str(getattr(getattr(vllm_config, "load_config", None), "load_format", "auto"))
+    if load_format == "dummy":
+        return "", "load_format dummy: the weights are random, and their KV must not reach other engines"
+    revision = mc.revision
+    resolved = getattr(revision, "resolved", None)  # vLLM's ResolvedRevision: str() is the name asked for
+    commit = str(resolved) if resolved else ""
+    if not commit and revision and re.fullmatch(r"[0-9a-f]{40}", str(revision)):
+        commit = str(revision)
+    if not commit and not Path(mc.model).exists():
+        commit = _hub_commit(mc.model, revision)
+    weights = f"commit {commit}" if commit else weights_digest(mc.model)
+    if not weights:
+        return "", (f"the weights of {mc.model!r} cannot be identified (no resolved commit, no local weight files): "
+                    "set kv_connector_extra_config.revision (PROMPTCACHE_REVISION) to what identifies them")
+    config = {k: v for k, v in mc.hf_config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    engine = {"hf_config": config, "quantization": mc.quantization, "dtype": str(mc.dtype),
+              "max_model_len": mc.max_model_len}
+    digest = hashlib.sha256(json.dumps(engine, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return f"{weights} engine-{digest}", None
 
 
 def layer_index(name: str) -> int:
@@ -520,12 +576,32 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self.unit_scales = False  # expected: every scale 1.0 (vLLM's default when the checkpoint has none)
         if self.fp8 and not self.disabled:
             self.disabled = self._expect_scales(mc, cc, total_layers, pp)
+        revision = _setting(extra, "revision")  # (given: the operator vouches that the engines compute the same K/V)
+        if revision is None:
+            revision, problem = engine_identity(vllm_config)
+            if problem:
+                self.disabled, revision = problem, "unidentified"
+        revision = str(revision)
+        # A chunk that a Lookup found and that is evicted before the load: vLLM's default policy ("fail") fails the
+        # request instead of recomputing the blocks.
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute":
+            self.disabled = (f"kv_load_failure_policy is {policy!r} (vLLM's default): a chunk evicted between the "
+                             "Lookup and the load would fail the request; set \"kv_load_failure_policy\": "
+                             "\"recompute\" in --kv-transfer-config")
+        # Decode and prefill context parallelism interleave a request's tokens over the ranks' blocks (the scheduler's
+        # block is block_size x ranks): no chunk describes a rank's share.
+        dcp = int(getattr(pc, "decode_context_parallel_size", 1) or 1)
+        pcp = int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
+        if dcp > 1 or pcp > 1:
+            self.disabled = (f"context parallelism (decode {dcp}, prefill {pcp}): each rank's blocks hold an "
+                             "interleaved share of the tokens")
         tenant_salt = str(_setting(extra, "tenant_salt", "")).encode()
         if self.expected_scales is not None:
             tenant_salt = request_salt(tenant_salt, kv_scales=self.expected_scales)
         self.base_spec = ModelSpec(
             model_id=str(_setting(extra, "model_id", mc.served_model_name or mc.model)),
-            revision=str(_setting(extra, "revision", mc.revision or weights_digest(mc.model))),
+            revision=revision,
             kv_dtype=kv_dtype_name or "float32",
             num_layers=total_layers,  # the whole model's: a rank's chunks are its shard of it (shard_spec)
             num_kv_heads=total_heads,
