@@ -26,7 +26,7 @@ def _scheme(address: str) -> str:
     return head.lower() if head.lower() in GRPC_SCHEMES or rest.startswith("//") else ""
 
 
-def _host_port_error(address: str) -> str:
+def host_port_error(address: str) -> str:
     """Why `address` is not HOST:PORT with a port within 0..65535 and an IPv6 host in brackets ("" when it is)."""
     if address.startswith("[") and "]:" not in address:
         return "a bracketed IPv6 host needs :PORT after it, as in [::1]:50051"
@@ -54,7 +54,7 @@ def listen_address_error(address: str) -> str:
     if scheme:
         return (f"{scheme}: is not an address to listen on: use HOST:PORT (0.0.0.0:50051, [::]:50051) or "
                 "unix:PATH")
-    error = _host_port_error(address)
+    error = host_port_error(address)
     if error:
         return error
     host = address.rpartition(":")[0]
@@ -93,4 +93,4 @@ def target_error(target: str) -> str:
     host, _, port = target.rpartition(":")
     if not host:
         return "it is not HOST:PORT (the sidecar's gRPC port is 50051 by default)"
-    return _host_port_error(target) or ("the port must not be 0" if int(port) == 0 else "")
+    return host_port_error(target) or ("the port must not be 0" if int(port) == 0 else "")

@@ -18,7 +18,7 @@ Every flag can also be set by an environment variable: --memory-bytes is PROMPTC
 Byte sizes accept Kubernetes quantities: 512Mi, 4Gi, 1G, or plain integers.
 """
 
-from promptcache.contract.addresses import listen_address_error, port_error, zmq_endpoint_error  # noqa: E402
+from promptcache.contract.addresses import host_port_error, listen_address_error, zmq_endpoint_error  # noqa: E402
 from promptcache.contract.quantity import MAX_INT64, parse_bytes  # noqa: E402,F401 - byte flags are Kubernetes quantities
 
 # The settings that take one of a few words: the words are written once, here (validate() and docs/configuration.md
@@ -483,9 +483,8 @@ def cluster_master_error(address: str) -> str:
     for endpoint in endpoints:
         host, _, port = endpoint.rpartition(":")
         # (a host holds no separator or scheme: "a:2379,b:2379" or "http://m:50051" would reach Mooncake as one)
-        bad_host = (not host or any(c.isspace() or c in ",;/@" for c in host)
-                    or (":" in host and not (host.startswith("[") and host.endswith("]"))))
-        if bad_host or port_error(port) or int(port) == 0:
+        if (not host or any(c.isspace() or c in ",;/@" for c in host) or host_port_error(endpoint)
+                or int(port) == 0):
             return (f"{endpoint!r} is not HOST:PORT (expected HOST:PORT of the master, "
                     "or etcd://HOST:PORT[;HOST:PORT...])")
     return ""
