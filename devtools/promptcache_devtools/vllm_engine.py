@@ -11,6 +11,8 @@ stdout/stderr):
         -> {"outputs": [[ids...], ...], "seconds": s, "metrics": {name: value}}
     {"op": "flush"}    wait for the connector's background saves -> {"ok": true, "metrics": {...}}
     {"op": "metrics"}  -> {"metrics": {...}} (promptcache_client_* samples of this process)
+    {"op": "reset", "connector": true}  vLLM's reset_prefix_cache (and the connector's, as a pause that clears the
+        caches does) -> {"ok": bool, "metrics": {...}}
     {"op": "exit"}
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the connector's metrics are readable here.
 """
@@ -118,6 +120,9 @@ def _handle(llm, connector, reply, req) -> None:
         reply({"metrics": metrics()})
     elif op == "flush":
         ok = connector.flush() if connector is not None else True
+        reply({"ok": ok, "metrics": metrics()})
+    elif op == "reset":
+        ok = llm.reset_prefix_cache(reset_connector=bool(req.get("connector")))
         reply({"ok": ok, "metrics": metrics()})
     elif op == "generate":
         salts = req.get("cache_salts") or [None] * len(req["prompts"])

@@ -229,10 +229,10 @@ for name, patch in {"load_timeout 1s": {"load_timeout": "1s"}, "lookup_timeout n
 # pod of a deployment); what changes K/V for the same weights - RoPE overrides, max_model_len (LongRoPE), the
 # compute dtype - a different one; weights that are random (load_format dummy), or a failure policy that would fail
 # requests, an inert connector.
-from vllm.config import LoadConfig  # noqa: E402
+from vllm.config import LoadConfig, WeightTransferConfig  # noqa: E402
 
 
-def engine(policy="recompute", load_format="auto", **model):
+def engine(policy="recompute", load_format="auto", weight_transfer=None, **model):
     kw = {"model": args["model_dir"], "dtype": "float32", "max_model_len": 2048, "enforce_eager": True, **model}
     transfer = KVTransferConfig(kv_connector="PromptCacheConnector",
                                 kv_connector_module_path="promptcache.client.vllm_connector", kv_role="kv_both",
@@ -240,7 +240,8 @@ def engine(policy="recompute", load_format="auto", **model):
                                 **({"kv_load_failure_policy": policy} if policy else {}))
     c = vc.PromptCacheConnector(VllmConfig(model_config=ModelConfig(**kw), kv_transfer_config=transfer,
                                            cache_config=CacheConfig(block_size=128),
-                                           load_config=LoadConfig(load_format=load_format)), KVConnectorRole.SCHEDULER)
+                                           load_config=LoadConfig(load_format=load_format),
+                                           weight_transfer_config=weight_transfer), KVConnectorRole.SCHEDULER)
     return {"revision": c.base_spec.revision, "disabled": c.disabled}
 
 
@@ -266,6 +267,34 @@ out["identity"] = {
     "base": same, "again": engine(), "max_model_len": engine(max_model_len=1024),
     "rope": engine(hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "dtype": engine(dtype="bfloat16"), "dummy": engine(load_format="dummy"), "policy_default": engine(policy=None),
+    "weight_transfer": engine(weight_transfer=WeightTransferConfig(backend="nccl")),
 }
+
+# vLLM resets the connector with its prefix cache (a pause that clears the caches, around an RL weight update):
+# the chunks stored before are no longer looked up, a request admitted before is not stored, one admitted after is,
+# under the new revision. (kv_cache_manager: the one call the save path makes on vLLM's KVCacheManager, get_blocks.)
+blocks = KVCacheBlocks(blocks=([KVCacheBlock(i) for i in range(100, 105)],))
+conn._kv_cache_manager = SimpleNamespace(get_blocks=lambda req_id: blocks)
+
+
+def step(*requests):
+    return conn.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, num_computed_tokens=0) for r in requests],
+        num_scheduled_tokens={r.request_id: r.num_prompt_tokens for r in requests}, total_num_scheduled_tokens=1,
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
+
+
+control = req(list(range(50000, 50600)))
+conn.update_state_after_alloc(control, blocks, 0)
+admitted = req(list(range(51000, 51600)))
+conn.update_state_after_alloc(admitted, blocks, 0)
+revision = conn.base_spec.revision
+out["reset"] = {"control_saves": [op.spec.revision == revision for op in step(control).saves],
+                "hit_before": matched(req()), "returned": conn.reset_cache()}
+late = req(list(range(52000, 52600)))
+conn.update_state_after_alloc(late, blocks, 0)
+out["reset"].update(revision_changed=conn.base_spec.revision != revision, hit_after=matched(req()),
+                    saves=[(op.req_id == late.request_id, op.spec.revision == conn.base_spec.revision)
+                           for op in step(admitted, late).saves])
 out["seconds"] = time.monotonic() - t0
 print("@@" + json.dumps(out), flush=True)

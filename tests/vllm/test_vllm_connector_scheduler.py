@@ -156,3 +156,14 @@ def test_the_model_identity_covers_what_changes_kv_for_the_same_weights(probe):
     base_weights, tuned, with_config = probe["weights_digests"]
     assert len({base_weights, tuned, with_config}) == 3 and base_weights.startswith("weights-")
 
+
+def test_weights_that_change_while_the_engine_runs_are_never_served_under_the_old_identity(probe):
+    """RL training replaces the weights while the engine runs: with weight transfer configured the connector is
+    inert; and a reset of the connector by vLLM (a pause that clears the caches) makes this engine stop loading the
+    chunks stored before and stop storing what requests admitted before the reset compute."""
+    assert "weight transfer is configured" in probe["identity"]["weight_transfer"]["disabled"]
+    reset = probe["reset"]
+    assert reset["control_saves"] == [True]  # without a reset, an admitted request is stored
+    assert reset["hit_before"] == 512 and reset["returned"] is True
+    assert reset["revision_changed"] and reset["hit_after"] == 0
+    assert reset["saves"] == [[True, True]]  # only the request admitted after the reset, under the new revision

@@ -239,6 +239,29 @@ def test_quantized_chunks_across_engines(env, text_ids):
     assert loaded["outputs"][0][0] == reference["outputs"][0][0]
 
 
+def test_a_connector_reset_stops_loading_what_was_stored_before(env, text_ids):
+    """vLLM resets the connector with its own prefix cache when a pause clears the caches, as RL trainers do around a
+    weight update: what was stored before may be the old weights' KV, so this engine no longer loads it; what it
+    stores afterwards it loads again, and another engine (the same weights on disk) still loads the old chunks."""
+    A, B = env["engines"]["A"], env["engines"]["B"]
+    prompt = text_ids[4000:4600]
+    A.generate([prompt], NEW_TOKENS)
+    A.call(op="flush")
+    before = B.call(op="metrics")
+    assert reused(before, B.generate([prompt], NEW_TOKENS)) >= 512
+    assert B.call(op="reset", connector=True)["ok"] is True
+    before = B.call(op="metrics")
+    after = B.generate([prompt], NEW_TOKENS)
+    assert reused(before, after) == 0 and fallbacks(after) == fallbacks(before)
+    B.call(op="flush")
+    assert B.call(op="reset", connector=False)["ok"] is True  # vLLM's own cache only: the next run asks the sidecar
+    before = B.call(op="metrics")
+    assert reused(before, B.generate([prompt], NEW_TOKENS)) >= 512  # what B stored after its reset
+    assert A.call(op="reset", connector=False)["ok"] is True
+    before = A.call(op="metrics")
+    assert reused(before, A.generate([prompt], NEW_TOKENS)) >= 512  # A's identity did not change
+
+
 def test_sidecar_killed_mid_run_falls_back_to_prefill(env, text_ids):
     B, N = env["engines"]["B"], env["engines"]["N"]
     prompt = text_ids[5000:5600]

@@ -85,10 +85,11 @@ import logging
 import math
 import os
 import re
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -291,8 +292,6 @@ def request_spec(base: ModelSpec, request) -> ModelSpec:
     as before), then (v2, docs/keys.md "Request salt") its LoRA adapter (name and weights digest), its multimodal
     items (vLLM's per-item hash and placeholder range, in prompt order) and its prompt embeddings. Raises
     Unidentifiable for an input it cannot identify. Pure but for the adapter files it reads once."""
-    from dataclasses import replace
-
     salt = base.tenant_salt
     cache_salt = getattr(request, "cache_salt", None)
     if cache_salt:
@@ -581,7 +580,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
             revision, problem = engine_identity(vllm_config)
             if problem:
                 self.disabled, revision = problem, "unidentified"
-        revision = str(revision)
+        revision = self._identity = str(revision)
         # A chunk that a Lookup found and that is evicted before the load: vLLM's default policy ("fail") fails the
         # request instead of recomputing the blocks.
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
@@ -596,6 +595,11 @@ class PromptCacheConnector(KVConnectorBase_V1):
         if dcp > 1 or pcp > 1:
             self.disabled = (f"context parallelism (decode {dcp}, prefill {pcp}): each rank's blocks hold an "
                              "interleaved share of the tokens")
+        # RL training: the trainer replaces the weights while the engine runs (vLLM's weight transfer), under the
+        # identity computed here from the weights it started with.
+        if getattr(vllm_config, "weight_transfer_config", None) is not None:
+            self.disabled = ("weight transfer is configured (RL training): the weights change while the engine "
+                             "runs, and the KV of one version would be served for another")
         tenant_salt = str(_setting(extra, "tenant_salt", "")).encode()
         if self.expected_scales is not None:
             tenant_salt = request_salt(tenant_salt, kv_scales=self.expected_scales)
@@ -1103,6 +1107,27 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self._pending_loads.pop(request.request_id, None)
         self._forget_inflight(request.request_id)
         return False, None
+
+    def reset_cache(self) -> bool:
+        """vLLM resets the connector with its own prefix cache when a pause clears the caches (pause_generation's
+        default, the release of the KV memory): the step RL trainers and weight reloads take before the engine runs
+        other weights. What was stored before may be the old weights' KV, so from now on this engine's keys carry a
+        fresh random part of the model's identity (an engine started from the same files still shares what was
+        stored before: it is theirs), and nothing a request admitted before the reset computed is stored."""
+        if self.disabled:
+            return True
+        digest = hashlib.sha256(self._identity.encode()).hexdigest()[:32]
+        self.base_spec = replace(self.base_spec, revision=f"reset-{secrets.token_hex(8)} of {digest}")
+        self._specs.clear()
+        self._lookups.clear()  # (between steps: no Lookup answered here waits for its blocks)
+        self._inflight.clear()
+        self._inflight_of.clear()
+        for tracked in self._tracked.values():
+            tracked.saved = True
+        log.warning("PromptCacheConnector (%s): cache reset by vLLM (a weight update or reload); chunks stored "
+                    "before are no longer loaded by this engine, model revision now %r", self.role_name,
+                    self.base_spec.revision)
+        return True
 
     # ---------------------------------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
