@@ -8,6 +8,7 @@ import signal
 import json
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -120,6 +121,9 @@ for name, hint_params in {"none": None, "other_connector": {"do_remote_prefill":
                      "unknown_key": {"promptcache": {"ttl": 60}},
                      "not_an_object": {"promptcache": [1]}}.items():
     out.setdefault("hints", {})[name] = list(vc.retention_hints(hinted(hint_params)))
+# an int beyond any float: vLLM 0.32's SamplingParams refuses it, retention_hints must not raise on it either
+out["hints"]["huge_int_ttl"] = list(vc.retention_hints(SimpleNamespace(
+    request_id="h", kv_transfer_params={"promptcache": {"ttl_seconds": 10 ** 400}})))
 
 # A real connector against a real sidecar: chunks stored under the base spec (what every one of these requests
 # would have been keyed with before) for `tokens`; which requests does the connector load them for?
@@ -214,6 +218,7 @@ out["bad_settings"] = {}
 for name, patch in {"load_timeout 1s": {"load_timeout": "1s"}, "lookup_timeout nan": {"lookup_timeout": "nan"},
                     "save_timeout 0": {"save_timeout": 0}, "max_pending_saves 2.5": {"max_pending_saves": 2.5},
                     "max_pending_saves 0": {"max_pending_saves": 0},
+                    "tenant_salt with NUL": {"tenant_salt": "acme\0team"},
                     "address port 99999": {"address": "127.0.0.1:99999"}}.items():
     bad = KVTransferConfig(kv_connector="PromptCacheConnector",
                            kv_connector_module_path="promptcache.client.vllm_connector", kv_role="kv_both",
@@ -260,9 +265,85 @@ with tempfile.TemporaryDirectory() as d:
     with open(os.path.join(d, "base", "config.json"), "w") as f:
         f.write('{"rope_theta": 10000}')
     digests.append(vc.weights_digest(os.path.join(d, "base")))
+    # one changed byte anywhere (a fine-tune of one layer)
+    os.makedirs(os.path.join(d, "one_layer"))
+    at = (3 << 20) + 45000  # between two of the windows the digest used to sample
+    with open(os.path.join(d, "one_layer", "model.safetensors"), "wb") as f:
+        f.write(body[:at] + bytes([body[at] ^ 1]) + body[at + 1:])
+    os.remove(os.path.join(d, "base", "config.json"))
+    digests += [vc.weights_digest(os.path.join(d, "one_layer")), vc.weights_digest(os.path.join(d, "base"))]
+    # an adapter rewritten in place with its size and mtime kept (cp -p, rsync -a): a new digest in this process
+    adapter = os.path.join(d, "adapter")
+    os.makedirs(adapter)
+    weights = os.path.join(adapter, "adapter_model.safetensors")
+    with open(weights, "wb") as f:
+        f.write(os.urandom(1 << 16))
+    first = vc.adapter_digest(adapter)
+    stat = os.stat(weights)
+    time.sleep(0.01)
+    with open(weights, "r+b") as f:
+        f.write(os.urandom(1 << 16))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    out["adapter_rewritten"] = {"size_and_mtime_kept": (os.stat(weights).st_size, os.stat(weights).st_mtime_ns)
+                                == (stat.st_size, stat.st_mtime_ns), "digest_changed": vc.adapter_digest(adapter) != first}
 out["weights_digests"] = digests
 
+# Multimodal items that vLLM names by a request counter (its prefix caching off and mm_processor_cache_gb 0: it skips
+# the content hash): the names vLLM's own renderer gives two engines' first images, which are the same for a cat and
+# a dog. Unidentifiable there, identified where vLLM hashes contents, and a client's own uuid is taken as given.
+from vllm.multimodal.parse import MultiModalDataParser, parse_mm_uuids  # noqa: E402
+from vllm.multimodal.processing.inputs import ProcessorInputs  # noqa: E402
+from vllm.renderers.base import BaseRenderer  # noqa: E402
+from vllm.utils.counter import AtomicCounter  # noqa: E402
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+
+def first_image_identifier(picture, prefix_caching: bool, uuids=None):
+    """What a fresh engine's renderer names its first image (the attributes _process_mm_uuids reads, and its own
+    counter, as BaseRenderer.__init__ makes it)."""
+    renderer = SimpleNamespace(config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching)),
+                               model_config=SimpleNamespace(multimodal_config=SimpleNamespace(mm_processor_cache_gb=0)),
+                               api_process_rank=0, _mm_req_counter=AtomicCounter(),
+                               _validate_mm_uuids=lambda *a: BaseRenderer._validate_mm_uuids(None, *a))
+    data = {"image": picture}
+    items = MultiModalDataParser().parse_mm_data(data)
+    req_id = f"renderer0-mm-{renderer._mm_req_counter.inc(1)}"
+    named = BaseRenderer._process_mm_uuids(renderer, data, items, parse_mm_uuids(uuids), req_id)
+    return ProcessorInputs([], items, named).get_mm_hashes("m", "blake3")["image"][0]
+
+
+cat, dog = (Image.fromarray(np.full((32, 32, 3), v, np.uint8)) for v in (10, 200))
+
+
+def mm_spec(ident, hashed):
+    try:
+        return fingerprint(vc.request_spec(base, req(mm_features=[image(ident)]), hashed)).hex()
+    except vc.Unidentifiable as exc:
+        return exc.reason
+
+
+unhashed = [first_image_identifier(p, False) for p in (cat, dog)]
+hashed = [first_image_identifier(p, True) for p in (cat, dog)]
+out["mm_unhashed"] = {"same_name": unhashed[0] == unhashed[1], "spec": mm_spec(unhashed[0], False),
+                      "hashed_names_differ": hashed[0] != hashed[1], "hashed_spec": mm_spec(hashed[0], True) != "multimodal",
+                      "client_uuid": mm_spec(first_image_identifier(cat, False, {"image": ["cat-v1"]}), False),
+                      "this_engine": vc.mm_content_hashed(cfg)}
+
 same = engine()
+from vllm.config import MultiModalConfig  # noqa: E402
+
+
+def with_mm_kwargs(kwargs):
+    """The identity of an engine whose model has multimodal settings (a text model with a MultiModalConfig put on)."""
+    c = VllmConfig(model_config=ModelConfig(model=args["model_dir"], dtype="float32", max_model_len=2048,
+                                            enforce_eager=True), kv_transfer_config=kt,
+                   cache_config=CacheConfig(block_size=128))
+    c.model_config.multimodal_config = MultiModalConfig(mm_processor_kwargs=kwargs)
+    return vc.engine_identity(c)[0]
+
+
+out["mm_engine_settings"] = [with_mm_kwargs({"fps": 1}), with_mm_kwargs({"fps": 1}), with_mm_kwargs({"fps": 2})]
 out["identity"] = {
     "base": same, "again": engine(), "max_model_len": engine(max_model_len=1024),
     "rope": engine(hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),

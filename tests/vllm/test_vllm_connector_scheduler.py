@@ -123,7 +123,7 @@ def test_retention_hints_come_from_kv_transfer_params_and_bad_ones_are_ignored(p
     assert hints["ttl_and_pin"] == [3600.0, 1]
     assert hints["ttl_only"] == [2.5, 0]
     for name in ("none", "other_connector", "negative_ttl", "nan_ttl", "string_ttl", "priority_7", "priority_true",
-                 "unknown_key", "not_an_object"):
+                 "unknown_key", "not_an_object", "huge_int_ttl"):
         assert hints[name] == [0.0, 0], name
 
 
@@ -135,6 +135,7 @@ def test_malformed_settings_are_refused_naming_the_key(probe):
     assert "save_timeout" in bad["save_timeout 0"] and "above 0" in bad["save_timeout 0"]
     assert "max_pending_saves" in bad["max_pending_saves 2.5"] and "a whole number" in bad["max_pending_saves 2.5"]
     assert bad["max_pending_saves 0"].endswith("must be a whole number above 0, got 0")  # 0 dropped every save
+    assert "tenant_salt" in bad["tenant_salt with NUL"] and "NUL" in bad["tenant_salt with NUL"]
     assert bad["address port 99999"] == ("sidecar address '127.0.0.1:99999': the port '99999' is not a number "
                                          "within 0..65535")
 
@@ -153,8 +154,25 @@ def test_the_model_identity_covers_what_changes_kv_for_the_same_weights(probe):
     assert "kv_load_failure_policy is 'fail'" in ident["policy_default"]["disabled"]
     # weights that differ only between their first and last MiB (a fine-tune with frozen embeddings and head), or
     # only in config.json, are told apart
-    base_weights, tuned, with_config = probe["weights_digests"]
-    assert len({base_weights, tuned, with_config}) == 3 and base_weights.startswith("weights-")
+    base_weights, tuned, with_config, one_layer, base_again = probe["weights_digests"]
+    assert len({base_weights, tuned, with_config, one_layer}) == 4 and base_weights.startswith("weights-")
+    assert base_again == base_weights
+    # an adapter rewritten in place, its size and mtime kept, is not served under its old digest
+    assert probe["adapter_rewritten"] == {"size_and_mtime_kept": True, "digest_changed": True}
+    # engine-wide multimodal processor settings (fps, resolution) are part of the identity
+    fps1, fps1_again, fps2 = probe["mm_engine_settings"]
+    assert fps1 == fps1_again != fps2
+
+
+def test_images_vllm_does_not_hash_are_neither_loaded_nor_stored(probe):
+    """With prefix caching off and mm_processor_cache_gb 0, vLLM names each item by a per-process request counter:
+    two engines' first images, a cat and a dog, get the same name, and were keyed alike. Such items are
+    unidentifiable; a client's own multi_modal_uuids and vLLM's content hashes are not."""
+    mm = probe["mm_unhashed"]
+    assert mm["same_name"] is True and mm["spec"] == "multimodal"
+    assert mm["hashed_names_differ"] and mm["hashed_spec"]
+    assert mm["client_uuid"] != "multimodal" and len(mm["client_uuid"]) == 64
+    assert mm["this_engine"] is True  # a text model: nothing to hash
 
 
 def test_weights_that_change_while_the_engine_runs_are_never_served_under_the_old_identity(probe):

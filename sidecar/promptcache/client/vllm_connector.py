@@ -152,34 +152,31 @@ def _number(extra: dict, key: str, default: float, *, positive: bool = False, wh
     return int(number) if whole else number
 
 
-_SAMPLES = 64  # windows of _SAMPLE bytes read at evenly spaced offsets of each weight file, besides its ends
-_SAMPLE = 64 << 10
-
-
 def weights_digest(model_dir: str) -> str:
-    """A cheap identity of local weight files: names, sizes, the first and last MiB of each and 64 windows of 64 KiB
-    spread over it (a fine-tune that froze the embeddings and the head differs from its base in the middle of the
-    file), and the folder's config.json. About 6 MiB read per file."""
+    """The identity of local weight files: their names, sizes and every byte (xxh3-128), and the folder's
+    config.json. Every byte: a fine-tune of one layer, of the norms only, or a merged LoRA differs from its base
+    in a few MiB anywhere in the files (a sample of windows missed 56 of SmolLM2's 60 K/V projections). Run once,
+    by the scheduler, after the workers loaded the weights (so mostly from the page cache: seconds per 10 GB)."""
+    import xxhash
+
     path = Path(model_dir)
     files = sorted(p for p in path.glob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".gguf")) if path.is_dir() \
         else ([path] if path.is_file() else [])
     if not files:
         return ""
-    h = hashlib.sha256()
+    h = xxhash.xxh3_128()
     config = path / "config.json" if path.is_dir() else None
     if config is not None and config.is_file():
-        h.update(b"config.json:" + config.read_bytes()[:1 << 20])
+        data = config.read_bytes()
+        h.update(f"config.json:{len(data)}:".encode() + data)
+    buffer = bytearray(8 << 20)
+    view = memoryview(buffer)
     for p in files:
-        size = p.stat().st_size
-        h.update(f"{p.name}:{size}".encode())
-        with open(p, "rb") as f:
-            h.update(f.read(1 << 20))
-            for i in range(1, _SAMPLES + 1):
-                f.seek(size * i // (_SAMPLES + 1))
-                h.update(f.read(_SAMPLE))
-            f.seek(max(0, size - (1 << 20)))
-            h.update(f.read(1 << 20))
-    return "weights-" + h.hexdigest()[:32]
+        h.update(f"{len(p.name)}:{p.name}:{p.stat().st_size}:".encode())
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                h.update(view[:n])
+    return "weights-" + h.hexdigest()
 
 
 def _hub_commit(repo: str, revision) -> str:
@@ -191,6 +188,13 @@ def _hub_commit(repo: str, revision) -> str:
     except Exception:  # noqa: BLE001 - not a hub model, not cached, no huggingface_hub: unidentified
         return ""
     return snapshot.name if re.fullmatch(r"[0-9a-f]{40}", snapshot.name) else ""
+
+
+# vLLM's multimodal settings that change what an item's placeholder tokens compute, for the same request: the
+# processor's and the media loader's arguments (resolution, fps), normalisation, the encoder's attention dtype, video
+# token pruning. (vLLM hashes only a request's own processor arguments into its items.)
+_MM_ENGINE_SETTINGS = ("mm_processor_kwargs", "media_io_kwargs", "mm_device_do_normalize", "mm_encoder_attn_dtype",
+                       "video_pruning_rate", "video_pruning_method", "interleave_mm_strings")
 
 
 def engine_identity(vllm_config) -> tuple[str, str | None]:
@@ -217,8 +221,10 @@ def engine_identity(vllm_config) -> tuple[str, str | None]:
         return "", (f"the weights of {mc.model!r} cannot be identified (no resolved commit, no local weight files): "
                     "set kv_connector_extra_config.revision (PROMPTCACHE_REVISION) to what identifies them")
     config = {k: v for k, v in mc.hf_config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    mm = getattr(mc, "multimodal_config", None)  # engine-wide processor settings change an image's tokens' K/V
+    multimodal = None if mm is None else {name: getattr(mm, name, None) for name in _MM_ENGINE_SETTINGS}
     engine = {"hf_config": config, "quantization": mc.quantization, "dtype": str(mc.dtype),
-              "max_model_len": mc.max_model_len}
+              "max_model_len": mc.max_model_len, "multimodal": multimodal}
     digest = hashlib.sha256(json.dumps(engine, sort_keys=True, default=str).encode()).hexdigest()[:32]
     return f"{weights} engine-{digest}", None
 
@@ -245,12 +251,14 @@ LOAD_BATCHES = 4  # a load's chunks are fetched in up to this many Gets, each ov
 
 
 def adapter_digest(path: str) -> bytes:
-    """SHA-256 over an adapter's files (relative names, sizes and all bytes), cached per (path, names, sizes, mtimes):
-    computed once per adapter and process. Raises Unidentifiable when there are no files to read."""
+    """SHA-256 over an adapter's files (relative names, sizes and all bytes), cached per (path, and each file's name,
+    size, inode, mtime and ctime): a file rewritten in place keeps its size and can keep its mtime (cp -p, rsync -a,
+    tar), but not its ctime, which no program sets. Raises Unidentifiable when there are no files to read."""
     root = Path(path)
     try:
         files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else ([root] if root.is_file() else [])
-        stamp = (str(root), tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+        stats = [(p, p.stat()) for p in files]
+        stamp = (str(root), tuple((str(p), st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) for p, st in stats))
     except OSError as exc:
         raise Unidentifiable("lora", f"cannot read LoRA adapter {path!r}: {exc}") from None
     if not files:
@@ -287,11 +295,26 @@ def embeds_digest(embeds, mask=None) -> bytes:
     return h.digest()
 
 
-def request_spec(base: ModelSpec, request) -> ModelSpec:
+# What vLLM names a multimodal item whose content it did not hash (prefix caching off and mm_processor_cache_gb 0):
+# "renderer{rank}-mm-{n}-{modality}-{i}", n a request counter that starts again in every process.
+_UNHASHED_ITEM = re.compile(r"renderer\d+-mm-\d+-.*-\d+")
+
+
+def mm_content_hashed(vllm_config) -> bool:
+    """Whether vLLM names a multimodal item by a hash of its content: not with prefix caching off and
+    mm_processor_cache_gb 0, where it skips the hashing (vLLM 0.32-0.33, renderers/base.py _process_mm_uuids)."""
+    mm = getattr(vllm_config.model_config, "multimodal_config", None)
+    return not (mm is not None and getattr(mm, "mm_processor_cache_gb", None) == 0
+                and not getattr(vllm_config.cache_config, "enable_prefix_caching", False))
+
+
+def request_spec(base: ModelSpec, request, mm_hashed: bool = True) -> ModelSpec:
     """The spec of a vLLM request's chunks: the engine's model spec with the request's own salt: its cache_salt (v1,
     as before), then (v2, docs/keys.md "Request salt") its LoRA adapter (name and weights digest), its multimodal
     items (vLLM's per-item hash and placeholder range, in prompt order) and its prompt embeddings. Raises
-    Unidentifiable for an input it cannot identify. Pure but for the adapter files it reads once."""
+    Unidentifiable for an input it cannot identify: with `mm_hashed` False (the engine's vLLM does not hash item
+    contents: mm_content_hashed), an item named by vLLM's request counter rather than by the client's
+    multi_modal_uuids. Pure but for the adapter files it reads once."""
     salt = base.tenant_salt
     cache_salt = getattr(request, "cache_salt", None)
     if cache_salt:
@@ -310,6 +333,10 @@ def request_spec(base: ModelSpec, request) -> ModelSpec:
         offset, length = getattr(pos, "offset", None), getattr(pos, "length", None)
         if not ident or not isinstance(offset, int) or not isinstance(length, int) or length <= 0:
             raise Unidentifiable("multimodal", f"multimodal item {i} has no hash or no placeholder range")
+        if not mm_hashed and _UNHASHED_ITEM.fullmatch(str(ident)):
+            raise Unidentifiable("multimodal", f"multimodal item {i} is named {ident!r} by a request counter: this "
+                                 "engine's vLLM does not hash item contents (prefix caching off and "
+                                 "mm_processor_cache_gb 0); pass multi_modal_uuids or turn either on")
         items.append(MultiModalItem(str(getattr(f, "modality", "") or "unknown"), str(ident), offset, length))
     items.sort(key=lambda m: (m.offset, m.length))
     digest = b""
@@ -321,6 +348,13 @@ def request_spec(base: ModelSpec, request) -> ModelSpec:
     except ValueError as exc:
         raise Unidentifiable("invalid", str(exc)) from None
     return base if salt == base.tenant_salt else replace(base, tenant_salt=salt)
+
+
+def _finite(number: int | float) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an int beyond any float (JSON carries 10**400 as one)
+        return False
 
 
 def retention_hints(request) -> tuple[float, int]:
@@ -341,9 +375,8 @@ def retention_hints(request) -> tuple[float, int]:
         raw_ttl, raw_priority = hints.get("ttl_seconds", 0), hints.get("priority", 0)
         if unknown:
             problem = f"kv_transfer_params.promptcache has unknown keys {unknown} (ttl_seconds, priority)"
-        elif (isinstance(raw_ttl, bool) or not isinstance(raw_ttl, (int, float)) or not math.isfinite(raw_ttl)
-              or raw_ttl < 0):
-            problem = f"kv_transfer_params.promptcache.ttl_seconds must be a number >= 0, not {raw_ttl!r}"
+        elif isinstance(raw_ttl, bool) or not isinstance(raw_ttl, (int, float)) or not _finite(raw_ttl) or raw_ttl < 0:
+            problem = f"kv_transfer_params.promptcache.ttl_seconds must be a finite number >= 0, not {raw_ttl!r}"
         elif isinstance(raw_priority, bool) or raw_priority not in (0, 1):
             problem = f"kv_transfer_params.promptcache.priority must be 0 or 1, not {raw_priority!r}"
         else:
@@ -576,7 +609,9 @@ class PromptCacheConnector(KVConnectorBase_V1):
         if self.fp8 and not self.disabled:
             self.disabled = self._expect_scales(mc, cc, total_layers, pp)
         revision = _setting(extra, "revision")  # (given: the operator vouches that the engines compute the same K/V)
-        if revision is None:
+        if revision is None and role != KVConnectorRole.SCHEDULER:
+            revision = "(the scheduler's)"  # a worker keys nothing itself: every spec comes with the metadata
+        elif revision is None:
             revision, problem = engine_identity(vllm_config)
             if problem:
                 self.disabled, revision = problem, "unidentified"
@@ -601,6 +636,10 @@ class PromptCacheConnector(KVConnectorBase_V1):
             self.disabled = ("weight transfer is configured (RL training): the weights change while the engine "
                              "runs, and the KV of one version would be served for another")
         tenant_salt = str(_setting(extra, "tenant_salt", "")).encode()
+        if b"\0" in tenant_salt:  # the request's cache_salt is appended after a NUL: a NUL here would be ambiguous
+            raise ValueError("kv_connector_extra_config.tenant_salt (or PROMPTCACHE_TENANT_SALT) must not contain "
+                             "a NUL character")
+        self.mm_content_hashed = mm_content_hashed(vllm_config)
         if self.expected_scales is not None:
             tenant_salt = request_salt(tenant_salt, kv_scales=self.expected_scales)
         self.base_spec = ModelSpec(
@@ -932,7 +971,7 @@ class PromptCacheConnector(KVConnectorBase_V1):
         if req_id in self._specs:
             return self._specs[req_id]
         try:
-            spec = request_spec(self.base_spec, request)
+            spec = request_spec(self.base_spec, request, self.mm_content_hashed)
         except Unidentifiable as exc:
             self._inc(UNIDENTIFIED, "unidentified", 1, exc.reason)
             _warn.warning(f"unidentified-{exc.reason}", "promptcache: request neither loaded nor stored: %s", exc)
