@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install run test test-fast test-gpu test-vllm test-cluster vllm-env bench bench-vllm plots demo fuzz loadtest tools system-deps clean
+.PHONY: help venv install run test test-fast test-gpu test-vllm test-vllm-cuda test-cluster vllm-env bench bench-vllm plots demo fuzz loadtest tools system-deps clean
 
 help:
 	@echo "make run      start the sidecar on embedded defaults (CPU without a GPU, data in .data/, localhost)"
@@ -15,6 +15,7 @@ help:
 	@echo "make test-fast the inner loop: every module's tests but those marked tools, slow or timing, on both cores"
 	@echo "make test-gpu the GPU lane: tests marked cuda and the TTFT benchmark on CUDA, in one call (docs/gpu-lane.md)"
 	@echo "make test-vllm vLLM (CPU) with the KV connector against a real sidecar, end to end (part of make test)"
+	@echo "make test-vllm-cuda the connector's scheduler side against vLLM's CUDA wheel (opt-in, a ~9 GB virtualenv)"
 	@echo "make bench    benchmarks (throughput vs memcpy and Redis, replay, fidelity, TTFT, load path); not part of make test"
 	@echo "make plots    regenerate the plots of docs/benchmarks.md in docs/img/ (replay, throughput, TTFT, closed loop)"
 	@echo "make demo     real model over requests sharing a long system prompt, through a local sidecar"
@@ -83,6 +84,12 @@ vllm-env:
 test-vllm: install vllm-env
 	$(PY) -m promptcache_devtools.models > /dev/null
 	PROMPTCACHE_VLLM_PYTHON=$$(hack/vllm-env.sh) $(PY) -m pytest tests/vllm $(PYTEST_ARGS)
+
+# The connector's scheduler side against vLLM's CUDA wheel, the release GPU users run (its Python runs without a GPU,
+# its compiled ops do not): opt-in, its virtualenv is ~9 GB (hack/vllm-cuda-env.sh, cached outside the checkout).
+test-vllm-cuda: install vllm-env
+	$(PY) -m promptcache_devtools.models > /dev/null
+	PROMPTCACHE_VLLM_CUDA_PYTHON=$$(hack/vllm-cuda-env.sh) $(PY) -m pytest tests/vllm/test_vllm_connector_scheduler.py $(PYTEST_ARGS)
 
 # A real single-node Kubernetes (hack/cluster/node.py: kubelet, containerd, runc, kube-proxy; images built locally,
 # no registry): the chart, the operator and the sidecars on real pods (tests/cluster). Needs root. Binaries cached

@@ -142,13 +142,13 @@ def metric(sidecar, name_and_labels: str) -> float:
     return 0.0
 
 
-def run_vllm_probe(vllm_python: str, script: Path, arg: dict, timeout: float = 800) -> dict:
+def run_vllm_probe(vllm_python: str, script: Path, arg: dict, timeout: float = 800, env: dict | None = None) -> dict:
     """Run a probe script (tests/vllm/_*_probe.py) in the vLLM virtualenv with `arg` as JSON, the checkout's source
-    roots on its path and no network; returns what it printed on its `@@` line (a JSON object)."""
+    roots on its path, no network and `env` on top; returns what it printed on its `@@` line (a JSON object)."""
     import json
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / d) for d in ("sidecar", "proto", "operator")),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
     run = subprocess.run([vllm_python, str(script), json.dumps(arg)], capture_output=True, text=True,
                          timeout=timeout, env=env, cwd=str(REPO))
     line = next((x for x in run.stdout.splitlines() if x.startswith("@@")), None)

@@ -25,6 +25,12 @@ from promptcache.client import vllm_connector as vc  # noqa: E402
 from promptcache.client.metrics import UNIDENTIFIED  # noqa: E402
 from promptcache.contract.keys import chunk_keys, fingerprint  # noqa: E402
 
+if os.environ.get("PROMPTCACHE_PROBE_SKIP_LAYOUT"):
+    # vLLM's CUDA wheel without a GPU: the compiled ops that the start-up layout check runs do not load (the workers'
+    # layouts are tested by tests/vllm/test_vllm_cuda_layouts.py and the GPU lane); the scheduler's decisions are not
+    # affected by it.
+    vc.PromptCacheConnector._check_layout_from_config = lambda self, vllm_config: None
+
 CT = 256
 LOOKUP_TIMEOUT, RETRY = 0.25, 1.0
 tokens = list(range(1000, 1600))

