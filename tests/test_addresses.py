@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from promptcache.client import PromptCacheClient
+from promptcache.contract.keys import ModelSpec
 from promptcache.contract.addresses import listen_address_error, target_error, zmq_endpoint_error
 
 
@@ -83,3 +84,24 @@ def test_a_client_refuses_numbers_it_cannot_use_naming_the_argument(kwargs, word
     with pytest.raises(ValueError) as info:
         PromptCacheClient("127.0.0.1:50051", **kwargs)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("method", ["put", "put_blobs"])
+@pytest.mark.parametrize("hints,words", [
+    ({"priority": -1}, "priority=...) must be a whole number in 0..4294967295"), ({"priority": 2 ** 32}, "priority"),
+    ({"priority": 1.0}, "priority"), ({"priority": False}, "priority"),
+    ({"ttl_seconds": "60"}, "ttl_seconds=...) must be a number of seconds, 0 or more"),
+    ({"ttl_seconds": float("nan")}, "ttl_seconds"), ({"ttl_seconds": -0.5}, "ttl_seconds"),
+    ({"ttl_seconds": 10 ** 400}, "got " + "1" + "0" * 23 + "... (401 characters)"),
+])
+def test_a_client_refuses_retention_hints_it_cannot_send_naming_the_argument(method, hints, words):
+    """Before any call: no sidecar listens here (unchecked, gRPC failed with UNKNOWN "Exception iterating
+    requests!"; full tests against a sidecar on every transport: test_retention.py)."""
+    c = PromptCacheClient("127.0.0.1:1", chunk_tokens=16, timeout=1, retries=0)
+    try:
+        with pytest.raises(ValueError) as info:
+            getattr(c, method)(ModelSpec("m", "r", "float32", 1, 1, 8), list(range(16)), {} if method == "put_blobs"
+                               else [], **hints)
+        assert f"PromptCacheClient.{method}(" in str(info.value) and words in str(info.value)
+    finally:
+        c.close()

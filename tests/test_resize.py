@@ -128,6 +128,77 @@ def test_grow_applies_at_once():
     assert r.done and r.waited == 0.0 and t.usage()["budget"] == 8000
 
 
+def prefix_of(t: MemoryTier, owner: str, n: int, nbytes: int = 1000) -> list[bytes]:
+    """A prefix of `n` chunks of `owner`'s, root first (each the parent of the next)."""
+    keys, parent = [], b""
+    for i in range(n):
+        key = f"{owner}/{i}".encode()
+        r = t.reserve(nbytes, key, parent)
+        t.commit(r, key=key, fingerprint=b"f", parent=parent, index=i, data=torch.zeros(nbytes, dtype=torch.uint8),
+                 checksum_value=0, shape=(nbytes,), dtype=0, owner=owner)
+        keys.append(key)
+        parent = key
+    return keys
+
+
+def pinned_keys(t: MemoryTier) -> set[bytes]:
+    return {e.key for e in t.snapshot() if e.pinned}
+
+
+def test_a_shrink_unpins_each_owner_deepest_first_down_to_its_new_bound():
+    t = tier(20_000)
+    t.owner_pin_limit = lambda owner, budget: budget * 3 // 10  # as --max-pinned-fraction 0.3
+    a, b = prefix_of(t, "a", 6), prefix_of(t, "b", 2)
+    assert all(t.pin(k, b"f") for k in a + b)  # 6000 and 2000: within 6000 each, 10,000 in all
+    r = t.resize(10_000)  # bounds now 3000 each, 5000 in all
+    assert r.done and r.unpinned == 3 and r.evicted == 0
+    assert t.pinned_usage() == {"a": 3000, "b": 2000}
+    assert pinned_keys(t) == set(a[:3] + b)  # what stays pinned is a whole prefix from the root
+    for i in range(5):  # the unpinned chunks are the policy's again: capacity eviction takes them, not the pinned
+        store(t, f"new/{i}".encode())
+    held = {e.key for e in t.snapshot()}
+    assert set(a[:3] + b) <= held and not set(a[3:]) & held
+    assert t.pinned_usage() == {"a": 3000, "b": 2000}
+
+
+def test_a_shrink_unpins_to_half_the_new_size_so_capacity_eviction_has_room():
+    t = tier(8000)  # no per-owner bound: only all owners' half of the budget
+    keys = prefix_of(t, "a", 4)
+    assert all(t.pin(k, b"f") for k in keys) and t.pin(prefix_of(t, "b", 1)[0], b"f") is False  # half is 4000
+    r = t.resize(4000)  # the 4 pinned chunks fit in it, but half of it is 2000
+    assert r.done and r.unpinned == 2 and t.pinned_usage() == {"a": 2000}
+    assert pinned_keys(t) == set(keys[:2])
+    for i in range(4):  # before the fix: NoRoom, the whole budget pinned
+        store(t, f"new/{i}".encode())
+    assert t.usage()["used"] <= 4000 and pinned_keys(t) == set(keys[:2])
+
+
+def test_pins_within_the_new_bounds_survive_a_shrink_and_a_pin_is_bounded_by_a_pending_shrink():
+    t = tier(20_000)
+    t.owner_pin_limit = lambda owner, budget: budget // 4
+    keys = prefix_of(t, "a", 4)
+    assert all(t.pin(k, b"f") for k in keys[:2])
+    for i in range(10):
+        store(t, f"other/{i}".encode())
+    r = t.resize(10_000)  # 2000 pinned: within a quarter of 10,000
+    assert r.done and r.unpinned == 0 and t.pinned_usage() == {"a": 2000} and pinned_keys(t) == set(keys[:2])
+    assert t.usage()["used"] <= 10_000
+    t.resize(20_000)
+    for i in range(10):
+        store(t, f"more/{i}".encode())
+    rest = prefix_of(t, "b", 3)  # the most recently stored: what the LRU evicts last
+    leased = t.lease(b"more/0", b"f")  # a Get in flight of a chunk the next shrink evicts: it waits for it
+    worker = threading.Thread(target=lambda: t.resize(8000, wait_seconds=10))
+    worker.start()
+    assert eventually(lambda: t.usage()["draining"] == 1000)
+    assert worker.is_alive() and t.usage()["budget"] == 20_000
+    # while the shrink waits, b's bound is a quarter of 8000 (2000), not of the 20,000 still reported
+    assert [t.pin(k, b"f") for k in rest] == [True, True, False]
+    t.release_lease(leased)
+    worker.join(5)
+    assert t.usage()["budget"] == 8000 and t.pinned_usage() == {"a": 2000, "b": 2000}
+
+
 # --- a real sidecar under load ---------------------------------------------------------------------------------
 @pytest.mark.slow  # timing under load; the shrink logic itself is tested above without threads
 def test_shrink_under_load_never_leaves_committed_bytes_above_the_budget(sidecar_factory):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from promptcache.client import PromptCacheClient, errors
+from promptcache.client.client import encode_chunk
 from support import CHUNK, SMALL, FakeClock, make_kv, metric
 
 
@@ -86,11 +87,86 @@ def test_the_maximum_lifetime_still_bounds_a_hinted_chunk(sidecar_factory):
 
 @pytest.mark.parametrize("hint", [-1.0, math.nan])
 def test_a_bad_hint_is_refused_and_nothing_is_stored(sidecar_factory, hint):
+    """The sidecar's own check, on the wire (the client refuses these before sending: the next test)."""
+    import grpc
+
+    from promptcache.contract.layout import chunk_shape
+    from promptcache.contract.wire import NAME_TO_DTYPE, model_to_proto
+    from promptcache.v1 import kvcache_pb2 as pb
+    from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+
     s = sidecar_factory()
+    blob = encode_chunk(SMALL, make_kv(SMALL, CHUNK, seed=7), 0, CHUNK).numpy().tobytes()
+    frames = [pb.PutRequest(header=pb.PutHeader(model=model_to_proto(SMALL), tokens=prompt(7), ttl_seconds=hint)),
+              pb.PutRequest(chunk=pb.ChunkBegin(index=0, nbytes=len(blob), shape=chunk_shape(SMALL, CHUNK),
+                                                dtype=NAME_TO_DTYPE[SMALL.kv_dtype])),
+              pb.PutRequest(data=blob)]
+    with grpc.insecure_channel(s.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.KVCacheStub(channel).Put(iter(frames), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ttl_seconds" in info.value.details()
     with PromptCacheClient(s.address) as c:
-        with pytest.raises(errors.InvalidArgument, match="ttl_seconds"):
-            c.put(SMALL, prompt(7), make_kv(SMALL, 2 * CHUNK, seed=7), ttl_seconds=hint)
         assert c.lookup(SMALL, prompt(7)).cached_tokens == 0
+
+
+BAD_HINTS = [({"priority": -1}, "priority=...) must be a whole number in 0..4294967295"),
+             ({"priority": 2 ** 32}, "priority=...) must be a whole number in 0..4294967295"),
+             ({"priority": 1.5}, "priority=..."), ({"priority": True}, "priority=..."), ({"priority": "1"}, "priority"),
+             ({"ttl_seconds": "60"}, "ttl_seconds=...) must be a number of seconds, 0 or more"),
+             ({"ttl_seconds": 10 ** 400}, "ttl_seconds=...) must be a number of seconds, 0 or more"),
+             ({"ttl_seconds": -5}, "ttl_seconds=..."), ({"ttl_seconds": math.nan}, "ttl_seconds=..."),
+             ({"ttl_seconds": True}, "ttl_seconds=..."), ({"ttl_seconds": -math.inf}, "ttl_seconds=...")]
+
+
+@pytest.fixture
+def every_transport(sidecar_factory, tmp_path):
+    """A sidecar with the bulk channel on a unix socket and shared-memory buffers, and a client for each transport:
+    gRPC frames, shared memory, the bulk channel (memfds on the unix socket)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    s = sidecar_factory(bulk_address=f"unix:{tmp_path}/bulk.sock", shm_dir=str(shm),
+                        grpc_address=f"unix:{tmp_path}/s.sock", max_pinned_fraction=0.25)
+    clients = {"grpc": PromptCacheClient(s.address, timeout=10, retries=0),
+               "shm": PromptCacheClient(s.address, timeout=10, retries=0, shm_dir=str(shm)),
+               "bulk": PromptCacheClient(s.address, timeout=10, retries=0, bulk_address=s.bulk_address)}
+    yield s, clients
+    for c in clients.values():
+        c.close()
+
+
+@pytest.mark.parametrize("bad,words", BAD_HINTS)
+def test_a_client_refuses_a_hint_out_of_range_on_every_transport_naming_it(every_transport, bad, words):
+    """Unchecked, each of these failed inside the request stream: gRPC's UNKNOWN "Exception iterating requests!", the
+    bulk channel's bare protobuf TypeError or ValueError."""
+    s, clients = every_transport
+    for n, (name, c) in enumerate(clients.items()):
+        tokens = prompt(900 + n)
+        with pytest.raises(ValueError) as info:
+            c.put(SMALL, tokens, make_kv(SMALL, 2 * CHUNK, seed=n), **bad)
+        assert "PromptCacheClient.put(" + words in str(info.value), name
+        blob = {0: encode_chunk(SMALL, make_kv(SMALL, CHUNK, seed=n), 0, CHUNK)}
+        with pytest.raises(ValueError) as info:
+            c.put_blobs(SMALL, tokens, blob, **bad)
+        assert "PromptCacheClient.put_blobs(" + words in str(info.value), name
+        assert len(str(info.value)) < 400  # (10 ** 400 is shown cut short)
+        assert c.lookup(SMALL, tokens).cached_tokens == 0, name  # nothing sent
+    assert metric(s, 'promptcache_requests_total{code="UNKNOWN",rpc="Put"}') == 0
+
+
+def test_a_client_takes_hints_in_range_none_as_the_default_and_numpy_numbers(every_transport):
+    import numpy as np
+
+    s, clients = every_transport
+    for n, (name, c) in enumerate(clients.items()):
+        for m, hints in enumerate(({"ttl_seconds": None, "priority": None}, {"priority": 2 ** 32 - 1},
+                                   {"ttl_seconds": np.float32(30), "priority": np.int64(1)},
+                                   {"ttl_seconds": 10 ** 6, "priority": np.uint32(0)})):
+            tokens = prompt(950 + 10 * n + m)
+            assert c.put(SMALL, tokens, make_kv(SMALL, 2 * CHUNK, seed=m), **hints).stored_chunks == 2, name
+            assert c.lookup(SMALL, tokens).cached_tokens == 2 * CHUNK
+    assert metric(s, 'promptcache_pins_total{result="pinned"}') == 3 * 2 * 2  # 2**32-1 and 1; 2 chunks; 3 clients
+    assert metric(s, 'promptcache_ttl_hints_total{capped="false"}') == 3  # 30 s
+    assert metric(s, 'promptcache_ttl_hints_total{capped="true"}') == 3  # 10**6 s: past the default 24 h
 
 
 def test_the_bulk_channel_carries_the_hint(sidecar_factory, tmp_path):
@@ -316,16 +392,78 @@ def test_pinning_off_and_a_pinned_chunk_still_expires(sidecar_factory):
     assert s2.tier.pinned_usage() == {}
 
 
-def test_a_shrink_below_what_is_pinned_evicts_pinned_chunks_too(sidecar_factory):
+def test_a_shrink_below_what_is_pinned_unpins_deepest_first_to_the_new_bound(sidecar_factory):
     s = sidecar_factory(memory_bytes=8 * NB, max_pinned_fraction=0.5)
+    long = [50 * 10_000 + t for t in range(4 * CHUNK)]
     with PromptCacheClient(s.address) as c:
-        c.put(SMALL, [50 * 10_000 + t for t in range(4 * CHUNK)], make_kv(SMALL, 4 * CHUNK, seed=50), priority=1)
+        c.put(SMALL, long, make_kv(SMALL, 4 * CHUNK, seed=50), priority=1)
         assert s.tier.pinned_usage() == {"": 4 * NB}
-    assert s.tier.resize(2 * NB).done
-    assert s.tier.budget == 2 * NB and s.tier.usage()["used"] <= 2 * NB
-    assert s.tier.pinned_usage() == {"": 2 * NB}
-    with PromptCacheClient(s.address) as c:  # what is left is still a whole prefix from the root
-        assert c.lookup(SMALL, [50 * 10_000 + t for t in range(4 * CHUNK)]).cached_tokens == 2 * CHUNK
+        r = c.resize(2 * NB)  # a pin never blocks a resize, nor keeps more than the new size's bound pinned
+        assert r.memory_bytes == 2 * NB and s.tier.budget == 2 * NB and s.tier.usage()["used"] <= 2 * NB
+        assert s.tier.pinned_usage() == {"": NB}  # half of the new size in all, and 0.5 of it for the owner
+        assert [e.index for e in s.tier.snapshot() if e.pinned] == [0]  # the root: still a whole prefix
+        assert metric(s, 'promptcache_pins_total{result="unpinned"}') == 3
+        assert metric(s, 'promptcache_pinned_bytes{owner=""}') == NB
+        assert c.lookup(SMALL, long).cached_tokens >= CHUNK
+        _fill(c, 500, 3)  # capacity eviction has room: the unpinned half of the budget
+        assert c.lookup(SMALL, long).cached_tokens >= CHUNK
+
+
+def test_a_shrink_unpins_every_owner_to_its_new_bound_and_other_tenants_can_store(sidecar_factory, tmp_path):
+    """The audit's case: two tenants pin all they may (half the budget), the operator's autoscaler shrinks the
+    budget; before, the pins were then the whole new budget and every other tenant's Put was RESOURCE_EXHAUSTED
+    until they expired."""
+    from test_auth import write_secret_dir
+
+    write_secret_dir(tmp_path / "tokens", {t: f"{t}-token" for t in ("alice", "bob", "carol", "ops")})
+    s = sidecar_factory(token_file=str(tmp_path / "tokens"), admin_tenants="ops", memory_bytes=32 * NB,
+                        max_pinned_fraction=0.25)  # 8 chunks pinned per tenant, 16 in all
+    clients = {t: PromptCacheClient(s.address, token=f"{t}-token", retries=0, timeout=10)
+               for t in ("alice", "bob", "carol", "ops")}
+    try:
+        system = {t: [p * 10_000 + i for i in range(8 * CHUNK)] for t, p in (("alice", 70), ("carol", 71))}
+        kv = {t: make_kv(SMALL, 8 * CHUNK, seed=p) for t, p in (("alice", 70), ("carol", 71))}
+        for t in system:
+            clients[t].put(SMALL, system[t], kv[t], priority=1)
+        assert s.tier.pinned_usage() == {"alice": 8 * NB, "carol": 8 * NB}
+        clients["ops"].resize(8 * NB)  # each tenant may pin 2 chunks now, 4 in all
+        assert s.tier.pinned_usage() == {"alice": 2 * NB, "carol": 2 * NB}
+        assert metric(s, 'promptcache_pinned_bytes{owner="alice"}') == 2 * NB
+        assert metric(s, 'promptcache_pinned_bytes{owner="carol"}') == 2 * NB
+        assert metric(s, 'promptcache_pins_total{result="unpinned"}') == 12
+        assert sorted((e.owner, e.index) for e in s.tier.snapshot() if e.pinned) == [
+            ("alice", 0), ("alice", 1), ("carol", 0), ("carol", 1)]  # each a whole prefix from the root
+        for p in range(80, 86):  # 12 chunks of bob's through what the pins leave of an 8-chunk tier
+            assert clients["bob"].put(SMALL, prompt(p), make_kv(SMALL, 2 * CHUNK, seed=p)).stored_chunks == 2
+            assert clients["bob"].lookup(SMALL, prompt(p)).cached_tokens == 2 * CHUNK
+        assert s.tier.usage()["used"] <= 8 * NB
+        for t in system:  # the pinned roots stayed, bit-exact
+            cached, got = clients[t].get(SMALL, system[t])
+            assert cached == 2 * CHUNK
+            for (k, v), (gk, gv) in zip(kv[t], got):
+                assert torch.equal(bits(gk), bits(k[:, :, :2 * CHUNK]))
+                assert torch.equal(bits(gv), bits(v[:, :, :2 * CHUNK]))
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def test_pins_within_the_new_bounds_survive_a_shrink_bit_exact(sidecar_factory):
+    s = sidecar_factory(memory_bytes=16 * NB, max_pinned_fraction=0.25)
+    system = make_kv(SMALL, 2 * CHUNK, seed=90)
+    with PromptCacheClient(s.address) as c:
+        c.put(SMALL, prompt(90), system, priority=1)
+        _fill(c, 600, 7)  # the tier full
+        c.resize(8 * NB)  # the owner's bound is 2 chunks now: what it has pinned
+        assert s.tier.pinned_usage() == {"": 2 * NB}
+        assert metric(s, 'promptcache_pins_total{result="unpinned"}') == 0
+        _fill(c, 700, 12)  # 24 chunks through the 8-chunk tier
+        cached, got = c.get(SMALL, prompt(90))
+    assert cached == 2 * CHUNK
+    for (k, v), (gk, gv) in zip(system, got):
+        assert torch.equal(bits(gk), bits(k)) and torch.equal(bits(gv), bits(v))
+    assert metric(s, 'promptcache_pinned_bytes{owner=""}') == 2 * NB
+    assert s.tier.usage()["used"] <= 8 * NB
 
 
 def test_a_ttl_hint_is_kept_through_the_disk_tier(sidecar_factory, tmp_path):

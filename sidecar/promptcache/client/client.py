@@ -72,15 +72,20 @@ def _tokens(tokens) -> list[int]:
     return list(tokens)
 
 
+def _number(value) -> bool:
+    """A finite real number, not a bool (numbers.Real: numpy's scalars too)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value) -> bool:
+    """A whole number, not a bool (numbers.Integral: numpy's integers too)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_arguments(*, timeout, retries, backoff, frame_bytes, chunk_tokens, bulk_lent_cache_bytes) -> None:
     """PromptCacheClient's numbers, refused up front naming the argument (a frame_bytes of 0 failed inside gRPC's
     request stream as an unknown error; a NaN timeout reached gRPC)."""
-    def number(value) -> bool:  # (numbers.Real and Integral: numpy's scalars too)
-        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-    def whole(value) -> bool:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
+    number, whole = _number, _whole
     for name, value, ok, what in (
             ("timeout", timeout, number(timeout) and timeout > 0, "a number of seconds above 0"),
             ("retries", retries, whole(retries) and retries >= 0, "a whole number, 0 or more"),
@@ -93,6 +98,41 @@ def _check_arguments(*, timeout, retries, backoff, frame_bytes, chunk_tokens, bu
              whole(bulk_lent_cache_bytes) and bulk_lent_cache_bytes >= 0, "a whole number of bytes, 0 or more")):
         if not ok:
             raise ValueError(f"PromptCacheClient({name}=...) must be {what}, got {value!r}")
+
+
+MAX_PRIORITY = (1 << 32) - 1  # PutHeader.priority is a uint32 (the sidecar reads every level above 1 as 1)
+
+
+def _retention_hints(method: str, ttl_seconds, priority) -> tuple[float, int]:
+    """A Put's retention hints (docs/retention.md) as PutHeader carries them, refused up front naming the argument:
+    unchecked, a bad one failed inside the request stream (gRPC: UNKNOWN "Exception iterating requests!"; the bulk
+    channel: protobuf's own TypeError or ValueError), after the chunks were encoded. None is the default of each:
+    no hint (ttl_seconds 0, the sidecar's --ttl-seconds; priority 0). ttl_seconds may be inf ("as long as
+    allowed"): the sidecar caps every hint at its --max-ttl-hint-seconds, as it refuses negative and NaN ones."""
+    def shown(value) -> str:  # (an int past a double's range has hundreds of digits)
+        text = repr(value)
+        return text if len(text) <= 40 else f"{text[:24]}... ({len(text)} characters)"
+
+    if ttl_seconds is None:
+        ttl = 0.0
+    else:
+        try:
+            ttl = float(ttl_seconds) if isinstance(ttl_seconds, numbers.Real) and not isinstance(ttl_seconds, bool) \
+                else math.nan
+        except OverflowError:  # an int past a double's range
+            ttl = math.nan
+        if not ttl >= 0:  # NaN compares false
+            raise ValueError(f"PromptCacheClient.{method}(ttl_seconds=...) must be a number of seconds, 0 or more "
+                             "(0 or None: the sidecar's --ttl-seconds; more than its --max-ttl-hint-seconds, inf "
+                             f"included, is cut to it), got {shown(ttl_seconds)}")
+    if priority is None:
+        level = 0
+    elif _whole(priority) and 0 <= priority <= MAX_PRIORITY:
+        level = int(priority)
+    else:
+        raise ValueError(f"PromptCacheClient.{method}(priority=...) must be a whole number in 0..{MAX_PRIORITY} "
+                         f"(0 or None: no pin; 1: pin the prefix, levels above 1 read as 1), got {shown(priority)}")
+    return ttl, level
 
 
 class PromptCacheClient:
@@ -253,11 +293,15 @@ class PromptCacheClient:
 
     # --- blobs ------------------------------------------------------------------------------------------
     def put_blobs(self, spec: ModelSpec, tokens, blobs: Mapping[int, torch.Tensor | bytes],
-                  timeout: float | None = None, ttl_seconds: float = 0.0, priority: int = 0) -> PutResult:
+                  timeout: float | None = None, ttl_seconds: float | None = 0.0,
+                  priority: int | None = 0) -> PutResult:
         """Store raw chunk blobs (already in the stored layout) under the chunk indices of `tokens`.
-        ttl_seconds: a retention hint, how long after its last hit each chunk is worth keeping (0: the sidecar's
-        --ttl-seconds; capped by its --max-ttl-hint-seconds; docs/retention.md). priority 1: pin the prefix (capacity
-        eviction passes it over), within the sidecar's --max-pinned-fraction for this caller."""
+        ttl_seconds: a retention hint, how long after its last hit each chunk is worth keeping, a number of seconds,
+        0 or more (0 or None: the sidecar's --ttl-seconds; capped by its --max-ttl-hint-seconds; docs/retention.md).
+        priority 1: pin the prefix (capacity eviction passes it over), within the sidecar's --max-pinned-fraction
+        for this caller; a whole number in 0..2**32-1 (0 or None: none; levels above 1 read as 1). A hint out of
+        range raises ValueError naming it, before anything is sent."""
+        ttl_seconds, priority = _retention_hints("put_blobs", ttl_seconds, priority)
         token_list = _tokens(tokens)
         shape = list(chunk_shape(spec, self.chunk_tokens))
         dtype = NAME_TO_DTYPE[spec.kv_dtype]
@@ -314,9 +358,10 @@ class PromptCacheClient:
 
     # --- tensors ----------------------------------------------------------------------------------------
     def put(self, spec: ModelSpec, tokens, kv: KV, start_chunk: int = 0, timeout: float | None = None,
-            rope_theta: float = 0.0, ttl_seconds: float = 0.0, priority: int = 0) -> PutResult:
+            rope_theta: float = 0.0, ttl_seconds: float | None = 0.0, priority: int | None = 0) -> PutResult:
         """Store every whole chunk of `kv` (covering `tokens`) from start_chunk on. rope_theta: see encode_chunk.
-        ttl_seconds, priority: retention hints (put_blobs)."""
+        ttl_seconds, priority: retention hints (put_blobs), checked before any chunk is encoded."""
+        ttl_seconds, priority = _retention_hints("put", ttl_seconds, priority)
         ct = self.chunk_tokens
         n_chunks = min(len(_tokens(tokens)), _kv_tokens(kv)) // ct
         blobs = {i: encode_chunk(spec, kv, i * ct, (i + 1) * ct, rope_theta) for i in range(start_chunk, n_chunks)}

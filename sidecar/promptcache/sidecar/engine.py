@@ -106,6 +106,9 @@ class CacheEngine:
         # A chunk a priority hint had pinned, or a declared prefix's, is pinned again when a Get's promotion or a
         # warm-up brings it back from the disk tier (after a restart) or the cluster tier.
         self.stack.promoted = self._pin_again
+        # The tier bounds each owner's pins itself, for the budget in force or a pending shrink's size, and
+        # unpins what a shrink leaves over the bounds (MemoryTier.resize).
+        self.tier.owner_pin_limit = self.pin_limit
 
     # --- requests, checked ------------------------------------------------------------------------------
     def scope(self, model: pb.Model | None, caller: Caller) -> Scope:
@@ -159,19 +162,21 @@ class CacheEngine:
         self.metrics.ttl_hints.labels("true" if seconds > cap else "false").inc()
         return min(seconds, cap)
 
-    def pin_limit(self, owner: str) -> int:
-        """Bytes `owner` may hold pinned: --max-pinned-fraction of the memory budget, or of its quota if smaller."""
+    def pin_limit(self, owner: str, budget: int | None = None) -> int:
+        """Bytes `owner` may hold pinned: --max-pinned-fraction of the memory budget (`budget`; None: the one in
+        force), or of its quota if smaller. Called by the tier under its lock (MemoryTier.owner_pin_limit)."""
+        budget = self.tier.budget if budget is None else budget
         quota = self.tenancy.quota(owner)
-        base = self.tier.budget if not quota else min(quota, self.tier.budget)
+        base = budget if not quota else min(quota, budget)
         return int(self.settings.max_pinned_fraction * base)
 
     def pin_prefix(self, fingerprint: bytes, owner: str, keys: list[bytes]) -> int:
-        """A priority hint: pin `keys` (a prefix, root first) while they are held and fit the owner's bound;
-        stops at the first that is not held or does not fit, so what is pinned is always a whole prefix."""
-        limit = self.pin_limit(owner)
+        """A priority hint: pin `keys` (a prefix, root first) while they are held and fit the owner's bound
+        (pin_limit, which the tier applies); stops at the first that is not held or does not fit, so what is
+        pinned is always a whole prefix."""
         pinned = 0
         for i, key in enumerate(keys):
-            done = self.tier.pin(key, fingerprint, limit)
+            done = self.tier.pin(key, fingerprint)
             if done is None:
                 break
             if not done:
@@ -459,9 +464,12 @@ class CacheEngine:
         except ValueError as exc:
             raise NotServed(str(exc)) from None
         r = self.tier.resize(memory_bytes, wait_seconds=wait_seconds)
+        if r.unpinned:  # pins over the smaller budget's bounds, unpinned (they stay so if the shrink times out)
+            self.metrics.pins.labels("unpinned").inc(r.unpinned)
         if not r.done:
             log.warning("shrink not applied: bytes held by calls in flight", extra={
                 "previous_bytes": r.previous, "memory_bytes": r.requested, "evicted_chunks": r.evicted,
+                "unpinned_chunks": r.unpinned,
                 "committed_bytes": r.committed, "reserved_bytes": r.reserved, "draining_bytes": r.draining})
             raise TimedOut(f"memory_bytes {r.requested}: {r.committed} bytes still committed after waiting "
                            f"{r.waited:.1f} s ({r.reserved} reserved by Puts in flight, {r.draining} held by "
@@ -469,7 +477,8 @@ class CacheEngine:
                            "were evicted meanwhile). Retry the Resize")
         self.metrics.resizes.inc()
         log.info("resized memory tier", extra={"previous_bytes": r.previous, "memory_bytes": r.requested,
-                                               "evicted_chunks": r.evicted, "bytes_used": r.used,
+                                               "evicted_chunks": r.evicted, "unpinned_chunks": r.unpinned,
+                                               "bytes_used": r.used,
                                                "committed_bytes": r.committed, "waited_seconds": round(r.waited, 3)})
         return r
 

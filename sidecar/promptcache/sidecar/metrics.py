@@ -72,7 +72,8 @@ class Metrics:
         self.pins = Counter("promptcache_pins", "chunks asked to be pinned (a Put's priority hint, a declared pinned "
                             "prefix, a pinned or declared chunk back from the disk or cluster tier; an already pinned "
                             "chunk asked again counts again), by result "
-                            "(pinned, refused: over --max-pinned-fraction)", ["result"], registry=r)
+                            "(pinned, refused: over --max-pinned-fraction; unpinned: a pinned chunk over the "
+                            "bounds of a smaller budget after a Resize)", ["result"], registry=r)
         for name, metric in list(vars(self).items()):
             if isinstance(metric, (Counter, Histogram)) and metric._labelnames:
                 setattr(self, name, _Children(metric))

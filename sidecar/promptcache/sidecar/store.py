@@ -60,6 +60,7 @@ class ResizeOutcome:
     reserved: int
     draining: int
     waited: float  # seconds spent waiting for Puts and Gets in flight
+    unpinned: int = 0  # pinned chunks a shrink unpinned: over the new size's pin bounds (MemoryTier._unpin_to)
 
 
 @dataclass(eq=False)
@@ -248,6 +249,9 @@ class MemoryTier:
         self._entries: dict[bytes, Entry] = {}
         self._pinned: dict[str, int] = {}  # owner -> accounted bytes of its pinned entries
         self._pinned_total = 0
+        # (owner, budget) -> the bytes `owner` may hold pinned under `budget` (CacheEngine sets it from
+        # --max-pinned-fraction and the owner's quota); None: only the bound on all owners together, half the budget
+        self.owner_pin_limit: Callable[[str, int], int] | None = None
         self._soonest_expiry = math.inf  # at most the earliest expiry of an entry (_expire)
         self._used = 0
         self._reserved = 0
@@ -291,10 +295,11 @@ class MemoryTier:
             return {"entries": len(self._entries), "used": self._used, "reserved": self._reserved,
                     "draining": self._draining, "budget": self._budget}
 
-    def pin(self, key: bytes, fingerprint: bytes, owner_limit: int) -> bool | None:
+    def pin(self, key: bytes, fingerprint: bytes, owner_limit: int | None = None) -> bool | None:
         """Pin the live entry `key`: taken out of the eviction policy's sight, so capacity eviction passes it over
-        (TTL, deletes, purges and quotas still remove it). False when its owner's pinned bytes would pass
-        `owner_limit`, or all owners' half the budget; None when it is not held. Idempotent."""
+        (TTL, deletes, purges and quotas still remove it). False when its owner's pinned bytes would pass its bound
+        (`owner_limit` if given, and owner_pin_limit), or all owners' half the budget; both bounds are those of a
+        pending shrink's size while one waits. None when it is not held. Idempotent."""
         now = self.clock()
         with self._lock:
             entry = self._entries.get(key)
@@ -302,14 +307,65 @@ class MemoryTier:
                 return None
             if entry.pinned:
                 return True
+            size = self._limit()
+            bound = self._owner_bound(entry.owner, size)
+            if owner_limit is not None:
+                bound = min(bound, owner_limit)
             mine = self._pinned.get(entry.owner, 0)
-            if mine + entry.accounted > owner_limit or self._pinned_total + entry.accounted > self._budget // 2:
+            if mine + entry.accounted > bound or self._pinned_total + entry.accounted > size // 2:
                 return False
             entry.pinned = True
             self._pinned[entry.owner] = mine + entry.accounted
             self._pinned_total += entry.accounted
             self.policy.removed(key)
             return True
+
+    def _owner_bound(self, owner: str, size: int) -> int:
+        """Bytes `owner` may hold pinned under a budget of `size` (never more than all owners together)."""
+        total = size // 2
+        return total if self.owner_pin_limit is None else min(total, self.owner_pin_limit(owner, size))
+
+    def _uncount_pin(self, entry: Entry) -> None:
+        """Under the lock: take pinned `entry`'s bytes off its owner's pinned bytes (unpinned, or removed: a
+        removed entry keeps its flag, which the disk tier keeps for when it comes back)."""
+        self._pinned_total -= entry.accounted
+        left = self._pinned[entry.owner] - entry.accounted
+        if left:
+            self._pinned[entry.owner] = left
+        else:
+            del self._pinned[entry.owner]
+
+    def _unpin_to(self, size: int) -> int:
+        """Under the lock: unpin until every owner's pinned bytes are within its bound under a budget of `size`
+        and all owners' within half of it, so capacity eviction always has room. The deepest chunks go first
+        (an owner's own, for its bound; anyone's, least recently used first among equals, for the total): what
+        stays pinned is still whole prefixes from the root. An unpinned chunk goes back to the eviction policy,
+        as a promoted one does (with its hits), and may be evicted like any other. Returns the chunks unpinned."""
+        if not self._pinned_total:
+            return 0
+        total = size // 2
+        bounds = {owner: self._owner_bound(owner, size) for owner in self._pinned}
+        if self._pinned_total <= total and all(self._pinned[o] <= b for o, b in bounds.items()):
+            return 0
+        pinned = sorted((e for e in self._entries.values() if e.pinned), key=lambda e: (-e.index, e.last_access))
+        unpinned = []
+        for entry in pinned:  # each owner within its own bound
+            if self._pinned.get(entry.owner, 0) > bounds[entry.owner]:
+                self._uncount_pin(entry)
+                entry.pinned = False
+                unpinned.append(entry)
+        for entry in pinned:  # all of them within half the budget
+            if self._pinned_total <= total:
+                break
+            if entry.pinned:
+                self._uncount_pin(entry)
+                entry.pinned = False
+                unpinned.append(entry)
+        for entry in reversed(unpinned):  # root first: a prefix-aware policy sees each parent before its children
+            self.policy.inserted(entry.key, entry.nbytes, entry.parent)
+            if entry.hits and hasattr(self.policy, "restored"):
+                self.policy.restored(entry.key, entry.hits)
+        return len(unpinned)
 
     def is_pinned(self, key: bytes, fingerprint: bytes) -> bool:
         with self._lock:
@@ -381,12 +437,7 @@ class MemoryTier:
         del self._entries[entry.key]
         self.policy.removed(entry.key)
         if entry.pinned:
-            self._pinned_total -= entry.accounted
-            left = self._pinned[entry.owner] - entry.accounted
-            if left:
-                self._pinned[entry.owner] = left
-            else:
-                del self._pinned[entry.owner]
+            self._uncount_pin(entry)
         self._used -= entry.accounted
         entry.evicted = True
         if entry.leases:
@@ -631,7 +682,8 @@ class MemoryTier:
         while self._used + self._reserved > size:
             victim = self.policy.victim()
             if victim is None:
-                # pins are hints: a shrink below what is pinned evicts pinned chunks too (deepest first)
+                # pins are hints: where Puts in flight hold more than the room pins leave (_unpin_to kept them
+                # within the new size's bounds), a shrink evicts pinned chunks too (deepest first)
                 if pinned is None:
                     pinned = sorted((e for e in self._entries.values() if e.pinned), key=lambda e: e.index)
                 if not pinned:
@@ -647,9 +699,11 @@ class MemoryTier:
         """Set a new budget. A grow applies at once. A shrink admits new reservations only under the new size
         from now on, evicts by policy until stored + reserved bytes fit, and waits up to `wait_seconds` for the
         Puts in flight to finish (reserved) and for readers of evicted entries to let go (draining), evicting
-        what those Puts store. Only when committed bytes are under the new size does it become the budget;
-        if the wait runs out, the budget stays as it was (ResizeOutcome.done False, what is still held is
-        reported) and the entries evicted meanwhile stay evicted."""
+        what those Puts store. Pinned chunks over the new size's bounds (half of it in all, each owner's
+        owner_pin_limit) are unpinned first, deepest first, and are then evictable like any other. Only when
+        committed bytes are under the new size does it become the budget; if the wait runs out, the budget stays
+        as it was (ResizeOutcome.done False, what is still held is reported) and the entries evicted (or unpinned)
+        meanwhile stay so."""
         if budget_bytes <= 0:
             raise ValueError("budget must be positive")
         with self._resize_lock, self._lock:
@@ -664,7 +718,10 @@ class MemoryTier:
             if hasattr(self.policy, "resize"):
                 self.policy.resize(budget_bytes)
             self._drop_free()  # what a shrink frees goes back to the system
-            self._shrinking_to = budget_bytes
+            self._shrinking_to = budget_bytes  # (new pins are bounded by it too: pin)
+            # Pins within the new size's bounds first (half of it, each owner's --max-pinned-fraction), so that
+            # capacity eviction has room after the shrink; what is unpinned is evictable from now on.
+            unpinned = self._unpin_to(budget_bytes)
             done = False
             try:
                 deadline = started + wait_seconds
@@ -681,8 +738,9 @@ class MemoryTier:
                 self._shrinking_to = None
                 if not done and hasattr(self.policy, "resize"):
                     self.policy.resize(previous)
-            return self._outcome(previous, budget_bytes, done, evicted, time.monotonic() - started)
+            return self._outcome(previous, budget_bytes, done, evicted, time.monotonic() - started, unpinned)
 
-    def _outcome(self, previous: int, requested: int, done: bool, evicted: int, waited: float) -> ResizeOutcome:
+    def _outcome(self, previous: int, requested: int, done: bool, evicted: int, waited: float,
+                 unpinned: int = 0) -> ResizeOutcome:
         return ResizeOutcome(previous, requested, done, evicted, self._used, self._committed(), self._reserved,
-                             self._draining, waited)
+                             self._draining, waited, unpinned)
