@@ -484,3 +484,34 @@ def test_a_ttl_hint_is_kept_through_the_disk_tier(sidecar_factory, tmp_path):
         assert c.lookup(SMALL, prompt(60)).cached_tokens == 2 * CHUNK
         clock.advance(29.4)  # 30.2 s after that hit
         assert c.lookup(SMALL, prompt(60)).cached_tokens == 0
+
+
+def test_declared_prefixes_match_a_put_by_its_tokens_as_its_keys_would():
+    """PinnedPrefixes.leading compares tokens, not keys (a client changing its salt on every Put made the sidecar
+    hash every declared prefix again each time): under any fingerprint it gives what matching the Put's chunk keys
+    against the prefixes' keys gives, for prompts that follow a prefix for a while and then leave it."""
+    import random
+
+    from promptcache.contract import keys as keyspec
+    from promptcache.sidecar.pinned import PinnedPrefix, PinnedPrefixes
+
+    rng = random.Random(7)
+    ct = 4
+    shared = [rng.randrange(50) for _ in range(3 * ct)]
+    prefixes = [PinnedPrefix("a", tuple(shared + [1] * (2 * ct))), PinnedPrefix("b", tuple(shared + [2] * (3 * ct + 1))),
+                PinnedPrefix("c", tuple(rng.randrange(50) for _ in range(5 * ct)))]
+    declared = PinnedPrefixes(prefixes, ct)
+    for trial in range(300):
+        fingerprint = bytes([trial % 256]) * 32
+        base = list(rng.choice(prefixes).tokens)
+        cut = rng.randrange(len(base) + 1)
+        prompt = base[:cut] + [rng.randrange(50) for _ in range(rng.randrange(3 * ct))]
+        if not prompt:
+            continue
+        known = declared.keys(fingerprint)
+        by_keys = 0
+        for key in keyspec.iter_chunk_keys(fingerprint, prompt, ct):
+            if key not in known:
+                break
+            by_keys += 1
+        assert declared.leading(prompt) == by_keys, (cut, prompt)

@@ -192,9 +192,9 @@ class CacheEngine:
         """A chunk just promoted into memory: pinned again if it was pinned when it came down (a priority hint's
         pin) or is a declared prefix's, and its parent is pinned (a pinned prefix is always whole from its root),
         within its owner's bound."""
-        if not was_pinned and (not self.pinned_prefixes or key not in self.pinned_prefixes.keys(fingerprint)):
-            return
         if index and not self.tier.is_pinned(parent, fingerprint):
+            return  # (checked first: the declared keys are hashed only for a fingerprint that has a pinned root)
+        if not was_pinned and (not self.pinned_prefixes or key not in self.pinned_prefixes.keys(fingerprint)):
             return
         self.pin_prefix(fingerprint, owner, [key])
 

@@ -4,8 +4,11 @@ Put's priority hint does (docs/retention.md), under the same bounds (--max-pinne
 in all). A system prompt every pod sends is kept however much other traffic comes through, without any client
 asking for it.
 
-Matched by chunk keys, not tokens: a prefix's keys are computed once per model fingerprint (tenant salt included),
-so a Put tests one set membership per chunk. Only whole chunks of a prefix are pinned; a prefix names token ids,
+A Put is matched by its tokens (leading): a chunk's key chains its whole prefix, so under one fingerprint the keys of
+two prompts agree exactly as far as their whole chunks of tokens do, and no key is hashed for it (a client that
+changes its salt on every Put made the sidecar hash every declared prefix again each time). A chunk promoted from
+the disk or cluster tier is matched by key (keys(), computed per fingerprint and kept for the last few hundred).
+Only whole chunks of a prefix are pinned; a prefix names token ids,
 which mean something only to the model whose tokenizer made them (the keys include the model's fingerprint, so
 another model's Put with the same ids pins chunks of its own: a hint, never a correctness change).
 
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+
+import numpy as np
 import re
 import threading
 from dataclasses import dataclass
@@ -97,6 +102,7 @@ class PinnedPrefixes:
     def __init__(self, prefixes: Sequence[PinnedPrefix], chunk_tokens: int):
         self.prefixes = tuple(prefixes)
         self.chunk_tokens = chunk_tokens
+        self._arrays = [keyspec.tokens_to_array(p.tokens) for p in self.prefixes]
         self._keys: dict[bytes, frozenset[bytes]] = {}
         self._lock = threading.Lock()
 
@@ -115,13 +121,13 @@ class PinnedPrefixes:
                 self._keys[fingerprint] = known
         return known
 
-    def leading(self, fingerprint: bytes, keys: Sequence[bytes]) -> int:
-        """How many of `keys` (a prompt's chunk keys, root first) are a declared prefix's: each key chains its
-        whole prefix, so they are always the first ones."""
-        pinned = self.keys(fingerprint)
-        n = 0
-        for key in keys:
-            if key not in pinned:
-                break
-            n += 1
-        return n
+    def leading(self, tokens) -> int:
+        """How many whole chunks of a prompt's `tokens` (from its first) are a declared prefix's: the most whole
+        chunks it shares with any prefix. Under the prompt's own fingerprint those chunks' keys are the prefix's."""
+        prompt = keyspec.tokens_to_array(tokens)
+        best = 0
+        for prefix in self._arrays:
+            n = min(len(prompt), len(prefix))
+            differ = np.flatnonzero(prompt[:n] != prefix[:n])
+            best = max(best, (int(differ[0]) if differ.size else n) // self.chunk_tokens)
+        return best

@@ -165,7 +165,7 @@ class PutSession:
             covered = self.keys[:max(self.seen) + 1]
             declared = self.engine.pinned_prefixes
             if not self.priority and declared:  # the prefixes the operator declared pinned (pinned.py)
-                covered = covered[:declared.leading(self.scope.fingerprint, covered)]
+                covered = covered[:declared.leading(self.header.tokens)]
             if covered and (self.priority or declared):
                 self.engine.pin_prefix(self.scope.fingerprint, self.scope.owner, covered)
         self.abort()
