@@ -269,8 +269,8 @@ def adapter_digest(path: str) -> bytes:
         h = hashlib.sha256(b"promptcache/adapter/v1\0")
         try:
             for p in files:
-                name = str(p.relative_to(root)) if root.is_dir() else p.name
-                h.update(f"{len(name)}:{name}:{p.stat().st_size}:".encode())
+                name = (str(p.relative_to(root)) if root.is_dir() else p.name).encode()
+                h.update(f"{len(name)}:".encode() + name + f":{p.stat().st_size}:".encode())
                 with open(p, "rb") as f:
                     for block in iter(lambda: f.read(1 << 20), b""):
                         h.update(block)
