@@ -23,15 +23,24 @@ What happens on each request:
 
 A sidecar that is down, slow or returns bad bytes costs at most ``fetch_timeout`` and falls back to a full prefill:
 a warning is logged and ``promptcache_client_fallbacks_total{reason}`` counts it; the request never fails because of
-the cache. Batch size 1 (one prompt per call); GQA, and fp32, fp16 and bf16 models, are handled by the ModelSpec
-(KV heads, head dim and KV dtype are read from the model).
+the cache. Nothing is fetched or stored (a plain prefill, counted the same way) where the chunks' keys could not name
+everything the K/V depends on: a model whose cache does not keep every token (sliding-window, chunked or other
+non-full attention layers: ``layer_types``), weights that cannot be identified (``identity``), PEFT adapters other
+than those present when the identity was taken (``adapters``), model inputs besides the token ids (``model_kwargs``).
+Without ``revision`` the identity is derived (``model_revision``): the hub commit transformers recorded, else a
+digest of every parameter and buffer, plus a digest of the config.
+
+Batch size 1 (one prompt per call); GQA, and fp32, fp16 and bf16 models, are handled by the ModelSpec (KV heads,
+head dim and KV dtype are read from the model).
 
 transformers 5.x: the cache is passed as ``cache`` where the model's forward takes it (5.24 on, where
 ``past_key_values`` is deprecated), else as ``past_key_values`` and built with ``DynamicCache(ddp_cache_data=..., config=model.config)``.
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import logging
 import threading
 import time
@@ -213,14 +222,148 @@ def decode_prefix(spec: ModelSpec, blobs, chunk_tokens: int, device) -> list[tup
     return [(buf[layer, 0], buf[layer, 1]) for layer in range(L)]
 
 
+def uncacheable_layers(model) -> str | None:
+    """Why this model's transformers cache does not keep every token's K/V at its position (so whole chunks cannot be
+    cut from it by position), or None: sliding-window and chunked attention layers keep only their last window,
+    others (linear attention, KV sharing, ...) hold no per-token K/V at all. From the config, the way transformers
+    picks its cache layers."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for name in ("sliding_window", "attention_chunk_size"):
+        if getattr(text, name, None):
+            return f"{name} {getattr(text, name)} (its layers keep only the last window of tokens)"
+    other = sorted({str(t) for t in getattr(text, "layer_types", None) or ()} - {"full_attention"})
+    if other:
+        return f"layer_types {other} (only full_attention layers keep every token)"
+    try:
+        odd = sorted({type(layer).__name__ for layer in DynamicCache(config=config).layers
+                      if type(layer) is not DynamicLayer})
+    except Exception as exc:  # noqa: BLE001 - a cache we cannot inspect is not cached
+        return f"cannot build its cache from the config: {exc}"
+    return f"cache layers {odd} (only DynamicLayer keeps every token)" if odd else None
+
+
+def _json_default(obj):
+    return sorted(obj, key=str) if isinstance(obj, (set, frozenset)) else str(obj)
+
+
+def _public(d):
+    """A config dict without what does not change K/V: private keys (_name_or_path, _commit_hash, ...) and the
+    transformers version, at every level."""
+    if isinstance(d, dict):
+        return {k: _public(v) for k, v in d.items() if not str(k).startswith("_") and k != "transformers_version"}
+    return [_public(v) for v in d] if isinstance(d, (list, tuple)) else d
+
+
+def weights_digest(model) -> str:
+    """xxh3-128 over every byte of the model's state dict (parameters, persistent buffers, adapter weights) and its
+    non-persistent buffers, with names, dtypes and shapes. Each tensor is copied to the CPU on its own, so it costs
+    about one read of the weights (a 7B fp16 model: 14 GB, seconds on a GPU host), once per PromptCacheHF; an
+    explicit revision skips it. Not collision-resistant against crafted weights: it needs not be, any client of a
+    tenant can Put any bytes under any key. ValueError for weights whose bytes cannot be read (meta, offloaded)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    state = model.state_dict()
+    items = list(state.items()) + [(f"buffer:{n}", b) for n, b in model.named_buffers() if n not in state]
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):  # e.g. a module's _extra_state
+            h.update(f"{name}={t!r}\0".encode())
+            continue
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device (offloaded?): its bytes cannot be read")
+        cpu = t.detach().to("cpu").contiguous()
+        h.update(f"{name}:{cpu.dtype}:{tuple(cpu.shape)}\0".encode())
+        h.update(cpu.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def adapter_state(model) -> tuple | None:
+    """The PEFT adapters the model computes with right now, None when none is loaded: the loaded adapters' names and,
+    for every adapter layer, whether adapters are disabled, which are active and whether they are merged into the
+    weights. A scan of every module on each request (0.4 ms for 30 layers here), so adapters however injected
+    (peft.inject_adapter_in_model, model.load_adapter, PeftModel) are seen."""
+    names = set()
+    layers = set()
+    count = 0
+    for module in model.modules():
+        config = module.__dict__.get("peft_config")
+        if isinstance(config, dict):
+            names.update(map(str, config))
+        # looked up on the class first: a miss through nn.Module.__getattr__ costs microseconds per module
+        off = getattr(module, "disable_adapters", None) if hasattr(type(module), "disable_adapters") else None
+        if isinstance(off, bool):  # peft's BaseTunerLayer (a method, not a bool, on a transformers model)
+            active = getattr(module, "active_adapters", ())
+            active = (active,) if isinstance(active, str) else tuple(active)
+            layers.add((off, active, bool(getattr(module, "merged", False))))
+            count += 1
+    if getattr(model, "_hf_peft_config_loaded", False):
+        names.add("(transformers peft integration)")
+    if not names and not count:
+        return None
+    return tuple(sorted(names)), count, tuple(sorted(layers))
+
+
+def model_revision(model) -> str:
+    """The fingerprint's revision for a model given none: what the weights are - the hub commit transformers recorded
+    in the config (``_commit_hash``, earlier releases) or else a digest of every byte of them (weights_digest) - and a
+    digest of the config (RoPE, windows, ... change K for the same weights) and of any PEFT adapters loaded now.
+    The commit does not cover adapter weights, so with adapters loaded the weights are always digested."""
+    adapters = adapter_state(model)
+    commit = getattr(model.config, "_commit_hash", None)
+    weights = f"commit-{commit}" if commit and adapters is None else f"weights-{weights_digest(model)}"
+    described = {"config": _public(model.config.to_dict())}
+    if adapters is not None:
+        peft = {}
+        for module in model.modules():
+            for name, cfg in (module.__dict__.get("peft_config") or {}).items():
+                peft[str(name)] = cfg.to_dict() if hasattr(cfg, "to_dict") else cfg
+        described["adapters"] = {"state": adapters, "configs": peft}
+    text = json.dumps(described, sort_keys=True, default=_json_default)
+    return f"{weights} config-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+
+
+# Model inputs prefill() passes on besides input_ids that cannot change any K/V (attention_mask: only all ones).
+SAFE_MODEL_KWARGS = frozenset({"attention_mask", "output_attentions", "output_hidden_states"})
+IGNORED_MODEL_KWARGS = frozenset({"use_cache", "return_dict"})  # prefill always needs both: it returns a cache
+# generate() arguments that only steer decoding, never the prompt's K/V. Anything else (pixel_values, position_ids,
+# inputs_embeds, token_type_ids, cache_implementation, assistant models, ...) is not cached.
+SAFE_GENERATE_KWARGS = frozenset({
+    "generation_config", "logits_processor", "stopping_criteria", "streamer", "synced_gpus", "tokenizer",
+    "max_new_tokens", "max_length", "min_new_tokens", "min_length", "max_time", "stop_strings", "early_stopping",
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "num_beams", "num_return_sequences", "length_penalty", "repetition_penalty", "no_repeat_ngram_size",
+    "bad_words_ids", "sequence_bias", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
+    "forced_eos_token_id", "exponential_decay_length_penalty", "renormalize_logits", "remove_invalid_values",
+    "pad_token_id", "eos_token_id", "bos_token_id", "return_dict_in_generate", "output_scores", "output_logits",
+    "output_attentions", "output_hidden_states", "prefix_allowed_tokens_fn",
+})
+
+
+def unsafe_kwargs(kwargs: dict, safe: frozenset, n: int) -> list[str]:
+    """The names in `kwargs` that may change K/V: not in `safe`, or an attention_mask other than n ones (padding)."""
+    bad = sorted(k for k, v in kwargs.items() if k not in safe and v is not None)
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.numel() == n and bool((mask == 1).all())):
+        bad.append("attention_mask (not all ones)")
+    return bad
+
+
 class PromptCacheHF:
     """Prefix reuse for one `transformers` causal LM through a PromptCache sidecar. Thread-safe.
 
     client: a PromptCacheClient, a target string ("unix:///path.sock", "host:port"), or None (cache disabled: every
     call is a plain prefill). quantization: "none" (bit-exact), "k8v8" or "k8v4" (part of the fingerprint).
     revision: identifies the weights (their digest or a revision the operator supplies); it is hashed into every key,
-    so two different checkpoints never share chunks. fetch_timeout: the whole budget of the fetch (Lookup + Get +
-    decode) on the critical path. max_pending_stores: background stores queued at most; more are dropped.
+    so two different checkpoints never share chunks. Taken as given when set; else derived (model_revision, which
+    reads every weight once). fetch_timeout: the whole budget of the fetch (Lookup + Get + decode) on the critical
+    path. max_pending_stores: background stores queued at most; more are dropped.
+
+    `disabled` is (reason, why) when this model is never cached (uncacheable_layers, unidentifiable weights): every
+    request is then a plain prefill, counted as a fallback with that reason.
     """
 
     def __init__(self, model, client: PromptCacheClient | str | None, *, quantization: str = "none",
@@ -239,6 +382,18 @@ class PromptCacheHF:
             raise ValueError(f"model dtype {model.dtype}: the transformers integration caches float32, float16 and "
                              "bfloat16 K/V only (fp8 chunks are a vLLM fp8 KV cache's raw bytes)")
         self.model = model
+        self.disabled: tuple[str, str] | None = None
+        why = uncacheable_layers(model)
+        if why:
+            self.disabled = ("layer_types", why)
+        self._adapters = adapter_state(model)  # the adapters the identity stands for
+        if not revision and not self.disabled:
+            try:
+                revision = model_revision(model)
+            except Exception as exc:  # noqa: BLE001 - unidentified weights are not cached
+                self.disabled = ("identity", f"cannot identify the weights ({exc}); pass revision=")
+        if self.disabled:
+            log.warning("promptcache: %s is never cached (%s): %s", type(model).__name__, *self.disabled)
         self.spec = ModelSpec(
             model_id=model_id or getattr(cfg, "_name_or_path", "") or cfg.model_type,
             revision=revision, kv_dtype=DTYPE_NAMES[model.dtype], num_layers=cfg.num_hidden_layers,
@@ -264,9 +419,33 @@ class PromptCacheHF:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def uncacheable(self, model_kwargs: dict | None = None, safe: frozenset = SAFE_MODEL_KWARGS,
+                    n: int = 0) -> tuple[str, str] | None:
+        """(reason, why) when this request must neither load nor store, else None."""
+        if self.disabled:
+            return self.disabled
+        if adapter_state(self.model) != self._adapters:
+            return ("adapters", "the model's PEFT adapters changed since its identity was taken (construct a new "
+                                "PromptCacheHF for the adapted model)")
+        bad = unsafe_kwargs(model_kwargs or {}, safe, n)
+        if bad:
+            return ("model_kwargs", f"inputs besides the token ids, not in the chunks' keys: {', '.join(bad)}")
+        return None
+
+    def _refuse(self, why: tuple[str, str]) -> str:
+        reason, detail = why
+        FALLBACKS.labels(reason).inc()
+        _warn.warning(f"fallback-{reason}", "promptcache: not caching this request, full prefill (%s): %s", reason,
+                      detail)
+        return reason
+
     def fetch(self, input_ids) -> Prefix:
         """The longest cached whole-chunk prefix of `input_ids` (leaving at least one token to compute)."""
         ids = _as_ids(input_ids)
+        why = self.uncacheable() if self.client is not None else None
+        return Prefix(fallback=self._refuse(why)) if why else self._fetch(ids)
+
+    def _fetch(self, ids) -> Prefix:
         if self.client is None or ids.shape[1] < 2:
             return Prefix()
         t0 = time.perf_counter()
@@ -318,7 +497,9 @@ class PromptCacheHF:
         """
         ids = _as_ids(input_ids).to(self.device)
         n = ids.shape[1]
-        prefix = self.fetch(ids)
+        model_kwargs = {k: v for k, v in model_kwargs.items() if k not in IGNORED_MODEL_KWARGS}
+        why = self.uncacheable(model_kwargs, SAFE_MODEL_KWARGS, n) if self.client is not None else None
+        prefix = Prefix(fallback=self._refuse(why)) if why else self._fetch(ids)
         t0 = time.perf_counter()
         cache = prefix.cache if prefix.cache is not None else make_cache(self.model, None)
         out = self.model(input_ids=ids[:, prefix.cached_tokens:], use_cache=True, logits_to_keep=logits_to_keep,
@@ -326,8 +507,8 @@ class PromptCacheHF:
         compute = time.perf_counter() - t0
         COMPUTED_TOKENS.inc(n - prefix.cached_tokens)
         fut = None
-        if store if store is not None else self.store_enabled:
-            fut = self.store_async(ids, output_cache(out), prefix.cached_tokens)
+        if not why and (store if store is not None else self.store_enabled):
+            fut = self._store_async(ids, output_cache(out), prefix.cached_tokens)
         return PrefillResult(out.logits, output_cache(out), prefix.cached_tokens, n - prefix.cached_tokens,
                              prefix.fallback, prefix.seconds, compute, fut)
 
@@ -343,7 +524,17 @@ class PromptCacheHF:
         n = ids.shape[1]
         if generate_kwargs.get("past_key_values") is not None or generate_kwargs.get("cache") is not None:
             raise ValueError("PromptCacheHF.generate builds the cache itself; do not pass cache/past_key_values")
-        prefix = self.fetch(ids)
+        why = None
+        if self.client is not None:
+            why = self.uncacheable({"attention_mask": attention_mask, **generate_kwargs},
+                                   SAFE_GENERATE_KWARGS | {"attention_mask"}, n)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(ids)
+        if self.client is None or why:  # plain generate with the caller's arguments: nothing to reuse or store
+            self.last_prefix = Prefix(fallback=self._refuse(why) if why else None)
+            COMPUTED_TOKENS.inc(n)
+            return self.model.generate(ids, attention_mask=attention_mask, **generate_kwargs)
+        prefix = self._fetch(ids)
         cache = prefix.cache if prefix.cache is not None else make_cache(self.model, None)
         start = prefix.cached_tokens
         if n - 1 > start:
@@ -352,9 +543,7 @@ class PromptCacheHF:
             cache = output_cache(out)
         COMPUTED_TOKENS.inc(n - start)
         if self.store_enabled and n - 1 > start:
-            self.store_async(ids[:, :n - 1], cache, start)
-        if attention_mask is None:
-            attention_mask = torch.ones_like(ids)
+            self._store_async(ids[:, :n - 1], cache, start)
         self.last_prefix = prefix
         return self.model.generate(ids, attention_mask=attention_mask, **cache_kwargs(self.model, cache),
                                    **generate_kwargs)
@@ -364,8 +553,19 @@ class PromptCacheHF:
         """Store the whole chunks of `input_ids` not yet cached, in the background. Never blocks on the network.
 
         The K/V of those chunks is copied here (the caller's cache may be mutated or freed afterwards); the
-        background thread quantizes and Puts. Returns a Future (None when nothing is new or the queue is full).
+        background thread quantizes and Puts. Returns a Future (None when nothing is new, the queue is full or the
+        request is not cached: uncacheable).
         """
+        if self.client is None:
+            return None
+        why = self.uncacheable()
+        if why:
+            STORES.labels("refused").inc()
+            _warn.warning(f"store-refused-{why[0]}", "promptcache: not storing (%s): %s", *why)
+            return None
+        return self._store_async(input_ids, cache, cached_tokens)
+
+    def _store_async(self, input_ids, cache, cached_tokens: int = 0) -> Future | None:
         if self.client is None:
             return None
         ids = _as_ids(input_ids)
@@ -376,6 +576,11 @@ class PromptCacheHF:
         else:  # chunk size not known yet (no Lookup answered): copy the rest, the store thread asks the sidecar
             a, b = cached_tokens, n
         if b <= a:
+            return None
+        why = self._unsliceable(cache, b)
+        if why:
+            STORES.labels("refused").inc()
+            _warn.warning("store-refused-layers", "promptcache: not storing: %s", why)
             return None
         if not self._slots.acquire(blocking=False):
             STORES.labels("dropped").inc()
@@ -393,6 +598,24 @@ class PromptCacheHF:
             self._pending.add(fut)
         fut.add_done_callback(self._done)
         return fut
+
+    def _unsliceable(self, cache, b: int) -> str | None:
+        """Why the first `b` tokens' K/V cannot be cut from `cache` by position, else None. The second guard behind
+        uncacheable_layers: a layer that is not a plain DynamicLayer (one that trims to a window) disables this
+        model for good; a cache shorter than the tokens is refused this once."""
+        from transformers.cache_utils import DynamicLayer
+
+        odd = sorted({type(layer).__name__ for layer in getattr(cache, "layers", None) or ()
+                      if type(layer) is not DynamicLayer})
+        if odd:
+            self.disabled = ("layer_types", f"its cache has {odd} layers (only DynamicLayer keeps every token)")
+            log.warning("promptcache: %s is never cached from now on (%s): %s", type(self.model).__name__,
+                        *self.disabled)
+            return self.disabled[1]
+        kv = cache_kv(cache)
+        if len(kv) != self.spec.num_layers or any(k is None or k.shape[-2] < b or v.shape[-2] < b for k, v in kv):
+            return f"the cache does not hold {b} tokens in each of {self.spec.num_layers} layers"
+        return None
 
     def _done(self, fut: Future) -> None:
         with self._lock:
