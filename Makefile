@@ -86,10 +86,10 @@ test-vllm: install vllm-env
 	PROMPTCACHE_VLLM_PYTHON=$$(hack/vllm-env.sh) $(PY) -m pytest tests/vllm $(PYTEST_ARGS)
 
 # The connector's scheduler side against vLLM's CUDA wheel, the release GPU users run (its Python runs without a GPU,
-# its compiled ops do not): opt-in, its virtualenv is ~9 GB (hack/vllm-cuda-env.sh, cached outside the checkout).
+# its compiled ops do not): opt-in, its virtualenv is ~9 GB (`hack/vllm-env.sh cuda`, cached outside the checkout).
 test-vllm-cuda: install vllm-env
 	$(PY) -m promptcache_devtools.models > /dev/null
-	PROMPTCACHE_VLLM_CUDA_PYTHON=$$(hack/vllm-cuda-env.sh) $(PY) -m pytest tests/vllm/test_vllm_connector_scheduler.py $(PYTEST_ARGS)
+	PROMPTCACHE_VLLM_CUDA_PYTHON=$$(hack/vllm-env.sh cuda) $(PY) -m pytest tests/vllm/test_vllm_connector_scheduler.py $(PYTEST_ARGS)
 
 # A real single-node Kubernetes (hack/cluster/node.py: kubelet, containerd, runc, kube-proxy; images built locally,
 # no registry): the chart, the operator and the sidecars on real pods (tests/cluster). Needs root. Binaries cached

