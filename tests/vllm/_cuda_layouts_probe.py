@@ -86,7 +86,10 @@ def config(dtype: str, layout: str, cache_dtype: str = "auto", block_size: int =
                           kv_connector_module_path="promptcache.client.vllm_connector",
                           kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={
                               "address": args["address"], "load_timeout": 10.0, "kv_layout": "paged",
-                              "model_id": f"cuda-layouts-{layout}-{dtype}", **extra})
+                              "model_id": f"cuda-layouts-{layout}-{dtype}",
+                              # given: the workers leave the default identity (a digest of the weights) to the
+                              # scheduler, and these cases save from a worker's own base_spec
+                              "revision": "random-weights", **extra})
     cfg = VllmConfig(model_config=mc, kv_transfer_config=kt, cache_config=CacheConfig(block_size=block_size))
     cfg.cache_config.kv_cache_layout = layout
     cfg.cache_config.cache_dtype = cache_dtype
