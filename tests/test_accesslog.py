@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from promptcache.client import PromptCacheClient
 from promptcache.contract import keys as keyspec
 from promptcache.contract.keys import ModelSpec
@@ -171,15 +173,89 @@ def test_the_log_file_is_opened_safely_and_refusals_name_the_flag(tmp_path):
         os.close(reader)
     _refused_at_start(tmp_path)
     _refused_at_start("/proc/self/status")
-    # A new file is created 0600, and an existing one is made 0600.
+    # A new file is created 0600, and an existing access log of ours is made 0600.
     fresh = AccessLog(str(tmp_path / "new" / "a.jsonl"), 4096, 2)
+    fresh.record([b"k" * 32], 16, CHUNK_TOKENS, 1)
     fresh.close()
     assert oct(os.stat(tmp_path / "new" / "a.jsonl").st_mode & 0o777) == "0o600"
+    os.chmod(tmp_path / "new" / "a.jsonl", 0o644)
+    AccessLog(str(tmp_path / "new" / "a.jsonl"), 4096, 2).close()
+    assert oct(os.stat(tmp_path / "new" / "a.jsonl").st_mode & 0o777) == "0o600"
+    # An existing empty file open to others is not the sidecar's to chmod: refused, its mode kept.
     loose = tmp_path / "loose.jsonl"
     loose.write_text("")
     os.chmod(loose, 0o644)
+    with pytest.raises(ValueError, match=r"--access-log-path .*loose.jsonl is an existing empty file open to others"):
+        AccessLog(str(loose), 4096, 2)
+    assert oct(os.stat(loose).st_mode & 0o777) == "0o644"
+    os.chmod(loose, 0o600)
     AccessLog(str(loose), 4096, 2).close()
-    assert oct(os.stat(loose).st_mode & 0o777) == "0o600"
+
+
+def test_an_existing_file_that_is_not_an_access_log_is_never_written_chmoded_or_deleted(tmp_path):
+    """Audit: --access-log-path naming an operator's notes (or a disk tier's table file) appended the log to it,
+    chmod'ed it 0600 and, at rotation with --access-log-files 1, deleted it. Now such a file is refused at start
+    naming the flag, untouched; so is a FILE.1 rotation would overwrite; and rotation never deletes or renames a
+    FILE that is no longer the one being written."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious operator notes\n" * 10)
+    os.chmod(notes, 0o644)
+    for files in (1, 2):
+        with pytest.raises(ValueError, match=r"--access-log-path .*notes.txt is an existing file that is not an "
+                                             r"access log"):
+            AccessLog(str(notes), 4096, files)
+    assert notes.read_text() == "precious operator notes\n" * 10
+    assert oct(os.stat(notes).st_mode & 0o777) == "0o644"
+    binary = tmp_path / "000009.sst"
+    binary.write_bytes(os.urandom(5000))
+    with pytest.raises(ValueError, match="not an access log"):
+        AccessLog(str(binary), 4096, 2)
+    # a line that merely starts like ours, or a JSON object with other fields, is not ours either
+    for text in ('{"timestamp":1,"input_length":2,"output_length":0,"hash_ids":[1]} trailing\n',
+                 '{"timestamp": 1, "input_length": 2, "hash_ids": [1]}\n'):
+        other = tmp_path / "other.jsonl"
+        other.write_text(text)
+        with pytest.raises(ValueError, match="not an access log"):
+            AccessLog(str(other), 4096, 2)
+    # FILE.1 that is not a log: rotation would overwrite it, so the start is refused
+    log_path = tmp_path / "access.jsonl"
+    (tmp_path / "access.jsonl.1").write_text("keep me\n")
+    with pytest.raises(ValueError, match=r"access.jsonl.1 \(a file rotation would overwrite\) is not an access log"):
+        AccessLog(str(log_path), 4096, 3)
+    assert (tmp_path / "access.jsonl.1").read_text() == "keep me\n"
+    assert not log_path.exists() or log_path.stat().st_size == 0
+    os.remove(tmp_path / "access.jsonl.1")
+    # our own log is appended to across starts, and rotates as before
+    log = AccessLog(str(log_path), 400, 2)
+    for i in range(20):
+        log.record([bytes([i]) * 32], 16, CHUNK_TOKENS, i)
+    log.close()
+    assert log.rotations >= 2 and log.dropped == 0
+    again = AccessLog(str(log_path), 400, 2)
+    again.record([b"z" * 32], 16, CHUNK_TOKENS, 99)
+    again.close()
+    assert len(traces.read_trace(str(log_path))) >= 1 and len(traces.read_trace(str(log_path) + ".1")) >= 1
+    # FILE replaced behind the sidecar's back (--access-log-files 1): not deleted at rotation; lines dropped
+    single = tmp_path / "single.jsonl"
+    log = AccessLog(str(single), 400, 1)
+    log.record([b"a" * 32], 16, CHUNK_TOKENS, 1)
+    os.remove(single)
+    single.write_text("precious, put here after the start\n")
+    for i in range(20):
+        log.record([bytes([i]) * 32], 16, CHUNK_TOKENS, i)
+    log.close()
+    assert single.read_text() == "precious, put here after the start\n"
+    assert log.dropped > 0 and log.write_errors >= 1
+
+
+def test_the_sidecar_refuses_an_access_log_path_that_is_a_file_of_its_disk_tier(tmp_path):
+    """Audit: --access-log-path naming one of the disk tier's RocksDB table files appended the log to it."""
+    sst = tmp_path / "000009.sst"
+    sst.write_bytes(b"\x00" * 64 + os.urandom(4000))
+    before = sst.read_bytes()
+    out = _refused_at_start(sst)
+    assert "not an access log" in out, out[-2000:]
+    assert sst.read_bytes() == before
 
 
 def test_the_log_comes_back_when_its_folder_reappears(sidecar_factory, tmp_path, caplog):

@@ -62,6 +62,50 @@ def test_read_trace_names_the_bad_line(tmp_path):
         traces.read_trace(str(path))
 
 
+@pytest.mark.parametrize("content, words", [
+    (b'{"timestamp":1,"input_length":1e999,"hash_ids":[1,2]}\n', r"input_length inf is not an integer"),
+    (b'{"timestamp":1,"input_length":32,"hash_ids":[1,2],"block_tokens":1e400}\n', r"block_tokens inf"),
+    (b'{"timestamp":1,"input_length":32,"hash_ids":[1e999]}\n', r"hash_ids\[\] inf"),
+    (b'{"timestamp":1,"input_length":32,"hash_ids":[1,2]}\n\xff\xfe\n', r"not UTF-8"),
+    (b'{"timestamp":1,"input_length":32,"hash_ids":"12"}\n', r"hash_ids '12' is not a list"),
+    (b'[1,2]\n', r"a JSON list, not an object"),
+    (b'{"timestamp":1,"input_length":32.5,"hash_ids":[1]}\n', r"input_length 32.5 is not an integer"),
+    (b'{"timestamp":1,"input_length":32,"hash_ids":[true]}\n', r"hash_ids\[\] True is not an integer"),
+    (b"[" * 100_000 + b"\n", r""),
+])
+def test_read_trace_refuses_bad_values_naming_the_line(tmp_path, content, words):
+    """Audit: 1e999 gave an uncaught OverflowError, non-UTF-8 bytes an error naming no line, a string of digits
+    was taken for a list of ids."""
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    line = content.count(b"\n")  # the bad record is the last line
+    with pytest.raises(ValueError, match=rf"bad.jsonl:{line}: not a Mooncake trace record .*{words}"):
+        traces.read_trace(str(path))
+
+
+def test_read_trace_reads_regular_files_only_and_bounds_a_line(tmp_path, monkeypatch):
+    """Audit: a FIFO hung the reader, /dev/zero grew its memory until MemoryError."""
+    import os
+
+    from promptcache.sidecar import trace
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/zero", str(tmp_path)):
+        with pytest.raises(ValueError, match="not a regular file|a directory"):
+            traces.read_trace(path)
+    with pytest.raises(ValueError, match="cannot be read"):
+        traces.read_trace(str(tmp_path / "missing.jsonl"))
+    monkeypatch.setattr(trace, "MAX_LINE_BYTES", 1000)
+    long = tmp_path / "long.jsonl"
+    long.write_bytes(b'{"timestamp":1,"input_length":32,"hash_ids":[1]}\n' + b" " * 5000)
+    with pytest.raises(ValueError, match=r"long.jsonl:2: line longer than 1000 bytes"):
+        traces.read_trace(str(long))
+    ok = tmp_path / "ok.jsonl"
+    ok.write_bytes(b'{"timestamp":1,"input_length":32.0,"hash_ids":[1,2],"block_tokens":16}\n\n')
+    assert [(r.input_length, r.hash_ids, r.block_tokens) for r in traces.read_trace(str(ok))] == [(32, [1, 2], 16)]
+
+
 def test_block_sizes_partial_last_block():
     r = traces.Request(0, 1100, 5, [1, 2, 3])
     assert traces.block_sizes(r) == [512, 512, 76]

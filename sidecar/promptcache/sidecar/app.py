@@ -236,7 +236,7 @@ class Sidecar:
                                 limiter=self.limiter)
                      for address in settings.bulk_addresses]
         self.warmup = Warmup(self.stack, self.spill, WarmupMetrics(metrics.registry), settings.warmup_seconds,
-                             settings.warmup_snapshot, cluster=self.cluster)
+                             settings.warmup_snapshot, cluster=self.cluster, max_chunk_bytes=settings.max_chunk_bytes)
         # what this node holds hottest, for the nodes that warm up from the cluster
         self.hot_lists = (HotListPublisher(self.cluster, tier, cluster_name(settings),
                                            settings.cluster_hot_list_seconds)

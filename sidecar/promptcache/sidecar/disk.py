@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import math
 import os
 import shutil
 import socket
@@ -140,6 +141,25 @@ def lock_holders(lock_path: str) -> list[int]:
         except (IndexError, ValueError):
             continue
     return pids
+
+
+def make_private_dirs(path: str) -> None:
+    """os.makedirs(path, exist_ok=True), each folder it creates 0700 (a disk tier holds every tenant's KV); a folder
+    that exists already is left as it is (its mode is its owner's choice)."""
+    path = os.path.abspath(path)
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        up = os.path.dirname(path)
+        if up == path:
+            break
+        path = up
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
 
 
 def payload_checksum(key: bytes, payload) -> int:
@@ -298,7 +318,7 @@ class DiskTier:
         import rocksdict as rd
 
         try:
-            os.makedirs(self.path, exist_ok=True)
+            make_private_dirs(self.path)
             self.plan = space_plan(self._volume_bytes())
             self._probe()
         except OSError as exc:
@@ -336,7 +356,7 @@ class DiskTier:
                     raise DiskTierError(self._in_use_message()) from None
                 aside = f"{self.path}.corrupt-{int(time.time())}"
                 os.rename(self.path, aside)
-                os.makedirs(self.path, exist_ok=True)
+                make_private_dirs(self.path)
                 log.error("disk tier %s: repair failed (%s); moved the old files to %s, starting empty",
                           self.path, exc2, aside)
                 self.open_report["quarantined"] = aside
@@ -542,11 +562,13 @@ class DiskTier:
         `pinned`: a priority hint had pinned it in memory (it is pinned again when it comes back)."""
         payload = bytes(payload)
         now = self.clock()
-        born = now if created is None else min(created, now)
+        # (times from a file or a peer: a NaN or infinite one would never compare as expired - clamped)
+        born = now if created is None or not math.isfinite(created) else min(created, now)
+        ttl = self.ttl if ttl_seconds is None or not math.isfinite(ttl_seconds) else ttl_seconds
+        seen = born if last_access is None or not math.isfinite(last_access) else min(max(last_access, born), now)
         e = DiskEntry(len(payload) + len(meta) + RECORD_OVERHEAD, len(payload), payload_checksum(key, payload),
-                      born, now + (self.ttl if ttl_seconds is None else ttl_seconds), bytes(meta), parent,
-                      born if last_access is None else min(max(last_access, born), now), max(0, int(hits)), owner,
-                      float(ttl_hint or 0.0), bool(pinned))
+                      born, now + ttl, bytes(meta), parent, seen, max(0, int(hits)), owner,
+                      float(ttl_hint) if ttl_hint and math.isfinite(ttl_hint) else 0.0, bool(pinned))
         with self._lock:
             if self._closed:
                 self.counters["put_rejected_closed"] += 1

@@ -267,7 +267,10 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default=DEFAULT_POLICY)
     ap.add_argument("--min-chunks", type=int, default=32, help="as --mrc-min-chunks (default 32)")
     args = ap.parse_args(argv)
-    reqs = trace.read_trace(args.trace)
+    try:
+        reqs = trace.read_trace(args.trace)
+    except ValueError as exc:  # names the file and the line
+        ap.exit(2, f"{ap.prog}: {exc}\n")
     reqs = reqs[:args.requests] if args.requests else reqs
     chunk = 1 << 20   # every chunk 1 MiB (the sidecar's chunks of one model are all alike)
     ws = len({k for r in reqs for k in r.hash_ids}) * chunk

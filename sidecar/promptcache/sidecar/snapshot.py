@@ -16,13 +16,25 @@ Format (version 1, little-endian):
            u64 payload xxh3 (seeded with the key, as the disk tier's), payload
   trailer  8s b"PCSNAPEN", u64 record count, u64 xxh3_64 of every byte before the trailer
 Records are hottest first, each chunk's ancestors before it. A reader verifies the whole file (magic, version,
-every record's framing and both checksums, the count and the file checksum) before it stores anything: a
-truncated, corrupt or foreign file is refused with a SnapshotError naming the file, and nothing of it is stored.
+every record's framing and both checksums, finite times, the count and the file checksum) before it stores
+anything: a truncated, corrupt or foreign file is refused with a SnapshotError naming the file, and nothing of it is
+stored. A record's payload is at most the largest chunk a sidecar holds (--max-chunk-bytes, default 256 MiB): a
+longer one is refused before anything is allocated, and a payload is verified in 1 MiB pieces, so reading a file
+takes bounded memory whatever it claims.
+
+Files: a snapshot is written to a temporary file made O_EXCL, mode 0600, in the output's folder (it holds every
+tenant's chunks), verified, then renamed into place. `export` refuses an --output inside a sidecar's data folder
+(the --data-dir it reads, or any RocksDB folder of a disk tier), and an existing file that is not a snapshot
+unless --force is given. `import` never drops what the data folder holds: it refuses a --disk-bytes below what is
+stored there, and when the file turns out bad while it is being stored, the records it stored are deleted again.
 """
 from __future__ import annotations
 
+import math
 import os
+import stat
 import struct
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -35,7 +47,9 @@ VERSION = 1
 _HEAD = struct.Struct("<8sI")
 _TIMES = struct.Struct("<dddIQQ")  # created, expires, last access, hits, payload length, payload xxh3
 _TRAILER = struct.Struct("<8sQQ")
-MAX_PAYLOAD = 1 << 34  # a length past this is a corrupt file, not a chunk
+MAX_CHUNK_BYTES = 256 << 20  # the sidecar's default --max-chunk-bytes (Settings.max_chunk_bytes): no chunk is larger
+FRAME_MAX_PAYLOAD = 1 << 34  # a length past this is a corrupt file whatever the limit (checking a written file)
+PIECE = 1 << 20  # a payload is hashed in pieces of this many bytes when it is only verified
 
 
 class SnapshotError(ValueError):
@@ -78,8 +92,11 @@ class _Reader:
         return b
 
 
-def _records(path: str, verify_only: bool) -> Iterator[Record]:
-    from promptcache.sidecar.disk import payload_checksum
+def _records(path: str, verify_only: bool, max_payload: int = MAX_CHUNK_BYTES,
+             limit_name: str = "--max-chunk-bytes", tally: list | None = None) -> Iterator[Record]:
+    """The file's records, each checked as it is read (the trailer at the end); with verify_only, nothing is
+    yielded and each payload is hashed in PIECE-sized reads, never held whole. A payload over `max_payload` is
+    refused before it is read. `tally` ([records, payload bytes]) counts the records checked."""
     from promptcache.sidecar.tiers.disk import decode_meta
 
     try:
@@ -127,39 +144,62 @@ def _records(path: str, verify_only: bool) -> Iterator[Record]:
             except UnicodeDecodeError:
                 raise SnapshotError(f"snapshot {path}: corrupt (record {count}: owner is not UTF-8)") from None
             created, expires, last, hits, length, chk = _TIMES.unpack(r.take(_TIMES.size, "record"))
-            if length > MAX_PAYLOAD or f.tell() + length > size:
+            for name, t in (("created", created), ("expires", expires), ("last access", last)):
+                if not math.isfinite(t):
+                    raise SnapshotError(f"snapshot {path}: corrupt (record {count}: {name} time {t} is not a "
+                                        "finite number)")
+            if length > max_payload:
+                raise SnapshotError(f"snapshot {path}: corrupt (record {count}: a payload of {length} bytes, more "
+                                    f"than the largest chunk a sidecar holds: {max_payload} bytes, {limit_name})")
+            if f.tell() + length > size:
                 raise SnapshotError(f"snapshot {path}: truncated (record {count}: payload of {length} bytes "
                                     "runs past the end)")
-            payload = r.take(length, "payload")
             decoded = decode_meta(meta)
             if decoded is None:
                 raise SnapshotError(f"snapshot {path}: corrupt (record {count}: chunk meta)")
-            if payload_checksum(key, payload) != chk or xxhash.xxh3_64_intdigest(payload) != decoded[4]:
+            seeded = xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(key))  # disk.payload_checksum, piece by piece
+            plain = xxhash.xxh3_64()
+            if verify_only:
+                payload = b""
+                left = length
+                while left:
+                    piece = r.take(min(left, PIECE), "payload")
+                    seeded.update(piece)
+                    plain.update(piece)
+                    left -= len(piece)
+            else:
+                payload = r.take(length, "payload")
+                seeded.update(payload)
+                plain.update(payload)
+            if seeded.intdigest() != chk or plain.intdigest() != decoded[4]:
                 raise SnapshotError(f"snapshot {path}: corrupt (record {count}: payload checksum mismatch)")
             count += 1
+            if tally is not None:
+                tally[0] += 1
+                tally[1] += length
             if not verify_only:
                 yield Record(key, meta, parent, owner, created, expires, last, hits, payload)
 
 
-def verify(path: str) -> int:
-    """Check the whole file; returns its record count. SnapshotError when it is not usable."""
-    return _tally(path)[0]
+def verify(path: str, max_payload: int = MAX_CHUNK_BYTES) -> int:
+    """Check the whole file (in bounded memory); returns its record count. SnapshotError when it is not usable."""
+    return _tally(path, max_payload)[0]
 
 
-def _tally(path: str) -> tuple[int, int]:
-    """Check the whole file; returns (records, payload bytes)."""
-    n = payload = 0
-    for r in _records(path, False):
-        n += 1
-        payload += len(r.payload)
-    return n, payload
+def _tally(path: str, max_payload: int = MAX_CHUNK_BYTES, limit_name: str = "--max-chunk-bytes") -> tuple[int, int]:
+    """Check the whole file, holding no payload; returns (records, payload bytes)."""
+    tally = [0, 0]
+    for _ in _records(path, True, max_payload, limit_name, tally):  # (yields nothing)
+        pass
+    return tally[0], tally[1]
 
 
-def read_snapshot(path: str) -> Iterator[Record]:
-    """The records of a verified file (verified whole first; each record is checked again as it is read, so a
-    file changed between the two reads stops at the first bad record, never serves it)."""
-    verify(path)
-    return _records(path, False)
+def read_snapshot(path: str, max_payload: int = MAX_CHUNK_BYTES) -> Iterator[Record]:
+    """The records of a verified file (verified whole first, in bounded memory; each record is checked again as it
+    is read, so a file changed between the two reads stops at the first bad record, never serves it). A payload
+    over `max_payload` (the sidecar's --max-chunk-bytes) is refused."""
+    verify(path, max_payload)
+    return _records(path, False, max_payload)
 
 
 def encode_stream(records) -> Iterator[bytes]:
@@ -178,13 +218,18 @@ def encode_stream(records) -> Iterator[bytes]:
 
 
 def write_pieces(path: str, pieces, verify_first: bool = False) -> tuple[int, int]:
-    """Write the byte strings `pieces` to `path` atomically (a temporary file renamed into place); with
+    """Write the byte strings `pieces` to `path` atomically: a temporary file made O_EXCL and 0600 in the same
+    folder (tempfile.mkstemp: an unpredictable name, never a link planted there), renamed into place; with
     verify_first, the whole file is verified (SnapshotError) before the rename. Returns (records, payload bytes)
     when verified, else (0, bytes written)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise SnapshotError(f"--output {path}: cannot create a file in {folder}: {exc.strerror or exc}") from None
     n = 0
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             for b in pieces:
                 f.write(b)
                 n += len(b)
@@ -193,7 +238,7 @@ def write_pieces(path: str, pieces, verify_first: bool = False) -> tuple[int, in
         tally = (0, n)
         if verify_first:
             try:
-                tally = _tally(tmp)
+                tally = _tally(tmp, FRAME_MAX_PAYLOAD, "the format's limit")
             except SnapshotError as exc:
                 raise SnapshotError(str(exc).replace(tmp, path)) from None
         os.replace(tmp, path)
@@ -204,6 +249,55 @@ def write_pieces(path: str, pieces, verify_first: bool = False) -> tuple[int, in
             pass
         raise
     return tally
+
+
+def _is_data_folder(folder: str) -> bool:
+    """Is `folder` a disk tier's RocksDB folder, or a sidecar's --data-dir (holding one in rocksdb/)?"""
+    def rocksdb(d: str) -> bool:
+        return os.path.isfile(os.path.join(d, "CURRENT")) and os.path.isfile(os.path.join(d, "IDENTITY"))
+    return rocksdb(folder) or rocksdb(os.path.join(folder, "rocksdb"))
+
+
+def check_output(path: str, data_dir: str | None = None, force: bool = False) -> None:
+    """SnapshotError unless `path` may be written: not inside `data_dir` (the folder an export reads) nor inside
+    any sidecar data folder or RocksDB folder (by its real path: links resolved), not a folder or a special file,
+    and, unless `force`, either absent or a snapshot already (its magic): any other file is not replaced."""
+    real = os.path.realpath(path)
+    if data_dir is not None:
+        d = os.path.realpath(data_dir)
+        if real == d or real.startswith(d.rstrip(os.sep) + os.sep):
+            raise SnapshotError(f"--output {path} is inside --data-dir {data_dir} (the disk tier being read: "
+                                "writing there would replace its files); name a file outside it")
+    folder = os.path.dirname(real)
+    while True:
+        if _is_data_folder(folder):
+            raise SnapshotError(f"--output {path} is inside {folder}, a sidecar's data folder (a disk tier's "
+                                "files: writing there would replace them); name a file outside it")
+        up = os.path.dirname(folder)
+        if up == folder:
+            break
+        folder = up
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise SnapshotError(f"--output {path}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise SnapshotError(f"--output {path} is a directory; name a file")
+    if not stat.S_ISREG(st.st_mode):
+        raise SnapshotError(f"--output {path} is not a regular file (a FIFO, socket or device); name a file")
+    if force:
+        return
+    try:
+        with open(real, "rb") as f:
+            head = f.read(len(MAGIC))
+    except OSError as exc:
+        raise SnapshotError(f"--output {path} exists and cannot be read to check it is a snapshot "
+                            f"({exc.strerror or exc}); not replaced (--force replaces it)") from None
+    if head[:6] != MAGIC[:6]:
+        raise SnapshotError(f"--output {path} exists and is not a PromptCache snapshot; not replaced (--force "
+                            "replaces it)")
 
 
 def write_snapshot(path: str, records) -> tuple[int, int]:
@@ -298,10 +392,11 @@ def _open_disk(data_dir: str, budget: int):
     return DiskTier(os.path.join(data_dir, "rocksdb"), budget, lock_wait_seconds=0.0, min_free_bytes=0)
 
 
-def export(data_dir: str, out: str, max_bytes: int) -> tuple[int, int]:
+def export(data_dir: str, out: str, max_bytes: int, force: bool = False) -> tuple[int, int]:
     """The hottest `max_bytes` of payload (0: all) in the disk tier of `data_dir` to the file `out`: first what the
     memory tier held at the sidecar's last graceful stop (the resident list it wrote then, left in place), then the
-    rest hottest first."""
+    rest hottest first. `out` is checked first (check_output)."""
+    check_output(out, data_dir, force)
     if not os.path.isdir(os.path.join(data_dir, "rocksdb")):
         raise SnapshotError(f"--data-dir {data_dir}: no disk tier there (no rocksdb folder)")
     disk = _open_disk(data_dir, 1 << 60)  # no record is dropped over a budget
@@ -327,30 +422,46 @@ def export(data_dir: str, out: str, max_bytes: int) -> tuple[int, int]:
         disk.close()
 
 
-def import_into_disk(path: str, data_dir: str, budget: int) -> tuple[int, int]:
+def import_into_disk(path: str, data_dir: str, budget: int, max_payload: int = MAX_CHUNK_BYTES) -> tuple[int, int]:
     """Put a verified snapshot's records into the disk tier of `data_dir` (budget `budget`), in the file's order
-    (hottest first) until the next would not fit; what is there already stays. Returns (records, bytes)."""
+    (hottest first) until the next would not fit; what is there already stays: the tier is opened over any budget
+    (its rebuild drops nothing that fits no budget), and a folder already holding more than `budget` is refused.
+    When the file turns out bad while it is stored (changed since it was verified), the records stored from it
+    are deleted again before the SnapshotError: nothing of a refused file stays. Returns (records, bytes)."""
     from promptcache.sidecar.disk import RECORD_OVERHEAD
 
-    records = read_snapshot(path)
-    disk = _open_disk(data_dir, budget)
+    records = read_snapshot(path, max_payload)
+    disk = _open_disk(data_dir, 1 << 60)  # nothing stored is dropped for a budget at open
     count = nbytes = 0
+    written: list[bytes] = []
     try:
+        if disk.used > budget:
+            raise SnapshotError(f"--data-dir {data_dir} already holds {disk.used} bytes, more than --disk-bytes "
+                                f"{budget}; nothing imported (name the sidecar's --disk-bytes: a smaller budget "
+                                "would drop what it holds)")
         now = time.time()
-        for r in records:
-            if r.expires <= now or disk.entry(r.key) is not None:
+        full = False
+        for r in records:  # read to its end even when full: the file is checked whole again (its trailer)
+            if full or r.expires <= now or disk.entry(r.key) is not None:
                 continue
-            if disk.used + len(r.payload) + len(r.meta) + RECORD_OVERHEAD > disk.budget:
-                break
+            if disk.used + len(r.payload) + len(r.meta) + RECORD_OVERHEAD > min(budget, disk._effective_budget()):
+                full = True
+                continue
             for _ in range(2):
                 if disk.put(r.key, r.payload, meta=r.meta, parent=r.parent, ttl_seconds=r.expires - now,
                             created=r.created, last_access=r.last_access, hits=r.hits, owner=r.owner):
+                    written.append(r.key)
                     count += 1
                     nbytes += len(r.payload)
                     break
                 disk.flush()  # the write queue was full
         if not disk.flush(timeout=600):
             raise SnapshotError(f"--data-dir {data_dir}: the disk tier did not finish its writes")
+    except BaseException:
+        for key in written:  # what this run stored of a file it refuses
+            disk.delete(key)
+        disk.flush(timeout=600)
+        raise
     finally:
         disk.close()
     return count, nbytes
@@ -387,6 +498,8 @@ def add_arguments(sub) -> None:
     p.add_argument("--output", required=True, help="snapshot file to write")
     p.add_argument("--max-bytes", type=parse_bytes, default=0, help="at most this many payload bytes, hottest "
                    "first (a quantity such as 4Gi; 0: everything)")
+    p.add_argument("--force", action="store_true", help="replace an existing --output that is not a snapshot "
+                   "(a file inside a sidecar's data folder is refused even so)")
     p.set_defaults(admin_run=_run_export)
     p = sub.add_parser("import", help="verify a snapshot file and put it into a (stopped) sidecar's disk tier",
                        description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
@@ -394,6 +507,8 @@ def add_arguments(sub) -> None:
     p.add_argument("--data-dir", help="the sidecar's --data-dir (required unless --verify-only)")
     p.add_argument("--disk-bytes", type=parse_bytes, help="the sidecar's --disk-bytes (required unless "
                    "--verify-only)")
+    p.add_argument("--max-chunk-bytes", type=parse_bytes, default=MAX_CHUNK_BYTES, help="the sidecar's "
+                   "--max-chunk-bytes: a record with a larger payload is refused (default 256Mi, the sidecar's)")
     p.add_argument("--verify-only", action="store_true", help="only check the file")
     p.set_defaults(admin_run=_run_import)
 
@@ -411,7 +526,7 @@ def _run_export(args) -> int:
     t = time.monotonic()
     try:
         if args.data_dir:
-            n, b = export(args.data_dir, args.output, args.max_bytes)
+            n, b = export(args.data_dir, args.output, args.max_bytes, args.force)
         else:
             n, b = export_live(args)
     except (SnapshotError, DiskTierError, OSError, CredentialError, ValueError) as exc:
@@ -429,6 +544,7 @@ def export_live(args) -> tuple[int, int]:
 
     _check_flags(args)
     _check_credentials(args)
+    check_output(args.output, None, getattr(args, "force", False))
     with _client(args) as client:
         return write_pieces(args.output, client.export(args.max_bytes, timeout=args.timeout), verify_first=True)
 
@@ -442,15 +558,18 @@ def _run_import(args) -> int:
     if problem:
         print(f"promptcache import: {args.snapshot}: {problem}", flush=True)
         return 2
+    if args.max_chunk_bytes <= 0:
+        print(f"promptcache import: --max-chunk-bytes must be positive, got {args.max_chunk_bytes}", flush=True)
+        return 2
     t = time.monotonic()
     try:
         if args.verify_only:
-            print(f"{args.snapshot}: {verify(args.snapshot)} chunks, verified", flush=True)
+            print(f"{args.snapshot}: {verify(args.snapshot, args.max_chunk_bytes)} chunks, verified", flush=True)
             return 0
         if not args.data_dir or not args.disk_bytes:
             print("promptcache import: --data-dir and --disk-bytes (positive) are required", flush=True)
             return 2
-        n, b = import_into_disk(args.snapshot, args.data_dir, args.disk_bytes)
+        n, b = import_into_disk(args.snapshot, args.data_dir, args.disk_bytes, args.max_chunk_bytes)
     except (SnapshotError, DiskTierError, OSError) as exc:
         return _fail(exc)
     print(f"imported {n} chunks ({b} bytes) from {args.snapshot} in {time.monotonic() - t:.2f} s", flush=True)

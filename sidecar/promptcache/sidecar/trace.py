@@ -16,6 +16,9 @@ Pure and I/O-free but for read_trace and write_trace.
 from __future__ import annotations
 
 import json
+import math
+import os
+import stat
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -38,22 +41,72 @@ class Request:
         return json.dumps(d)
 
 
+MAX_LINE_BYTES = 64 << 20  # a longer line is refused (a record of a million-token prompt takes a few MB)
+
+
+def _int(d: dict, name: str, default: int | None = None) -> int:
+    """The integer field `name` of a record: a JSON integer (or a float with an integral, finite value)."""
+    if name not in d:
+        if default is None:
+            raise ValueError(f"no {name!r}")
+        return default
+    v = d[name]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} {v!r} is not an integer")
+    if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
+        raise ValueError(f"{name} {v!r} is not an integer")
+    return int(v)
+
+
 def read_trace(path: str) -> list[Request]:
-    """Read a Mooncake-format JSONL trace; raise ValueError naming the line of a malformed record."""
+    """Read a Mooncake-format JSONL trace (a regular file; lines of at most MAX_LINE_BYTES, UTF-8); raise ValueError
+    naming the file, and the line of a malformed record."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO without a writer never blocks)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as exc:
+        os.close(fd)
+        raise ValueError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, socket or device)"
+        raise ValueError(f"{path}: {what}; a trace is a JSONL file")
     out = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
+    with os.fdopen(fd, "rb") as f:
+        lineno = 0
+        while True:
+            lineno += 1
             try:
+                raw = f.readline(MAX_LINE_BYTES + 1)
+            except OSError as exc:
+                raise ValueError(f"{path}:{lineno}: cannot be read: {exc.strerror or exc}") from None
+            if not raw:
+                break
+            if len(raw) > MAX_LINE_BYTES:
+                raise ValueError(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes; not a Mooncake trace "
+                                 "record")
+            try:
+                line = raw.decode("utf-8").strip()
+                if not line:
+                    continue
                 d = json.loads(line)
-                ids = [int(h) for h in d["hash_ids"]]
-                req = Request(int(d.get("timestamp", 0)), int(d["input_length"]), int(d.get("output_length", 0)),
-                              ids, int(d.get("block_tokens", BLOCK_TOKENS)))
+                if not isinstance(d, dict):
+                    raise ValueError(f"a JSON {type(d).__name__}, not an object")
+                hash_ids = d["hash_ids"]
+                if not isinstance(hash_ids, list):
+                    raise ValueError(f"hash_ids {hash_ids!r} is not a list")
+                ids = [_int({"hash_ids[]": h}, "hash_ids[]") for h in hash_ids]
+                req = Request(_int(d, "timestamp", 0), _int(d, "input_length"), _int(d, "output_length", 0),
+                              ids, _int(d, "block_tokens", BLOCK_TOKENS))
                 if req.block_tokens <= 0:
                     raise ValueError(f"block_tokens {req.block_tokens} is not positive")
-            except (ValueError, KeyError, TypeError) as exc:
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not a Mooncake trace record (not UTF-8 text: byte "
+                                 f"{exc.start + 1} of the line)") from None
+            except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({exc})") from None
             out.append(req)
     return out

@@ -102,7 +102,7 @@ class Warmup:
     """Run once at start (start()); `ready` is set when it ends or its bound passes."""
 
     def __init__(self, stack, spill, metrics: WarmupMetrics, seconds: float, snapshot_path: str = "",
-                 clock=time.monotonic, cluster=None, wall_clock=time.time):
+                 clock=time.monotonic, cluster=None, wall_clock=time.time, max_chunk_bytes: int | None = None):
         self.stack = stack  # promptcache.sidecar.tiers.TierStack: what is warmed is promoted by it
         self.tier = stack.memory
         self.spill = spill  # the stack's disk tier (tiers.disk.DiskLowerTier), or None
@@ -111,6 +111,7 @@ class Warmup:
         self.metrics = metrics
         self.seconds = seconds
         self.snapshot_path = snapshot_path
+        self.max_chunk_bytes = max_chunk_bytes  # a snapshot's records are bounded by it (--max-chunk-bytes)
         self.clock = clock
         self.ready = threading.Event()
         self.done = threading.Event()
@@ -193,7 +194,8 @@ class Warmup:
         from promptcache.sidecar.snapshot import SnapshotError, as_record, read_snapshot
 
         try:
-            records = read_snapshot(self.snapshot_path)  # verified whole before anything is stored
+            # verified whole before anything is stored
+            records = read_snapshot(self.snapshot_path, *([self.max_chunk_bytes] if self.max_chunk_bytes else []))
         except SnapshotError as exc:
             self.report["error"] = str(exc)
             log.error("warm-up: %s; nothing of it was stored", exc)
