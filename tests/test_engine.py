@@ -299,3 +299,29 @@ def test_a_held_list_gets_the_chunk_yielded_last_when_the_reader_stops_early():
     assert len(queued) == 1 and queued[0].leases == 1
     e.release_leases(queued)
     assert all(entry.leases == 0 for entry in e.tier._entries.values())
+
+
+def test_an_entry_naming_another_fingerprint_than_its_key_gives_way_to_the_put_of_that_key():
+    """A key is derived from its model's fingerprint, so an entry under it that names another fingerprint can only
+    come from a forged or damaged record (a snapshot imported or warmed up, the disk tier): it must not block the
+    prefix - before, every Put of that key was dropped (reported stored) and the rest of the prompt rejected."""
+    e = engine()
+    sent = chunks(SMALL, 3)
+
+    def put_all():
+        with e.put(ALICE, header(3)) as put:
+            for begin, blob in sent:
+                put.begin_chunk(begin)
+                put.add_data(blob)
+            return put.commit()
+
+    assert put_all().stored_chunks == 3
+    entries = list(e.tier._entries.values())
+    fingerprint = entries[0].fingerprint
+    e.tier.delete([x.key for x in entries[1:]], fingerprint, reason="delete")
+    forged = entries[0]
+    forged.fingerprint = bytes(32)  # what a forged snapshot record under this key carries
+    result = put_all()
+    assert (result.stored_chunks, result.skipped_chunks, result.rejected_chunks) == (3, 0, 0)
+    assert forged.key not in e.tier._entries or e.tier._entries[forged.key] is not forged
+    assert {x.fingerprint for x in e.tier._entries.values()} == {fingerprint} and len(e.tier._entries) == 3

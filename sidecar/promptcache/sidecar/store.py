@@ -548,6 +548,12 @@ class MemoryTier:
             self._let_go()  # reserved became used (or was dropped): a shrink can now evict it
             existing = self._entries.get(key)
             own = data is reservation.host  # memory host_buffer gave it
+            if existing is not None and existing.fingerprint != fingerprint:
+                # A key is derived from its fingerprint: an entry under it that names another one came from a forged
+                # or damaged record (a snapshot, the disk tier) and blocked this prefix for good; the chunk computed
+                # for the key replaces it.
+                self._remove(existing, "checksum")
+                existing = None
             if existing is not None and existing.expires > now:
                 if own:
                     self._give_back(data, protectable, immutable, reservation.array, memfd)
