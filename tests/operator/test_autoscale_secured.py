@@ -103,3 +103,47 @@ def test_credentials_folder_from_the_chart_environment():
     env = {"PROMPTCACHE_OPERATOR_SIDECAR_CREDENTIALS_DIR": "/etc/promptcache-operator/sidecar-credentials"}
     assert autoscale.Config.from_env(env).credentials_dir == "/etc/promptcache-operator/sidecar-credentials"
     assert autoscale.Config.from_env({}).credentials_dir is None
+
+
+def _recording_server():
+    """A plaintext gRPC server on loopback answering Resize and recording each call's metadata."""
+    from concurrent import futures
+
+    import grpc
+    from promptcache.v1 import kvcache_pb2 as pb
+    seen: list[dict] = []
+
+    def handle(req, ctx):
+        seen.append(dict(ctx.invocation_metadata()))
+        return pb.ResizeResponse(previous_bytes=1, memory_bytes=req.memory_bytes)
+    handler = grpc.method_handlers_generic_handler("promptcache.v1.KVCache", {
+        "Resize": grpc.unary_unary_rpc_method_handler(handle, request_deserializer=pb.ResizeRequest.FromString,
+                                                      response_serializer=pb.ResizeResponse.SerializeToString)})
+    srv = grpc.server(futures.ThreadPoolExecutor(2))
+    srv.add_generic_rpc_handlers((handler,))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    return srv, f"127.0.0.1:{port}", seen
+
+
+@pytest.mark.parametrize("send", [True, False])
+def test_the_token_is_never_sent_in_plaintext(tmp_path, send):
+    """Whatever answers on a pod's port (a tenant's image: spec.image) never receives the operator's token over
+    plaintext gRPC (audit: token leak)."""
+    srv, target, seen = _recording_server()
+    try:
+        creds = credentials(tmp_path / "creds", token="OPERATOR-TOKEN\n")
+        autoscale.grpc_resize(target, 1 << 30, 5.0, tls=False, server_name=SERVICE, credentials_dir=creds,
+                              send_credentials=send)
+    finally:
+        srv.stop(0)
+    assert len(seen) == 1 and "authorization" not in seen[0]
+
+
+def test_resize_without_credentials_where_the_policy_says_so(secured, tmp_path):
+    """send_credentials=False (credentials_policy): no token, so a sidecar that authenticates refuses it."""
+    sidecar, pki = secured
+    creds = credentials(tmp_path / "creds", token="operator-token", ca_crt=pki.ca.pem)
+    with pytest.raises(autoscale.ResizeError, match="UNAUTHENTICATED"):
+        autoscale.grpc_resize(sidecar.address, 1 << 30, 5.0, tls=True, server_name=SERVICE, credentials_dir=creds,
+                              send_credentials=False)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from promptcache.operator import autoscale, fleet, tuning
 from promptcache.operator.builders import Capabilities, OperatorDefaults
 from promptcache.operator.fleet import Counters, Observation
@@ -194,3 +196,41 @@ def test_grow_resizes_only_pods_whose_own_limit_was_raised():
     assert out.decision.action == tuning.GROW
     assert [x for x in LOG if x.startswith("resize")] == [f"resize 10.0.0.1:50051 {6400 * Mi}"]
     assert "wait-limit pod-2" in out.steps
+
+
+# --- the operator's credentials go only to its own, authenticating, TLS-serving sidecars (audit: token leak) -----
+def _spec(**patch: Any):
+    from promptcache.operator.model import PromptCacheSpec
+    return PromptCacheSpec.from_dict({"model": {"name": "m", "revision": "r"}, "memory": {"host": "4Gi"}, **patch})
+
+
+TLS_TOKENS = {"tls": {"secretName": "tls"}, "tokens": {"secretName": "tokens"}}
+
+
+@pytest.mark.parametrize("patch,send,skip", [
+    ({}, False, None),                                                   # no authentication: Resize without
+    ({"security": {"tls": {"secretName": "tls"}}}, False, None),          # TLS, callers not authenticated
+    ({"security": TLS_TOKENS}, True, None),
+    ({"security": {"tls": {"secretName": "tls", "mutual": True}}}, True, None),
+    ({"security": TLS_TOKENS, "image": {"repository": OperatorDefaults().image_repository, "tag": "0.2.0"}},
+     True, None),
+    ({"security": {"tokens": {"secretName": "tokens"}}}, False, "serve without TLS"),
+    ({"security": TLS_TOKENS, "image": {"repository": "registry.example/x"}}, False, "registry.example/x"),
+])
+def test_credentials_policy(patch, send, skip):
+    got_send, got_skip = autoscale.credentials_policy(_spec(**patch), OperatorDefaults())
+    assert got_send is send
+    assert (got_skip is None) if skip is None else (skip in got_skip)
+
+
+def test_a_tenant_image_gets_no_resize_and_an_event_says_why():
+    """The default resizer of a secured cache running an image of its creator's choice dials nothing."""
+    kube = FakeKube(vpa=False)
+    b = body(8 * Gi)
+    b["spec"].update(security=TLS_TOKENS, image={"repository": "registry.example/x"})
+    LOG.clear()
+    out = autoscale.tick(kube, b, unscraped(), CFG, OperatorDefaults(), None, source=FixedSource(IDLE, 8 * Gi))
+    assert out.decision.action == tuning.SHRINK and out.errors and all("not sent" in e for e in out.errors)
+    assert [e["reason"] for e in kube.events] == ["ResizeSkipped", "ResizeFailed"]
+    assert "registry.example/x" in kube.events[0]["message"]
+    assert not any(x.startswith("apply") for x in LOG)

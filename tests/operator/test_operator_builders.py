@@ -845,3 +845,60 @@ def test_annotation_keys_are_checked_as_the_api_server_does():
     with pytest.raises(SpecError, match="spec.pod.annotations: more than"):
         PromptCacheSpec.from_dict({**BASE, "pod": {"annotations": {"note": "\u20ac" * 100_000}}})
     PromptCacheSpec.from_dict({**BASE, "pod": {"annotations": {"note": "x" * 100_000}}})
+
+
+# --- what a PromptCache's creator may put into the pods (audit: pod scheduling / annotations, spec.image) --------
+@pytest.mark.parametrize("key", ["container.apparmor.security.beta.kubernetes.io/sidecar",
+                                 "seccomp.security.alpha.kubernetes.io/pod", "sidecar.istio.io/inject",
+                                 "istio.io/rev", "proxy.istio.io/config", "traffic.sidecar.istio.io/excludePorts",
+                                 "cluster-autoscaler.kubernetes.io/safe-to-evict", "config.linkerd.io/skip-ports"])
+def test_security_relevant_pod_annotations_are_refused(key):
+    with pytest.raises(SpecError, match=f"spec.pod.annotations may not set {re.escape(key)}"):
+        PromptCacheSpec.from_dict({**example("minimal")["spec"], "pod": {"annotations": {key: "x"}}})
+
+
+def test_other_pod_annotations_are_kept():
+    spec = PromptCacheSpec.from_dict({**example("minimal")["spec"], "pod": {"annotations": {
+        "example.com/owner": "ml", "notistio.io/x": "y"}}})
+    assert spec.pod.annotations == {"example.com/owner": "ml", "notistio.io/x": "y"}
+
+
+@pytest.mark.parametrize("pc", ["system-node-critical", "system-cluster-critical"])
+def test_system_priority_classes_need_the_operators_policy(pc):
+    spec = PromptCacheSpec.from_dict({**example("minimal")["spec"], "placement": {"priorityClassName": pc}})
+    with pytest.raises(SpecError, match=f"spec.placement.priorityClassName {pc} is not allowed.*"
+                                        "allowedSystemPriorityClasses"):
+        builders.check_operator_policy(spec, OperatorDefaults())
+    builders.check_operator_policy(spec, OperatorDefaults(system_priority_classes=(pc,)))
+    env = {"PROMPTCACHE_OPERATOR_SYSTEM_PRIORITY_CLASSES": f" {pc},system-x "}
+    assert OperatorDefaults.from_env(env).system_priority_classes == (pc, "system-x")
+    assert OperatorDefaults.from_env({}).system_priority_classes == ()
+
+
+@pytest.mark.parametrize("allowed,repo,ok", [
+    (None, None, True),                                                  # the operator's image
+    (None, OperatorDefaults().image_repository, True),
+    (None, "registry.example/x", False),                                  # default: only the operator's image
+    (None, OperatorDefaults().image_repository + "-evil", False),
+    (("registry.corp/ml/",), "registry.corp/ml/cache", True),
+    (("registry.corp/ml",), "registry.corp/mlx/cache", False),
+    (("registry.corp/ml",), OperatorDefaults().image_repository, True),   # the operator's own always
+    ((), "registry.example/x", True),                                     # empty: any
+])
+def test_image_repositories_the_operator_allows(allowed, repo, ok):
+    spec = PromptCacheSpec.from_dict({**example("minimal")["spec"], **({"image": {"repository": repo}} if repo
+                                                                        else {})})
+    defaults = OperatorDefaults(image_repositories=allowed)
+    if ok:
+        builders.check_operator_policy(spec, defaults)
+    else:
+        with pytest.raises(SpecError, match=f"spec.image.repository {re.escape(repo)} is not allowed.*"
+                                            "allowedImageRepositories"):
+            builders.check_operator_policy(spec, defaults)
+
+
+def test_image_repositories_from_the_chart_environment():
+    assert OperatorDefaults.from_env({}).image_repositories is None
+    assert OperatorDefaults.from_env({"PROMPTCACHE_OPERATOR_IMAGE_REPOSITORIES": ""}).image_repositories == ()
+    env = {"PROMPTCACHE_OPERATOR_IMAGE_REPOSITORIES": "registry.corp/ml/, ghcr.io/x"}
+    assert OperatorDefaults.from_env(env).image_repositories == ("registry.corp/ml/", "ghcr.io/x")

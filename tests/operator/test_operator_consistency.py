@@ -257,3 +257,11 @@ def test_chart_patterns_agree_with_the_crd():
     assert schema["cacheAlerts"]["properties"]["for"]["pattern"] == crd["alerts"]["properties"]["for"]["pattern"]
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert model._IMAGE_REPOSITORY.fullmatch(values["sidecarImage"]["repository"])
+
+
+def test_crd_refuses_the_pod_annotations_the_model_refuses():
+    """The CRD's rule on spec.pod.annotations matches keys with the model's pattern (CEL string: '\\' doubled)."""
+    rules = [v["rule"] for v in spec_schema()["properties"]["pod"]["properties"]["annotations"]
+             ["x-kubernetes-validations"]]
+    cel = model.RESERVED_POD_ANNOTATION_PATTERN.replace("\\", "\\\\")
+    assert f"!self.exists(k, k.matches('{cel}'))" in rules

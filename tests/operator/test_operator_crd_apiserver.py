@@ -295,3 +295,18 @@ def test_kubectl_apply_invalid_names_the_field(kubectl, crd, namespace, tmp_path
     out = kubectl("apply", "-n", namespace, "-f", str(path), check=False)
     assert out.returncode != 0
     assert "spec.cachePolicy.chunkTokens" in out.stderr and "spec.cachePolicy.ttlSeconds" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("key,ok", [("sidecar.istio.io/inject", False), ("istio.io/rev", False),
+                                    ("container.apparmor.security.beta.kubernetes.io/sidecar", False),
+                                    ("seccomp.security.alpha.kubernetes.io/pod", False),
+                                    ("cluster-autoscaler.kubernetes.io/safe-to-evict", False),
+                                    ("example.com/owner", True)])
+def test_crd_refuses_security_relevant_pod_annotations(kube, crd, namespace, key, ok):
+    doc = example("minimal")
+    doc["spec"]["pod"] = {"annotations": {key: "x"}}
+    if ok:
+        apply(kube, doc, namespace, dry_run=True)
+    else:
+        with pytest.raises(ApiError, match="spec.pod.annotations may not set keys under"):
+            apply(kube, doc, namespace, dry_run=True)

@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeKube:
-    def __init__(self, caps=Capabilities(), pc_exists=True, fail_kind=None):
+    def __init__(self, caps=Capabilities(), pc_exists=True, fail_kind=None, objects=None):
         self.caps = caps
+        self.objects: dict[str, dict] = dict(objects or {})  # "Kind/name" -> what the API server holds
         self.pc_exists = pc_exists
         self.fail_kind = fail_kind
         self.applied: list[str] = []
@@ -30,9 +31,15 @@ class FakeKube:
         if obj["kind"] == self.fail_kind:
             raise ApiError(422, '{"message": "boom"}')
         self.applied.append(builders.child_key(obj))
+        self.objects[builders.child_key(obj)] = obj
         return {**obj, "metadata": {**obj["metadata"], "generation": 1}}
 
-    def delete(self, api_version, kind, namespace, name):
+    def get(self, api_version, kind, namespace, name):
+        return self.objects.get(f"{kind}/{name}")
+
+    def delete(self, api_version, kind, namespace, name, uid=None):
+        if self.objects.pop(f"{kind}/{name}", None) is None:
+            return False
         self.deleted.append(f"{kind}/{name}")
         return True
 
@@ -96,8 +103,17 @@ def test_requested_autoscaling_without_vpa_crd_is_degraded_but_unrequested_is_no
     assert c["Degraded"]["status"] == "False" and c["Autoscaling"]["reason"] == "CRDNotInstalled"
 
 
+def owned(kind, name, uid="u-1", controller=True):
+    """An object as the API server holds it: controlled by the PromptCache `uid` (None: no ownerReference)."""
+    refs = [{"apiVersion": "promptcache.io/v1alpha1", "kind": "PromptCache", "name": "x", "uid": uid,
+             "controller": controller}] if uid else []
+    return {"kind": kind, "metadata": {"name": name, "namespace": "ns", "uid": f"obj-{kind}-{name}",
+                                       "ownerReferences": refs}}
+
+
 def test_disabled_alerts_prune_the_rule():
-    k = FakeKube(caps=Capabilities(vpa=True, service_monitor=True, prometheus_rule=True))
+    k = FakeKube(caps=Capabilities(vpa=True, service_monitor=True, prometheus_rule=True),
+                 objects={"PrometheusRule/llama-8b": owned("PrometheusRule", "llama-8b")})
     reconcile(k, body({"alerts": {"enabled": False}}))
     assert k.deleted == ["PrometheusRule/llama-8b"]
     assert "PrometheusRule/llama-8b" not in k.applied and "VerticalPodAutoscaler/llama-8b" in k.applied
@@ -117,7 +133,7 @@ def test_cluster_tier_runs_a_master_reports_it_and_prunes_it_when_turned_off():
     assert {f"Deployment/{master}", f"Service/{master}"} <= set(k.applied)
     status = k.status_writes[-1]
     assert status["clusterMasterReady"] is False  # the fake's Deployment reports no ready replica
-    k2 = FakeKube()
+    k2 = FakeKube(objects=k.objects)
     reconcile(k2, body({"cluster": {"enabled": False}}, status=status))
     assert k2.deleted == [f"Deployment/{master}", f"Service/{master}"]
     assert k2.status_writes[-1]["clusterMasterReady"] is None
@@ -214,3 +230,45 @@ def test_pod_security_refusal_makes_the_cache_degraded_not_ready_and_says_what_z
     assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "PodSecurityViolation")
     assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "PodSecurityViolation")
     assert "violates PodSecurity" in c["Ready"]["message"]
+
+
+# --- objects this PromptCache did not create (audit: name collisions, pruning by name) ---------------------------
+def test_name_conflict_leaves_foreign_objects_untouched_and_reports_them():
+    """An admin's ResourceQuota, a Service of another PromptCache and an unowned ConfigMap holding the children's
+    names are neither applied over (no rewrite, no ownerReference for the garbage collector) nor fatal for the
+    other children; the status names each (Degraded/NameConflict, not Ready)."""
+    foreign = {"ResourceQuota/llama-8b-quota": owned("ResourceQuota", "llama-8b-quota", uid=None),
+               "Service/llama-8b": owned("Service", "llama-8b", uid="someone-else"),
+               "ConfigMap/llama-8b-config": owned("ConfigMap", "llama-8b-config", uid="u-1", controller=False)}
+    k = FakeKube(objects=foreign)
+    out = reconcile(k, body())
+    assert sorted(k.applied) == ["DaemonSet/llama-8b", "Service/llama-8b-metrics"]
+    assert all(k.objects[key] is foreign[key] for key in foreign)  # untouched
+    c = conds(out.status)
+    assert c["Degraded"]["status"] == "True" and c["Degraded"]["reason"] == "NameConflict"
+    assert c["Ready"]["status"] == "False" and c["Ready"]["reason"] == "NameConflict"
+    for key in foreign:
+        assert key in c["Degraded"]["message"]
+    assert "controlled by PromptCache x" in c["Degraded"]["message"]
+    assert out.status["children"] == ["DaemonSet/llama-8b", "Service/llama-8b-metrics"]
+
+
+def test_children_this_promptcache_controls_are_applied_over():
+    mine = {"Service/llama-8b": owned("Service", "llama-8b")}
+    out = reconcile(FakeKube(objects=mine), body())
+    assert not out.conflicts and conds(out.status)["Degraded"]["status"] == "False"
+
+
+def test_pruning_deletes_only_what_this_promptcache_controls():
+    """Alerts off / cluster tier off: a PrometheusRule, ServiceMonitor or master of the same name that this
+    PromptCache does not control stays."""
+    caps = Capabilities(vpa=True, service_monitor=True, prometheus_rule=True)
+    master = "llama-8b-mooncake-master"
+    foreign = {"PrometheusRule/llama-8b": owned("PrometheusRule", "llama-8b", uid=None),
+               f"Deployment/{master}": owned("Deployment", master, uid="someone-else"),
+               f"Service/{master}": owned("Service", master, uid="u-1", controller=False)}
+    k = FakeKube(caps=caps, objects=foreign)
+    status = {"children": [f"Deployment/{master}", f"Service/{master}"]}
+    out = reconcile(k, body({"alerts": {"enabled": False}}, status=status))
+    assert k.deleted == [] and out.deleted == []
+    assert all(k.objects[key] is foreign[key] for key in foreign)

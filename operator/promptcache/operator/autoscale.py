@@ -27,8 +27,9 @@ from typing import Any, Callable
 
 from . import builders, fleet as fleet_, tuning
 from .builders import Capabilities, OperatorDefaults, Owner
+from . import kube as kube_
 from .kube import ApiError, Kube
-from .model import GROUP, KIND, VERSION, PromptCacheSpec, SpecError, quantity_bytes
+from .model import GROUP, KIND, VERSION, PromptCacheSpec, SpecError, isolated_identity, quantity_bytes
 
 log = logging.getLogger("promptcache.operator")
 UPDATE_MODES = ("InPlaceOrRecreate", "Initial", "Recreate", "Auto")
@@ -183,14 +184,38 @@ def _credential(directory: str | None, name: str) -> bytes | None:
         raise ResizeError(f"reading {name} of the sidecar credentials ({directory}): {exc.strerror}") from None
 
 
+def credentials_policy(spec: PromptCacheSpec, defaults: OperatorDefaults) -> tuple[bool, str | None]:
+    """Pure: (whether a Resize to this cache's sidecars carries the operator's credentials, why this cache's
+    Resizes are skipped or None). The credentials (chart sidecarCredentials: a token and client certificate that
+    are an admin tenant of every cache that authenticates) go only where the sidecars authenticate callers
+    (model.isolated_identity: a tokens Secret or mTLS), over TLS, and only to pods running the operator's own
+    sidecar image: a PromptCache's spec.image is its creator's choice, and whatever listens on the pod's port
+    would receive them. A cache whose sidecars do not authenticate gets its Resize without them (it needs none);
+    one that authenticates otherwise is skipped (docs/autoscaling.md, docs/security.md)."""
+    sec = spec.security
+    if not isolated_identity(sec):
+        return False, None
+    if sec.tls is None:
+        return False, ("the sidecars authenticate callers (spec.security.tokens) but serve without TLS "
+                       "(spec.security.tls): the operator does not send its credentials in plaintext")
+    repo = spec.image.repository or defaults.image_repository
+    if repo != defaults.image_repository:
+        return False, (f"the sidecars run spec.image.repository {repo}, not the operator's sidecar image "
+                       f"{defaults.image_repository}: the operator sends its credentials only to its own image")
+    return True, None
+
+
 def grpc_resize(target: str, budget_bytes: int, timeout: float, *, tls: bool = False,
-                server_name: str | None = None, credentials_dir: str | None = None) -> dict[str, int]:
+                server_name: str | None = None, credentials_dir: str | None = None,
+                send_credentials: bool = True) -> dict[str, int]:
     """promptcache.v1.KVCache/Resize(memory_bytes) -> {previous_bytes, memory_bytes, evicted_chunks, bytes_used}.
 
     With `tls`, the sidecar's certificate is verified against ca.crt of `credentials_dir` (the system roots without
     it) for `server_name` (the cache's Service name: pods are dialled by IP), and tls.crt/tls.key are presented
-    for mTLS; a token file becomes the bearer token. The operator's tenant must be in the sidecars'
-    --admin-tenants (the operator sets it on every cache that authenticates)."""
+    for mTLS; a token file becomes the bearer token, sent only over TLS (never in plaintext). With
+    `send_credentials` False (credentials_policy) neither token nor client certificate is sent; ca.crt still
+    verifies the sidecar. The operator's tenant must be in the sidecars' --admin-tenants (the operator sets it on
+    every cache that authenticates)."""
     try:  # the operator's only gRPC use; imported here so the rest runs without grpcio or protobuf
         import grpc
         from promptcache.v1 import kvcache_pb2 as pb
@@ -202,12 +227,14 @@ def grpc_resize(target: str, budget_bytes: int, timeout: float, *, tls: bool = F
         request = pb.ResizeRequest(memory_bytes=budget_bytes)
     except (TypeError, ValueError) as exc:   # not an int64
         raise ResizeError(f"{target}: budget {budget_bytes!r}: {exc}") from None
-    token = _credential(credentials_dir, "token")
+    token = _credential(credentials_dir, "token") if tls and send_credentials else None
     metadata = [("authorization", "Bearer " + token.decode().strip())] if token else None
     if tls:
+        own = send_credentials
         creds = grpc.ssl_channel_credentials(root_certificates=_credential(credentials_dir, "ca.crt"),
-                                             private_key=_credential(credentials_dir, "tls.key"),
-                                             certificate_chain=_credential(credentials_dir, "tls.crt"))
+                                             private_key=_credential(credentials_dir, "tls.key") if own else None,
+                                             certificate_chain=_credential(credentials_dir, "tls.crt") if own
+                                             else None)
         options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
         channel = grpc.secure_channel(target, creds, options=options)
     else:
@@ -252,10 +279,17 @@ def tick(kube: Kube, body: dict[str, Any], fleet: fleet_.Fleet, config: Config =
         return out
     if not spec.autoscaling.enabled:
         return out
-    if resizer is None:  # TLS and credentials as this cache's sidecars expect them
-        resizer = functools.partial(grpc_resize, tls=spec.security.tls is not None,
-                                    server_name=f"{owner.name}.{owner.namespace}.svc",
-                                    credentials_dir=config.credentials_dir)
+    if resizer is None:  # TLS and credentials as this cache's sidecars expect them, where credentials_policy allows
+        send, skip = credentials_policy(spec, defaults)
+        if skip:
+            def resizer(target: str, budget: int, timeout: float) -> dict[str, int]:
+                if "event ResizeSkipped" not in out.steps:
+                    _event(kube, owner, "Warning", "ResizeSkipped", f"Resize not sent: {skip}", out)
+                raise ResizeError(f"{target}: not sent: {skip}")
+        else:
+            resizer = functools.partial(grpc_resize, tls=spec.security.tls is not None,
+                                        server_name=f"{owner.name}.{owner.namespace}.svc",
+                                        credentials_dir=config.credentials_dir, send_credentials=send)
     status = body.get("status") or {}
     state = dict(status.get("autoscaling") or {})
     lo, hi = bounds(spec, config.overhead_bytes)
@@ -350,10 +384,12 @@ def _apply_limits(kube: Kube, owner: Owner, spec: PromptCacheSpec, caps: Capabil
     for c in children:
         if c["kind"] in kinds:
             try:
-                kube.apply(c)
+                kube_.apply_controlled(kube, c, owner.uid)
                 out.steps.append(f"apply {c['kind']}")
             except ApiError as exc:
                 out.errors.append(f"apply {c['kind']}: {exc.message}")
+            except kube_.NameConflict as exc:   # reported by reconcile (Degraded NameConflict)
+                out.errors.append(exc.message)
 
 
 def _patch_status(kube: Kube, owner: Owner, state: dict[str, Any], out: Outcome) -> None:

@@ -78,6 +78,12 @@ class OperatorDefaults:
     # Node directories a PromptCache's spec.zeroCopy.hostPath may be or be under (chart value
     # zeroCopy.allowedHostPaths); empty: zero copy is refused.
     zero_copy_host_paths: tuple[str, ...] = DEFAULT_ZERO_COPY_HOST_PATHS
+    # PriorityClasses named system-* (system-node-critical, system-cluster-critical) a PromptCache may use (chart
+    # value allowedSystemPriorityClasses); default none: they outrank and preempt the cluster's own components.
+    system_priority_classes: tuple[str, ...] = ()
+    # Image repositories (prefixes) a PromptCache's spec.image.repository may be or be under (chart value
+    # allowedImageRepositories). None: only image_repository (the operator's own sidecar image); (): any.
+    image_repositories: tuple[str, ...] | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "OperatorDefaults":
@@ -92,6 +98,12 @@ class OperatorDefaults:
             zero_copy_host_paths=(tuple(p.strip().rstrip("/") or "/" for p in
                                         env["PROMPTCACHE_OPERATOR_ZERO_COPY_HOST_PATHS"].split(",") if p.strip())
                                   if "PROMPTCACHE_OPERATOR_ZERO_COPY_HOST_PATHS" in env else d.zero_copy_host_paths),
+            system_priority_classes=tuple(p.strip() for p in
+                                          env.get("PROMPTCACHE_OPERATOR_SYSTEM_PRIORITY_CLASSES", "").split(",")
+                                          if p.strip()),
+            image_repositories=(tuple(p.strip() for p in env["PROMPTCACHE_OPERATOR_IMAGE_REPOSITORIES"].split(",")
+                                      if p.strip())
+                                if "PROMPTCACHE_OPERATOR_IMAGE_REPOSITORIES" in env else d.image_repositories),
         )
 
 
@@ -251,9 +263,27 @@ def socket_host_dir(spec: PromptCacheSpec, owner: Owner) -> str | None:
     return f"{spec.zeroCopy.hostPath}/{owner.namespace}.{owner.name}"
 
 
+def _under(value: str, prefixes: tuple[str, ...]) -> bool:
+    return any(value == p.rstrip("/") or value.startswith(p.rstrip("/") + "/") for p in prefixes)
+
+
 def check_operator_policy(spec: PromptCacheSpec, defaults: OperatorDefaults) -> None:
     """What the cluster's operator allows beyond the CRD (chart values): spec.zeroCopy.hostPath must be one of
-    zeroCopy.allowedHostPaths or under one. Raises SpecError (the PromptCache's InvalidSpec condition)."""
+    zeroCopy.allowedHostPaths or under one; a system-* spec.placement.priorityClassName must be in
+    allowedSystemPriorityClasses; spec.image.repository must be the operator's sidecar image or under one of
+    allowedImageRepositories. Raises SpecError (the PromptCache's InvalidSpec condition)."""
+    pc = spec.placement.priorityClassName
+    if pc.startswith("system-") and pc not in defaults.system_priority_classes:
+        raise SpecError(f"spec.placement.priorityClassName {pc} is not allowed by this operator: system-* "
+                        "PriorityClasses outrank the cluster's own components (chart value "
+                        "allowedSystemPriorityClasses)")
+    repo = spec.image.repository
+    allowed_repos = (defaults.image_repository,) if defaults.image_repositories is None \
+        else defaults.image_repositories
+    if repo is not None and repo != defaults.image_repository and allowed_repos \
+            and not _under(repo, allowed_repos):
+        raise SpecError(f"spec.image.repository {repo} is not allowed by this operator: it must be, or be under, "
+                        f"{', '.join(allowed_repos)} (chart value allowedImageRepositories)")
     path = spec.zeroCopy.hostPath
     if path is None:
         return

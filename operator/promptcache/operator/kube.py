@@ -31,6 +31,53 @@ PLURALS = {
 }
 
 
+def controller_uid(obj: dict[str, Any] | None) -> str | None:
+    """The uid of `obj`'s controller ownerReference, or None."""
+    for ref in ((obj or {}).get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return ref.get("uid")
+    return None
+
+
+class NameConflict(Exception):
+    """A child's name is taken by an object this PromptCache does not control: it is left untouched."""
+
+    def __init__(self, key: str, existing: dict[str, Any]):
+        self.key = key
+        ref = next((r for r in (existing.get("metadata") or {}).get("ownerReferences") or [] if r.get("controller")),
+                   None)
+        held = f"controlled by {ref.get('kind')} {ref.get('name')}" if ref else "not created by this PromptCache"
+        self.message = (f"{key} already exists and is {held}: left untouched (rename the PromptCache, or delete "
+                        "or rename that object)")
+        super().__init__(self.message)
+
+
+def apply_controlled(kube: Any, obj: dict[str, Any], owner_uid: str) -> dict[str, Any]:
+    """Server-side apply (forced) of a child of the PromptCache `owner_uid`, only where no object of that name
+    exists or the existing one's controller ownerReference is that PromptCache: never over an object someone else
+    made (an admin's ResourceQuota, Service or ConfigMap whose name a tenant chose to collide with), which the
+    forced apply would rewrite and hand to the garbage collector. Raises NameConflict otherwise."""
+    md = obj["metadata"]
+    existing = kube.get(obj["apiVersion"], obj["kind"], md.get("namespace"), md["name"])
+    if existing is not None and controller_uid(existing) != owner_uid:
+        raise NameConflict(f"{obj['kind']}/{md['name']}", existing)
+    return kube.apply(obj)
+
+
+def delete_controlled(kube: Any, api_version: str, kind: str, namespace: str, name: str, owner_uid: str) -> bool:
+    """Delete the object only if its controller ownerReference is the PromptCache `owner_uid` (and only that very
+    object: a uid precondition); False when it is absent or someone else's."""
+    existing = kube.get(api_version, kind, namespace, name)
+    if existing is None or controller_uid(existing) != owner_uid:
+        return False
+    try:
+        return kube.delete(api_version, kind, namespace, name, uid=(existing.get("metadata") or {}).get("uid"))
+    except ApiError as exc:
+        if exc.status == 409:  # replaced meanwhile by another object of that name: not ours to delete
+            return False
+        raise
+
+
 class ApiError(Exception):
     def __init__(self, status: int, body: str, headers: dict[str, str] | None = None):
         self.status = status
@@ -107,7 +154,8 @@ class Kube:
     # -- objects ---------------------------------------------------------------------------------------------
     def apply(self, obj: dict[str, Any], with_headers: bool = False) -> Any:
         """Server-side apply with this operator's field manager; conflicts are forced (we own these fields).
-        Warnings the API server returns (Pod Security, deprecations) are logged."""
+        Warnings the API server returns (Pod Security, deprecations) are logged. Only for objects the caller
+        controls or that do not exist yet: a PromptCache's children go through apply_controlled()."""
         md = obj["metadata"]
         path = object_path(obj["apiVersion"], obj["kind"], md.get("namespace"), md["name"])
         got, headers, warnings = self.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
@@ -125,10 +173,14 @@ class Kube:
                 return None
             raise
 
-    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str,
+               uid: str | None = None) -> bool:
+        """`uid`: delete only that very object (a precondition: 409 when the name now holds another one)."""
+        body: dict[str, Any] = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
-            self.request("DELETE", object_path(api_version, kind, namespace, name),
-                         body={"propagationPolicy": "Background"})
+            self.request("DELETE", object_path(api_version, kind, namespace, name), body=body)
             return True
         except ApiError as exc:
             if exc.status == 404:

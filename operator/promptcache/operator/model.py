@@ -353,6 +353,17 @@ class LocalObjectReference:
 RESERVED_POD_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
                        "app.kubernetes.io/managed-by", f"{GROUP}/cache")
 RESERVED_POD_ANNOTATIONS = (f"{GROUP}/config-hash", f"{GROUP}/model")
+# Annotation key prefixes that change the pod's security or the cluster's treatment of it (AppArmor / seccomp
+# profiles, service-mesh injection and its settings, the cluster autoscaler's eviction): a PromptCache's creator
+# may not set them on the pods the operator creates (docs/security.md, "The operator"). The CRD's rule on
+# spec.pod.annotations matches keys with RESERVED_POD_ANNOTATION_PATTERN too (test_operator_consistency.py).
+RESERVED_POD_ANNOTATION_PREFIXES = ("container.apparmor.security.beta.kubernetes.io/",
+                                    "seccomp.security.alpha.kubernetes.io/", "cluster-autoscaler.kubernetes.io/",
+                                    "istio.io/", "*.istio.io/", "linkerd.io/", "*.linkerd.io/")
+RESERVED_POD_ANNOTATION_PATTERN = (
+    "^(container\\.apparmor\\.security\\.beta\\.kubernetes\\.io|seccomp\\.security\\.alpha\\.kubernetes\\.io"
+    "|cluster-autoscaler\\.kubernetes\\.io|([^/]*\\.)?istio\\.io|([^/]*\\.)?linkerd\\.io)/")
+_RESERVED_POD_ANNOTATION = re.compile(RESERVED_POD_ANNOTATION_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -611,6 +622,10 @@ class PromptCacheSpec:
             taken = sorted(set(given) & set(reserved))
             if taken:
                 raise SpecError(f"spec.pod.{what} may not set {', '.join(taken)}: the operator sets them")
+        taken = sorted(k for k in pod.annotations if _RESERVED_POD_ANNOTATION.match(k))
+        if taken:
+            raise SpecError(f"spec.pod.annotations may not set {', '.join(taken)}: annotations under "
+                            f"{', '.join(RESERVED_POD_ANNOTATION_PREFIXES)} change the pods' security or scheduling")
         # Each size fits on its own (above); what the operator adds them up to must fit too.
         if self.container_memory_bytes() * self.placement.maxNodes > quantity.MAX_INT64:
             raise SpecError(f"spec.memory.host {self.memory.host!r} plus spec.cluster.segmentMemory and "

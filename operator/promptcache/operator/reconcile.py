@@ -13,7 +13,7 @@ from typing import Any
 from . import autoscale, builders
 from .builders import OPTIONAL_CRDS, Capabilities, OperatorDefaults, Owner
 from .fleet import Fleet
-from .kube import ApiError, Kube
+from .kube import ApiError, Kube, NameConflict, apply_controlled, delete_controlled
 from .model import PromptCacheSpec, SpecError
 
 log = logging.getLogger("promptcache.operator")
@@ -24,6 +24,7 @@ class Outcome:
     applied: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)  # children whose name another object holds (untouched)
     status: dict[str, Any] = field(default_factory=dict)
     invalid_spec: bool = False  # retrying cannot help until the spec changes
 
@@ -86,11 +87,13 @@ def pod_security_refused(spec: PromptCacheSpec, ds: dict[str, Any] | None,
 
 def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilities, ds: dict[str, Any] | None,
                        errors: list[str], priority_class_ok: bool,
-                       quota: str | None = None, pod_security: str | None = None
+                       quota: str | None = None, pod_security: str | None = None,
+                       conflicts: list[str] | tuple[str, ...] = ()
                        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Pure: what the conditions and node counts say, given what the API server returned. `quota`: what
     quota_exceeded() found (a ResourceQuota refusing sidecar pods), or None; `pod_security`: what
-    pod_security_refused() found."""
+    pod_security_refused() found; `conflicts`: NameConflict messages (children not applied because an object
+    this PromptCache does not control holds the name)."""
     ds_status = (ds or {}).get("status") or {}
     ds_gen = ((ds or {}).get("metadata") or {}).get("generation")
     observed = ds_status.get("observedGeneration")
@@ -114,6 +117,8 @@ def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilitie
     degraded_reasons = []
     if errors:
         degraded_reasons.append(("ApplyFailed", "; ".join(errors)))
+    if conflicts:
+        degraded_reasons.append(("NameConflict", "; ".join(conflicts)))
     if not priority_class_ok:
         degraded_reasons.append(("PriorityClassNotFound",
                                  f"PriorityClass {spec.placement.priorityClassName} does not exist; the API server "
@@ -132,8 +137,8 @@ def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilitie
     else:
         deg = condition("Degraded", False, "AsExpected", "all children applied", generation)
 
-    if degraded_reasons and degraded_reasons[0][0] in ("ApplyFailed", "PriorityClassNotFound", "QuotaExceeded",
-                                                        "PodSecurityViolation"):
+    if degraded_reasons and degraded_reasons[0][0] in ("ApplyFailed", "NameConflict", "PriorityClassNotFound",
+                                                        "QuotaExceeded", "PodSecurityViolation"):
         rdy = condition("Ready", False, degraded_reasons[0][0], deg["message"], generation)
     elif progressing:
         rdy = condition("Ready", False, prog["reason"], prog["message"], generation)
@@ -197,7 +202,7 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults = Ope
     for child in children:
         key = builders.child_key(child)
         try:
-            res = kube.apply(child)
+            res = apply_controlled(kube, child, owner.uid)
             out.applied.append(key)
             if child["kind"] == "DaemonSet":
                 ds = res
@@ -208,8 +213,12 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults = Ope
                 kube.capabilities(refresh=True)  # the CRD went away since we looked
             out.errors.append(f"{key}: {exc.message}")
             log.warning("apply %s/%s %s failed: %s", owner.namespace, owner.name, key, exc)
+        except NameConflict as exc:
+            out.conflicts.append(exc.message)
+            log.warning("%s/%s: %s", owner.namespace, owner.name, exc.message)
 
-    # Prune optional children that are no longer wanted (e.g. alerts disabled). Only those we know by name.
+    # Prune optional children that are no longer wanted (e.g. alerts disabled): those we know by name, and only
+    # if this PromptCache controls them (an object of that name someone else made is not ours to delete).
     wanted = {builders.child_key(c) for c in children}
     for (api_version, kind), present in ((builders.PROMETHEUS_RULE, caps.prometheus_rule),
                                          (builders.SERVICE_MONITOR, caps.service_monitor),
@@ -217,7 +226,7 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults = Ope
         key = f"{kind}/{owner.name}"
         if present and key not in wanted:
             try:
-                if kube.delete(api_version, kind, owner.namespace, owner.name):
+                if delete_controlled(kube, api_version, kind, owner.namespace, owner.name, owner.uid):
                     out.deleted.append(key)
             except ApiError as exc:
                 out.errors.append(f"delete {key}: {exc.message}")
@@ -226,7 +235,8 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults = Ope
         key = f"{kind}/{builders.master_name(owner)}"
         if key not in wanted and key in (old_status.get("children") or ()):
             try:
-                if kube.delete(api_version, kind, owner.namespace, builders.master_name(owner)):
+                if delete_controlled(kube, api_version, kind, owner.namespace, builders.master_name(owner),
+                                     owner.uid):
                     out.deleted.append(key)
             except ApiError as exc:
                 out.errors.append(f"delete {key}: {exc.message}")
@@ -246,7 +256,8 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults = Ope
         failed = kube.failed_creates(owner.namespace, "DaemonSet", owner.name)
         quota = quota_exceeded(ds, failed)
         pod_security = pod_security_refused(spec, ds, failed)
-    conds, counts = compute_conditions(spec, generation, caps, ds, out.errors, pc_ok, quota, pod_security)
+    conds, counts = compute_conditions(spec, generation, caps, ds, out.errors, pc_ok, quota, pod_security,
+                                       out.conflicts)
     out.status = {
         "observedGeneration": generation,
         **counts,
@@ -259,8 +270,9 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults = Ope
         "conditions": merge_conditions(old_status.get("conditions"), conds, stamp),
     }
     _write_status(kube, owner, old_status, out.status)
-    log.info("reconciled %s/%s generation %d: %d applied, %d deleted, %d errors", owner.namespace, owner.name,
-             generation, len(out.applied), len(out.deleted), len(out.errors))
+    log.info("reconciled %s/%s generation %d: %d applied, %d deleted, %d errors, %d name conflicts",
+             owner.namespace, owner.name, generation, len(out.applied), len(out.deleted), len(out.errors),
+             len(out.conflicts))
     return out
 
 
