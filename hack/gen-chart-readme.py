@@ -27,8 +27,9 @@ kubectl get promptcaches        # short name: pcache
 ```
 
 Installs: the CRDs (`crds/`: PromptCache and kopf's peering resources), the operator Deployment (kopf peering
-between replicas: one works, the others stand by), its ServiceAccount and least-privilege ClusterRole, the
-ClusterKopfPeering object, the PriorityClass of the cache pods, a PodDisruptionBudget and an optional PrometheusRule.
+between replicas: one works, the others stand by), its ServiceAccount and least-privilege RBAC (a ClusterRole;
+with `watchNamespaces`, a Role per watched namespace and a read-only ClusterRole), kopf's peering objects, the
+PriorityClass of the cache pods, a PodDisruptionBudget and an optional PrometheusRule.
 
 ## Values
 

@@ -2,14 +2,19 @@
 server."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from opharness import CHART, CRD_FILE, RELEASE_NS, crd_established
+from opharness import CHART, CRD_FILE, RELEASE_NS, OperatorProcess, crd_established, wait_for
+from promptcache.operator import builders
+from promptcache.operator.handlers import WATCHED_CHILDREN
+from promptcache.operator.kube import PLURALS, object_path
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_SCHEMA_VERSION = "1.34.0"
@@ -201,3 +206,195 @@ def test_pod_labels_cannot_override_the_selector(helm_offline, key):
     dep = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment")
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert labels["team"] == "ml" and dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+# --- RBAC: cluster-wide, or a Role per watched namespace (watchNamespaces) --------------------------------------------
+
+WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection", "bind", "escalate", "impersonate", "*"}
+# The API group of every kind the operator writes (kube.PLURALS): a kind added there fails here until it has RBAC.
+KIND_GROUPS = {"ConfigMap": "", "DaemonSet": "apps", "Deployment": "apps", "Service": "", "ResourceQuota": "",
+               builders.VPA[1]: builders.VPA[0].split("/")[0],
+               builders.SERVICE_MONITOR[1]: builders.SERVICE_MONITOR[0].split("/")[0],
+               builders.PROMETHEUS_RULE[1]: builders.PROMETHEUS_RULE[0].split("/")[0],
+               "PromptCache": "promptcache.io"}
+
+
+def _needs_in_namespace() -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) the operator uses in each namespace it watches (read from operator/: kube.py's
+    children, handlers.py's watches, reconcile's deletes, kopf's peering and events, fleet's pod listing)."""
+    assert set(PLURALS) == set(KIND_GROUPS), "a new kind in kube.PLURALS: give it RBAC in the chart's _rbac.tpl"
+    needs = {(KIND_GROUPS[k], p, v) for k, p in PLURALS.items() if k != "PromptCache" for v in ("get", "create", "patch")}
+    needs |= {(g, p, v) for g, _, p in WATCHED_CHILDREN for v in ("list", "watch")}
+    needs |= {("apps", "deployments", "delete"), ("", "services", "delete"),
+              ("autoscaling.k8s.io", "verticalpodautoscalers", "delete"),
+              ("monitoring.coreos.com", "servicemonitors", "delete"),
+              ("monitoring.coreos.com", "prometheusrules", "delete")}
+    needs |= {("promptcache.io", "promptcaches", v) for v in ("get", "list", "watch", "patch")}
+    needs |= {("promptcache.io", "promptcaches/status", "patch"), ("promptcache.io", "promptcaches/finalizers", "update")}
+    needs |= {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
+    needs |= {("", "events", "create"), ("", "events", "list"), ("", "pods", "list")}
+    return needs
+
+
+CLUSTER_SCOPED_NEEDS = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")} | {
+    ("scheduling.k8s.io", "priorityclasses", "get")}
+CLUSTER_SCOPED_RESOURCES = {"customresourcedefinitions", "namespaces", "priorityclasses", "clusterkopfpeerings"}
+
+
+def _grants(role: dict) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in role.get("rules") or [] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
+def _rbac(docs: list[dict]) -> dict[str, list[dict]]:
+    return {k: [d for d in docs if d["kind"] == k] for k in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")}
+
+
+@pytest.mark.tools
+def test_cluster_wide_rbac_is_one_cluster_role(helm_offline):
+    docs = [d for d in yaml.safe_load_all(helm_offline("template", "promptcache", str(CHART), "--namespace",
+                                                        RELEASE_NS).stdout) if d]
+    rbac = _rbac(docs)
+    assert not rbac["Role"] and not rbac["RoleBinding"]
+    (cr,), (crb,) = rbac["ClusterRole"], rbac["ClusterRoleBinding"]
+    want = _needs_in_namespace() | CLUSTER_SCOPED_NEEDS | {("kopf.dev", "clusterkopfpeerings", v)
+                                                          for v in ("get", "list", "watch", "patch")}
+    assert want <= _grants(cr), sorted(want - _grants(cr))
+    assert crb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                              "name": cr["metadata"]["name"]}
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": "promptcache-promptcache-operator",
+                                "namespace": RELEASE_NS}]
+
+
+@pytest.mark.tools
+def test_watch_namespaces_puts_namespaced_rbac_in_a_role_per_namespace(helm_offline):
+    """With watchNamespaces the ServiceAccount may write nothing outside them: the ClusterRole only reads
+    cluster-scoped objects (CRDs, namespaces for kopf, PriorityClasses); each watched namespace gets a Role and
+    RoleBinding with everything the operator does there. Together they grant what the cluster-wide ClusterRole does
+    (less its ClusterKopfPeering): the split loses nothing."""
+    watched = ["team-a", "team-b"]
+    out = helm_offline("template", "promptcache", str(CHART), "--namespace", RELEASE_NS,
+                       "--set", "watchNamespaces={%s}" % ",".join(watched))
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    rbac = _rbac(docs)
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    sa = {"kind": "ServiceAccount", "name": dep["spec"]["template"]["spec"]["serviceAccountName"],
+          "namespace": RELEASE_NS}
+
+    (cr,), (crb,) = rbac["ClusterRole"], rbac["ClusterRoleBinding"]
+    granted = _grants(cr)
+    assert not {g for g in granted if g[2] in WRITE_VERBS}, sorted(g for g in granted if g[2] in WRITE_VERBS)
+    assert {r for _, r, _ in granted} <= CLUSTER_SCOPED_RESOURCES - {"clusterkopfpeerings"}, sorted(granted)
+    assert CLUSTER_SCOPED_NEEDS | {("", "namespaces", v) for v in ("list", "watch")} <= granted, sorted(granted)
+    assert crb["roleRef"]["kind"] == "ClusterRole" and crb["roleRef"]["name"] == cr["metadata"]["name"]
+    assert crb["subjects"] == [sa]
+
+    assert sorted(r["metadata"]["namespace"] for r in rbac["Role"]) == watched
+    assert sorted(b["metadata"]["namespace"] for b in rbac["RoleBinding"]) == watched
+    cluster_wide = _rbac([d for d in yaml.safe_load_all(helm_offline(
+        "template", "promptcache", str(CHART), "--namespace", RELEASE_NS).stdout) if d])["ClusterRole"][0]
+    for ns in watched:
+        role = next(r for r in rbac["Role"] if r["metadata"]["namespace"] == ns)
+        binding = next(b for b in rbac["RoleBinding"] if b["metadata"]["namespace"] == ns)
+        assert role["metadata"]["labels"] == cr["metadata"]["labels"]
+        assert role["metadata"]["name"] == cr["metadata"]["name"] == binding["metadata"]["name"]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                      "name": role["metadata"]["name"]}
+        assert binding["subjects"] == [sa]
+        got = _grants(role)
+        assert _needs_in_namespace() <= got, sorted(_needs_in_namespace() - got)
+        assert not {r for _, r, _ in got} & CLUSTER_SCOPED_RESOURCES, sorted(got)
+        assert got == {g for g in _grants(cluster_wide) if g[1] not in CLUSTER_SCOPED_RESOURCES}
+    # Each watched namespace also has the KopfPeering the replicas coordinate through; no ClusterKopfPeering.
+    assert sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "KopfPeering") == watched
+    assert not [d for d in docs if d["kind"] == "ClusterKopfPeering"]
+
+
+@pytest.mark.tools
+@pytest.mark.parametrize("value", ["{team-*}", "{Team_A}", "{team-a,team-a}"])
+def test_watch_namespaces_must_be_distinct_namespace_names(helm_offline, value):
+    """A Role, RoleBinding and KopfPeering go into each: a kopf pattern names no namespace to create them in."""
+    out = helm_offline("template", "x", str(CHART), "--set", f"watchNamespaces={value}", check=False)
+    assert out.returncode != 0 and "watchNamespaces" in out.stderr, out.stderr
+
+
+NS_RELEASE, NS_RELEASE_NS = "pc-ns", "pc-ns-system"
+
+
+def _allowed(kube, sa: str, sa_ns: str, verb: str, group: str, resource: str, namespace: str | None = None) -> bool:
+    """SubjectAccessReview: may the ServiceAccount do this (RBAC authorization, as the API server decides)."""
+    resource, _, sub = resource.partition("/")
+    attrs = {"verb": verb, "group": group, "resource": resource}
+    if sub:
+        attrs["subresource"] = sub
+    if namespace:
+        attrs["namespace"] = namespace
+    review = kube.request("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", body={
+        "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+        "spec": {"user": f"system:serviceaccount:{sa_ns}:{sa}", "resourceAttributes": attrs,
+                 "groups": ["system:serviceaccounts", f"system:serviceaccounts:{sa_ns}", "system:authenticated"]}})
+    return bool(review["status"].get("allowed"))
+
+
+@pytest.mark.apiserver
+def test_namespaced_release_operator_works_with_only_its_roles(helm, kube, crd, namespace, control_plane, tmp_path):
+    """A second release with watchNamespaces={namespace}: its ServiceAccount may do what the operator needs in that
+    namespace and write nothing elsewhere (kube-system, its own namespace); the operator, authenticated as it and
+    peering through the chart's KopfPeering, reconciles a PromptCache there without a single 403."""
+    helm("install", NS_RELEASE, str(CHART), "--namespace", NS_RELEASE_NS, "--create-namespace",
+         "--set", f"watchNamespaces={{{namespace}}}", "--set", "priorityClass.create=false",
+         "--set", "replicaCount=1")
+    op = None
+    try:
+        sa = f"{NS_RELEASE}-promptcache-operator"
+        for group, resource, verb in sorted(_needs_in_namespace()):
+            assert _allowed(kube, sa, NS_RELEASE_NS, verb, group, resource, namespace), (verb, group, resource)
+        for other in ("kube-system", NS_RELEASE_NS, "default"):
+            for group, resource, verb in [("apps", "daemonsets", "create"), ("apps", "deployments", "delete"),
+                                          ("", "resourcequotas", "patch"), ("", "services", "patch"),
+                                          ("", "configmaps", "list"), ("", "pods", "list"),
+                                          ("promptcache.io", "promptcaches/status", "patch")]:
+                assert not _allowed(kube, sa, NS_RELEASE_NS, verb, group, resource, other), (other, verb, resource)
+        for group, resource, verb in [("apps", "daemonsets", "create"), ("", "configmaps", "list"),
+                                      ("kopf.dev", "clusterkopfpeerings", "patch")]:  # in all namespaces at once
+            assert not _allowed(kube, sa, NS_RELEASE_NS, verb, group, resource), (verb, resource)
+
+        tr = kube.request("POST", f"/api/v1/namespaces/{NS_RELEASE_NS}/serviceaccounts/{sa}/token",
+                          body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                                "spec": {"expirationSeconds": 3600}})
+        cfg = yaml.safe_load(control_plane.kubeconfig.read_text())
+        cfg["users"] = [{"name": "admin", "user": {"token": tr["status"]["token"]}}]
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(cfg))
+        # as the chart's Deployment runs it: peering (the KopfPeering in the namespace), --namespace per entry
+        op = OperatorProcess(kubeconfig, tmp_path / "operator.log", "--namespace", namespace,
+                             env={"PROMPTCACHE_OPERATOR_RESYNC_SECONDS": "2",
+                                  "PROMPTCACHE_OPERATOR_CRD_CACHE_SECONDS": "1"})
+        full = yaml.safe_load((ROOT / "examples" / "promptcache-full.yaml").read_text())
+        full["spec"].pop("zeroCopy", None)
+        full["metadata"]["namespace"] = namespace
+        name = full["metadata"]["name"]
+        kube.request("PATCH", object_path("promptcache.io/v1alpha1", "PromptCache", namespace, name), body=full,
+                     content_type="application/apply-patch+yaml", query=[("fieldManager", "kubectl"), ("force", "true")])
+        kinds = [("v1", "ConfigMap", f"{name}-config"), ("apps/v1", "DaemonSet", name), ("v1", "Service", name),
+                 ("v1", "ResourceQuota", f"{name}-quota"), ("apps/v1", "Deployment", f"{name}-mooncake-master"),
+                 ("v1", "Service", f"{name}-mooncake-master")]
+        wait_for(lambda: all(kube.get(a, k, namespace, n) for a, k, n in kinds) or op.proc.poll() is not None,
+                 timeout=60, what="children of the PromptCache in the watched namespace")
+        assert op.proc.poll() is None, f"the operator exited {op.proc.returncode}:\n{op.output()[-3000:]}"
+
+        def status():
+            pc = kube.get("promptcache.io/v1alpha1", "PromptCache", namespace, name) or {}
+            return (pc.get("status") or {}).get("observedGeneration") == pc["metadata"]["generation"]
+        wait_for(status, timeout=30, what="status written")
+        wait_for(lambda: f"reconciled {namespace}/{name}" in op.output(), timeout=10, what="this operator reconciled")
+        peering = kube.request("GET", f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings/promptcache-operator")
+        assert peering.get("status"), "the operator did not register in the namespace's KopfPeering"
+        time.sleep(3)  # a resync period or so: the timers and child watches run with the Role too
+        log = op.output()
+        for word in ("HTTP 403", "Forbidden", "is forbidden", "Not enough permissions"):
+            assert word not in log, log[-4000:]
+    finally:
+        if op is not None:
+            op.kill(signal.SIGTERM)
+        helm("uninstall", NS_RELEASE, "--namespace", NS_RELEASE_NS)
