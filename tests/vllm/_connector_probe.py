@@ -383,5 +383,33 @@ conn.update_state_after_alloc(late, blocks, 0)
 out["reset"].update(revision_changed=conn.base_spec.revision != revision, hit_after=matched(req()),
                     saves=[(op.req_id == late.request_id, op.spec.revision == conn.base_spec.revision)
                            for op in step(admitted, late).saves])
+# A sidecar that answers a Lookup wrongly (buggy, or another process on its address): more tokens than the prompt
+# has (vLLM asserts), not whole chunks or the whole prompt (vLLM would wait forever for a load that cannot be placed),
+# chunk_tokens 0 (a division by zero in the scheduler) or another chunk size than before. The answers are made up
+# here - the real sidecar never gives them; each must be a miss, never an engine error.
+liar = vc.PromptCacheConnector(cfg, KVConnectorRole.SCHEDULER)
+real_lookup = liar.client.lookup
+out["bad_answers"] = {}
+for name, answer in {"beyond": lambda n: (n + 1 + 256, 256), "unaligned": lambda n: (384, 256),
+                     "whole_prompt": lambda n: (n + 1, 256), "chunk_tokens_0": lambda n: (256, 0),
+                     "chunk_tokens_changed": lambda n: (512, 512)}.items():
+    liar.chunk_tokens = 256 if name == "chunk_tokens_changed" else 0
+    liar.client.lookup = lambda spec, toks, timeout=None, answer=answer: SimpleNamespace(
+        cached_tokens=answer(len(toks))[0], chunk_tokens=answer(len(toks))[1])
+    r = req()
+    deadline = time.monotonic() + 30
+    while (got := liar.get_num_new_matched_tokens(r, 0)[0]) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out["bad_answers"][name] = got
+liar.client.lookup = real_lookup
+# vLLM asking to load tokens no Lookup answered: a load that reports their blocks failed, never none (a wait forever)
+orphan = req()
+liar.update_state_after_alloc(orphan, KVCacheBlocks(blocks=([KVCacheBlock(i) for i in range(200, 205)],)), 256)
+meta = liar.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                                                 total_num_scheduled_tokens=0,
+                                                 scheduled_cached_reqs=SimpleNamespace(req_ids=[],
+                                                                                       num_computed_tokens=[])))
+out["orphan_load"] = [(op.req_id == orphan.request_id, len(op.tokens), op.block_ids) for op in meta.loads]
+liar.shutdown()
 out["seconds"] = time.monotonic() - t0
 print("@@" + json.dumps(out), flush=True)

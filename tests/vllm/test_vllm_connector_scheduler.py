@@ -193,3 +193,13 @@ def test_weights_that_change_while_the_engine_runs_are_never_served_under_the_ol
     assert reset["hit_before"] == 512 and reset["returned"] is True
     assert reset["revision_changed"] and reset["hit_after"] == 0
     assert reset["saves"] == [[True, True]]  # only the request admitted after the reset, under the new revision
+
+
+def test_a_sidecar_that_answers_a_lookup_wrongly_never_stalls_or_crashes_the_scheduler(probe):
+    """Made-up Lookup answers (the real sidecar never gives them): more tokens than the prompt has made vLLM's
+    scheduler assert, tokens that are not whole chunks made vLLM wait forever for a load never issued, chunk_tokens 0
+    divided by zero in the scheduler. Each is a miss now; tokens vLLM asks to load that no Lookup answered get a
+    load that reports their blocks failed (recomputed)."""
+    assert probe["bad_answers"] == {"beyond": 0, "unaligned": 0, "whole_prompt": 0, "chunk_tokens_0": 0,
+                                    "chunk_tokens_changed": 0}
+    assert probe["orphan_load"] == [[True, 0, [200, 201]]]

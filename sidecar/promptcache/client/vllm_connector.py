@@ -1061,12 +1061,21 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if not cached:
                 break
         self._succeeded()
+        ct = res.chunk_tokens
+        if ct <= 0:  # a sidecar that says so is broken: nothing it answers can be placed
+            raise errors.PromptCacheError(f"the sidecar answered a Lookup with chunk_tokens {ct}")
         if not self.chunk_tokens:
-            if res.chunk_tokens % self.block_size:
-                self.disabled = (f"sidecar chunk_tokens {res.chunk_tokens} is not a multiple of the vLLM block size "
+            if ct % self.block_size:
+                self.disabled = (f"sidecar chunk_tokens {ct} is not a multiple of the vLLM block size "
                                  f"{self.block_size}")
                 self._log_state()
-            self.chunk_tokens = res.chunk_tokens
+            self.chunk_tokens = ct
+        elif ct != self.chunk_tokens:  # restarted with another chunk size: these keys are not its chunks
+            raise errors.PromptCacheError(f"the sidecar's chunk_tokens changed from {self.chunk_tokens} to {ct}")
+        if cached < 0 or cached % ct or cached > len(st.tokens):
+            # vLLM would assert (more than the prompt) or wait for a load that cannot be placed, forever
+            raise errors.PromptCacheError(f"the sidecar answered {cached} cached tokens for a Lookup of "
+                                          f"{len(st.tokens)} in chunks of {ct}")
         return cached if not self.disabled else 0
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
@@ -1080,15 +1089,21 @@ class PromptCacheConnector(KVConnectorBase_V1):
                 return  # unidentifiable: not tracked, so never saved
             tracked = self._tracked[req_id] = _Tracked(request, spec)
         st = self._lookups.pop(req_id, None)
-        if num_external_tokens <= 0 or st is None or not st.hit:
+        if num_external_tokens <= 0:
             return
         ct = self.chunk_tokens
-        start, stop = st.hit - num_external_tokens, st.hit
-        if start < st.asked or start % self.block_size or stop % ct:
-            log.warning("promptcache: vLLM asked to load tokens [%d, %d) of a Lookup of [%d, %d); not loading",
-                        start, stop, st.asked, st.hit)
-            return
         block_ids = blocks.get_block_ids()[0]
+        if st is None or not st.hit or not ct or st.hit - num_external_tokens < st.asked \
+                or (st.hit - num_external_tokens) % self.block_size or st.hit % ct:
+            asked = st.asked if st is not None else request.num_computed_tokens
+            log.warning("promptcache: vLLM asked to load %d tokens from %d, which no Lookup of this connector "
+                        "answered; they are reported failed (recomputed)", num_external_tokens, asked)
+            # vLLM waits for them (an asynchronous load): a load with nothing to fetch reports their blocks failed
+            first, last = asked // self.block_size, -(-(asked + num_external_tokens) // self.block_size)
+            self._pending_loads[req_id] = _LoadOp(req_id, tracked.spec, [], list(block_ids[first:last]), 0, 0,
+                                                  ct or self.block_size)
+            return
+        start, stop = st.hit - num_external_tokens, st.hit
         ids = list(block_ids[start // self.block_size:stop // self.block_size])
         first = start // ct
         self._pending_loads[req_id] = _LoadOp(req_id, st.spec, st.tokens[:stop], ids, first, start - first * ct, ct)
@@ -1250,6 +1265,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if self._layout is None:  # the scheduler's probe passed but these caches are not as probed: never
                 raise errors.PromptCacheError("the worker's KV caches are not in a probed layout")  # guess
             n = len(op.tokens) // op.chunk_tokens - op.first_chunk
+            if n <= 0:
+                raise errors.PromptCacheError("a load with nothing to fetch: its blocks are recomputed")
             if not self._breaker.allow():
                 raise errors.Unavailable(f"sidecar {self.address} is down (retrying every {self.retry_interval}s)")
             spec = self._rank_spec(op.spec)
