@@ -200,7 +200,7 @@ def test_a_new_node_warms_its_memory_from_the_prefixes_its_peers_hold_hottest_be
 def test_a_record_is_served_only_for_its_fingerprint_before_it_expires_and_with_its_bytes():
     from promptcache.sidecar.tiers import Record
 
-    payload = np.arange(64, dtype=np.uint8)
+    payload = np.arange(32, dtype=np.float32).view(np.uint8)  # float32 [2, 2, 2, 4, 1]: 128 bytes
     stored = Record(b"k" * 32, b"f" * 32, b"p" * 32, 3, 1, (2, 2, 2, 4, 1), checksum(payload), payload, ttl=100.0,
                     age=0.0)
     raw = encode_record(stored, now=900.0)  # expires at 1000 (Unix time), born at 900
@@ -215,6 +215,55 @@ def test_a_record_is_served_only_for_its_fingerprint_before_it_expires_and_with_
     assert verify(decode_record(bytes(corrupt), b"k" * 32, 999.0), b"f" * 32) == "checksum"
     assert decode_record(b"junk", b"k" * 32, 0) is None and verify(None, b"f" * 32) == "malformed"
     assert decode_record(b"XXXX" + raw[4:], b"k" * 32, 0) is None
+
+
+def _forged(payload: bytes, dtype: int = 1, shape=(2, 2, 2, 4, 1), expires: float = 1000.0, born: float = 900.0):
+    """A record another node could have written: its header says what it likes, its checksum matches."""
+    import struct
+
+    from promptcache.sidecar.cluster import _HEADER, MAGIC
+
+    body = np.frombuffer(payload, dtype=np.uint8)
+    return (_HEADER.pack(MAGIC, expires, born, b"f" * 32, b"p" * 32, 0, dtype, len(shape), checksum(body))
+            + struct.pack(f"<{len(shape)}I", *shape) + payload)
+
+
+def test_a_record_is_served_only_with_the_models_layout_finite_values_and_finite_times():
+    from promptcache.contract.keys import ModelSpec
+    from promptcache.sidecar.tiers.base import ChunkLayout
+
+    spec = ModelSpec(model_id="m", revision="", kv_dtype="float32", num_layers=2, num_kv_heads=2, head_dim=1)
+    layout = ChunkLayout.of(spec, 4)
+    assert (layout.dtype, layout.shape, layout.nbytes, layout.scan) == (1, (2, 2, 2, 4, 1), 128, "float32")
+    good = np.arange(32, dtype=np.float32).tobytes()
+    nan = np.full(32, np.nan, dtype=np.float32).tobytes()
+    inf = np.arange(32, dtype=np.float32)
+    inf[7] = np.inf
+    cases = {
+        "control": (_forged(good), ""),
+        "NaN values, the right size": (_forged(nan), "nonfinite"),
+        "an Inf among them": (_forged(inf.tobytes()), "nonfinite"),
+        "7 bytes, shape [7], dtype 99": (_forged(b"garbage", dtype=99, shape=(7,)), "layout"),
+        "twice the size": (_forged(good + good), "layout"),
+        "another dtype (same bytes)": (_forged(good, dtype=2, shape=(2, 2, 2, 8, 1)), "layout"),
+        "another shape (same bytes)": (_forged(good, shape=(1, 2, 4, 4, 1)), "layout"),
+        "NaN expiry": (_forged(good, expires=float("nan")), "malformed"),
+        "infinite expiry": (_forged(good, expires=float("inf")), "malformed"),
+        "NaN birth": (_forged(good, born=float("nan")), "malformed"),
+    }
+    for what, (raw, why) in cases.items():
+        assert verify(decode_record(raw, b"k" * 32, 999.0), b"f" * 32, layout) == why, what
+    # Without the model's layout (warm-up): the record's own header must describe a chunk, its values finite.
+    alone = {"control": "", "NaN values, the right size": "nonfinite", "7 bytes, shape [7], dtype 99": "layout",
+             "twice the size": "layout", "another shape (same bytes)": "", "NaN expiry": "malformed"}
+    for what, why in alone.items():
+        assert verify(decode_record(cases[what][0], b"k" * 32, 999.0), b"f" * 32) == why, what
+    # A quantized chunk's packed size is a chunk's too (its codes are checked where they are unpacked).
+    from promptcache import codec
+
+    packed = codec.packed_nbytes("k8v8", (2, 2, 2, 4, 2), "float16")
+    assert verify(decode_record(_forged(bytes(packed), dtype=2, shape=(2, 2, 2, 4, 2)), b"k" * 32, 999.0),
+                  b"f" * 32) == ""
 
 
 def test_fleet_simulation_a_shared_tier_and_prefix_routing_each_raise_the_hit_ratio():
@@ -417,3 +466,126 @@ def test_when_the_leader_master_dies_the_standby_takes_over_and_the_nodes_share_
             if n.proc.poll() is None:
                 n.proc.send_signal(signal.SIGKILL)
                 n.proc.wait()
+
+
+def _plain_node(tmp_path, name: str, master: str, *extra: str) -> SidecarProcess:
+    """A node without authentication: every chunk is the shared namespace's."""
+    data = tmp_path / name
+    data.mkdir()
+    return SidecarProcess("--chunk-tokens", str(CHUNK), "--memory-bytes", "8Mi", "--data-dir", str(data),
+                          "--cluster-master", master, "--cluster-local-hostname", "127.0.0.1",
+                          "--cluster-segment-bytes", "32Mi", "--cluster-buffer-bytes", "8Mi",
+                          "--cluster-retry-seconds", "30", "--log-format", "text", *extra).wait_ready()
+
+
+def _write_forged(writer, fp: bytes, key: bytes, payload: bytes, dtype: int, shape, expires: float) -> None:
+    """What a node whose sidecar is broken or hostile could write under a valid key: a header of its choosing and
+    a matching checksum."""
+    import struct
+
+    from promptcache.sidecar.cluster import _HEADER, MAGIC, store_key
+
+    header = _HEADER.pack(MAGIC, expires, time.time(), fp, bytes(32), 0, dtype, len(shape),
+                          checksum(np.frombuffer(payload, dtype=np.uint8)))
+    writer.put(store_key(key), header + struct.pack(f"<{len(shape)}I", *shape) + payload)
+
+
+@pytest.mark.slow  # a sidecar process and a master: about 10 s here
+def test_forged_cluster_records_of_the_wrong_layout_values_or_times_are_refused_and_counted(tmp_path, master):
+    from promptcache.contract import keys as keyspec
+    from promptcache.contract.layout import chunk_nbytes, chunk_shape
+    from promptcache.sidecar.cluster import MooncakeStore
+
+    b = _plain_node(tmp_path, "b", master[1])
+    writer = MooncakeStore(master[1], "127.0.0.1", "tcp", 16 << 20, 8 << 20)
+    client = PromptCacheClient(b.address, retries=0, timeout=10)
+    try:
+        wait_until(lambda: metric(b, "promptcache_cluster_up") == 1, "B joining the cluster", 30)
+        # A Put tells B the model's layout (TierStack.layout_of), as a request resolving the model does where the
+        # engine notes it: a record whose bytes would be a chunk of another shape is then refused too.
+        assert client.put(SMALL, _tokens(99, 1), make_kv(SMALL, CHUNK)).stored_chunks == 1
+        fp, shape, n = keyspec.fingerprint(SMALL), chunk_shape(SMALL, CHUNK), chunk_nbytes(SMALL, CHUNK)
+        dtype = 2 if SMALL.kv_dtype == "float16" else 1
+        item = np.dtype(SMALL.kv_dtype)
+        good = np.random.default_rng(0).standard_normal(n // item.itemsize).astype(item).tobytes()
+        cases = {  # what: (payload, dtype, shape, expires, the reason counted)
+            "control": (good, dtype, shape, time.time() + 3600, None),
+            "NaN values": (np.full(n // item.itemsize, np.nan, item).tobytes(), dtype, shape, time.time() + 3600,
+                           "nonfinite"),
+            "7 bytes, shape [7], dtype 99": (b"garbage", 99, (7,), time.time() + 3600, "layout"),
+            "twice the size": (good + good, dtype, shape, time.time() + 3600, "layout"),
+            "the model's bytes, another shape": (good, dtype, (shape[0], shape[1] * shape[2], 1, *shape[3:]),
+                                                 time.time() + 3600, "layout"),
+            "NaN expiry": (good, dtype, shape, float("nan"), "malformed"),
+        }
+        for seed, (what, (payload, dt, shp, expires, why)) in enumerate(cases.items(), start=1):
+            tokens = _tokens(100 + seed, 1)
+            key = keyspec.chunk_keys(fp, tokens, CHUNK)[0]
+            _write_forged(writer, fp, key, payload, dt, shp, expires)
+            before = metric(b, f'promptcache_cluster_rejected_total{{reason="{why}"}}') if why else 0
+            looked = client.lookup(SMALL, tokens)
+            blobs = client.get_blobs(SMALL, tokens)
+            if why is None:
+                assert looked.cached_tokens == CHUNK and len(blobs) == 1, what
+                assert bytes(blobs[0].numpy().tobytes()) == payload, what
+                continue
+            assert looked.cached_tokens == 0 and blobs == [], what
+            assert metric(b, f'promptcache_cluster_rejected_total{{reason="{why}"}}') >= before + 1, what
+            assert [ch.tier for ch in client.lookup(SMALL, tokens).chunks] == [], what  # nothing was promoted
+        assert metric(b, 'promptcache_entries{tier="device"}') == 2  # the Put's chunk and the control only
+    finally:
+        client.close()
+        writer.close()
+        if b.proc.poll() is None:
+            b.proc.send_signal(signal.SIGKILL)
+            b.proc.wait()
+
+
+@pytest.mark.slow  # a sidecar process and a master: about 10 s here
+def test_a_forged_hot_list_warms_no_unknown_owner_no_bad_chunk_and_no_inflated_hits(tmp_path, master):
+    from promptcache.contract import keys as keyspec
+    from promptcache.contract.layout import chunk_nbytes, chunk_shape
+    from promptcache.sidecar import hotlist
+    from promptcache.sidecar.cluster import MooncakeStore
+
+    tokens_dir = tmp_path / "tokens"
+    write_secret_dir(tokens_dir, {"alice": "alice-token", "bob": "bob-token"})
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    writer = MooncakeStore(master[1], "127.0.0.1", "tcp", 16 << 20, 8 << 20)
+    c = None
+    try:
+        fp, shape, n = keyspec.fingerprint(SMALL), chunk_shape(SMALL, CHUNK), chunk_nbytes(SMALL, CHUNK)
+        dtype = 2 if SMALL.kv_dtype == "float16" else 1
+        item = np.dtype(SMALL.kv_dtype)
+        good = np.random.default_rng(1).standard_normal(n // item.itemsize).astype(item).tobytes()
+        later = time.time() + 3600
+        entries = []
+        for i, (payload, dt, shp, expires, owner) in enumerate([
+                (good, dtype, shape, later, ""),  # the one chunk warmed
+                (good, dtype, shape, later, 'x"} injected_metric{a="1"} 1'),  # an owner nobody configured
+                (good, dtype, shape, later, "group:nobody"),  # a group that is not configured
+                (b"\x01", 1, (1,), later, "alice"),  # a real tenant charged for a byte that is no chunk
+                (np.full(n // item.itemsize, np.nan, item).tobytes(), dtype, shape, later, ""),
+                (good, dtype, shape, float("nan"), "")]):
+            key = keyspec.chunk_keys(fp, _tokens(200 + i, 1), CHUNK)[0]
+            _write_forged(writer, fp, key, payload, dt, shp, expires)
+            entries.append(hotlist.HotEntry(key, fp, owner, 0xFFFFFFFF))
+        writer.upsert(hotlist.slot_key(3), hotlist.encode(entries, time.time()))
+        c = _node(tmp_path, "c", master[1], str(tokens_dir), str(secret), "--warmup-seconds", "20")
+        assert metric(c, 'promptcache_warmup_chunks_total{source="cluster"}') == 1
+        assert metric(c, 'promptcache_entries{tier="device"}') == 1
+        assert metric(c, 'promptcache_cluster_rejected_total{reason="layout"}') == 1
+        assert metric(c, 'promptcache_cluster_rejected_total{reason="nonfinite"}') == 1
+        assert metric(c, 'promptcache_cluster_rejected_total{reason="malformed"}') == 1
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_port}/metrics", timeout=10).read().decode()
+        owners = [line for line in text.splitlines() if line.startswith("promptcache_tenant_stored_bytes{")]
+        assert all('owner=""' in line for line in owners), owners  # nobody was charged but the shared namespace
+        assert "injected_metric" not in text
+    finally:
+        writer.close()
+        if c is not None and c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGKILL)
+            c.proc.wait()

@@ -167,3 +167,41 @@ def test_capacity_evictions_go_down_the_stack(takes):
     res = s.memory.reserve(NBYTES, b"x" * 32, bytes(32))  # a Put: evicts the least recent for room
     s.memory.release(res)
     assert lower.demoted == ([keys[0]] if takes else [])
+
+
+def test_a_record_not_of_its_models_layout_is_not_promoted_and_nan_times_cannot_make_an_entry_immortal():
+    from promptcache.sidecar.tiers.base import ChunkLayout
+
+    s, lower, clock = stack()
+    r = record(20)  # dtype 0, shape [256]: no chunk of a model
+    lower.records[r.key] = r
+    s.note_layout(FP, ChunkLayout(1, (1, 2, 2, 16, 4), NBYTES, "float32"))
+    assert s.acquire(r.key, FP, owner="") is None and not s.memory.holds(r.key, FP)
+    assert s.promote(r, "", serve=False) == 0
+    # a record of the layout, but a NaN TTL: refused; NaN times given to the memory tier count as not given
+    payload = np.arange(NBYTES // 4, dtype=np.float32).view(np.uint8)
+    good = Record(b"g" * 32, FP, bytes(32), 0, 1, (1, 2, 2, 16, 4), xxhash.xxh3_64_intdigest(payload), payload,
+                  ttl=float("nan"), age=0.0)
+    assert s.promote(good, "", serve=False) == 0
+    res = s.memory.reserve(NBYTES, b"n" * 32, bytes(32))
+    s.memory.host_buffer(res).numpy()[:] = payload
+    assert s.memory.commit(res, key=b"n" * 32, fingerprint=FP, parent=bytes(32), index=0,
+                           data=s.memory.host_buffer(res), checksum_value=good.checksum, shape=good.shape, dtype=1,
+                           ttl=float("nan"), born=float("nan"), last_access=float("nan"))
+    assert s.memory.holds(b"n" * 32, FP)
+    clock.advance(61.0)  # past the tier's TTL (60 s)
+    assert not s.memory.holds(b"n" * 32, FP)
+
+
+def test_tenancy_knows_only_configured_owners_and_forgets_owners_that_hold_nothing():
+    t = Tenancy(enabled=True, groups={"public": None, "team": frozenset({"carol"})}, quotas={"dave": 1},
+                tenants=frozenset({"alice"}))
+    for owner in ("", "alice", "carol", "dave", "group:public", "group:team"):
+        assert t.knows(owner), owner
+    for owner in ("mallory", "group:nobody", 'x"} injected 1'):
+        assert not t.knows(owner), owner
+    assert not Tenancy(enabled=False).knows("alice") and Tenancy(enabled=False).knows("")
+    charged = t.charge_if_room("mallory", 10)
+    assert "mallory" in t.owners()
+    t.release("mallory", charged)
+    assert "mallory" not in t.owners() and t.usage("dave")["quota"] == 1

@@ -9,7 +9,10 @@ The store logic never sees Mooncake: it talks to a `ClusterStore` (put, get, clo
 one adapter. A record is the chunk's bytes behind a header naming the fingerprint, parent, index, dtype, shape,
 xxh3 checksum and the absolute expiry (Unix time, since monotonic clocks differ between nodes): the key is our
 chained SHA-256 chunk key (tenant salts included), the fingerprint and checksum are verified before serving,
-and an expired record is a miss.
+and an expired record is a miss. The cluster is written by other nodes, so a record is checked as a Put's bytes
+are before it is served or promoted: its dtype, shape and size against the requesting model's layout (or, where
+no model is known, e.g. warm-up, against its own header), its values finite where its dtype is scanned, and its
+times finite (a record with a NaN expiry would never expire).
 
 Cluster down or slow: every call has a deadline (--cluster-timeout-seconds); a call that fails or runs out marks
 the tier down for --cluster-retry-seconds, during which lookups do not ask it and publishing drops, all counted.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import os
 import queue
 import struct
@@ -31,7 +35,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from promptcache.sidecar import hotlist
 from promptcache.sidecar.metrics import LATENCY_BUCKETS
 from promptcache.sidecar.store import checksum
-from promptcache.sidecar.tiers.base import Record
+from promptcache.sidecar.tiers.base import ChunkLayout, Record, layout_refusal
 
 log = logging.getLogger("promptcache.sidecar.cluster")
 
@@ -66,29 +70,31 @@ def encode_record(record: Record, now: float) -> bytes:
 
 def decode_record(raw: bytes, key: bytes, now: float) -> Record | None:
     """The record of `key` in `raw` as at Unix time `now`, or None when it is not one of ours (wrong magic,
-    truncated)."""
+    truncated, a time that is not finite)."""
     if len(raw) < _HEADER.size:
         return None
     magic, expires, born, fp, parent, index, dtype, ndim, value = _HEADER.unpack_from(raw)
     start = _HEADER.size + 4 * ndim
-    if magic != MAGIC or len(raw) < start:
+    if magic != MAGIC or len(raw) < start or not (math.isfinite(expires) and math.isfinite(born)):
         return None
     shape = struct.unpack_from(f"<{ndim}I", raw, _HEADER.size)
     return Record(key, fp, parent, index, dtype, tuple(shape), value, np.frombuffer(raw, dtype=np.uint8, offset=start),
                   ttl=expires - now, age=now - born)
 
 
-def verify(record: Record | None, fingerprint: bytes) -> str:
-    """Why `record` may not be served for `fingerprint` ("" when it may)."""
+def verify(record: Record | None, fingerprint: bytes, layout: ChunkLayout | None = None) -> str:
+    """Why `record` may not be served for `fingerprint` ("" when it may): "malformed", "fingerprint", "expired",
+    "checksum", then as a Put's bytes are checked (tiers.base.layout_refusal): "layout" (dtype, shape or size not
+    the requesting model's `layout`, or, without one, not a chunk's at all) or "nonfinite" (NaN or Inf values)."""
     if record is None:
         return "malformed"
     if record.fingerprint != fingerprint:
         return "fingerprint"
-    if record.ttl <= 0:
+    if not record.ttl > 0:  # (NaN: decode_record refuses it already)
         return "expired"
     if checksum(record.payload) != record.checksum:
         return "checksum"
-    return ""
+    return layout_refusal(record, layout)[0]
 
 
 class MooncakeStore:
@@ -146,7 +152,8 @@ class ClusterMetrics:
         self.misses = Counter("promptcache_cluster_misses", "local misses the cluster tier did not hold either",
                               registry=r)
         self.rejected = Counter("promptcache_cluster_rejected", "cluster records not served, by reason "
-                                "(fingerprint, expired, checksum, malformed)", ["reason"], registry=r)
+                                "(fingerprint, expired, checksum, malformed, layout: dtype, shape or size not "
+                                "the model's, nonfinite: NaN or Inf values)", ["reason"], registry=r)
         self.fallbacks = Counter("promptcache_cluster_fallbacks", "cluster calls not made or failed, so the "
                                  "sidecar behaved as a single node, by operation and reason (timeout, error, down)",
                                  ["op", "reason"], registry=r)
@@ -251,10 +258,12 @@ class ClusterTier:
         return result
 
     # --- reads ------------------------------------------------------------------------------------------
-    def fetch(self, key: bytes, fingerprint: bytes, counted: bool = True) -> Record | None:
+    def fetch(self, key: bytes, fingerprint: bytes, counted: bool = True,
+              layout: ChunkLayout | None = None) -> Record | None:
         """The verified, unexpired record of `key` under `fingerprint`, or None (a miss, or the cluster is
-        down or slow: counted either way). counted=False (warm-up): not a local miss, so neither a cluster hit
-        nor a miss (a refused record is still counted)."""
+        down or slow: counted either way). `layout`: the requesting model's (None: the record is checked against
+        its own header, see verify). counted=False (warm-up): not a local miss, so neither a cluster hit nor a
+        miss (a refused record is still counted)."""
         try:
             raw = self._call("get", lambda store, k: store.get(k), store_key(key))
         except ClusterError:
@@ -264,11 +273,14 @@ class ClusterTier:
                 self.metrics.misses.inc()
             return None
         record = decode_record(raw, key, self.clock())
-        why = verify(record, fingerprint)
+        why = verify(record, fingerprint, layout)
         if why:
             self.metrics.rejected.labels(why).inc()
             if why == "checksum":
                 log.error("cluster chunk failed its checksum and was not served", extra={"key": key.hex()})
+            elif why in ("layout", "nonfinite"):
+                log.error("cluster chunk is not a chunk of the model and was not served",
+                          extra={"key": key.hex(), "reason": why, "detail": layout_refusal(record, layout)[1]})
             return None
         if counted:
             self.metrics.hits.inc()

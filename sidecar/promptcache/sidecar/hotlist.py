@@ -6,13 +6,16 @@ chunks (by hit count, then last access), each preceded by its ancestors (a prefi
 as one record in one of HOT_SLOTS slots of the cluster store (the slot from its name; two nodes that share a slot
 overwrite each other, and a reader then sees one of them). A warming node reads every slot, merges the lists rank
 by rank and fetches the chunks themselves from the cluster like any cluster hit: each is verified (fingerprint,
-expiry, checksum) there. A list names keys only: whoever can write a slot can make a node fetch chunks the cluster
-holds anyway, never serve bytes it did not verify.
+expiry, checksum, and dtype, shape, size and finite values as a Put's bytes) there. A list names keys only:
+whoever can write a slot can make a node fetch chunks the cluster holds anyway, never serve bytes it did not
+verify. Its owners and hit counts are a peer's word: warm-up follows an owner only when it knows it and caps the
+counts (warmup.py).
 
 Pure functions here (order, wire form, merge); cluster.py moves the bytes and warmup.py stores the chunks.
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
@@ -124,6 +127,8 @@ def decode(raw: bytes) -> tuple[float, list[HotEntry]]:
     if magic not in (MAGIC, MAGIC_V1):
         raise HotListError(f"magic {magic!r} is not {MAGIC!r} or {MAGIC_V1!r}: not a hot list of a known version")
     entry_format = _ENTRY if magic == MAGIC else _ENTRY_V1
+    if not math.isfinite(published):
+        raise HotListError(f"published at {published}: not a time")
     if count > MAX_ENTRIES:
         raise HotListError(f"{count} entries announced, more than the bound of {MAX_ENTRIES}")
     body_end = len(raw) - _TRAILER.size

@@ -540,6 +540,11 @@ class MemoryTier:
         protectable = data is reservation.host and reservation.protectable
         immutable = False  # made read-only, and sealed, once a reader has verified it where it lies (seal)
         now = self.clock()
+        # Times that are not finite (a forged record's) count as not given: no entry outlives its TTL and lifetime.
+        ttl = ttl if ttl is None or math.isfinite(ttl) else None
+        born = born if born is None or math.isfinite(born) else None
+        last_access = last_access if last_access is None or math.isfinite(last_access) else None
+        sliding_ttl = sliding_ttl if sliding_ttl is None or math.isfinite(sliding_ttl) else None
         with self._lock:
             if reservation.done:
                 raise RuntimeError("reservation already released")

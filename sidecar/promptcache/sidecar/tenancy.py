@@ -106,7 +106,7 @@ class _Usage:
 class Tenancy:
     def __init__(self, *, enabled: bool, secret: bytes | None = None, groups: dict | None = None,
                  admins: frozenset[str] = frozenset(), default_quota: int = 0, quotas: dict | None = None,
-                 isolate: bool | None = None, tier=None):
+                 isolate: bool | None = None, tier=None, tenants: frozenset[str] = frozenset()):
         self.enabled = enabled  # callers are authenticated tenants (admins, per-tenant quotas and stats)
         self.isolate = enabled if isolate is None else isolate and enabled  # tenants' keys are salted apart
         self.secret = secret if secret is not None else secrets.token_bytes(32)
@@ -118,6 +118,7 @@ class Tenancy:
         self._usage: dict[str, _Usage] = {}
         self._owner_of: dict[bytes, str] = {}
         self.tier = tier  # the memory tier: a Put over quota evicts the owner's own chunks from it
+        self.tenants = tenants  # the tenants configured by name (the token file's at start); see knows()
 
     @classmethod
     def from_settings(cls, settings, tier=None) -> "Tenancy":
@@ -134,7 +135,7 @@ class Tenancy:
                            for a in settings.admin_tenants.split(",") if a.strip())
         return cls(enabled=enabled, secret=secret, groups=parse_groups(settings.sharing_groups), admins=admins,
                    default_quota=settings.tenant_quota_bytes, quotas=parse_quotas(settings.tenant_quotas),
-                   isolate=mode != "shared", tier=tier)
+                   isolate=mode != "shared", tier=tier, tenants=_token_tenants(settings.token_file))
 
     # --- namespaces -------------------------------------------------------------------------------------
     def namespace(self, identity: Identity, client_salt: bytes) -> tuple[bytes, str]:
@@ -153,6 +154,24 @@ class Tenancy:
 
     def _mac(self, message: bytes) -> bytes:
         return hmac.new(self.secret, _SALT_DOMAIN + message, hashlib.sha256).digest()
+
+    def knows(self, owner: str) -> bool:
+        """Whether `owner` is one this sidecar can charge chunks to without having been told by a caller: "" (the
+        shared namespace), a configured sharing group ("group:NAME"), or, with tenants isolated, a tenant it
+        knows (the token file's at start, --tenant-quotas, --admin-tenants, a group's members, or one that has
+        called). A peer's hot list naming any other owner is not followed (warm-up)."""
+        if owner == "":
+            return True
+        if not self.isolate:
+            return False  # every chunk is the shared namespace's
+        if owner.startswith("group:"):
+            return owner[len("group:"):] in self.groups
+        if owner in self.tenants or owner in self.quotas or owner in self.admins:
+            return True
+        if any(members is not None and owner in members for members in self.groups.values()):
+            return True
+        with self._lock:
+            return owner in self._usage
 
     def is_admin(self, identity: Identity) -> bool:
         return not self.enabled or identity.tenant in self.admins
@@ -217,6 +236,14 @@ class Tenancy:
         if charged:
             with self._lock:
                 self._usage_of(owner).reserved -= charged
+                self._forget_if_empty(owner)
+
+    def _forget_if_empty(self, owner: str) -> None:
+        """Under the lock: drop `owner`'s usage once it holds, reserves and counted nothing (its quota is
+        configuration, not usage: nothing is lost), so owners that come and go do not grow it or /metrics."""
+        u = self._usage.get(owner)
+        if u is not None and not (u.used or u.reserved or u.entries or u.hit_tokens or u.missed_tokens):
+            del self._usage[owner]
 
     # --- the store's hooks (promptcache.sidecar.store.StoreListener) ---------------------------------------
     def inserted(self, entry) -> None:
@@ -242,6 +269,7 @@ class Tenancy:
             del self._owner_of[entry.key]
             del u.entries[entry.key]
             u.used -= entry.accounted
+            self._forget_if_empty(owner)
 
     def touched(self, owner: str, key: bytes) -> None:
         with self._lock:
@@ -270,6 +298,18 @@ class Tenancy:
             names = list(self._usage)
         return {name: self.usage(name) for name in names}
 
+
+
+def _token_tenants(path: str) -> frozenset[str]:
+    """The tenants the token file names (read once, at start; empty without one or when it cannot be read)."""
+    if not path:
+        return frozenset()
+    from promptcache.sidecar.auth import TokenStore
+
+    try:
+        return frozenset(TokenStore(path)._tokens.values())
+    except (OSError, ValueError):
+        return frozenset()
 
 
 class TenantCollector:

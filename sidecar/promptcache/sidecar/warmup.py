@@ -12,7 +12,10 @@ Warming moves a chunk (it leaves the disk tier, as a promotion does), charged to
 * the cluster tier: the hot lists its nodes publish (promptcache.sidecar.hotlist: each node's hottest chunks,
   ancestors first), merged rank by rank, each chunk fetched and verified as a cluster hit is (it stays in the
   cluster), charged to the owner the list names, with the hits the list gives it. Lists older than HOT_LIST_MAX_AGE are passed over (their node is
-  likely gone, and its chunks with it).
+  likely gone, and its chunks with it). A list is a peer's word: an entry whose owner this sidecar does not know
+  (Tenancy.knows: "", a configured group, a known tenant) is skipped, so no peer can charge a tenant for chunks it
+  never stored or make up owners; a listed hit count is capped at PEER_MAX_HITS (it only orders eviction); and
+  each chunk is checked as a Put's bytes are (cluster.verify: dtype, shape and size, finite values).
 
 The gRPC health service says NOT_SERVING until warm-up ends or --warmup-seconds pass, whichever is first; then
 SERVING (a bound, not a promise: what is not warm yet is still served from disk). Calls are answered meanwhile.
@@ -36,6 +39,7 @@ log = logging.getLogger("promptcache.sidecar.warmup")
 RESIDENT_FILE = "promptcache.resident"  # in the disk tier's folder: memory's chunks at the last graceful stop
 HOT_LIST_MAX_AGE = 3600.0  # seconds since a hot list was published, beyond which warm-up passes it over
 HOT_LIST_MAX_BYTES = 8 << 20  # a slot's record larger than this is refused unread (hotlist.MAX_ENTRIES fit in 4 MiB)
+PEER_MAX_HITS = 8  # a hot list's hit count is taken up to this: a peer cannot make its chunks the most protected
 
 
 def save_resident(folder: str, memory, wall: float) -> int:
@@ -230,17 +234,29 @@ class Warmup:
         now = self.wall_clock()
         lists = [entries for published, entries in self.cluster.hot_lists(HOT_LIST_MAX_BYTES)
                  if now - published <= HOT_LIST_MAX_AGE]
+        tenancy = self.stack.tenancy
+        source = self.stack.lower("cluster")
+        skipped: set[str] = set()
         for entry in hotlist.merge(lists):
             if self._stop.is_set() or self.tier.room() <= 0:
                 break
+            if tenancy is not None and not tenancy.knows(entry.owner) or tenancy is None and entry.owner:
+                if len(skipped) < 8 and entry.owner not in skipped:
+                    skipped.add(entry.owner)
+                    log.warning("warm-up: a hot list names an owner this sidecar does not know; its chunks are "
+                                "not warmed", extra={"owner": entry.owner[:64]})
+                continue
             if self.tier.holds(entry.key, entry.fingerprint):
                 continue
-            record = self.cluster.fetch(entry.key, entry.fingerprint, counted=False)  # verified
+            # verified: fingerprint, expiry, checksum, and as a Put's bytes (against its own header: no request
+            # names the model here, unless this node already knows it)
+            record = self.cluster.fetch(entry.key, entry.fingerprint, counted=False,
+                                        layout=self.stack.layout_of(entry.fingerprint))
             if record is None:
                 continue
-            # the hits it had on the node that listed it: where its eviction policy's estimate starts here
-            record = dataclasses.replace(record, hits=max(record.hits, entry.hits))
-            n = self.stack.promote(record, entry.owner, serve=False)
+            # the hits it had on the node that listed it, capped: where its eviction policy's estimate starts here
+            record = dataclasses.replace(record, hits=max(record.hits, min(entry.hits, PEER_MAX_HITS)))
+            n = self.stack.promote(record, entry.owner, source=source, serve=False)
             if n:
                 self._count("cluster", n)
             elif not self.tier.room_for(record.nbytes):

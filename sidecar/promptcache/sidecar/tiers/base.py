@@ -7,6 +7,7 @@ and reads its own records, and knows nothing of memory, quotas or the caller.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,88 @@ class Record:
         return int(self.payload.size)
 
 
+@dataclass(frozen=True)
+class ChunkLayout:
+    """What every chunk of one fingerprint must be (promptcache.contract.layout, as a Put checks it: putsession's
+    _check_begin and CacheEngine.store): its wire dtype (pb.DType), logical shape, exact byte length, and the dtype
+    its values are scanned as for NaN/Inf (None: opaque bytes, quantized codes or fp8)."""
+    dtype: int
+    shape: tuple[int, ...]
+    nbytes: int
+    scan: str | None
+
+    @classmethod
+    def of(cls, spec, chunk_tokens: int) -> "ChunkLayout":
+        """The layout of `spec`'s chunks (a promptcache.contract.keys.ModelSpec) at `chunk_tokens`."""
+        from promptcache.contract.layout import chunk_nbytes, chunk_shape, scan_dtype
+        from promptcache.contract.wire import NAME_TO_DTYPE
+
+        return cls(NAME_TO_DTYPE[spec.kv_dtype], tuple(chunk_shape(spec, chunk_tokens)),
+                   chunk_nbytes(spec, chunk_tokens), scan_dtype(spec))
+
+    @classmethod
+    def of_record(cls, record: "Record") -> "ChunkLayout | None":
+        """The layout a record claims, when it is one a chunk can have (layout_refusal(record, None) passes its
+        structure); None otherwise. Its scan: the dtype when the size is the unquantized one."""
+        from promptcache.contract.layout import ITEMSIZES, scanned
+        from promptcache.contract.wire import DTYPE_TO_NAME
+
+        name = DTYPE_TO_NAME.get(record.dtype)
+        if name is None or _structure(record, name):
+            return None
+        plain = math.prod(record.shape) * ITEMSIZES[name] == record.nbytes
+        return cls(record.dtype, tuple(record.shape), record.nbytes, name if plain and scanned(name) else None)
+
+
+def _structure(record: "Record", name: str) -> str:
+    """Why `record` cannot be a chunk of dtype `name` whatever its model ("" when it can): a 5-dim shape of
+    positive sizes, and its payload exactly the bytes of that shape unquantized or packed by a quantized mode."""
+    from promptcache.contract.keys import QUANT_MODES
+    from promptcache.contract.layout import ITEMSIZES
+
+    shape = tuple(record.shape)
+    if len(shape) != 5 or any(d <= 0 for d in shape):
+        return f"shape {list(shape)} is not [layers, parts, kv_heads, chunk_tokens, head_dim]"
+    n = record.nbytes
+    if math.prod(shape) * ITEMSIZES[name] == n:
+        return ""
+    from promptcache import codec
+
+    for mode in QUANT_MODES[1:]:
+        try:
+            if codec.packed_nbytes(mode, shape, name) == n:
+                return ""
+        except ValueError:
+            continue
+    return f"{n} bytes are not a chunk of shape {list(shape)} and dtype {name}"
+
+
+def layout_refusal(record: "Record", layout: ChunkLayout | None, scan: bool = True) -> tuple[str, str]:
+    """(reason, detail) when `record` may not be served as a chunk ("", "" when it may), checked as a Put's bytes
+    are: against `layout`, the requesting model's (dtype, shape, size; its values finite where its dtype is
+    scanned); without one (warm-up, a model this node has not resolved), against its own header: a known dtype,
+    a 5-dim shape and a payload of exactly that shape's bytes, its values finite where the size is the unquantized
+    one of a scanned dtype. reason: "layout" or "nonfinite". scan=False: the structure only (no pass over the
+    bytes)."""
+    from promptcache.contract.layout import values_finite
+    from promptcache.contract.wire import DTYPE_TO_NAME
+
+    if layout is None:
+        name = DTYPE_TO_NAME.get(record.dtype)
+        if name is None:
+            return "layout", f"dtype {record.dtype} is not a KV dtype"
+        why = _structure(record, name)
+        if why:
+            return "layout", why
+        layout = ChunkLayout.of_record(record)
+    elif record.dtype != layout.dtype or tuple(record.shape) != layout.shape or record.nbytes != layout.nbytes:
+        return "layout", (f"dtype {record.dtype}, shape {list(record.shape)}, {record.nbytes} bytes, where the "
+                          f"model's chunks are dtype {layout.dtype}, shape {list(layout.shape)}, {layout.nbytes} bytes")
+    if scan and layout.scan is not None and not values_finite(np.ascontiguousarray(record.payload), layout.scan):
+        return "nonfinite", f"NaN or Inf among its {layout.scan} values"
+    return "", ""
+
+
 class LowerTier:
     """A tier below memory. Every method is safe to call from any thread; none blocks on memory's lock.
 
@@ -50,6 +133,10 @@ class LowerTier:
     moves = False
     local = True
     publishes = False
+
+    def bind_layouts(self, layout_of) -> None:
+        """The stack hands each tier its `layout_of(fingerprint) -> ChunkLayout | None` (the layouts of the models
+        this node knows): a tier whose records come from elsewhere checks them against it."""
 
     def size(self, key: bytes, fingerprint: bytes) -> int | None:
         """The chunk's size when this tier holds `key` under `fingerprint`, else None. No side effects: a Lookup

@@ -4,6 +4,8 @@
 A Lookup asks the cluster too (the answer says `cluster`, nothing is promoted); the record it fetched is kept
 for a few seconds, bounded in bytes, so the Get that follows promotes it without fetching it again. The cluster
 keeps its copy after a promotion (other nodes read it), and a promoted chunk is not published again.
+Every record fetched is checked as a Put's bytes are (cluster.verify), against the layout of the requesting model
+where the stack knows it (TierStack.layout_of), else against its own header.
 """
 from __future__ import annotations
 
@@ -36,6 +38,10 @@ class ClusterLowerTier(LowerTier):
         self._recent: collections.OrderedDict[tuple[bytes, bytes], tuple[float, Record]] = collections.OrderedDict()
         self._recent_held = 0
         self._lock = threading.Lock()
+        self.layout_of = lambda fingerprint: None  # TierStack.bind_layouts: the models' layouts this node knows
+
+    def bind_layouts(self, layout_of) -> None:
+        self.layout_of = layout_of
 
     # --- reads ------------------------------------------------------------------------------------------
     def _fetch(self, key: bytes, fingerprint: bytes, keep: bool) -> Record | None:
@@ -50,7 +56,8 @@ class ClusterLowerTier(LowerTier):
                     if keep:
                         self._keep_locked(key, fingerprint, fetched, record)
                     return dataclasses.replace(record, ttl=record.ttl - elapsed, age=record.age + elapsed)
-        record = self.cluster.fetch(key, fingerprint)  # verified: fingerprint, expiry, checksum
+        # verified: fingerprint, expiry, checksum, and as a Put's bytes (dtype, shape, size, finite values)
+        record = self.cluster.fetch(key, fingerprint, layout=self.layout_of(fingerprint))
         if record is not None and keep:
             with self._lock:
                 self._keep_locked(key, fingerprint, now, record)

@@ -7,16 +7,28 @@ promotes it. A promotion is charged to the chunk's owner like a Put and never ev
 a reservation does: when the owner's quota (or memory) has no room, a Get is served from the record's copy for
 that call only, and warm-up skips the chunk. A chunk keeps its age (its maximum lifetime counts from its first
 store), what it had left of its TTL, its hits and its own TTL across tiers.
+
+The stack knows the chunk layout (tiers.base.ChunkLayout) of each model this node has seen (note_model, and every
+chunk a Put stored), bounded; a record from a tier other nodes write (the cluster) is promoted only when its
+dtype, shape and size are that layout's (or, for a model not known here, a chunk's at all): the cluster tier
+checks it fully when it fetches it, and promote checks the structure again (no pass over the bytes).
 """
 from __future__ import annotations
 
+import collections
+import logging
+import threading
 from typing import Callable
 
 import numpy as np
 import torch
 
 from promptcache.sidecar.store import Entry, MemoryTier, StoreError, StoreListener
-from promptcache.sidecar.tiers.base import LowerTier, Record
+from promptcache.sidecar.tiers.base import ChunkLayout, LowerTier, Record, layout_refusal
+
+log = logging.getLogger("promptcache.sidecar.tiers")
+
+MAX_LAYOUTS = 1024  # fingerprints whose layout is kept (as the engine's resolved models: MAX_KNOWN_MODELS)
 
 
 class TierStack(StoreListener):
@@ -28,7 +40,28 @@ class TierStack(StoreListener):
         # told of each chunk a promotion or warm-up stored in memory: (key, fingerprint, parent, index, owner,
         # whether it was pinned before it came down)
         self.promoted: Callable[[bytes, bytes, bytes, int, str, bool], None] | None = None
+        self._layouts: collections.OrderedDict[bytes, ChunkLayout] = collections.OrderedDict()
+        self._layouts_lock = threading.Lock()
+        for tier in self.lowers:
+            tier.bind_layouts(self.layout_of)
         memory.subscribe(self)  # capacity evictions go down the stack
+
+    # --- the models' layouts ----------------------------------------------------------------------------
+    def note_model(self, fingerprint: bytes, spec, chunk_tokens: int) -> None:
+        """The chunks of `fingerprint` are `spec`'s (a ModelSpec) at `chunk_tokens`: records of it from a lower
+        tier are checked against that layout (the engine calls it when it resolves a model)."""
+        self.note_layout(fingerprint, ChunkLayout.of(spec, chunk_tokens))
+
+    def note_layout(self, fingerprint: bytes, layout: ChunkLayout) -> None:
+        with self._layouts_lock:
+            self._layouts[fingerprint] = layout
+            self._layouts.move_to_end(fingerprint)
+            while len(self._layouts) > MAX_LAYOUTS:
+                self._layouts.popitem(last=False)
+
+    def layout_of(self, fingerprint: bytes) -> ChunkLayout | None:
+        """The layout of `fingerprint`'s chunks where this node knows its model, else None."""
+        return self._layouts.get(fingerprint)
 
     def lower(self, name: str) -> LowerTier | None:
         return next((t for t in self.lowers if t.name == name), None)
@@ -74,9 +107,18 @@ class TierStack(StoreListener):
         serve=False (warm-up, snapshots): only when it fits without evicting, is not held yet and its parent is
         (a chunk is unreachable without it); returns the bytes stored (0: not stored)."""
         memory, key, fp, n = self.memory, record.key, record.fingerprint, record.nbytes
+        layout = self.layout_of(fp)
+        if layout is not None or (source is not None and not source.local):
+            # defence in depth: a record of a known model must have its layout, and one from a tier other nodes
+            # write must be a chunk at all (the cluster tier checked it fully, values included, when it fetched it)
+            why, detail = layout_refusal(record, layout, scan=False)
+            if why:
+                log.error("a record was not promoted: not a chunk of its model",
+                          extra={"key": key.hex(), "tier": getattr(source, "name", ""), "detail": detail})
+                return None if serve else 0
         now = memory.clock()
         born = now - max(0.0, record.age)
-        if record.ttl <= 0 or born + memory.max_lifetime <= now:
+        if not record.ttl > 0 or born + memory.max_lifetime <= now:  # (NaN: refused)
             if source is not None:
                 source.expired(key)
             return None if serve else 0
@@ -136,7 +178,12 @@ class TierStack(StoreListener):
         return sum(self.demote(e) for e in self.memory.snapshot())
 
     def stored(self, record: Record) -> None:
-        """A Put stored `record` in memory (its payload: the received bytes, never written again)."""
+        """A Put stored `record` in memory (its payload: the received bytes, never written again): its layout is
+        its model's (the Put checked it)."""
+        if record.fingerprint not in self._layouts:
+            layout = ChunkLayout.of_record(record)
+            if layout is not None:
+                self.note_layout(record.fingerprint, layout)
         for tier in self.publishers:
             tier.stored(record)
 
