@@ -343,6 +343,7 @@ def test_the_pod_cap_holds_under_concurrent_callers():
 
     events = kvevents.KVEvents("tcp://127.0.0.1:*", "node", CHUNK, "CPU").start()
     try:
+        events.stored(b"k" * 32, None, "m", range(CHUNK))  # pods get topics of models with chunks here
         barrier = threading.Barrier(32)
 
         def caller(n: int):
@@ -416,3 +417,204 @@ def test_token_ids_kept_for_events_are_counted_in_the_memory_budget(sidecar_fact
         events._socket.close(0)
         events._zmq.term()
     assert grown / 5000 <= kvevents.held_bytes_per_chunk(256), grown / 5000
+
+
+class _Counts:
+    """promptcache_kv_events_total as KVEvents uses it (counter.labels(type).inc())."""
+
+    def __init__(self):
+        import collections
+        import threading
+
+        self.by_type = collections.Counter()
+        self._lock = threading.Lock()
+
+    def labels(self, kind):
+        counts = self
+
+        class _One:
+            def inc(self, n=1):
+                with counts._lock:
+                    counts.by_type[kind] += n
+
+        return _One()
+
+
+class _Entry:
+    def __init__(self, key: bytes):
+        self.key = key
+
+
+def _wait(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert predicate()
+
+
+def test_lookups_of_made_up_models_register_nothing_for_events(sidecar_factory):
+    """Audit: every Lookup's model was kept (engine._event_models, one per fingerprint, and KVEvents._pods, one
+    per model a pod named, even refused), never freed: 40k Lookups of made-up models grew the sidecar by 39 MiB
+    with events on (16 without). Now a model is registered for events only when a chunk of it is stored."""
+    import grpc
+
+    from promptcache.v1 import kvcache_pb2 as pb
+    from promptcache.v1 import kvcache_pb2_grpc as pb_grpc
+
+    sidecar = sidecar_factory(kv_events_address="tcp://127.0.0.1:*", kv_events_id="node-1")
+    tokens = list(range(CHUNK))
+    with grpc.insecure_channel(sidecar.address) as channel:
+        stub = pb_grpc.KVCacheStub(channel)
+        for i in range(300):
+            model = pb.Model(model_id=f"made-up-{i}", revision="r", kv_dtype=pb.DTYPE_FLOAT32, num_layers=2,
+                             num_kv_heads=2, head_dim=8)
+            stub.Lookup(pb.LookupRequest(model=model, tokens=tokens), timeout=10,
+                        metadata=[("x-promptcache-pod", "pod-x")] if i % 2 else [])
+    events = sidecar.events
+    assert not getattr(sidecar.engine, "_event_models", {})
+    assert not events._pods and not events._models and not events._joining
+    assert events._bound == {"pod-x": "peer:ipv4:127.0.0.1"}  # the name is bound all the same
+    # Once the model has a chunk here, the pod's next call gives it its topic (with what is held).
+    with PromptCacheClient(sidecar.address, timeout=10) as c:
+        assert c.put(SMALL, tokens, make_kv(SMALL, CHUNK)).stored_chunks == 1
+    from promptcache.contract.wire import model_to_proto
+
+    with grpc.insecure_channel(sidecar.address) as channel:
+        pb_grpc.KVCacheStub(channel).Lookup(pb.LookupRequest(model=model_to_proto(SMALL), tokens=tokens),
+                                            metadata=[("x-promptcache-pod", "pod-x")], timeout=10)
+    _wait(lambda: events._pods.get(SMALL.model_id) == {"pod-x"})
+    assert set(events._models) == {SMALL.model_id}
+
+
+def test_models_and_topics_are_bounded_and_a_forgotten_topic_starts_over(caplog):
+    """Audit: a model, its pod topics and their sequence numbers were kept for ever, and one pod name could have a
+    topic per model. Now at most MAX_MODELS models are registered (one more is refused, counted and logged while
+    every place holds chunks), pod topics are at most MAX_POD_TOPICS in all, and a model whose chunks all left
+    gives its place to a new one: its topics and sequences go, and used again a topic starts over (sequence 0,
+    AllBlocksCleared) - after every block it had announced was announced removed, so a router loses nothing."""
+    import logging
+
+    import msgpack
+
+    from promptcache.sidecar import kvevents
+    from promptcache.sidecar.identity import Caller, Identity
+
+    counts = _Counts()
+    events = kvevents.KVEvents("tcp://127.0.0.1:*", "node", CHUNK, "CPU", counter=counts).start()
+    sub = _subscribe(events.address)
+    try:
+        key = {m: bytes([m]) * 32 for m in range(kvevents.MAX_MODELS + 1)}
+        for m in range(kvevents.MAX_MODELS):
+            events.stored(key[m], None, f"m{m}", range(CHUNK))
+        pods = [Caller(Identity(f"tenant-{n}", "token"), f"ipv4:10.0.0.{n}:1") for n in range(100)]
+        joined = sum(events.seen(f"pod-{n}-{i}", f"m{(n * 4 + i) % kvevents.MAX_MODELS}", who)
+                     for n, who in enumerate(pods) for i in range(kvevents.MAX_PODS_PER_CLIENT))
+        _wait(lambda: not events._joining)
+        assert sum(map(len, events._pods.values())) == joined == kvevents.MAX_POD_TOPICS
+        with caplog.at_level(logging.WARNING, logger="promptcache.sidecar.kvevents"):
+            events.stored(key[kvevents.MAX_MODELS], None, "one-too-many", range(CHUNK))
+        assert "one-too-many" not in events._models and key[kvevents.MAX_MODELS] not in events._held
+        assert counts.by_type["model_refused"] == 1 and "'one-too-many' is not announced" in caplog.text
+        # m0's chunk leaves: m0 keeps its place (and its topics) until a new model needs it.
+        m0_pods = set(events._pods["m0"])
+        assert m0_pods
+        events.removed(_Entry(key[0]))
+        events.stored(key[kvevents.MAX_MODELS], None, "newcomer", range(CHUNK))
+        assert "newcomer" in events._models and "m0" not in events._models
+        _wait(lambda: "m0" not in events._pods)
+        topics = {kvevents.topic(p, "m0") for p in ("node", *m0_pods)}
+        _wait(lambda: not topics & set(events._sequence))
+        assert len(events._sequence) <= kvevents.MAX_MODELS + kvevents.MAX_POD_TOPICS
+        assert len(events._models) == kvevents.MAX_MODELS
+        # m0 back (m1 gives its place): its node topic starts over.
+        events.removed(_Entry(key[1]))
+        events.stored(key[0], None, "m0", range(CHUNK))
+        frames = _drain(sub)
+    finally:
+        sub.close()
+        events.close()
+    m0 = [(int.from_bytes(seq, "big"), [e["type"] for e in msgpack.unpackb(payload)[1]])
+          for t, seq, payload in frames if t == b"kv@node@m0"]
+    assert m0[0] == (0, ["AllBlocksCleared", "BlockStored"]), m0  # the first time
+    assert m0[1] == (1, ["BlockRemoved"]), m0
+    assert m0[-1] == (0, ["AllBlocksCleared", "BlockStored"]), m0  # forgotten, used again: a new topic
+    for model_topic in {t for t, _, _ in frames}:
+        seqs = [int.from_bytes(s, "big") for t, s, _ in frames if t == model_topic]
+        assert all(b in (a + 1, 0) for a, b in zip(seqs, seqs[1:])), (model_topic, seqs)
+
+
+def test_a_subscriber_that_never_reads_holds_a_bounded_amount():
+    """Audit: with SNDHWM 100,000 messages of up to 1024 events each, a subscriber that connects and never reads
+    made the sidecar keep every event (+88 MiB for 48k chunks, nothing dropped, outside the memory budget). Now
+    messages hold at most MAX_BATCH_BYTES of events and the socket queues SNDHWM of them per subscriber; what
+    goes past is counted (subscriber_full) and lost to that subscriber only: one that reads gets everything."""
+    import threading
+
+    import msgpack
+
+    from promptcache.sidecar import kvevents
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    assert kvevents.SNDHWM * kvevents.MAX_BATCH_BYTES <= 4 << 20
+    counts = _Counts()
+    events = kvevents.KVEvents("tcp://127.0.0.1:*", "node", 256, "CPU", counter=counts).start()
+    ctx = zmq.Context()
+    stalled = ctx.socket(zmq.SUB)
+    stalled.setsockopt(zmq.RCVHWM, 1)
+    stalled.setsockopt(zmq.RCVBUF, 4096)
+    stalled.setsockopt(zmq.SUBSCRIBE, b"")
+    stalled.connect(events.address)
+    tokens = list(range(256))
+    keys = iter(range(10**9))
+
+    def publish(n: int) -> None:
+        for _ in range(n):
+            key = next(keys).to_bytes(32, "big")
+            events.stored(key, None, "m", tokens)
+            events.removed(_Entry(key))
+        _wait(lambda: events._queue.empty(), 30)
+
+    reader = stop = thread = None
+    try:
+        time.sleep(0.3)
+        publish(2000)  # warm up the allocator and the socket's buffers
+        time.sleep(0.5)
+        before = rss()
+        for _ in range(30):  # 30,000 BlockStored of 256 tokens: about 40 MB of events
+            publish(1000)
+        time.sleep(1.0)
+        grown = rss() - before
+        assert counts.by_type["dropped"] == 0 and counts.by_type["subscriber_full"] > 0, counts.by_type
+        assert grown < 16 << 20, f"the process grew {grown >> 20} MiB for a subscriber that never reads"
+        # A subscriber that reads (in this process: what its receive queue holds would count above) loses nothing
+        # while the stalled one is still there.
+        reader = _subscribe(events.address)
+        received = {"stored": 0, "largest": 0}
+        stop = threading.Event()
+
+        def read():
+            poller = zmq.Poller()
+            poller.register(reader, zmq.POLLIN)
+            while not stop.is_set():
+                if poller.poll(100):
+                    _, _, payload = reader.recv_multipart()
+                    received["largest"] = max(received["largest"], len(payload))
+                    received["stored"] += sum(1 for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored")
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        for _ in range(5):
+            publish(1000)
+        _wait(lambda: received["stored"] == 5000, 10)
+        assert 0 < received["largest"] <= kvevents.MAX_BATCH_BYTES + 64
+    finally:
+        if stop is not None:
+            stop.set()
+            thread.join(2)
+            reader.close(0)
+        stalled.close(0)
+        ctx.term()
+        events.close()

@@ -123,7 +123,9 @@ def kv_events(settings: Settings, device: torch.device, metrics: Metrics):
     from promptcache.sidecar.kvevents import KVEvents
 
     sent = Counter("promptcache_kv_events", "KV events sent to routers, by type (BlockStored, BlockRemoved, "
-                   "AllBlocksCleared; dropped: queue full)", ["type"], registry=metrics.registry)
+                   "AllBlocksCleared; dropped: queue full; model_refused: a model over the cap of announced models, its "
+                   "chunks not announced; subscriber_full: a subscriber fell behind and ZMQ drops its messages until "
+                   "it reads again)", ["type"], registry=metrics.registry)
     try:
         return KVEvents(settings.kv_events_address, settings.kv_events_id or socket.gethostname(),
                         settings.chunk_tokens, "GPU" if device.type == "cuda" else "CPU", sent)

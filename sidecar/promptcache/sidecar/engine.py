@@ -101,7 +101,6 @@ class CacheEngine:
         self._totals_lock = threading.Lock()
         self._readers: tuple[ReadListener, ...] = (metrics, tenancy, _Totals(self))
         self._scopes: dict = {}  # (Model bytes, identity) -> Scope; namespace() is pure
-        self._event_models: dict[bytes, str | None] = {}  # fingerprint -> model announced in KV events, or None
         self._looked_up = LookedUp()
         # A chunk a priority hint had pinned, or a declared prefix's, is pinned again when a Get's promotion or a
         # warm-up brings it back from the disk tier (after a restart) or the cluster tier.
@@ -147,8 +146,8 @@ class CacheEngine:
         if self.tenancy.isolate:
             spec = dataclasses.replace(spec, tenant_salt=salt)
         scope = Scope(spec, keyspec.fingerprint(spec), owner)
-        if self.events is not None:
-            self._event_models[scope.fingerprint] = spec.model_id if self._announced(owner) else None
+        # a record of this model from a lower tier (the cluster's, written by other nodes) must have its layout
+        self.stack.note_model(scope.fingerprint, spec, self.chunk_tokens)
         return scope
 
     def ttl_hint(self, seconds: float) -> float | None:
@@ -322,7 +321,7 @@ class CacheEngine:
                     served += 1
                     by_tier[tier_name] = by_tier.get(tier_name, 0) + self.chunk_tokens
                     if tier_name != "device" and self.events is not None and not entry.evicted:
-                        self._announce(key, entry.parent, fp, i, request.tokens)
+                        self._announce(key, entry.parent, scope.spec, owner, i, request.tokens)
                 finally:
                     view = None
                     if yielded and held is not None:
@@ -379,7 +378,7 @@ class CacheEngine:
             self.stack.stored(Record(incoming.key, fp, incoming.parent, begin.index, begin.dtype, tuple(begin.shape),
                                      value, incoming.buffer, ttl=ttl_left, age=0.0))
         if self.events is not None:
-            self._announce(incoming.key, incoming.parent, fp, begin.index, tokens)
+            self._announce(incoming.key, incoming.parent, spec, owner, begin.index, tokens)
         return begin.nbytes
 
     # --- KV events --------------------------------------------------------------------------------------
@@ -391,15 +390,16 @@ class CacheEngine:
         return owner.startswith("group:") and self.tenancy.groups.get(owner[len("group:"):], ()) is None
 
     def _pod_seen(self, caller: Caller, scope: Scope) -> None:
-        """KV events: the calling inference pod gets this model's events."""
-        model_id = self._event_models.get(scope.fingerprint)
-        if model_id is not None and caller.pod:
-            self.events.seen(caller.pod, model_id, caller)
+        """KV events: the calling inference pod gets this model's events (once a chunk of it is announced here:
+        a call registers nothing, KVEvents.seen)."""
+        if caller.pod and self._announced(scope.owner):
+            self.events.seen(caller.pod, scope.spec.model_id, caller)
 
-    def _announce(self, key: bytes, parent: bytes, fp: bytes, index: int, tokens) -> None:
-        model = self._event_models.get(fp)
-        if model is not None:
-            ct = self.chunk_tokens
+    def _announce(self, key: bytes, parent: bytes, spec, owner: str, index: int, tokens) -> None:
+        """KV events: a chunk entered the memory tier (this registers its model with the events, within their
+        bound: KVEvents.stored). Nothing is kept per model here."""
+        if self._announced(owner):
+            model, ct = spec.model_id, self.chunk_tokens
             self.events.stored(key, None if index == 0 else parent, model, tokens[index * ct:(index + 1) * ct])
 
     # --- management -------------------------------------------------------------------------------------

@@ -23,11 +23,27 @@ gRPC metadata `x-promptcache-pod` (the vLLM connector and the HF client send POD
 model gets, on its own topic, AllBlocksCleared and then BlockStored for every chunk of that model the memory tier
 holds, so its view starts complete; from then on it gets the live events. A pod name is bound to the first caller
 that names it (its tenant when authenticated, its host otherwise) until restart: another caller naming it is refused
-(`seen`). At most MAX_PODS pods per model (the fan-out: each is one more copy of every event) and
-MAX_PODS_PER_CLIENT names per caller; docs/cluster.md, "Trusting a topic".
+(`seen`). At most MAX_PODS pods per model (the fan-out: each is one more copy of every event),
+MAX_POD_TOPICS pod topics in all and MAX_PODS_PER_CLIENT names per caller; docs/cluster.md, "Trusting a topic".
+
+Per-model state is bounded: a model is registered for events only when a chunk of it enters the memory tier (a
+Lookup naming a model registers nothing; a pod naming a model with no chunk here binds its name and joins on a
+later call), and at most MAX_MODELS models are registered. A model whose chunks have all left stays registered
+(its topics and their sequences go on) until a new model needs its place; then it is forgotten with its pod
+topics and their sequence numbers, once the events queued before are sent. A forgotten topic used again starts
+over as a new one: sequence 0, AllBlocksCleared first (the subscriber had been told every chunk of it was
+removed, so clearing loses nothing; a vLLM subscriber takes a sequence that goes back as a new start, one that
+skips as lost messages). With every place taken by a model holding chunks, a new model is not announced
+(counted as model_refused, logged once per name).
 
 Events are queued (bounded, never blocking the caller, which may hold the memory tier's lock) and sent in
-batches by one thread, the only one touching the socket.
+batches by one thread, the only one touching the socket. What the socket may hold for a subscriber that does not
+read is bounded in bytes: messages of at most MAX_BATCH_BYTES of events (one larger event goes alone), at most
+SNDHWM of them per subscriber. The socket is an XPUB, which a SUB subscribes to like a PUB, with XPUB_NODROP:
+a send that would go past a subscriber's SNDHWM fails instead of being dropped silently, is counted
+(subscriber_full) and sent again lossy, so the subscriber that is behind loses it (it sees the gap in the topic's
+sequence) and the others get it. libzmq then sets that subscriber aside and drops what follows for it without a
+word until it has read some of its queue: the count is of times a subscriber's queue filled, not of messages lost.
 """
 from __future__ import annotations
 
@@ -42,7 +58,11 @@ import msgpack
 log = logging.getLogger("promptcache.sidecar.kvevents")
 
 BATCH_SECONDS = 0.02
-MAX_BATCH = 1024
+MAX_BATCH = 1024  # queued items taken per round
+MAX_BATCH_BYTES = 64 * 1024  # events (encoded) in one message: one larger event goes alone
+SNDHWM = 32  # messages the socket queues for one subscriber: 2 MiB with MAX_BATCH_BYTES (docs/cluster.md)
+MAX_MODELS = 64  # models registered for events (a node serves a few; each has a topic and pod topics)
+MAX_POD_TOPICS = 256  # pod topics in all models (each one more copy of every event of its model)
 MAX_PODS = 32  # per model: a node runs a few inference pods; each is one more copy of every event (fan-out)
 MAX_PODS_PER_CLIENT = 4  # pod names one caller (tenant, or peer host without auth) may bind
 HELD_OVERHEAD_BYTES = 256  # per chunk held, besides 4 bytes a token (measured 173-205: dict slot, tuple, array)
@@ -93,7 +113,17 @@ def _stored(key: bytes, parent: bytes | None, token_ids: list[int], block_size: 
 def encode_batch(ts: float, events: list[dict]) -> bytes:
     """msgspec's encoding of vllm.distributed.kv_events.KVEventBatch(ts, events): data_parallel_rank is written
     (nil) even though it is a default, as msgspec does for array_like structs."""
-    return msgpack.packb([ts, events, None], use_bin_type=True)
+    return encode_packed(ts, [msgpack.packb(e, use_bin_type=True) for e in events])
+
+
+def encode_packed(ts: float, packed: list[bytes]) -> bytes:
+    """encode_batch of events already encoded one by one (msgpack.packb(event)): the same bytes as
+    msgpack.packb([ts, events, None]), each event encoded once however many topics it goes to."""
+    return b"".join((b"\x93", msgpack.packb(ts), msgpack.Packer().pack_array_header(len(packed)), *packed, b"\xc0"))
+
+
+_CLEARED = msgpack.packb(all_blocks_cleared(), use_bin_type=True)
+_FORGET = object()  # queued after a model's last events: its topics are forgotten once those are sent
 
 
 def topic(publisher_id: str, model: str) -> str:
@@ -110,8 +140,9 @@ class KVEvents:
         self.publisher_id = publisher_id
         self.counter = counter  # promptcache_kv_events_total{type}
         self._zmq = zmq.Context()
-        self._socket = self._zmq.socket(zmq.PUB)
-        self._socket.setsockopt(zmq.SNDHWM, 100_000)
+        self._socket = self._zmq.socket(zmq.XPUB)  # a PUB that says when a subscriber's queue is full
+        self._socket.setsockopt(zmq.SNDHWM, SNDHWM)
+        self._socket.setsockopt(zmq.XPUB_NODROP, 1)
         self._socket.setsockopt(zmq.LINGER, 0)
         if address.startswith("tcp://["):  # libzmq binds an IPv6 address only with ZMQ_IPV6 set ("No such device")
             self._socket.setsockopt(zmq.IPV6, 1)
@@ -120,13 +151,17 @@ class KVEvents:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_events)
         # chunk key -> (model, parent, token ids as uint32): what BlockRemoved to send, and what a new pod is told
         self._held: dict[bytes, tuple[str, bytes | None, array.array]] = {}
-        self._pods: dict[str, set[str]] = {}  # model -> pods that used it here
+        # model -> its chunks in _held: the models registered for events (at most MAX_MODELS), least recently
+        # stored first; one with none is forgotten when a new model needs its place
+        self._models: dict[str, int] = {}
+        self._forget_later: set[str] = set()  # models to forget whose marker did not fit in the queue
+        self._pods: dict[str, set[str]] = {}  # model -> pods that get its events (registered models only)
         self._joining: set[tuple[str, str]] = set()  # (model, pod) accepted, not yet told what is held
         self._bound: dict[str, str] = {}  # pod name -> the caller it is bound to (binder_of)
         self._bound_by: dict[str, set[str]] = {}  # binder -> the pod names it bound
         self._refused_logged: set[str] = set()
         self._lock = threading.Lock()
-        self._sequence: dict[str, int] = {}
+        self._sequence: dict[str, int] = {}  # topic -> its next sequence number (the topics of _pods' models)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
 
@@ -137,11 +172,34 @@ class KVEvents:
     # --- called by the store (never blocks) ---------------------------------------------------------------
     def stored(self, key: bytes, parent: bytes | None, model: str, token_ids) -> None:
         held = array.array("I", token_ids)  # 4 bytes a token (a list of ints is 36): counted in the budget
-        with self._lock:
+        with self._lock:  # (queued under the lock, so a model's events and its forgetting keep their order)
             if key in self._held:
                 return
+            count = self._models.pop(model, None)
+            if count is None and not self._register(model):
+                return
+            self._models[model] = (count or 0) + 1  # (last: the most recently stored)
             self._held[key] = (model, parent, held)
-        self._put(model, _stored(key, parent, held.tolist(), self.block_size, self.medium))
+            self._put(model, _stored(key, parent, held.tolist(), self.block_size, self.medium))
+
+    def _register(self, model: str) -> bool:
+        """Under the lock: a place for a new model, taken from the least recently stored model that holds no
+        chunk (forgotten once its queued events are sent); False (counted, logged once) when every place is
+        taken by a model that holds chunks."""
+        if len(self._models) >= MAX_MODELS:
+            idle = next((m for m, count in self._models.items() if count == 0), None)
+            if idle is None:
+                if self.counter is not None:
+                    self.counter.labels("model_refused").inc()
+                if model not in self._refused_logged and len(self._refused_logged) < 1024:
+                    self._refused_logged.add(model)
+                    log.warning("KV events: model %r is not announced (%d models hold chunks here, the most "
+                                "announced at once)", model[:128], MAX_MODELS)
+                return False
+            del self._models[idle]
+            if not self._put(idle, _FORGET):
+                self._forget_later.add(idle)
+        return True
 
     def inserted(self, entry) -> None:
         """The memory tier's insert hook: announced by the engine instead, which knows the chunk's tokens."""
@@ -150,8 +208,11 @@ class KVEvents:
         """The memory tier's remove hook: whatever took the chunk away, routers must stop sending its prefix."""
         with self._lock:
             held = self._held.pop(entry.key, None)
-        if held is not None:
-            self._put(held[0], block_removed([wire_hash(entry.key)], self.medium))
+            if held is None:
+                return
+            model = held[0]
+            self._models[model] -= 1  # (0: kept, until a new model needs its place)
+            self._put(model, block_removed([wire_hash(entry.key)], self.medium))
 
     def seen(self, pod: str, model: str, caller=None) -> bool:
         """A call from inference pod `pod` for `model` (by `caller`, a promptcache.sidecar.identity.Caller): from
@@ -160,28 +221,35 @@ class KVEvents:
         * the pod name is bound to the first caller that names it (its authenticated tenant, or its peer's host
           without auth) until the sidecar restarts: another caller naming it is refused, so nobody can take
           over a pod's topic once its pod has used it;
-        * one caller binds at most MAX_PODS_PER_CLIENT pod names, and a model has at most MAX_PODS pod topics
-          (each one more copy of every event); both checked and taken under the lock, so concurrent callers
-          cannot pass them."""
+        * one caller binds at most MAX_PODS_PER_CLIENT pod names, a model has at most MAX_PODS pod topics
+          (each one more copy of every event) and all models MAX_POD_TOPICS; all checked and taken under the
+          lock, so concurrent callers cannot pass them.
+
+        A model with no chunk announced here (not registered: stored() registers it) gets no topic yet: the
+        name is bound, and the pod joins on a call after the model's first chunk is stored."""
         binder = binder_of(caller)
         with self._lock:
-            pods = self._pods.setdefault(model, set())
-            if pod in pods or (model, pod) in self._joining:
+            pods = self._pods.get(model)
+            if (pods is not None and pod in pods) or (model, pod) in self._joining:
                 return True
             owner = self._bound.get(pod)
             if owner is None:
-                mine = self._bound_by.setdefault(binder, set())
-                if len(mine) >= MAX_PODS_PER_CLIENT:
+                if len(self._bound_by.get(binder, ())) >= MAX_PODS_PER_CLIENT:
                     return self._refuse(pod, f"{binder} already named {MAX_PODS_PER_CLIENT} pods")
             elif owner != binder:
                 return self._refuse(pod, "the name is bound to another caller")
-            if len(pods) + sum(1 for m, _ in self._joining if m == model) >= MAX_PODS:
-                return self._refuse(pod, f"model {model!r} has its maximum of {MAX_PODS} pod topics")
+            if model in self._models:
+                pods = self._pods.setdefault(model, set())
+                if len(pods) + sum(1 for m, _ in self._joining if m == model) >= MAX_PODS:
+                    return self._refuse(pod, f"model {model[:128]!r} has its maximum of {MAX_PODS} pod topics")
+                if sum(map(len, self._pods.values())) + len(self._joining) >= MAX_POD_TOPICS:
+                    return self._refuse(pod, f"{MAX_POD_TOPICS} pod topics exist, the most")
             if owner is None:
                 self._bound[pod] = binder
-                self._bound_by[binder].add(pod)
-            self._joining.add((model, pod))
-        self._put(model, None, pod)  # the sender adds it, after telling it what is held
+                self._bound_by.setdefault(binder, set()).add(pod)
+            if model in self._models:
+                self._joining.add((model, pod))
+                self._put(model, None, pod)  # the sender adds it, after telling it what is held
         return True
 
     def _refuse(self, pod: str, why: str) -> bool:
@@ -193,16 +261,19 @@ class KVEvents:
             log.warning("KV events: pod topic %r refused (%s)", pod[:64], why)
         return False
 
-    def _put(self, model: str, event: dict | None, pod: str = "") -> None:
+    def _put(self, model: str, event, pod: str = "") -> bool:
         try:
             self._queue.put_nowait((model, event, pod))
+            return True
         except queue.Full:
-            if self.counter is not None:
+            if self.counter is not None and event is not _FORGET:
                 self.counter.labels("dropped").inc()
+            return False
 
     # --- the sending thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._drain_subscriptions()
             try:
                 first = self._queue.get(timeout=0.2)
             except queue.Empty:
@@ -214,38 +285,101 @@ class KVEvents:
                     pending.append(self._queue.get(timeout=left))
                 except queue.Empty:
                     break
-            by_topic: dict[str, list[dict]] = {}
+            by_topic: dict[str, list[tuple[str, bytes]]] = {}
             for model, event, pod in pending:
                 if event is None:
                     self._join(model, pod, by_topic)
                     continue
+                if event is _FORGET:  # after what was queued before it is sent
+                    self._flush(by_topic)
+                    self._forget(model)
+                    continue
                 with self._lock:
                     pods = list(self._pods.get(model, ()))
+                packed = (event["type"], msgpack.packb(event, use_bin_type=True))  # once, for every topic
                 for publisher in (self.publisher_id, *pods):
-                    by_topic.setdefault(topic(publisher, model), []).append(event)
-            for t, events in by_topic.items():
-                self._send(t, events)
+                    by_topic.setdefault(topic(publisher, model), []).append(packed)
+            self._flush(by_topic)
+            if self._forget_later:
+                with self._lock:
+                    later, self._forget_later = self._forget_later, set()
+                for model in later:
+                    self._forget(model)
 
-    def _join(self, model: str, pod: str, by_topic: dict[str, list[dict]]) -> None:
+    def _drain_subscriptions(self) -> None:
+        """An XPUB passes (un)subscriptions up to be read: read and ignore them, so none pile up."""
+        import zmq
+
+        try:
+            while True:
+                self._socket.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _flush(self, by_topic: dict[str, list[tuple[str, bytes]]]) -> None:
+        for t, events in by_topic.items():
+            self._send(t, events)
+        by_topic.clear()
+
+    def _forget(self, model: str) -> None:
+        """A model that gave up its place (_register): its pod topics and all its topics' sequences go, unless it
+        was registered again meanwhile (then its topics simply go on)."""
+        with self._lock:
+            if model in self._models:
+                return
+            pods = self._pods.pop(model, set())
+        for publisher in (self.publisher_id, *pods):
+            self._sequence.pop(topic(publisher, model), None)
+
+    def _join(self, model: str, pod: str, by_topic: dict[str, list[tuple[str, bytes]]]) -> None:
         """Tell a newly seen pod what the memory tier holds of `model`, then add it to the model's pods."""
         with self._lock:
+            self._joining.discard((model, pod))
+            if model not in self._models:  # forgotten meanwhile: the pod joins on a later call
+                return
             held = [(key, parent, tokens) for key, (m, parent, tokens) in self._held.items() if m == model]
             self._pods.setdefault(model, set()).add(pod)
-            self._joining.discard((model, pod))
         events = by_topic.setdefault(topic(pod, model), [])
         for key, parent, tokens in held:
-            events.append(_stored(key, parent, tokens.tolist(), self.block_size, self.medium))
+            event = _stored(key, parent, tokens.tolist(), self.block_size, self.medium)
+            events.append((event["type"], msgpack.packb(event, use_bin_type=True)))
 
-    def _send(self, t: str, events: list[dict]) -> None:
+    def _send(self, t: str, events: list[tuple[str, bytes]]) -> None:
+        """`events` (type, encoded) on topic `t`, in messages of at most MAX_BATCH_BYTES of events each."""
         seq = self._sequence.get(t)
-        if seq is None:  # the first batch on this topic since start: forget what an earlier run announced
-            events = [all_blocks_cleared(), *events]
+        if seq is None:  # the first batch on this topic (since start, or since it was forgotten)
+            events = [("AllBlocksCleared", _CLEARED), *events]
             seq = 0
-        self._sequence[t] = seq + 1
-        self._socket.send_multipart((t.encode(), seq.to_bytes(8, "big"), encode_batch(time.time(), events)))
+        name = t.encode()
+        begin = size = 0
+        for end, (_, packed) in enumerate(events):
+            if size and size + len(packed) > MAX_BATCH_BYTES:
+                self._publish(name, seq, events[begin:end])
+                seq += 1
+                begin, size = end, 0
+            size += len(packed)
+        if begin < len(events):
+            self._publish(name, seq, events[begin:])
+            seq += 1
+        self._sequence[t] = seq
         if self.counter is not None:
-            for e in events:
-                self.counter.labels(e["type"]).inc()
+            for kind, _ in events:
+                self.counter.labels(kind).inc()
+
+    def _publish(self, name: bytes, seq: int, events: list[tuple[str, bytes]]) -> None:
+        import zmq
+
+        frames = (name, seq.to_bytes(8, "big"), encode_packed(time.time(), [packed for _, packed in events]))
+        try:
+            self._socket.send_multipart(frames, zmq.DONTWAIT)
+        except zmq.Again:  # a subscriber has SNDHWM messages queued: it loses this one, the others get it
+            if self.counter is not None:
+                self.counter.labels("subscriber_full").inc()
+            self._socket.setsockopt(zmq.XPUB_NODROP, 0)
+            try:
+                self._socket.send_multipart(frames, zmq.DONTWAIT)
+            finally:
+                self._socket.setsockopt(zmq.XPUB_NODROP, 1)
 
     def close(self) -> None:
         self._stop.set()
