@@ -313,3 +313,19 @@ def test_quantized_reuse_in_half_precision(dtype, client):
     k, _ = cache_kv(res.cache)[0]
     assert k.dtype == getattr(torch, dtype)
     assert (res.logits.float() - split_logits(model, ids, 2 * CT, 4).float()).abs().max() < 0.5
+
+
+def test_more_chunks_than_asked_fall_back_instead_of_failing_the_request(tiny, client, monkeypatch):
+    """A sidecar (or a transport) that answers more chunks than fetch asked for: the request gets a normal prefill,
+    never an error and never the extra chunks. (The client refuses such answers itself, tests/test_bulk_bad_sidecar.py;
+    get_blobs is patched here to let one through, as the audit's fake sidecar did before that.)"""
+    pc = PromptCacheHF(tiny, client, revision="t-extra")
+    ids = prompt(2 * CT + 8)
+    assert pc.prefill(ids, store=True).store is not None and pc.flush(10)
+    real = client.get_blobs
+    monkeypatch.setattr(client, "get_blobs", lambda *a, **kw: (lambda b: b + [b[-1]] if b else b)(real(*a, **kw)))
+    before = fallbacks("corrupt")
+    res = pc.prefill(ids, logits_to_keep=4, store=False)
+    assert res.fallback == "corrupt" and res.cached_tokens == 0
+    assert torch.equal(res.logits, full_logits(tiny, ids, 4))
+    assert fallbacks("corrupt") == before + 1

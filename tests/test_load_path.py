@@ -59,7 +59,7 @@ def test_a_chunk_with_nan_or_inf_is_refused_by_the_sidecar_and_by_the_client(cli
     for _ in range(2):  # the second time from the lent mappings already checked
         good = client.get_blobs(SMALL, TOKENS, keep_sealed=True)
         assert len(checked_chunks(SMALL, good, CHUNK)) == 3
-    # Lent chunks come flagged: the sidecar checked them as it stored them, so the client does not scan them.
+    # Lent chunks kept mapped were scanned once, at their first load: the client does not scan them again.
     assert [known_finite(b) for b in good] == [client.lent_expected] * 3
     kv = make_kv(SMALL, len(BAD_TOKENS), seed=2)
     kv[1][1][0, 1, 2 * CHUNK + 5, 3] = bad  # layer 1's V, in the third chunk

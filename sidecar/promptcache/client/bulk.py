@@ -19,6 +19,7 @@ import collections
 import fcntl
 import mmap
 import os
+import select
 import socket
 import stat
 import sys
@@ -45,17 +46,17 @@ class _Connection:
         self.shared: np.ndarray | None = None  # the attached memfd's mapping (unix sockets, shared mode)
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
-        self.timeout = timeout  # what the socket has now: setting it costs a system call
         if family != socket.AF_UNIX:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         bulkwire.large_buffers(self.sock)
+        deadline = time.monotonic() + timeout
         self.sock.connect(sockaddr)
         want_lent = shared_memory and zero_copy
         self.reader = bulkwire.FrameReader(self.sock, descriptors=want_lent)
         bulkwire.send(self.sock, pb.BulkFrame(hello=pb.BulkHello(version=bulkwire.VERSION,
                                                                  authorization=authorization,
                                                                  sealed_memfds=want_lent)))
-        status = _expect(self.reader, "status").status
+        status = _expect(self.reader, "status", deadline).status
         _check_status(status)
         self.lent = want_lent and status.sealed_memfds  # the sidecar lends chunks: no buffer needed
         self.puts = status.puts  # the sidecar takes put frames (an older one: gRPC Put)
@@ -63,15 +64,24 @@ class _Connection:
         self.owned = ReleasedBuffers()
 
     def set_timeout(self, timeout: float) -> None:
-        if timeout != self.timeout:
+        if timeout != self.sock.gettimeout():  # (setting it costs a system call; reading it, none)
             self.sock.settimeout(timeout)
-            self.timeout = timeout
+
+    def stale(self) -> bool:
+        """Whether something is waiting on this idle connection: bytes read and not consumed, or bytes (or the
+        end of the stream) in the socket. Between two calls nothing may be: the rest of an answer the sidecar sent
+        twice, or a connection it closed. A request sent now would be answered out of step."""
+        if self.reader.buffered or self.reader.pending_fds:
+            return True
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def close(self) -> None:
         self.sock.close()
         self.reader.close()
 
-    def attach(self, size: int) -> np.ndarray:
+    def attach(self, size: int, deadline: float | None = None) -> np.ndarray:
         """This connection's shared buffer, at least `size` bytes: a memfd sealed against shrinking (so the
         sidecar can keep it mapped safely), pre-faulted here (its pages are ours, not the sidecar's), sent once
         over the socket. Returns its mapping."""
@@ -88,15 +98,22 @@ class _Connection:
             bulkwire.send_with_fd(self.sock, pb.BulkFrame(buffer=pb.BulkBuffer(length=size)), fd)
         finally:
             os.close(fd)  # the mapping (ours) and the sidecar's copy of the descriptor keep it alive
-        _check_status(_expect(self.reader, "status").status)
+        _check_status(_expect(self.reader, "status", deadline).status)
         self.shared = array  # earlier views keep the old mapping alive until they go
         return array
 
 
-def _expect(reader: bulkwire.FrameReader, kind: str) -> pb.BulkFrame:
-    frame = reader.frame()
+def _expect(reader: bulkwire.FrameReader, kind: str, deadline: float | None = None) -> pb.BulkFrame:
+    frame = reader.frame(deadline=deadline)
     got = frame.WhichOneof("frame")
-    if got != kind and got != "status":
+    if got == "status":
+        # An answer ends with its status: every descriptor that came with it belongs to one of its chunk frames,
+        # taken by now. One left over was never asked for; it is closed (not mapped by the next answer, as if it
+        # were that answer's), and a sidecar that sends them is not trusted with this connection any more.
+        stray = reader.close()
+        if stray:
+            raise bulkwire.FramingError(f"{stray} file descriptor(s) came that no chunk frame announced")
+    elif got != kind:
         raise bulkwire.FramingError(f"expected a {kind} frame from the sidecar, got {got}")
     return frame
 
@@ -151,27 +168,46 @@ class BulkClient:
                 self._all.remove(conn)
         conn.close()
 
+    def _ready_connection(self, timeout: float) -> _Connection:
+        """This thread's connection, a new one where the old one is stale (_Connection.stale)."""
+        conn = self._connection(timeout)
+        try:
+            stale = conn.stale()
+        except (OSError, ValueError):
+            stale = True
+        if stale:
+            self._drop(conn)
+            conn = self._connection(timeout)
+        return conn
+
     def get(self, request: pb.GetRequest, expected_bytes: int, timeout: float,
-            owned: bool = False) -> tuple[list[torch.Tensor], bool]:
+            owned: bool = False, max_chunks: int | None = None,
+            chunk_bytes: int | None = None) -> tuple[list[torch.Tensor], bool]:
         """(verified chunk blobs of the longest cached run, whether the caller owns them). Views of this thread's
         buffer (valid until the thread's next call) or of lent chunks (valid while referenced), unless `owned`
         and the bytes come on the socket: then each chunk is received into a tensor of its own.
-        `expected_bytes` sizes the buffer; larger answers still fit (a new buffer)."""
+        `expected_bytes` sizes the buffer; larger answers still fit (a new buffer) unless `max_chunks` (the most
+        chunks the request allows) and `chunk_bytes` (every chunk's exact length) are given: an answer with
+        more chunks or a chunk of another length is then refused (CorruptChunk) before its bytes are read.
+        The whole call, however slowly the answer trickles in, ends by `timeout` (DeadlineExceeded)."""
         deadline = time.monotonic() + timeout
-        conn = self._connection(timeout)
+        conn = self._ready_connection(timeout)
+        bounds = _Bounds(max_chunks, chunk_bytes)
         try:
             conn.set_timeout(timeout)
             if self.shared_memory and not conn.lent:
-                shared = conn.attach(expected_bytes)
+                shared = conn.attach(expected_bytes, deadline)
                 request.shared_buffer.length = expected_bytes
                 try:
                     conn.sock.sendall(bulkwire.encode_get(request))
                 finally:
                     request.ClearField("shared_buffer")  # the caller may retry the request over gRPC
-                return self._receive_shared(conn, request.start_chunk, shared[:expected_bytes], self.lent), False
+                return self._receive_shared(conn, request.start_chunk, shared[:expected_bytes], self.lent,
+                                            deadline, bounds), False
             conn.sock.sendall(bulkwire.encode_get(request))
             owned = owned and not conn.lent
-            return self._receive(conn, request.start_chunk, expected_bytes, deadline, self.lent, owned), owned
+            return self._receive(conn, request.start_chunk, expected_bytes, deadline, self.lent, owned,
+                                 bounds), owned
         except socket.timeout:
             self._drop(conn)  # the answer may still arrive: this connection's framing can't be trusted
             raise errors.DeadlineExceeded(f"DEADLINE_EXCEEDED: no answer from {self.address} in time") from None
@@ -189,7 +225,8 @@ class BulkClient:
         built, so the sidecar receives and verifies chunk i while chunk i+1 is hashed here. Unavailable when
         the channel cannot take the call (no bulk channel, at its connection limit, a sidecar without bulk Put,
         the connection broke): the caller then uses gRPC Put, whose answer is the same."""
-        conn = self._connection(timeout)
+        deadline = time.monotonic() + timeout
+        conn = self._ready_connection(timeout)
         if not conn.puts:
             raise errors.Unavailable(f"UNAVAILABLE: the sidecar at {self.address} takes no put frames on its bulk "
                                      "channel (an older version)")
@@ -198,7 +235,7 @@ class BulkClient:
             conn.set_timeout(timeout)
             if self.shared_memory:
                 # One copy into the memfd the sidecar maps; all frames in one write, no bytes after them.
-                shared = conn.attach(sum(data.size for _, data in chunks))
+                shared = conn.attach(sum(data.size for _, data in chunks), deadline)
                 put.shared_buffer = True
                 frames, position = bytearray(bulkwire.encode(pb.BulkFrame(put=put))), 0
                 for begin, data in chunks:
@@ -214,7 +251,7 @@ class BulkClient:
                     buffers += (bulkwire.encode(pb.BulkFrame(chunk=begin())), data)
                     bulkwire.send_buffers(conn.sock, buffers)
                     buffers = []
-            status = _expect(conn.reader, "status").status
+            status = _expect(conn.reader, "status", deadline).status
         except socket.timeout:
             self._drop(conn)
             raise errors.DeadlineExceeded(f"DEADLINE_EXCEEDED: no answer from {self.address} in time") from None
@@ -225,12 +262,12 @@ class BulkClient:
         return status.put
 
     @staticmethod
-    def _receive_shared(conn: _Connection, start_chunk: int, shared: np.ndarray,
-                        lent: LentChunks) -> list[torch.Tensor]:
+    def _receive_shared(conn: _Connection, start_chunk: int, shared: np.ndarray, lent: LentChunks,
+                        deadline: float | None = None, bounds: _Bounds | None = None) -> list[torch.Tensor]:
         """Chunk frames without bytes: the sidecar wrote them into the shared buffer and verified them there,
         after the copy, so they are not hashed again here."""
         blobs: list[torch.Tensor] = []
-        for c in _answer(conn, start_chunk, blobs):
+        for c in _answer(conn, start_chunk, blobs, deadline, bounds):
             if c.sealed_memfd:
                 blobs.append(lent.take(conn.reader.take_fd(), c))
                 continue
@@ -241,13 +278,13 @@ class BulkClient:
 
     @staticmethod
     def _receive(conn: _Connection, start_chunk: int, expected_bytes: int, deadline: float,
-                 lent: LentChunks, owned: bool = False) -> list[torch.Tensor]:
+                 lent: LentChunks, owned: bool = False, bounds: _Bounds | None = None) -> list[torch.Tensor]:
         if owned:  # no receive buffer: a tensor per chunk, returned as it is
             expected_bytes = 0
         if conn.buffer.numel() < expected_bytes and not conn.lent:  # lent chunks need no buffer
             conn.buffer = torch.empty(expected_bytes, dtype=torch.uint8)
         buffer, position, blobs = conn.buffer, 0, []
-        for c in _answer(conn, start_chunk, blobs):
+        for c in _answer(conn, start_chunk, blobs, deadline, bounds):
             if c.sealed_memfd:
                 blobs.append(lent.take(conn.reader.take_fd(), c))
                 continue
@@ -261,8 +298,7 @@ class BulkClient:
                     buffer = conn.buffer = torch.empty(max(2 * buffer.numel(), c.nbytes), dtype=torch.uint8)
                     position = 0
                 view = buffer[position:position + c.nbytes]
-            conn.set_timeout(max(deadline - time.monotonic(), 0.001))
-            conn.reader.read_into(view.numpy())
+            conn.reader.read_into(view.numpy(), deadline)
             if xxhash.xxh3_64_intdigest(view.numpy()) != c.xxh3_64:
                 raise errors.CorruptChunk(f"chunk {c.index} failed its checksum in transit")
             blobs.append(view)
@@ -302,8 +338,9 @@ class ReleasedBuffers:
 class LentChunks:
     """Mappings of the chunks a sidecar lent (sealed memfds), kept for reuse: the sidecar passes a chunk's
     memfd with every Get that serves it, and when this process still has that memfd mapped (same inode, size
-    and checksum) the mapping is used again instead of mapping it anew. Lent memfds are sealed, so a mapping
-    can never go stale; what it costs is memory: a chunk the sidecar has evicted stays alive while mapped
+    and checksum) the mapping is used again instead of mapping it anew. A new mapping is checked against its
+    checksum once (_map_lent); a reused one was. Lent memfds are sealed, so a mapping can never go stale;
+    what it costs is memory: a chunk the sidecar has evicted stays alive while mapped
     here. So mappings unused for `idle_seconds` go, and at most `max_bytes` stay mapped (0: none are kept).
 
     Mappings are shared and read-only (PROT_READ): a write through one of these tensors is a segmentation
@@ -362,9 +399,10 @@ _warned = False  # torch's warning about non-writable buffers has been swallowed
 _sealed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # id -> lent tensor
 
 
-# Lent chunks known to hold finite values: the sidecar said so when it lent them (it checks unquantized chunks as
-# it stores them), or this process scanned them once. Their bytes never change, so they are not scanned again
-# while this process keeps their mapping. id -> the blob; an entry goes with its blob.
+# Lent chunks this process scanned once and found to hold finite values (client.checked_chunks). Their bytes never
+# change, so they are not scanned again while this process keeps their mapping. The sidecar's values_finite flag is
+# not taken for it: a sidecar that is wrong (or not ours) must not get NaN loaded. id -> the blob; an entry goes
+# with its blob.
 _finite: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
@@ -387,14 +425,19 @@ def mark_finite(blob: torch.Tensor) -> None:
 
 def _map_lent(fd: int, st: os.stat_result, c: pb.ChunkBegin) -> torch.Tensor:
     """Map a lent chunk's memfd read-only and pre-faulted, after checking it is what the protocol promises
-    (sealed, large enough: a short one would fault on read). The sidecar verified these bytes when they were
-    stored, and the seals (and its own read-only mapping) keep them as they were, so they are not hashed here."""
+    (sealed, large enough: a short one would fault on read), and check its bytes against the frame's xxh3 once,
+    here: the seals keep them as they are for as long as the mapping lives, so LentChunks reuses it unhashed (one
+    hash per new mapping, none per Get). Its values are scanned once too, by client.checked_chunks (the frame's
+    values_finite is a hint this client does not rely on: a wrong flag must not get NaN loaded)."""
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if stat.S_ISREG(st.st_mode) else 0
     if seals & bulkwire.LENT_SEALS != bulkwire.LENT_SEALS or not 0 < c.nbytes <= min(st.st_size, _MAX_CHUNK_BYTES):
         raise errors.CorruptChunk(f"chunk {c.index}: what came with it is not a sealed memfd of at least "
                                   f"{c.nbytes} bytes")
     mm = mmap.mmap(fd, c.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ,
                    **bulkwire.MMAP_OPTIONS)
+    if xxhash.xxh3_64_intdigest(mm) != c.xxh3_64:
+        mm.close()
+        raise errors.CorruptChunk(f"chunk {c.index} failed its checksum in the memfd it was lent in")
     global _warned
     if _warned:
         tensor = torch.frombuffer(mm, dtype=torch.uint8)
@@ -405,21 +448,33 @@ def _map_lent(fd: int, st: os.stat_result, c: pb.ChunkBegin) -> torch.Tensor:
             _warned = True
             tensor = torch.frombuffer(mm, dtype=torch.uint8)
     _sealed[id(tensor)] = tensor
-    if c.values_finite:
-        _finite[id(tensor)] = tensor
     return tensor
 
 
-def _answer(conn: _Connection, start_chunk: int, blobs: list) -> Iterator[pb.ChunkBegin]:
-    """The chunk frames of one answer, each checked to be the next index (`blobs`: what the caller kept so far),
-    until its status frame; an error status raises its exception type."""
+class _Bounds(collections.namedtuple("_Bounds", "max_chunks chunk_bytes")):
+    """What a request allows its answer: at most `max_chunks` chunks, each exactly `chunk_bytes` long (None: not
+    known here, not checked)."""
+
+
+def _answer(conn: _Connection, start_chunk: int, blobs: list, deadline: float | None = None,
+            bounds: _Bounds | None = None) -> Iterator[pb.ChunkBegin]:
+    """The chunk frames of one answer, each checked to be the next index (`blobs`: what the caller kept so far)
+    and within `bounds` before any of its bytes are read, until its status frame, all by `deadline`; an error
+    status raises its exception type."""
     while True:
-        frame = _expect(conn.reader, "chunk")
+        frame = _expect(conn.reader, "chunk", deadline)
         if frame.WhichOneof("frame") == "status":
             if frame.status.chunks != len(blobs):
                 raise bulkwire.FramingError(f"status counts {frame.status.chunks} chunks, {len(blobs)} arrived")
             _check_status(frame.status)
             return
-        if frame.chunk.index != start_chunk + len(blobs):
-            raise errors.CorruptChunk(f"expected chunk {start_chunk + len(blobs)}, got {frame.chunk.index}")
-        yield frame.chunk
+        c = frame.chunk
+        if c.index != start_chunk + len(blobs):
+            raise errors.CorruptChunk(f"expected chunk {start_chunk + len(blobs)}, got {c.index}")
+        if bounds is not None:
+            if bounds.max_chunks is not None and len(blobs) >= bounds.max_chunks:
+                raise errors.CorruptChunk(f"chunk {c.index} is past the {bounds.max_chunks} chunks asked for")
+            if bounds.chunk_bytes is not None and c.nbytes != bounds.chunk_bytes:
+                raise errors.CorruptChunk(f"chunk {c.index} announces {c.nbytes} bytes; this model's chunks have "
+                                          f"{bounds.chunk_bytes}")
+        yield c

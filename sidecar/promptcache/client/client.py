@@ -348,13 +348,36 @@ class PromptCacheClient:
         token_list = _tokens(tokens)
         req = pb.GetRequest(model=model_to_proto(spec), tokens=token_list, start_chunk=start_chunk,
                             max_chunks=max_chunks)
-        nbytes = self._expected_bytes(spec, token_list, start_chunk, max_chunks) if self._transports.sized else None
-        return self._transports.get(GetCall(req, timeout or self.timeout, owned, nbytes))
+        # What the request allows its answer: the transports refuse more as it arrives. A chain without a sized
+        # transport does not ask the sidecar for its chunk size up front (a Stats call) just for this.
+        ct = self.chunk_tokens if self._transports.sized else self._chunk_tokens
+        chunks, chunk_bytes = self._answer_bounds(spec, token_list, start_chunk, max_chunks, ct)
+        nbytes = chunks * chunk_bytes if self._transports.sized else None
+        blobs, owned = self._transports.get(GetCall(req, timeout or self.timeout, owned, nbytes, chunks, chunk_bytes))
+        if blobs:
+            if chunks is None:
+                chunks, chunk_bytes = self._answer_bounds(spec, token_list, start_chunk, max_chunks, self.chunk_tokens)
+            # Every transport checks this as the answer arrives; this is the one place all of them pass.
+            if len(blobs) > chunks:
+                raise errors.CorruptChunk(f"the sidecar answered {len(blobs)} chunks; the request allows {chunks}")
+            for i, blob in enumerate(blobs):
+                if blob.numel() != chunk_bytes:
+                    raise errors.CorruptChunk(f"chunk {start_chunk + i} has {blob.numel()} bytes; this model's "
+                                              f"chunks have {chunk_bytes}")
+        return blobs, owned
 
-    def _expected_bytes(self, spec: ModelSpec, token_list: list[int], start_chunk: int, max_chunks: int) -> int:
-        n = len(token_list) // self.chunk_tokens - start_chunk
+    @staticmethod
+    def _answer_bounds(spec: ModelSpec, token_list: list[int], start_chunk: int, max_chunks: int,
+                       ct: int | None) -> tuple[int | None, int | None]:
+        """(most chunks the request allows, each chunk's exact bytes) for chunks of `ct` tokens; (None, None)
+        while `ct` is not known, (0, 0) where it is 0 (no chunk can be asked for)."""
+        if ct is None:
+            return None, None
+        if ct <= 0:
+            return 0, 0
+        n = len(token_list) // ct - start_chunk
         n = min(n, max_chunks) if max_chunks else n
-        return max(n, 0) * chunk_nbytes(spec, self.chunk_tokens)
+        return max(n, 0), chunk_nbytes(spec, ct)
 
     # --- tensors ----------------------------------------------------------------------------------------
     def put(self, spec: ModelSpec, tokens, kv: KV, start_chunk: int = 0, timeout: float | None = None,

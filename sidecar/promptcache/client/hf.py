@@ -466,6 +466,8 @@ class PromptCacheHF:
                                           copy=False)
             if not blobs:  # evicted between Lookup and Get
                 return Prefix(seconds=time.perf_counter() - t0, chunk_tokens=ct)
+            if len(blobs) > usable:  # chunks for tokens never asked for: never loaded
+                raise errors.CorruptChunk(f"the sidecar answered {len(blobs)} chunks; {usable} were asked for")
             kv = decode_prefix(self.spec, blobs, ct, self.device)
             if self.verify_finite and self.spec.quantization == "none":
                 # quantized modes prove finiteness from their scales; raw chunks are scanned (cheap next to compute)

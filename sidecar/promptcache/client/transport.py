@@ -80,11 +80,15 @@ class PutCall:
 @dataclass
 class GetCall:
     """One get_blobs. `nbytes`: what the answer holds at most (whole chunks from start_chunk on), which sizes the
-    destination of the transports that need it up front; None when no transport of the chain does."""
+    destination of the transports that need it up front; None when no transport of the chain does. `chunks` and
+    `chunk_bytes`: the most chunks the request allows (min(max_chunks, whole chunks of the tokens from start_chunk))
+    and every chunk's exact length; an answer past them is refused (CorruptChunk). None: not known, not checked."""
     request: pb.GetRequest
     timeout: float
     owned: bool = False  # owned blobs are wanted, where they cost no extra copy
     nbytes: int | None = None
+    chunks: int | None = None
+    chunk_bytes: int | None = None
 
     @property
     def start_chunk(self) -> int:
@@ -116,7 +120,7 @@ class BulkTransport:
         return self.bulk.put(call.header(), chunks, call.timeout)
 
     def get(self, call: GetCall) -> Blobs:
-        return self.bulk.get(call.request, call.nbytes, call.timeout, call.owned)
+        return self.bulk.get(call.request, call.nbytes, call.timeout, call.owned, call.chunks, call.chunk_bytes)
 
     def reset(self) -> None:
         pass
@@ -158,7 +162,8 @@ class SharedFileTransport:
         req.shared_buffer.name, req.shared_buffer.length = shared.name, call.nbytes
         try:
             return self._call(lambda t: _receive_shared(self._stub.GetShared(req, timeout=t), call.start_chunk,
-                                                        shared.array), call.timeout), False
+                                                        shared.array, call.chunks, call.chunk_bytes),
+                              call.timeout), False
         finally:
             req.ClearField("shared_buffer")  # the next transport sends the request as it came
 
@@ -190,7 +195,8 @@ class StreamTransport:
         return self._call(lambda t: self._stub.Put(frames(), timeout=t), call.timeout)
 
     def get(self, call: GetCall) -> Blobs:
-        return self._call(lambda t: _receive(self._get(call.request, timeout=t), call.start_chunk), call.timeout), True
+        return self._call(lambda t: _receive(self._get(call.request, timeout=t), call.start_chunk, call.chunks,
+                                             call.chunk_bytes), call.timeout), True
 
     def reset(self) -> None:
         pass
@@ -238,7 +244,17 @@ class TransportChain:
 
 
 # --- what comes back over gRPC -------------------------------------------------------------------------------
-def _receive(stream: Iterable, start_chunk: int) -> list["torch.Tensor"]:
+def _within(c: pb.ChunkBegin, received: int, max_chunks: int | None, chunk_bytes: int | None) -> None:
+    """CorruptChunk unless chunk frame `c`, after `received` chunks, is one the request allows: at most
+    `max_chunks` chunks, each of exactly `chunk_bytes` (None: not checked). Checked before its bytes are taken."""
+    if max_chunks is not None and received >= max_chunks:
+        raise errors.CorruptChunk(f"chunk {c.index} is past the {max_chunks} chunks asked for")
+    if chunk_bytes is not None and c.nbytes != chunk_bytes:
+        raise errors.CorruptChunk(f"chunk {c.index} announces {c.nbytes} bytes; this model's chunks have {chunk_bytes}")
+
+
+def _receive(stream: Iterable, start_chunk: int, max_chunks: int | None = None,
+             chunk_bytes: int | None = None) -> list["torch.Tensor"]:
     import torch
 
     blobs: list[torch.Tensor] = []
@@ -260,6 +276,7 @@ def _receive(stream: Iterable, start_chunk: int) -> list["torch.Tensor"]:
             current = msg.chunk
             if current.index != start_chunk + len(blobs):
                 raise errors.CorruptChunk(f"expected chunk {start_chunk + len(blobs)}, got {current.index}")
+            _within(current, len(blobs), max_chunks, chunk_bytes)
             blobs.append(torch.empty(current.nbytes, dtype=torch.uint8))
             buf, offset = blobs[-1].numpy(), 0
             continue
@@ -277,9 +294,11 @@ def _receive(stream: Iterable, start_chunk: int) -> list["torch.Tensor"]:
     return blobs
 
 
-def _receive_shared(batch: pb.ChunkBatch, start_chunk: int, buffer: np.ndarray) -> list["torch.Tensor"]:
+def _receive_shared(batch: pb.ChunkBatch, start_chunk: int, buffer: np.ndarray, max_chunks: int | None = None,
+                    chunk_bytes: int | None = None) -> list["torch.Tensor"]:
     blobs = []
     for c in batch.chunks:
+        _within(c, len(blobs), max_chunks, chunk_bytes)
         blobs.append(_shared_chunk(c, start_chunk + len(blobs), buffer))
     return blobs
 

@@ -232,7 +232,12 @@ class FrameReader:
         self._fds: collections.deque[int] | None = collections.deque() if descriptors else None
         self._cmsg_space = socket.CMSG_SPACE(4 * MAX_LENT_FDS) if descriptors else 0
 
-    def _fill(self) -> None:
+    def _fill(self, deadline: float | None = None) -> None:
+        if deadline is not None:  # each recv waits at most for what is left: a trickling peer cannot outlast it
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"{len(self._buf)} bytes of a frame arrived in time")
+            self.sock.settimeout(left)
         if self._fds is None:
             n = self.sock.recv_into(self._scratch)
         else:
@@ -244,38 +249,55 @@ class FrameReader:
             raise FramingError(f"connection closed with {len(self._buf)} bytes of a frame read")
         self._buf += memoryview(self._scratch)[:n]
 
+    @property
+    def buffered(self) -> int:
+        """Bytes read from the socket and not consumed yet (none between two well-formed answers)."""
+        return len(self._buf)
+
+    @property
+    def pending_fds(self) -> int:
+        """Descriptors that arrived and were not taken yet."""
+        return len(self._fds) if self._fds else 0
+
     def take_fd(self) -> int:
         """The next descriptor that came with the frames read so far; the caller owns it."""
         if not self._fds:
             raise FramingError("a chunk frame announced a memfd, but no file descriptor came with it")
         return self._fds.popleft()
 
-    def close(self) -> None:
-        """Close descriptors that arrived and were never taken."""
+    def close(self) -> int:
+        """Close descriptors that arrived and were never taken; returns how many there were."""
+        closed = 0
         while self._fds:
+            closed += 1
             try:
                 os.close(self._fds.popleft())
             except OSError:
                 pass
+        return closed
 
-    def frame(self, limit: int = MAX_FRAME_BYTES) -> pb.BulkFrame:
+    def frame(self, limit: int = MAX_FRAME_BYTES, deadline: float | None = None) -> pb.BulkFrame:
+        """The next frame. With a `deadline` (time.monotonic()), socket.timeout once it has passed, however the
+        bytes trickle in (the socket's timeout is then left at what was left of it); without one, each recv
+        waits for the socket's own timeout."""
         while len(self._buf) < _LENGTH.size:
-            self._fill()
+            self._fill(deadline)
         (length,) = _LENGTH.unpack_from(self._buf)
         if length > limit:
             raise FramingError(f"frame of {length} bytes is over the limit of {limit}")
         while len(self._buf) < _LENGTH.size + length:
-            self._fill()
+            self._fill(deadline)
         body = bytes(self._buf[_LENGTH.size:_LENGTH.size + length])
         del self._buf[:_LENGTH.size + length]
         return _parse(body)
 
-    def read_into(self, buffer) -> None:
-        """Raw bytes after a chunk frame: first what is already buffered, then straight from the socket."""
+    def read_into(self, buffer, deadline: float | None = None) -> None:
+        """Raw bytes after a chunk frame: first what is already buffered, then straight from the socket (by
+        `deadline` if given, as recv_into)."""
         view = memoryview(buffer).cast("B")
         take = min(len(self._buf), view.nbytes)
         if take:
             view[:take] = self._buf[:take]
             del self._buf[:take]
         if take < view.nbytes:
-            recv_into(self.sock, view[take:])
+            recv_into(self.sock, view[take:], deadline)
