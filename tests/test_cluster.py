@@ -49,6 +49,15 @@ def _accepts(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _fleet_credentials(tmp_path, tenants=("alice", "bob")) -> tuple[str, str]:
+    """The tenants' token folder and one fleet secret (a tenant's keys are the same on every node), as paths."""
+    tokens = tmp_path / "tokens"
+    write_secret_dir(tokens, {t: f"{t}-token" for t in tenants})
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    return str(tokens), str(secret)
+
+
 def _node(tmp_path, name: str, master: str, tokens: str, secret: str, *extra: str, env=None) -> SidecarProcess:
     data = tmp_path / name
     data.mkdir()
@@ -62,13 +71,10 @@ def _node(tmp_path, name: str, master: str, tokens: str, secret: str, *extra: st
 @pytest.fixture
 def nodes(tmp_path, master, request):
     """Nodes a and b; a test parametrizing `nodes` indirectly starts b with those extra flags."""
-    tokens = tmp_path / "tokens"
-    write_secret_dir(tokens, {"alice": "alice-token", "bob": "bob-token"})
-    secret = tmp_path / "secret"
-    secret.write_bytes(os.urandom(32))  # one fleet secret: a tenant's keys are the same on every node
+    tokens, secret = _fleet_credentials(tmp_path)
     extra = getattr(request, "param", ())
-    a = _node(tmp_path, "a", master[1], str(tokens), str(secret))
-    b = _node(tmp_path, "b", master[1], str(tokens), str(secret), *extra)
+    a = _node(tmp_path, "a", master[1], tokens, secret)
+    b = _node(tmp_path, "b", master[1], tokens, secret, *extra)
     for n in (a, b):
         wait_until(lambda n=n: metric(n, "promptcache_cluster_up") == 1, "a sidecar joining the cluster", 30)
     clients = {(node, t): PromptCacheClient(n.address, token=f"{t}-token", retries=0, timeout=10)
@@ -144,11 +150,8 @@ def test_a_prefix_stored_on_one_node_is_served_by_another_and_tenants_stay_apart
 
 @pytest.mark.slow  # two sidecar processes and a master: about 15 s here
 def test_a_new_node_warms_its_memory_from_the_prefixes_its_peers_hold_hottest_before_it_is_ready(tmp_path, master):
-    tokens = tmp_path / "tokens"
-    write_secret_dir(tokens, {"alice": "alice-token", "bob": "bob-token"})
-    secret = tmp_path / "secret"
-    secret.write_bytes(os.urandom(32))
-    a = _node(tmp_path, "a", master[1], str(tokens), str(secret), "--cluster-hot-list-seconds", "0.2")
+    tokens, secret = _fleet_credentials(tmp_path)
+    a = _node(tmp_path, "a", master[1], tokens, secret, "--cluster-hot-list-seconds", "0.2")
     c = None
     try:
         wait_until(lambda: metric(a, "promptcache_cluster_up") == 1, "A joining the cluster", 30)
@@ -171,7 +174,7 @@ def test_a_new_node_warms_its_memory_from_the_prefixes_its_peers_hold_hottest_be
         writer = MooncakeStore(master[1], "127.0.0.1", "tcp", 16 << 20, 8 << 20)
         writer.upsert(hotlist.slot_key((hotlist.slot_of("127.0.0.1") + 1) % hotlist.HOT_SLOTS), b"PCH1 forged")
         # Node C starts with room for 3 chunks and --warmup-seconds: ready only after it fetched A's hottest prefix.
-        c = _node(tmp_path, "c", master[1], str(tokens), str(secret), "--memory-bytes", "12Ki",
+        c = _node(tmp_path, "c", master[1], tokens, secret, "--memory-bytes", "12Ki",
                   "--warmup-seconds", "20")
         assert metric(c, 'promptcache_warmup_chunks_total{source="cluster"}') == 3
         assert metric(c, 'promptcache_cluster_hot_lists_total{outcome="read"}') >= 1
@@ -403,13 +406,10 @@ def ha_masters(tmp_path):
 @pytest.mark.slow  # etcd, two masters, a failover (about 11 s in Mooncake 0.3.13) and two sidecars: about 45 s here
 def test_when_the_leader_master_dies_the_standby_takes_over_and_the_nodes_share_chunks_again(tmp_path, ha_masters):
     address, leader, standby_log = ha_masters
-    tokens = tmp_path / "tokens"
-    write_secret_dir(tokens, {"alice": "alice-token"})
-    secret = tmp_path / "secret"
-    secret.write_bytes(os.urandom(32))
+    tokens, secret = _fleet_credentials(tmp_path, ("alice",))
     # A short retry: the tier is asked again soon after the failover. WARNING and up from Mooncake's own logging.
     flags = ("--cluster-id", HA_CLUSTER_ID, "--cluster-retry-seconds", "1", "--cluster-timeout-seconds", "1")
-    a, b = (_node(tmp_path, name, address, str(tokens), str(secret), *flags, env={"GLOG_minloglevel": "1"})
+    a, b = (_node(tmp_path, name, address, tokens, secret, *flags, env={"GLOG_minloglevel": "1"})
             for name in ("a", "b"))
     ca, cb = (PromptCacheClient(n.address, token="alice-token", retries=0, timeout=10) for n in (a, b))
     try:
@@ -548,10 +548,7 @@ def test_a_forged_hot_list_warms_no_unknown_owner_no_bad_chunk_and_no_inflated_h
     from promptcache.sidecar import hotlist
     from promptcache.sidecar.cluster import MooncakeStore
 
-    tokens_dir = tmp_path / "tokens"
-    write_secret_dir(tokens_dir, {"alice": "alice-token", "bob": "bob-token"})
-    secret = tmp_path / "secret"
-    secret.write_bytes(os.urandom(32))
+    tokens_dir, secret = _fleet_credentials(tmp_path)
     writer = MooncakeStore(master[1], "127.0.0.1", "tcp", 16 << 20, 8 << 20)
     c = None
     try:
@@ -572,7 +569,7 @@ def test_a_forged_hot_list_warms_no_unknown_owner_no_bad_chunk_and_no_inflated_h
             _write_forged(writer, fp, key, payload, dt, shp, expires)
             entries.append(hotlist.HotEntry(key, fp, owner, 0xFFFFFFFF))
         writer.upsert(hotlist.slot_key(3), hotlist.encode(entries, time.time()))
-        c = _node(tmp_path, "c", master[1], str(tokens_dir), str(secret), "--warmup-seconds", "20")
+        c = _node(tmp_path, "c", master[1], tokens_dir, secret, "--warmup-seconds", "20")
         assert metric(c, 'promptcache_warmup_chunks_total{source="cluster"}') == 1
         assert metric(c, 'promptcache_entries{tier="device"}') == 1
         assert metric(c, 'promptcache_cluster_rejected_total{reason="layout"}') == 1
