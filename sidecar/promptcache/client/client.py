@@ -248,7 +248,8 @@ class PromptCacheClient:
     def lookup(self, spec: ModelSpec, tokens, timeout: float | None = None) -> LookupResult:
         req = pb.LookupRequest(model=model_to_proto(spec), tokens=_tokens(tokens))
         resp = self._call(lambda t: self._stub.Lookup(req, timeout=t), timeout)
-        self._chunk_tokens = resp.chunk_tokens
+        if resp.chunk_tokens > 0:  # (a sidecar answering 0 is broken: it must not undo what is known)
+            self._chunk_tokens = resp.chunk_tokens
         return LookupResult(resp.cached_tokens, resp.chunk_tokens,
                             [ChunkInfo(c.index, c.key, TIER_NAMES.get(c.tier, "unknown"), c.nbytes)
                              for c in resp.chunks])
