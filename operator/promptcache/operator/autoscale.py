@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -306,19 +307,29 @@ def tick(kube: Kube, body: dict[str, Any], fleet: fleet_.Fleet, config: Config =
     # that started with an older ConfigMap). Down at once; up only under a limit that already covers it.
     want_budget = max(1, current - config.overhead_bytes)
     limits: dict[str, int | None] | None = None
+    # One pod's figures (a budget that is not finite: treated as unknown, like a pod that did not answer) or
+    # failure never stops the others'.
     for e in eps:
         c = latest.get(e.pod)
-        if c is None or not e.grpc_target or int(c.budget_bytes) == want_budget:
+        if c is None or not e.grpc_target or not math.isfinite(c.budget_bytes) or int(c.budget_bytes) == want_budget:
             continue
-        if c.budget_bytes < want_budget:
-            limits = effective_limits(kube, owner, caps, eps) if limits is None else limits
-            if (limits.get(e.pod) or 0) < current:
-                out.steps.append(f"wait-limit {e.pod}")
-                continue
-        _resize(e, want_budget, config, resizer, out)
+        try:
+            if c.budget_bytes < want_budget:
+                limits = effective_limits(kube, owner, caps, eps) if limits is None else limits
+                if (limits.get(e.pod) or 0) < current:
+                    out.steps.append(f"wait-limit {e.pod}")
+                    continue
+            _resize(e, want_budget, config, resizer, out)
+        except ApiError:   # the API server's, not the pod's: as before, the tick's caller handles it
+            raise
+        except Exception as exc:   # noqa: BLE001 - the next pod still gets its budget
+            out.errors.append(f"budget {e.pod}: {exc!r}")
+            log.warning("bringing %s to its budget: %r", e.pod, exc)
 
     if signal is None:
         return out
+    signal = tuning.sanitize(signal)   # every figure finite: decide() reads it so, and the status takes no Infinity
+    out.signal = signal
     policy = tuning.policy_for(spec.autoscaling.targetHitRatio, config.policy)
     t = now()
     d = tuning.decide(signal, current, lo, hi, policy, _parse_time(state.get("lastChangeTime")), t,

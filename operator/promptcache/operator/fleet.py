@@ -19,9 +19,13 @@ history or from a Prometheus server's rate() of the same series).
 """
 from __future__ import annotations
 
+import http.client
+import io
 import json
 import logging
 import math
+import re
+import socket
 import threading
 import time
 import urllib.parse
@@ -37,7 +41,7 @@ from . import builders
 from .builders import Owner
 from .kube import ApiError
 from .model import quantity_bytes
-from .tuning import Signal
+from .tuning import Signal, sanitize
 
 log = logging.getLogger("promptcache.operator")
 
@@ -50,8 +54,11 @@ MRC_LOOKUP = "promptcache_mrc_lookup_tokens_total"
 
 # --- the figures ------------------------------------------------------------------------------------------------
 def hit_ratio(hit_tokens: float, lookup_tokens: float) -> float | None:
-    """None when nothing was looked up (no traffic is not a hit ratio of 0)."""
-    return hit_tokens / lookup_tokens if lookup_tokens > 0 else None
+    """None when nothing was looked up (no traffic is not a hit ratio of 0), or when the counts are not finite (a
+    sidecar's nonsense is not a ratio); otherwise within [0, 1] (negative or excess hits are clamped)."""
+    if not (math.isfinite(hit_tokens) and math.isfinite(lookup_tokens)) or lookup_tokens <= 0:
+        return None
+    return min(1.0, max(0.0, hit_tokens / lookup_tokens))
 
 
 @dataclass(frozen=True)
@@ -91,9 +98,32 @@ class Counters:
     mrc_lookup_tokens: tuple[tuple[int, float], ...] = ()   # (capacity bytes, sampled looked-up tokens)
 
 
+# The sidecar exports the curve at a handful of sizes (11 by default, docs/sizing.md); an exposition with more is
+# not taken as a curve (its work would be quadratic in them), nor are sizes that are not plain byte counts below 2^63.
+MAX_MRC_SIZES = 64
+MAX_MRC_SIZE = 2 ** 63
+_SIZE = re.compile(r"[0-9]{1,19}")
+
+
+def mrc_size(label: str | None) -> int | None:
+    """A capacity_bytes label as a size: ASCII digits, positive and at most MAX_MRC_SIZE; else None."""
+    if not label or not _SIZE.fullmatch(label):
+        return None
+    n = int(label)
+    return n if 0 < n <= MAX_MRC_SIZE else None
+
+
+def _mrc_points(points: dict[int, float]) -> tuple[tuple[int, float], ...]:
+    """A pod's curve points, by size: none when a sum is not finite or there are more than MAX_MRC_SIZES."""
+    if len(points) > MAX_MRC_SIZES or not all(math.isfinite(x) for x in points.values()):
+        return ()
+    return tuple(sorted(points.items()))
+
+
 def parse(text: str) -> Counters:
     """The series the operator reads, summed over their other labels (rpc). Raises ValueError on a malformed
-    exposition."""
+    exposition. A sum that is not finite (samples that overflow together) is taken as absent (0), and the curve as
+    absent when it is not finite or has more than MAX_MRC_SIZES sizes: every figure of a Counters is finite."""
     v = dict(memory_hits=0.0, any_tier_hits=0.0, misses=0.0, capacity_evictions=0.0, capacity_age_sum=0.0,
              capacity_age_count=0.0, stored_bytes=0.0, all_tiers_stored_bytes=0.0, budget_bytes=0.0,
              committed_bytes=0.0)
@@ -105,8 +135,8 @@ def parse(text: str) -> Counters:
                 continue
             tier, capacity = labels.get("tier"), labels.get("reason") == "capacity"
             if name in mrc:
-                if labels.get("capacity_bytes", "").isdigit():
-                    size = int(labels["capacity_bytes"])
+                size = mrc_size(labels.get("capacity_bytes"))
+                if size is not None:
                     mrc[name][size] = mrc[name].get(size, 0.0) + x
             elif name == HIT:
                 v["any_tier_hits"] += x
@@ -128,22 +158,30 @@ def parse(text: str) -> Counters:
                 v["budget_bytes"] += x
             elif name == "promptcache_committed_bytes" and tier == MEMORY_TIER:
                 v["committed_bytes"] += x
+    v = {k: x if math.isfinite(x) else 0.0 for k, x in v.items()}
     memory_hits, any_tier_hits, misses = v.pop("memory_hits"), v.pop("any_tier_hits"), v.pop("misses")
-    return Counters(tokens=Tokens(memory_hits, any_tier_hits, any_tier_hits + misses), **v,
-                    mrc_hit_tokens=tuple(sorted(mrc[MRC_HIT].items())),
-                    mrc_lookup_tokens=tuple(sorted(mrc[MRC_LOOKUP].items())))
+    lookups = any_tier_hits + misses
+    mrc_hits, mrc_lookups = _mrc_points(mrc[MRC_HIT]), _mrc_points(mrc[MRC_LOOKUP])
+    if not (mrc_hits and mrc_lookups):
+        mrc_hits = mrc_lookups = ()
+    return Counters(tokens=Tokens(memory_hits, any_tier_hits, lookups if math.isfinite(lookups) else 0.0), **v,
+                    mrc_hit_tokens=mrc_hits, mrc_lookup_tokens=mrc_lookups)
 
 
 def status_usage(counters: list[Counters]) -> dict[str, float | int]:
     """Status fields from one scrape of the ready sidecars: hitRatio (memory_hit_ratio) and anyTierHitRatio since
-    each sidecar started, memoryBytes (bytes held over all nodes and tiers). Empty when no sidecar answered."""
+    each sidecar started, memoryBytes (bytes held over all nodes and tiers). Empty when no sidecar answered; a figure
+    that is not finite (sums of hostile counters) is left out, so the status patch stays valid JSON."""
     if not counters:
         return {}
     tokens = sum((c.tokens for c in counters), Tokens())
-    out: dict[str, float | int] = {"memoryBytes": int(sum(c.all_tiers_stored_bytes for c in counters))}
-    if tokens.lookups > 0:
-        out["hitRatio"] = round(tokens.memory_hit_ratio, 4)
-        out["anyTierHitRatio"] = round(tokens.any_tier_hit_ratio, 4)
+    out: dict[str, float | int] = {}
+    held = sum(c.all_tiers_stored_bytes for c in counters)
+    if math.isfinite(held) and 0 <= held < 2 ** 63:   # else unknown: the API server takes no Infinity (nor > int64)
+        out["memoryBytes"] = int(held)
+    for key, ratio in (("hitRatio", tokens.memory_hit_ratio), ("anyTierHitRatio", tokens.any_tier_hit_ratio)):
+        if ratio is not None:   # finite and within [0, 1] (hit_ratio)
+            out[key] = round(ratio, 4)
     return out
 
 
@@ -162,33 +200,35 @@ class PodRates:
 
 def _curve(rates: list[PodRates]) -> tuple[tuple[int, float], ...] | None:
     """Predicted hit ratio per size, pooled over the pods that run the curve, at the sizes all of them report."""
-    with_curve = [r for r in rates if r.mrc_hits_per_s and r.mrc_lookups_per_s]
+    with_curve = [(dict(r.mrc_hits_per_s), dict(r.mrc_lookups_per_s)) for r in rates
+                  if r.mrc_hits_per_s and r.mrc_lookups_per_s]   # each pod's dicts built once
     if not with_curve:
         return None
-    sizes = set.intersection(*(set(dict(r.mrc_hits_per_s)) & set(dict(r.mrc_lookups_per_s)) for r in with_curve))
+    sizes = set.intersection(*(set(h) & set(n) for h, n in with_curve))
     out = []
     for s in sorted(sizes):
-        ratio = hit_ratio(sum(dict(r.mrc_hits_per_s)[s] for r in with_curve),
-                          sum(dict(r.mrc_lookups_per_s)[s] for r in with_curve))
+        if not 0 < s <= MAX_MRC_SIZE:
+            continue
+        ratio = hit_ratio(sum(h[s] for h, _ in with_curve), sum(n[s] for _, n in with_curve))
         if ratio is not None:
-            out.append((s, min(1.0, ratio)))
+            out.append((s, ratio))
     return tuple(out) or None
 
 
 def aggregate(rates: list[PodRates]) -> Signal | None:
     """One Signal for the whole cache: memory_hit_ratio over all lookups, and the worst node's traffic, eviction
-    rate and stored bytes."""
+    rate and stored bytes; its figures finite (tuning.sanitize)."""
     if not rates:
         return None
     count = sum(r.age_count_per_s for r in rates)
-    return Signal(
+    return sanitize(Signal(
         hit_ratio=sum((r.tokens for r in rates), Tokens()).memory_hit_ratio,
         lookup_tokens_per_s=max(r.tokens.lookups for r in rates),
         capacity_evictions_per_s=max(r.capacity_evictions_per_s for r in rates),
         eviction_age_s=sum(r.age_sum_per_s for r in rates) / count if count > 0 else None,
         stored_bytes=max(r.stored_bytes for r in rates),
         curve=_curve(rates),
-    )
+    ))
 
 
 def _delta(a: float, b: float) -> float:
@@ -198,6 +238,7 @@ def _delta(a: float, b: float) -> float:
 def rates(c0: Counters, c: Counters, dt: float) -> PodRates:
     """Per-second increases from scrape c0 to scrape c, dt seconds apart."""
     t0, t = c0.tokens, c.tokens
+    hits0, lookups0 = dict(c0.mrc_hit_tokens), dict(c0.mrc_lookup_tokens)   # once, not per size
     return PodRates(
         tokens=Tokens(*(_delta(getattr(t0, f.name), getattr(t, f.name)) / dt for f in fields(Tokens))),
         capacity_evictions_per_s=_delta(c0.capacity_evictions, c.capacity_evictions) / dt,
@@ -205,9 +246,8 @@ def rates(c0: Counters, c: Counters, dt: float) -> PodRates:
         age_count_per_s=_delta(c0.capacity_age_count, c.capacity_age_count) / dt,
         stored_bytes=c.stored_bytes,
         budget_bytes=c.budget_bytes,
-        mrc_hits_per_s=tuple((s, _delta(dict(c0.mrc_hit_tokens).get(s, 0.0), h) / dt) for s, h in c.mrc_hit_tokens),
-        mrc_lookups_per_s=tuple((s, _delta(dict(c0.mrc_lookup_tokens).get(s, 0.0), n) / dt)
-                                for s, n in c.mrc_lookup_tokens),
+        mrc_hits_per_s=tuple((s, _delta(hits0.get(s, 0.0), h) / dt) for s, h in c.mrc_hit_tokens),
+        mrc_lookups_per_s=tuple((s, _delta(lookups0.get(s, 0.0), n) / dt) for s, n in c.mrc_lookup_tokens),
     )
 
 
@@ -294,14 +334,69 @@ def read_bounded(response, limit: int, deadline: float) -> bytes:
             raise ValueError("answer still arriving at the deadline")
 
 
+class _DeadlineReader(socket.SocketIO):
+    """A socket's reads, each with the socket timeout set to what is left before `deadline` (time.monotonic()):
+    the status line, the headers and the body all fall within it, however slowly they trickle."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        super().__init__(sock, "rb")
+        sock._io_refs += 1   # as socket.makefile(): the socket stays open until this reader closes too
+        self._deadline = deadline
+
+    def readinto(self, b) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("scrape deadline passed")
+        self._sock.settimeout(left)
+        return super().readinto(b)
+
+
+class _DeadlineSocket:
+    """A connected socket whose makefile() (what http.client reads the answer through) keeps to a deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def makefile(self, mode: str = "rb", *args, **kwargs):
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
+class _DeadlineConnection(http.client.HTTPConnection):
+    def __init__(self, host: str, port: int | None, deadline: float):
+        super().__init__(host, port, timeout=max(0.001, deadline - time.monotonic()))
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = _DeadlineSocket(self.sock, self._deadline)
+
+
 def scrape(url: str, timeout: float = 2.0) -> Counters | None:
+    """One GET of a sidecar's /metrics, parsed; None when it fails. The whole exchange (connect, status line,
+    headers, body) keeps to `timeout`; any answer but 200 is a failure (a redirect is not followed: the operator
+    GETs no address but the pod's); no proxy is used."""
     deadline = time.monotonic() + timeout
+    conn = None
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - pod IPs from the API server
-            return parse(read_bounded(r, MAX_SCRAPE_BYTES, deadline).decode("utf-8", "replace"))
-    except (OSError, ValueError) as exc:
+        u = urllib.parse.urlsplit(url)
+        if u.scheme != "http" or not u.hostname:
+            raise ValueError(f"not an http URL: {url!r}")
+        conn = _DeadlineConnection(u.hostname, u.port, deadline)
+        conn.request("GET", (u.path or "/") + (f"?{u.query}" if u.query else ""),
+                     headers={"Accept": "text/plain", "Accept-Encoding": "identity"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise ValueError(f"HTTP {r.status} {r.reason}")
+        return parse(read_bounded(r, MAX_SCRAPE_BYTES, deadline).decode("utf-8", "replace"))
+    except (OSError, ValueError, http.client.HTTPException) as exc:
         log.debug("scraping %s: %s", url, exc)
         return None
+    finally:
+        if conn is not None:
+            conn.close()
 
 
 # --- one observation per tick -----------------------------------------------------------------------------------
@@ -353,11 +448,19 @@ class Fleet:
         got: list[Counters | None] = []
         if ready:
             with ThreadPoolExecutor(min(8, len(ready))) as pool:
-                got = list(pool.map(lambda s: self.scrape(s.metrics_url, self.timeout_s), ready))
+                got = list(pool.map(self._scrape, ready))
         obs = Observation(owner.namespace, owner.name, self.clock(), tuple(sidecars),
                           {s.pod: c for s, c in zip(ready, got) if c is not None})
         self._record(obs)
         return obs
+
+    def _scrape(self, sidecar: Sidecar) -> Counters | None:
+        """One pod's scrape; whatever it raises is that pod's failure (None), never the observation's."""
+        try:
+            return self.scrape(sidecar.metrics_url, self.timeout_s)
+        except Exception as exc:   # noqa: BLE001 - one pod must not stop the others' status and autoscaling
+            log.warning("scraping %s: %r", sidecar.pod, exc)
+            return None
 
     def latest(self, namespace: str, name: str) -> Observation | None:
         with self._lock:
@@ -384,15 +487,15 @@ class Fleet:
     def signal(self, obs: Observation) -> tuple[Signal | None, dict[str, Counters]]:
         """The Signal over the window up to `obs` (None until two scrapes of some pod are `window_s`/10 apart),
         and the latest counters of each pod that answered."""
-        out = []
-        with self._lock:
+        pairs = []
+        with self._lock:   # only the look-up of each pod's window under the operator-wide lock; the rates after
             for pod, c in obs.counters.items():
                 h = self._history.get((obs.namespace, obs.name, pod)) or ()
                 t0, c0 = h[0] if h else (obs.time, c)
                 dt = obs.time - t0
                 if dt > 0 and dt >= self.window_s / 10:
-                    out.append(rates(c0, c, dt))
-        return aggregate(out), dict(obs.counters)
+                    pairs.append((c0, c, dt))
+        return aggregate([rates(c0, c, dt) for c0, c, dt in pairs]), dict(obs.counters)
 
 
 # --- the same signal from a Prometheus server -----------------------------------------------------------------------
@@ -437,15 +540,15 @@ class PrometheusSource:
             mrc: dict[str, dict[str, dict[int, float]]] = {MRC_HIT: {}, MRC_LOOKUP: {}}
             for metric in mrc:
                 for labels, x in self.query_series(f"sum by (pod, capacity_bytes) (rate({metric}{{{sel}}}[{w}]))"):
-                    if labels.get("capacity_bytes", "").isdigit():
-                        mrc[metric].setdefault(labels.get("pod", ""), {})[int(labels["capacity_bytes"])] = x
-        except (OSError, ValueError, KeyError) as exc:
+                    size = mrc_size(labels.get("capacity_bytes"))
+                    if size is not None:
+                        mrc[metric].setdefault(labels.get("pod", ""), {})[size] = x
+        except (OSError, ValueError, KeyError, http.client.HTTPException) as exc:
             log.warning("Prometheus %s: %s", self.url, exc)
             return None, {}
         out = [PodRates(Tokens(memory_hits.get(p, 0.0), hits.get(p, 0.0), hits.get(p, 0.0) + misses.get(p, 0.0)),
                         ev.get(p, 0.0), asum.get(p, 0.0), acnt.get(p, 0.0), stored.get(p, 0.0), budget.get(p, 0.0),
-                        tuple(sorted(mrc[MRC_HIT].get(p, {}).items())),
-                        tuple(sorted(mrc[MRC_LOOKUP].get(p, {}).items())))
+                        _mrc_points(mrc[MRC_HIT].get(p, {})), _mrc_points(mrc[MRC_LOOKUP].get(p, {})))
                for p in sorted(set(hits) | set(misses))]
         latest = {p: Counters(stored_bytes=stored.get(p, 0.0), budget_bytes=budget.get(p, 0.0)) for p in budget}
         return aggregate(out), latest

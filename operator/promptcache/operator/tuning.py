@@ -83,6 +83,37 @@ class Decision:
     message: str         # for people
 
 
+MAX_SIZE = 2 ** 63   # curve sizes above this (or not finite) are not sizes
+
+
+def _finite(x: float | None, absent: float | None) -> float | None:
+    return x if x is not None and isinstance(x, (int, float)) and math.isfinite(x) else absent
+
+
+def sanitize(signal: Signal) -> Signal:
+    """The signal with every figure finite, as decide() reads it: a figure that is not finite (a sidecar's sums that
+    overflow, NaN) counts as absent: the hit ratio and the eviction age None, the rates and stored bytes 0; negative
+    rates and bytes are 0 and the hit ratio is clamped to [0, 1]. Curve points whose size is not an integer in
+    (0, 2^63] or whose ratio is not finite are dropped (ratios clamped to [0, 1]); no point left is no curve."""
+    ratio = _finite(signal.hit_ratio, None)
+    age = _finite(signal.eviction_age_s, None)
+    curve = None
+    if signal.curve:
+        pts = []
+        for s, r in signal.curve:
+            if isinstance(s, float):
+                s = int(s) if math.isfinite(s) and s.is_integer() else 0
+            r = _finite(r, None)
+            if isinstance(s, int) and 0 < s <= MAX_SIZE and r is not None:
+                pts.append((s, min(1.0, max(0.0, float(r)))))
+        curve = tuple(pts) or None
+    return replace(signal, hit_ratio=None if ratio is None else min(1.0, max(0.0, float(ratio))),
+                   lookup_tokens_per_s=max(0.0, _finite(signal.lookup_tokens_per_s, 0.0)),
+                   capacity_evictions_per_s=max(0.0, _finite(signal.capacity_evictions_per_s, 0.0)),
+                   eviction_age_s=None if age is None else max(0.0, age),
+                   stored_bytes=max(0.0, _finite(signal.stored_bytes, 0.0)), curve=curve)
+
+
 def _align_up(n: float) -> int:
     return int(math.ceil(n / ALIGN) * ALIGN)
 
@@ -135,7 +166,8 @@ def curve_size(curve: tuple[tuple[int, float], ...], aim: float, current: int, m
 def decide(signal: Signal, current: int, minimum: int, maximum: int, policy: Policy,
            last_change: float | None, now: float, overhead: int = 0) -> Decision:
     """The next memory target for a cache using `current` bytes, bounded by [minimum, maximum]. `overhead`: memory
-    beyond the cache budget (the curve's sizes are budgets)."""
+    beyond the cache budget (the curve's sizes are budgets). The signal is read through sanitize(): a figure that is
+    not finite counts as absent, so no signal makes decide() raise."""
     if minimum > maximum:
         raise ValueError(f"minimum {minimum} is above maximum {maximum}")
     if current < minimum or current > maximum:
@@ -145,6 +177,7 @@ def decide(signal: Signal, current: int, minimum: int, maximum: int, policy: Pol
                         f"memory {current} outside [{minimum}, {maximum}]: brought to {to}")
 
     p = policy
+    signal = sanitize(signal)
     ratio = signal.hit_ratio
     since = math.inf if last_change is None else now - last_change
     idle = signal.lookup_tokens_per_s < p.idle_tokens_per_s
