@@ -102,6 +102,9 @@ def test_flag_beats_environment_and_quantities_parse():
     (["--cluster-master", "http://master:50051"], {}, "'http://master:50051' is not HOST:PORT"),
     (["--cluster-id", "a/b"], {}, "--cluster-id must be letters, digits"),
     (["--cluster-hot-list-seconds", "-1"], {}, "--cluster-hot-list-seconds must be 0 (off) or a positive number"),
+    # beyond what socket timeouts take: every bulk connection failed at run time
+    (["--stream-idle-seconds", "1e10"], {}, "--stream-idle-seconds 1e+10 is more than 1e+09 seconds"),
+    ([], {"PROMPTCACHE_WARMUP_SECONDS": "1e18"}, "--warmup-seconds 1e+18 is more than 1e+09 seconds"),
     ([], {"PROMPTCACHE_CLUSTER_HOT_LIST_SECONDS": "nan"}, "--cluster-hot-list-seconds must be a finite number"),
     # gRPC would listen on 99999 % 65536 = 34463, on 443 for an empty port, on 65531 for -5
     (["--grpc-address", "127.0.0.1:99999"], {}, "--grpc-address '127.0.0.1:99999': the port '99999' is not a number"),

@@ -227,3 +227,37 @@ def test_sigterm_after_another_writer_fills_the_volume_closes_cleanly(small_fs):
     assert "Traceback" not in out and "Exception in thread" not in out, out
     assert "disk tier closed" in out and "cannot close the disk tier" not in out, out
     assert code == 0, out
+
+
+@SLOW
+def test_a_socket_path_holding_a_file_or_another_sidecars_socket_is_not_taken(tmp_path):
+    """--bulk-address unix:PATH over a regular file replaced it (the file was deleted); a second sidecar on the
+    first's --grpc-address unix:PATH took its socket (gRPC's core unlinks it and binds anew) and the first served
+    nobody. Both are refused now, naming the flag, and the file and the first sidecar are untouched."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("precious")
+    result = serve("--grpc-address", f"127.0.0.1:{free_port()}", "--metrics-port", "0",
+                   "--bulk-address", f"unix:{precious}")
+    assert result.returncode == 2 and "--bulk-address" in output(result), output(result)
+    assert "exists and is not a socket" in output(result) and precious.read_text() == "precious"
+    sock = tmp_path / "g.sock"
+    first = subprocess.Popen([sys.executable, "-m", "promptcache.cli", "serve", "--grpc-address", f"unix:{sock}",
+                              "--metrics-port", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = PromptCacheClient(f"unix://{sock}", timeout=5, retries=0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.stats()
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                assert first.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+        inode = os.lstat(sock).st_ino
+        second = serve("--grpc-address", f"unix:{sock}", "--metrics-port", "0")
+        assert second.returncode == 2 and "--grpc-address" in output(second), output(second)
+        assert "the socket is in use" in output(second)
+        assert os.lstat(sock).st_ino == inode and client.stats().chunk_tokens > 0
+    finally:
+        first.terminate()
+        first.wait(30)

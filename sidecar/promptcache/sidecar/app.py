@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import socket
 import threading
 import time
@@ -23,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter
 
 from promptcache.contract import frames
-from promptcache.sidecar import cgroup, logs, memfd, pinned
+from promptcache.sidecar import cgroup, logs, memfd, pinned, unixpath
 from promptcache.sidecar.auth import Authenticator, TokenStore, server_credentials
 from promptcache.sidecar.bulk import BulkServer
 from promptcache.sidecar.config import Settings, settings_from_args
@@ -152,6 +153,9 @@ def grpc_server(settings: Settings, guard: Guard) -> tuple[grpc.Server, int]:
         log.warning("serving plaintext gRPC on a non-loopback address (--allow-insecure-remote): requests, "
                     "chunk bytes and bearer tokens cross the network unencrypted",
                     extra={"grpc": settings.grpc_address})
+    path = unixpath.grpc_socket_path(settings.grpc_address)
+    if path is not None:
+        unixpath.claim(path, "--grpc-address")  # gRPC's core would unlink a live one and bind anew
     try:
         port = (server.add_secure_port(settings.grpc_address, server_credentials(
                     settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file,
@@ -371,7 +375,7 @@ def serve_from_args(args) -> int:
     try:
         settings = settings_from_args(args)
     except ValueError as exc:
-        print(f"promptcache serve: {exc}", flush=True)
+        print(f"promptcache serve: {exc}", file=sys.stderr, flush=True)
         return 2
     logs.configure(settings.log_level, settings.log_format)
     try:

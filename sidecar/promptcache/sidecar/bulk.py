@@ -31,6 +31,7 @@ from promptcache.sidecar.calls import Call
 from promptcache.sidecar.errors import Cancelled, InvalidRequest, TimedOut
 from promptcache.sidecar.identity import Caller
 from promptcache.sidecar.limits import LARGE_REQUEST_TOKENS
+from promptcache.sidecar import unixpath
 from promptcache.sidecar.sinks import ArraySink, ChunkSink
 from promptcache.v1 import kvcache_pb2 as pb
 
@@ -127,6 +128,7 @@ class BulkServer:
         self.max_call_seconds = max_call_seconds
         self.lend = lend and self.family == socket.AF_UNIX  # descriptors only cross unix sockets
         self._listener: socket.socket | None = None
+        self._bound: tuple[int, int] | None = None  # the socket file bound (unix), removed at stop if still it
         self._connections: dict[socket.socket, _Connection] = {}
         self._per_peer: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -145,8 +147,7 @@ class BulkServer:
         sock = socket.socket(self.family, socket.SOCK_STREAM)
         try:
             if self.family == socket.AF_UNIX:
-                if os.path.exists(self.sockaddr) and _is_stale_socket(self.sockaddr):
-                    os.unlink(self.sockaddr)
+                unixpath.claim(self.sockaddr, "--bulk-address")
             else:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             bulkwire.large_buffers(sock)  # connections accepted from it inherit them
@@ -154,8 +155,12 @@ class BulkServer:
             if self.family == socket.AF_UNIX and self.socket_mode is not None:
                 os.chmod(self.sockaddr, self.socket_mode)  # before listen(): no connection sees other bits
             sock.listen(128)
+            if self.family == socket.AF_UNIX:
+                self._bound = unixpath.identity(self.sockaddr)
         except OSError as exc:
             sock.close()
+            if str(exc).startswith("cannot listen on"):
+                raise
             raise OSError(f"cannot listen on --bulk-address {self.sockaddr}: {exc.strerror or exc}") from None
         self._listener = sock
         for target, name in ((self._accept, "bulk-accept"), (self._reap, "bulk-hello-reaper")):
@@ -183,10 +188,7 @@ class BulkServer:
         for t in self._threads:
             t.join(timeout=5)
         if self.family == socket.AF_UNIX:
-            try:
-                os.unlink(self.sockaddr)
-            except OSError:
-                pass
+            unixpath.release(self.sockaddr, self._bound)
 
     def _accept(self) -> None:
         while True:
@@ -783,21 +785,6 @@ def _close_all(fds: list[int]) -> None:
         except OSError:
             pass
     fds.clear()
-
-
-def _is_stale_socket(path: str) -> bool:
-    """A leftover socket file nobody listens on (a previous run was killed) may be replaced; a live one not."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    else:
-        return False
-    finally:
-        probe.close()
 
 
 class LendSink(ChunkSink):

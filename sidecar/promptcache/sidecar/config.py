@@ -37,6 +37,9 @@ def one_of(choices) -> str:
     return ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
 
 
+MAX_SECONDS = 1e9  # every --*-seconds setting: below threading.TIMEOUT_MAX and time_t in socket timeouts
+
+
 @dataclass(frozen=True)
 class Settings:
     grpc_address: str = "127.0.0.1:50051"
@@ -125,6 +128,10 @@ class Settings:
             value = getattr(self, f.name)
             if f.type in ("float", float) and not math.isfinite(value):
                 raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
+            if f.name.endswith("_seconds") and isinstance(value, (int, float)) and abs(value) > MAX_SECONDS:
+                # (beyond what socket timeouts and waits take: 1e10 failed every bulk connection at run time)
+                raise ValueError(f"--{f.name.replace('_', '-')} {value:g} is more than {MAX_SECONDS:g} seconds "
+                                 "(about 31 years)")
             if f.type in ("int", int) and isinstance(value, int) and not -MAX_QUANTITY - 1 <= value <= MAX_QUANTITY:
                 raise ValueError(f"--{f.name.replace('_', '-')} {value} is more than this process can hold: at most "
                                  f"{MAX_QUANTITY} (2^63-1; 8Ei - 1)")
