@@ -91,6 +91,11 @@ def test_tokens_are_required_when_the_sidecar_authenticates(sidecar_factory, tmp
     (["resize", "lots"], "lots"),
     (["lookup", *MODEL_ARGS, "--tokens", "1,two"], "token ids must be integers"),
     (["lookup", *MODEL_ARGS, "--tokens", "-1"], "0..4294967295"),
+    (["lookup", *MODEL_ARGS, "--tokens", "[1.9, 2]"], "token ids must be integers"),  # was read as 1
+    (["lookup", *MODEL_ARGS, "--tokens", "[true]"], "token ids must be integers"),
+    (["lookup", *MODEL_ARGS, "--tokens", "1_000"], "token ids must be integers"),
+    (["lookup", *MODEL_ARGS, "--tokens", "\u0661"], "token ids must be integers"),  # an Arabic-Indic 1
+    (["lookup", *MODEL_ARGS, "--tokens", "[" * 100000], "not a JSON list of integers"),
     (["lookup", *MODEL_ARGS[:4], "--kv-dtype", "int3", *MODEL_ARGS[6:], "--tokens", "1"], "kv_dtype"),
     (["stats", "--timeout", "nan"], "--timeout must be a number of seconds above 0, got nan"),
     (["top", "--interval", "0"], "--interval must be a number of seconds above 0, got 0.0"),

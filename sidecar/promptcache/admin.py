@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -138,15 +139,21 @@ def top_row(prev: dict[str, Any], cur: dict[str, Any], seconds: float, clock: st
 
 
 def parse_token_ids(text: str) -> list[int]:
+    """Token ids as a JSON list or separated by commas or white space: whole numbers only (int() took 1.9 as 1,
+    true as 1, "1_000" and other scripts' digits)."""
     text = text.strip()
     if text.startswith("["):
-        values = json.loads(text)
+        try:
+            ids = json.loads(text)
+        except (ValueError, RecursionError):
+            raise ValueError("token ids: not a JSON list of integers") from None
+        if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+            raise ValueError("token ids must be integers")
     else:
-        values = [v for v in text.replace(",", " ").split()]
-    try:
-        ids = [int(v) for v in values]
-    except (TypeError, ValueError):
-        raise ValueError("token ids must be integers") from None
+        parts = text.replace(",", " ").split()
+        if not all(re.fullmatch(r"-?[0-9]+", p, re.ASCII) for p in parts):
+            raise ValueError("token ids must be integers")
+        ids = [int(p) for p in parts]
     if not ids:
         raise ValueError("no token ids given")
     if any(not 0 <= i < 2**32 for i in ids):
