@@ -74,6 +74,7 @@ def test_a_client_takes_numpy_numbers():
 
 @pytest.mark.parametrize("kwargs,words", [
     ({"timeout": float("nan")}, "timeout=...) must be a number of seconds above 0, got nan"),
+    ({"timeout": 10 ** 400}, "timeout=...) must be a number of seconds above 0"),  # OverflowError before
     ({"timeout": 0}, "timeout=...) must be a number of seconds above 0"), ({"retries": -1}, "retries=..."),
     ({"retries": 1.5}, "retries=..."), ({"backoff": float("inf")}, "backoff=..."),
     ({"frame_bytes": 0}, "frame_bytes=...) must be a whole number of bytes above 0"),

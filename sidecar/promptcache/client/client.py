@@ -73,8 +73,11 @@ def _tokens(tokens) -> list[int]:
 
 
 def _number(value) -> bool:
-    """A finite real number, not a bool (numbers.Real: numpy's scalars too)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number, not a bool (numbers.Real: numpy's scalars too; an int beyond any float is not)."""
+    try:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _whole(value) -> bool:

@@ -268,9 +268,9 @@ def adapter_digest(path: str) -> bytes:
     if digest is None:
         h = hashlib.sha256(b"promptcache/adapter/v1\0")
         try:
-            for p in files:
+            for p, st in stats:  # (the sizes of the stamp: one stat per file)
                 name = (str(p.relative_to(root)) if root.is_dir() else p.name).encode()
-                h.update(f"{len(name)}:".encode() + name + f":{p.stat().st_size}:".encode())
+                h.update(f"{len(name)}:".encode() + name + f":{st.st_size}:".encode())
                 with open(p, "rb") as f:
                     for block in iter(lambda: f.read(1 << 20), b""):
                         h.update(block)

@@ -144,11 +144,11 @@ class BulkServer:
         return f"[{host}]:{port}" if self.family == socket.AF_INET6 else f"{host}:{port}"
 
     def start(self) -> "BulkServer":
+        if self.family == socket.AF_UNIX:
+            unixpath.claim(self.sockaddr, "--bulk-address")  # (its OSError names the flag already)
         sock = socket.socket(self.family, socket.SOCK_STREAM)
         try:
-            if self.family == socket.AF_UNIX:
-                unixpath.claim(self.sockaddr, "--bulk-address")
-            else:
+            if self.family != socket.AF_UNIX:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             bulkwire.large_buffers(sock)  # connections accepted from it inherit them
             sock.bind(self.sockaddr)
@@ -159,8 +159,6 @@ class BulkServer:
                 self._bound = unixpath.identity(self.sockaddr)
         except OSError as exc:
             sock.close()
-            if str(exc).startswith("cannot listen on"):
-                raise
             raise OSError(f"cannot listen on --bulk-address {self.sockaddr}: {exc.strerror or exc}") from None
         self._listener = sock
         for target, name in ((self._accept, "bulk-accept"), (self._reap, "bulk-hello-reaper")):

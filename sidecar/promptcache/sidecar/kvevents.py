@@ -135,6 +135,7 @@ class KVEvents:
                  queue_events: int = 65536):
         import zmq
 
+        self._zmq_again, self._zmq_noblock = zmq.Again, zmq.NOBLOCK  # (the sender loop drains subscriptions)
         self.block_size = block_size
         self.medium = medium
         self.publisher_id = publisher_id
@@ -308,12 +309,10 @@ class KVEvents:
 
     def _drain_subscriptions(self) -> None:
         """An XPUB passes (un)subscriptions up to be read: read and ignore them, so none pile up."""
-        import zmq
-
         try:
             while True:
-                self._socket.recv(zmq.NOBLOCK)
-        except zmq.Again:
+                self._socket.recv(self._zmq_noblock)
+        except self._zmq_again:
             pass
 
     def _flush(self, by_topic: dict[str, list[tuple[str, bytes]]]) -> None:

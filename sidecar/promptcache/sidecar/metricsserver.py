@@ -105,7 +105,7 @@ class BoundedMetricsServer(ThreadingMixIn, WSGIServer):
                 del self._by_peer[peer]
 
     def process_request(self, request, client_address) -> None:
-        peer = client_address[0] if isinstance(client_address, tuple) and client_address else str(client_address)
+        peer = _peer(client_address)
         if not self._take(peer):
             self.shutdown_request(request)
             return
@@ -120,11 +120,16 @@ class BoundedMetricsServer(ThreadingMixIn, WSGIServer):
         for each, which idle connections would turn into a flood)."""
 
     def process_request_thread(self, request, client_address) -> None:
-        peer = client_address[0] if isinstance(client_address, tuple) and client_address else str(client_address)
+        peer = _peer(client_address)
         try:
             super().process_request_thread(request, client_address)
         finally:
             self._give(peer)
+
+
+def _peer(client_address) -> str:
+    """The peer a connection counts against: its IP (a unix socket's address as it is)."""
+    return client_address[0] if isinstance(client_address, tuple) and client_address else str(client_address)
 
 
 def serve(port: int, host: str, registry) -> tuple[BoundedMetricsServer, threading.Thread]:

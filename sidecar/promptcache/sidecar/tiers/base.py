@@ -112,6 +112,8 @@ def layout_refusal(record: "Record", layout: ChunkLayout | None, scan: bool = Tr
         why = _structure(record, name)
         if why:
             return "layout", why
+        if not scan:
+            return "", ""
         layout = ChunkLayout.of_record(record)
     elif record.dtype != layout.dtype or tuple(record.shape) != layout.shape or record.nbytes != layout.nbytes:
         return "layout", (f"dtype {record.dtype}, shape {list(record.shape)}, {record.nbytes} bytes, where the "
