@@ -472,9 +472,5 @@ def _answer(conn: _Connection, start_chunk: int, blobs: list, deadline: float | 
         if c.index != start_chunk + len(blobs):
             raise errors.CorruptChunk(f"expected chunk {start_chunk + len(blobs)}, got {c.index}")
         if bounds is not None:
-            if bounds.max_chunks is not None and len(blobs) >= bounds.max_chunks:
-                raise errors.CorruptChunk(f"chunk {c.index} is past the {bounds.max_chunks} chunks asked for")
-            if bounds.chunk_bytes is not None and c.nbytes != bounds.chunk_bytes:
-                raise errors.CorruptChunk(f"chunk {c.index} announces {c.nbytes} bytes; this model's chunks have "
-                                          f"{bounds.chunk_bytes}")
+            errors.check_chunk_within(c, len(blobs), bounds.max_chunks, bounds.chunk_bytes)
         yield c

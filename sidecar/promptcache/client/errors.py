@@ -76,3 +76,13 @@ def from_rpc_error(exc: grpc.RpcError) -> PromptCacheError:
     details = exc.details() if hasattr(exc, "details") else str(exc)
     cls = BY_CODE.get(code, PromptCacheError)
     return cls(f"{code.name if code else 'UNKNOWN'}: {details}", code)
+
+
+def check_chunk_within(c, received: int, max_chunks: int | None, chunk_bytes: int | None) -> None:
+    """CorruptChunk unless chunk frame `c` (a ChunkBegin), after `received` chunks, is one the request allows: at
+    most `max_chunks` chunks, each of exactly `chunk_bytes` (None: not checked). Every transport checks this before
+    a chunk's bytes are taken, so an answer can never make a client read more than it asked for."""
+    if max_chunks is not None and received >= max_chunks:
+        raise CorruptChunk(f"chunk {c.index} is past the {max_chunks} chunks asked for")
+    if chunk_bytes is not None and c.nbytes != chunk_bytes:
+        raise CorruptChunk(f"chunk {c.index} announces {c.nbytes} bytes; this model's chunks have {chunk_bytes}")

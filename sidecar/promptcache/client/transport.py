@@ -244,15 +244,6 @@ class TransportChain:
 
 
 # --- what comes back over gRPC -------------------------------------------------------------------------------
-def _within(c: pb.ChunkBegin, received: int, max_chunks: int | None, chunk_bytes: int | None) -> None:
-    """CorruptChunk unless chunk frame `c`, after `received` chunks, is one the request allows: at most
-    `max_chunks` chunks, each of exactly `chunk_bytes` (None: not checked). Checked before its bytes are taken."""
-    if max_chunks is not None and received >= max_chunks:
-        raise errors.CorruptChunk(f"chunk {c.index} is past the {max_chunks} chunks asked for")
-    if chunk_bytes is not None and c.nbytes != chunk_bytes:
-        raise errors.CorruptChunk(f"chunk {c.index} announces {c.nbytes} bytes; this model's chunks have {chunk_bytes}")
-
-
 def _receive(stream: Iterable, start_chunk: int, max_chunks: int | None = None,
              chunk_bytes: int | None = None) -> list["torch.Tensor"]:
     import torch
@@ -276,7 +267,7 @@ def _receive(stream: Iterable, start_chunk: int, max_chunks: int | None = None,
             current = msg.chunk
             if current.index != start_chunk + len(blobs):
                 raise errors.CorruptChunk(f"expected chunk {start_chunk + len(blobs)}, got {current.index}")
-            _within(current, len(blobs), max_chunks, chunk_bytes)
+            errors.check_chunk_within(current, len(blobs), max_chunks, chunk_bytes)
             blobs.append(torch.empty(current.nbytes, dtype=torch.uint8))
             buf, offset = blobs[-1].numpy(), 0
             continue
@@ -298,7 +289,7 @@ def _receive_shared(batch: pb.ChunkBatch, start_chunk: int, buffer: np.ndarray, 
                     chunk_bytes: int | None = None) -> list["torch.Tensor"]:
     blobs = []
     for c in batch.chunks:
-        _within(c, len(blobs), max_chunks, chunk_bytes)
+        errors.check_chunk_within(c, len(blobs), max_chunks, chunk_bytes)
         blobs.append(_shared_chunk(c, start_chunk + len(blobs), buffer))
     return blobs
 
