@@ -479,3 +479,36 @@ def test_trickling_bulk_puts_are_cut_off_like_grpc_ones(sidecar_factory, tmp_pat
 
     assert metric(sidecar, 'promptcache_calls_cancelled_total{limit="rate",rpc="BulkPut"}') == 2
     assert metric(sidecar, 'promptcache_requests_total{code="DEADLINE_EXCEEDED",rpc="BulkPut"}') == 2
+
+
+def test_the_last_large_request_slot_is_kept_for_a_client_that_holds_none():
+    """--max-large-requests is shared by every client, so one that announces large requests and stalls them must
+    not take all of it: a client holding slots cannot take the last free one; a client holding none can."""
+    from promptcache.sidecar.limits import LargeRequests
+
+    slots = LargeRequests(4)
+    assert [slots.acquire("tenant:bob") for _ in range(4)] == [True, True, True, False]
+    assert slots.acquire("tenant:alice") and slots.active == 4
+    assert not slots.acquire("tenant:carol")  # all taken
+    slots.release("tenant:alice")
+    assert not slots.acquire("tenant:bob") and slots.acquire("tenant:carol")
+    for _ in range(3):
+        slots.release("tenant:bob")
+    slots.release("tenant:carol")
+    assert slots.active == 0 and [slots.acquire("tenant:bob") for _ in range(4)] == [True, True, True, False]
+    one = LargeRequests(1)  # a single slot: whoever comes first takes it
+    assert one.acquire("tenant:bob") and not one.acquire("tenant:alice")
+
+
+def test_a_large_bulk_put_is_served_with_one_large_request_slot(sidecar_factory, tmp_path):
+    """A bulk Put frame of more than 64Ki tokens takes a large-request slot before its body is read; the Put it
+    carries runs in that slot. It took a second one, so with --max-large-requests 1 every large bulk Put was
+    refused (RESOURCE_EXHAUSTED)."""
+    path = f"{tmp_path}/bulk.sock"
+    sidecar = sidecar_factory(bulk_address=f"unix:{path}", max_large_requests=1)
+    tokens = list(range(70_000))
+    blob = encode_chunk(SMALL, make_kv(SMALL, CHUNK, seed=3), 0, CHUNK)
+    with PromptCacheClient(sidecar.address, bulk_address=f"unix:{path}", chunk_tokens=CHUNK, retries=0) as client:
+        assert client.put_blobs(SMALL, tokens, {0: blob}).stored_chunks == 1
+        assert client.lookup(SMALL, tokens).cached_tokens == CHUNK
+    assert sidecar.engine.large_requests.active == 0

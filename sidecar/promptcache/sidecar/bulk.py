@@ -277,7 +277,7 @@ class BulkServer:
         conn = record.sock
         shared: _SharedBuffer | None = None
         fds: list[int] | None = [] if self.family == socket.AF_UNIX else None  # received with frames
-        large = [False]  # this connection holds one of --max-large-requests for the frame being served
+        large: list[str | None] = [None]  # the client holding one of --max-large-requests for the frame served
         try:
             conn.settimeout(self.idle_seconds)
             if self.family != socket.AF_UNIX:
@@ -287,7 +287,7 @@ class BulkServer:
             session = self._hello(record, peer, readable)
             while True:
                 try:
-                    frame = self._next_frame(conn, readable, fds, lambda length: self._admit(length, large))
+                    frame = self._next_frame(conn, readable, fds, lambda length: self._admit(length, large, session.caller.client))
                 except bulkwire.Closed:
                     return
                 kind = frame.WhichOneof("frame")
@@ -347,7 +347,7 @@ class BulkServer:
         readable.poll()
         return bulkwire.recv(conn, limit=limit, fds=fds, admit=admit)
 
-    def _admit(self, length: int, large: list) -> float | None:
+    def _admit(self, length: int, large: list, client: str) -> float | None:
         """Before a frame's body is read: refuse one too long for --max-request-tokens, and take one of
         --max-large-requests for one that may carry more than LARGE_REQUEST_TOKENS tokens. Either refusal
         ends the connection (the body is never read). A large frame's body must then arrive within
@@ -357,17 +357,17 @@ class BulkServer:
                            f"a bulk frame of {length} bytes is over the limit of {self.max_frame_bytes} bytes "
                            f"that --max-request-tokens ({self.engine.settings.max_request_tokens}) sets")
         if length > LARGE_FRAME_BYTES:
-            if not self.engine.large_requests.acquire():
+            if not self.engine.large_requests.acquire(client):
                 raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                self.engine.large_requests.refusal(f"a bulk frame of {length} bytes").message)
-            large[0] = True
+            large[0] = client
             return time.monotonic() + (self.idle_seconds or 30.0)
         return None
 
     def _release_large(self, large: list) -> None:
-        if large[0]:
-            large[0] = False
-            self.engine.large_requests.release()
+        if large[0] is not None:
+            client, large[0] = large[0], None
+            self.engine.large_requests.release(client)
 
     def _hello(self, record: _Connection, peer: str, readable: select.poll) -> _Session:
         conn = record.sock
@@ -492,7 +492,7 @@ class BulkServer:
             try:
                 call.admit()
                 frames.check()
-                with self.engine.put(session.caller, put.header, watch) as put_session:
+                with self.engine.put(session.caller, put.header, watch, large_slot=False) as put_session:
                     frames.feed(put_session)
                     result = put_session.commit()
             except (bulkwire.Cut, OSError) as exc:

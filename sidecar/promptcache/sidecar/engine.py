@@ -204,26 +204,26 @@ class CacheEngine:
             raise InvalidRequest(f"tokens has {len(tokens)} ids, more than the limit of "
                                  f"{self.settings.max_request_tokens} (--max-request-tokens)")
 
-    def take_large(self, tokens, what: str) -> bool:
-        """Take one of --max-large-requests for a request of more than LARGE_REQUEST_TOKENS tokens (True: taken,
-        give it back with give_large); refused with NoCapacity when none is free."""
+    def take_large(self, tokens, what: str, client: str) -> bool:
+        """Take one of --max-large-requests for `client`'s request of more than LARGE_REQUEST_TOKENS tokens (True:
+        taken, give it back with give_large); refused with NoCapacity when none is free for it."""
         if len(tokens) <= LARGE_REQUEST_TOKENS:
             return False
-        if not self.large_requests.acquire():
+        if not self.large_requests.acquire(client):
             raise self.large_requests.refusal(what)
         return True
 
-    def give_large(self, taken: bool) -> None:
+    def give_large(self, taken: bool, client: str) -> None:
         if taken:
-            self.large_requests.release()
+            self.large_requests.release(client)
 
     @contextlib.contextmanager
-    def _large(self, tokens, what: str):
-        taken = self.take_large(tokens, what)
+    def _large(self, tokens, what: str, client: str):
+        taken = self.take_large(tokens, what, client)
         try:
             yield
         finally:
-            self.give_large(taken)
+            self.give_large(taken, client)
 
     def _keys(self, fp: bytes, tokens, start: int = 0, limit: int = 0):
         """The keys of chunks start.. (at most `limit`; 0: all), each hashed when the consumer asks for it."""
@@ -239,7 +239,7 @@ class CacheEngine:
     def lookup(self, caller: Caller, model: pb.Model | None, tokens) -> pb.LookupResponse:
         scope = self.scope(model, caller)
         self.check_tokens(tokens)
-        with self._large(tokens, "Lookup"):
+        with self._large(tokens, "Lookup", caller.client):
             return self._lookup(scope, tokens)
 
     def _lookup(self, scope: Scope, tokens) -> pb.LookupResponse:
@@ -284,7 +284,7 @@ class CacheEngine:
         fp, owner = scope.fingerprint, scope.owner
         sink = sink if sink is not None else ChunkSink()
         self.check_tokens(request.tokens)
-        large = large_slot and self.take_large(request.tokens, "Get")
+        large = large_slot and self.take_large(request.tokens, "Get", caller.client)
         served = position = 0
         by_tier: dict[str, int] = {}
         keys = self._keys(fp, request.tokens, request.start_chunk, request.max_chunks)
@@ -329,7 +329,7 @@ class CacheEngine:
                     else:
                         self.tier.release_lease(entry)
         finally:
-            self.give_large(large)
+            self.give_large(large, caller.client)
             self._count_lookup("get", served * self.chunk_tokens,
                                max(0, len(request.tokens) - request.start_chunk * self.chunk_tokens), owner, by_tier)
 
@@ -340,11 +340,12 @@ class CacheEngine:
         held.clear()
 
     # --- writes -----------------------------------------------------------------------------------------
-    def put(self, caller: Caller, header: pb.PutHeader, watch=None):
+    def put(self, caller: Caller, header: pb.PutHeader, watch=None, large_slot: bool = True):
         """A Put of the chunks of header.tokens (a putsession.PutSession); use it as a context manager. `watch`
         (the watchdog's record of the call, or None) is told what the session holds reserved and receives
-        (--min-put-bytes-per-second)."""
-        return PutSession(self, caller, header, watch)
+        (--min-put-bytes-per-second). `large_slot` False: the caller holds one of --max-large-requests for it
+        already (the bulk channel takes it before reading the frame)."""
+        return PutSession(self, caller, header, watch, large_slot)
 
     def store(self, incoming, spec: ModelSpec, fp: bytes, owner: str, tokens, ttl: float | None = None) -> int:
         """Verify a fully received chunk (putsession's Incoming) and commit it; the bytes stored (0: an equal
@@ -406,7 +407,7 @@ class CacheEngine:
     def delete(self, caller: Caller, model: pb.Model | None, tokens, start_chunk: int = 0) -> int:
         scope = self.scope(model, caller)
         self.check_tokens(tokens)
-        with self._large(tokens, "Delete"):
+        with self._large(tokens, "Delete", caller.client):
             keys = list(self._keys(scope.fingerprint, tokens, start_chunk))
         return self.stack.delete(keys, scope.fingerprint)
 

@@ -84,27 +84,38 @@ class ReservedBytes:
 
 
 class LargeRequests:
-    """At most `limit` large requests (more than LARGE_REQUEST_TOKENS tokens) at once; the next is refused."""
+    """At most `limit` large requests (more than LARGE_REQUEST_TOKENS tokens) at once; the next is refused. The
+    last free one is kept for a client that holds none: one tenant (or, without authentication, one connection)
+    that announces large requests and stalls them cannot take every slot from the others."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self._lock = threading.Lock()
         self.active = 0
+        self._held: dict[str, int] = {}  # client -> slots it holds (only clients holding one)
 
-    def acquire(self) -> bool:
+    def acquire(self, client: str = "") -> bool:
         with self._lock:
-            if self.active >= self.limit:
+            held = self._held.get(client, 0)
+            if self.active >= self.limit or (held and self.limit - self.active <= 1):
                 return False
             self.active += 1
+            self._held[client] = held + 1
             return True
 
-    def release(self) -> None:
+    def release(self, client: str = "") -> None:
         with self._lock:
             self.active -= 1
+            held = self._held.get(client, 0) - 1
+            if held > 0:
+                self._held[client] = held
+            else:
+                self._held.pop(client, None)
 
     def refusal(self, what: str) -> NoCapacity:
         return NoCapacity(f"{what}: {self.limit} requests of more than {LARGE_REQUEST_TOKENS} tokens are already "
-                          "being served (--max-large-requests); retry later")
+                          "being served, or this client holds some and the last one is kept for another "
+                          "(--max-large-requests); retry later")
 
 
 class _Watch:

@@ -47,7 +47,8 @@ class PutSession:
     the `with` block by an exception. With header.shared_buffer the bytes are read from the caller's shared-memory
     file at begin_chunk() (buffer_offset)."""
 
-    def __init__(self, engine: "CacheEngine", caller: Caller, header: pb.PutHeader, watch=None):
+    def __init__(self, engine: "CacheEngine", caller: Caller, header: pb.PutHeader, watch=None,
+                 large_slot: bool = True):
         e = self.engine = engine
         self.caller = caller
         self.watch = watch
@@ -59,7 +60,8 @@ class PutSession:
         if self.n_chunks == 0:
             raise InvalidRequest(f"tokens has {len(header.tokens)} ids, fewer than one chunk of {ct}; "
                                  "only whole chunks are stored")
-        with e._large(header.tokens, "Put"):  # the work that grows with the tokens: every key, up front
+        # the work that grows with the tokens: every key, up front (in one of --max-large-requests, if many)
+        with e._large(header.tokens if large_slot else (), "Put", caller.client):
             self.keys = list(e._keys(self.scope.fingerprint, header.tokens))
         spec = self.scope.spec
         self.shape = list(chunk_shape(spec, ct))
