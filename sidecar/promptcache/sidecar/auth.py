@@ -1,10 +1,11 @@
 """Authentication: who is calling. mTLS (tenant = the client certificate's common name) and bearer tokens read
 from a mounted file or folder, reloaded when it changes.
 
-The sidecar's `Guard` interceptor authenticates every call except the gRPC health service (probes carry no
-credentials and health reveals nothing), enforces the per-client call limit and the stream watchdog
-(promptcache.sidecar.limits), and attaches the caller's `Identity` to the call context for the service
-(promptcache.sidecar.tenancy derives the tenant's key salt from it).
+The sidecar's `Guard` interceptor authenticates every call except the gRPC health service's Check and List
+(probes carry no credentials and they reveal nothing; Watch, a stream that holds a worker thread, is guarded),
+enforces the per-client call limit and the stream watchdog (promptcache.sidecar.limits), and attaches the
+caller's `Identity` to the call context for the service (promptcache.sidecar.tenancy derives the tenant's key salt
+from it).
 
 Token file formats (docs/security.md):
   * a folder, as Kubernetes mounts a Secret: each file is a tenant, its name the tenant name, its content

@@ -14,6 +14,11 @@ from promptcache.sidecar.identity import client_key
 from promptcache.sidecar.limits import CallLimiter, Watchdog, _Watch
 
 _WATCH_ATTR = "_promptcache_watch"
+# The health methods a caller without credentials may call: probes (kubelet's gRPC probe, grpc_health_probe) use
+# Check, which answers at once and reveals nothing; List likewise. Health/Watch is a stream that holds one of the
+# server's --workers threads until the status changes or the client leaves: exempt, it let a caller with no
+# credentials hold every worker for good (the watchdog never saw it), so it is guarded like every other method.
+UNGUARDED = frozenset({HEALTH_PREFIX + "Check", HEALTH_PREFIX + "List"})
 
 
 class CallRejected(CacheError):
@@ -85,7 +90,7 @@ def _method_name(full: str) -> str:
 
 
 class Guard(grpc.ServerInterceptor):
-    """Authentication, per-client call limit and the watchdog around every method but health."""
+    """Authentication, per-client call limit and the watchdog around every method but health's Check and List."""
 
     def __init__(self, authenticator: Authenticator, limiter: CallLimiter, watchdog: Watchdog, metrics=None):
         self.authenticator = authenticator
@@ -124,12 +129,12 @@ class Guard(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
         """Wrap the handler: requests arrive as raw bytes and are parsed here, so that bytes that are not a
         valid message get INVALID_ARGUMENT (grpc's own deserialization failure is INTERNAL); then
-        authentication (not for health), the per-client limit and the watchdog."""
+        authentication (not for health's Check and List: UNGUARDED), the per-client limit and the watchdog."""
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         rpc = _method_name(handler_call_details.method)
-        guarded = not handler_call_details.method.startswith(HEALTH_PREFIX)
+        guarded = handler_call_details.method not in UNGUARDED
         guard = self
         parse = handler.request_deserializer
 
