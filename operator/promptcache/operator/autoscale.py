@@ -280,19 +280,38 @@ def tick(kube: Kube, body: dict[str, Any], fleet: fleet_.Fleet, config: Config =
         return out
     if not spec.autoscaling.enabled:
         return out
+    status = body.get("status") or {}
+    state = dict(status.get("autoscaling") or {})
+    # Why this cache's Resizes are not sent, as last reported (a ResizeSkipped event) and kept in
+    # status.autoscaling.resizeSkipped: the event is posted when the reason first appears or changes, not on
+    # every tick, and the field goes once Resizes are sent again.
+    reported = state.get("resizeSkipped")
+    skip: str | None = None
     if resizer is None:  # TLS and credentials as this cache's sidecars expect them, where credentials_policy allows
         send, skip = credentials_policy(spec, defaults)
         if skip:
+            tried = False
+
             def resizer(target: str, budget: int, timeout: float) -> dict[str, int]:
-                if "event ResizeSkipped" not in out.steps:
+                nonlocal tried
+                if not tried and state.get("resizeSkipped") != skip:
+                    tried = True
                     _event(kube, owner, "Warning", "ResizeSkipped", f"Resize not sent: {skip}", out)
+                    if "event ResizeSkipped" in out.steps:   # posted: recorded, so the next tick does not repeat it
+                        state["resizeSkipped"] = skip
+                        _patch_status(kube, owner, state, out)
                 raise ResizeError(f"{target}: not sent: {skip}")
         else:
             resizer = functools.partial(grpc_resize, tls=spec.security.tls is not None,
                                         server_name=f"{owner.name}.{owner.namespace}.svc",
                                         credentials_dir=config.credentials_dir, send_credentials=send)
-    status = body.get("status") or {}
-    state = dict(status.get("autoscaling") or {})
+    if skip is None and reported is not None:   # Resizes are sent again: the skip is over
+        state["resizeSkipped"] = None   # (null removes it: the status is merge-patched)
+        _patch_status(kube, owner, state, out)
+        if "status" in out.steps:
+            del state["resizeSkipped"]
+    # Every Resize of this tick is skipped for the reason already reported: a failed shrink says nothing new.
+    skip_known = skip is not None and skip == reported
     lo, hi = bounds(spec, config.overhead_bytes)
     current = tuned_memory(status) or initial_memory(spec, config.overhead_bytes)
     out.memory_bytes = current
@@ -351,8 +370,9 @@ def tick(kube: Kube, body: dict[str, Any], fleet: fleet_.Fleet, config: Config =
     if d.action == tuning.SHRINK:
         ok = all(_resize(e, new_budget, config, resizer, out) for e in eps if e.grpc_target)
         if not ok:
-            _event(kube, owner, "Warning", "ResizeFailed", f"shrink to {d.memory_bytes} postponed: "
-                   + "; ".join(out.errors), out)
+            if not skip_known:
+                _event(kube, owner, "Warning", "ResizeFailed", f"shrink to {d.memory_bytes} postponed: "
+                       + "; ".join(out.errors), out)
             return out
         state.update({"memoryBytes": d.memory_bytes, "budgetBytes": new_budget, "lastChangeTime": _stamp(t),
                       "lastDecision": record})

@@ -84,6 +84,11 @@ class OperatorDefaults:
     # Image repositories (prefixes) a PromptCache's spec.image.repository may be or be under (chart value
     # allowedImageRepositories). None: only image_repository (the operator's own sidecar image); (): any.
     image_repositories: tuple[str, ...] | None = None
+    # Whether a PromptCache may tolerate every taint (a toleration with no key and operator Exists) and select or
+    # tolerate control-plane nodes (node-role.kubernetes.io/control-plane or /master in spec.placement's
+    # nodeSelector, affinity or tolerations) (chart value allowControlPlanePlacement); default no: the cache's
+    # pods would run beside the API server and etcd, on nodes kept for them.
+    allow_control_plane_placement: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "OperatorDefaults":
@@ -104,7 +109,21 @@ class OperatorDefaults:
             image_repositories=(tuple(p.strip() for p in env["PROMPTCACHE_OPERATOR_IMAGE_REPOSITORIES"].split(",")
                                       if p.strip())
                                 if "PROMPTCACHE_OPERATOR_IMAGE_REPOSITORIES" in env else d.image_repositories),
+            allow_control_plane_placement=_flag(env, "PROMPTCACHE_OPERATOR_ALLOW_CONTROL_PLANE_PLACEMENT",
+                                                d.allow_control_plane_placement),
         )
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """A true/false setting from the environment, refused (ValueError) naming the variable when it is neither."""
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes"):
+        return True
+    if raw in ("0", "false", "no"):
+        return False
+    raise ValueError(f"{name}={env[name]!r} is not true or false")
 
 
 @dataclass(frozen=True)
@@ -267,11 +286,60 @@ def _under(value: str, prefixes: tuple[str, ...]) -> bool:
     return any(value == p.rstrip("/") or value.startswith(p.rstrip("/") + "/") for p in prefixes)
 
 
+CONTROL_PLANE_LABELS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
+
+
+def _obj(x: Any) -> dict[str, Any]:
+    return x if isinstance(x, dict) else {}
+
+
+def _objs(x: Any) -> list[dict[str, Any]]:
+    return [_obj(v) for v in x] if isinstance(x, list) else []
+
+
+def control_plane_placement(placement: Any) -> str | None:
+    """Pure: the first field of spec.placement (`placement`: model.Placement) that tolerates every taint or puts
+    the cache's pods on control-plane nodes, with what it says, or None:
+      - a toleration with no key and operator Exists (it tolerates every taint, the control plane's included);
+      - a toleration of the control-plane taint (key node-role.kubernetes.io/control-plane or /master);
+      - a nodeSelector on a control-plane label;
+      - a node affinity term (required or preferred) with an In or Exists expression on a control-plane label.
+    NotIn and DoesNotExist on those labels keep pods off the control plane and are fine."""
+    for i, t in enumerate(placement.tolerations):
+        if not t.key and t.operator == "Exists":
+            return (f"spec.placement.tolerations[{i}] (operator Exists with no key) tolerates every taint, the "
+                    "control-plane nodes' included")
+        if t.key in CONTROL_PLANE_LABELS:
+            return f"spec.placement.tolerations[{i}] tolerates the control-plane taint {t.key}"
+    for key in sorted(placement.nodeSelector):
+        if key in CONTROL_PLANE_LABELS:
+            return f"spec.placement.nodeSelector selects control-plane nodes ({key})"
+    na = _obj(_obj(placement.affinity).get("nodeAffinity"))   # copied verbatim: any shape
+    terms = [(f"requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[{i}]", t)
+             for i, t in enumerate(_objs(_obj(na.get("requiredDuringSchedulingIgnoredDuringExecution"))
+                                         .get("nodeSelectorTerms")))]
+    terms += [(f"preferredDuringSchedulingIgnoredDuringExecution[{i}].preference", _obj(p.get("preference")))
+              for i, p in enumerate(_objs(na.get("preferredDuringSchedulingIgnoredDuringExecution")))]
+    for where, term in terms:
+        for j, e in enumerate(_objs(term.get("matchExpressions"))):
+            if e.get("key") in CONTROL_PLANE_LABELS and e.get("operator") in ("In", "Exists"):
+                return (f"spec.placement.affinity.nodeAffinity.{where}.matchExpressions[{j}] selects "
+                        f"control-plane nodes ({e['key']} {e['operator']})")
+    return None
+
+
 def check_operator_policy(spec: PromptCacheSpec, defaults: OperatorDefaults) -> None:
     """What the cluster's operator allows beyond the CRD (chart values): spec.zeroCopy.hostPath must be one of
     zeroCopy.allowedHostPaths or under one; a system-* spec.placement.priorityClassName must be in
     allowedSystemPriorityClasses; spec.image.repository must be the operator's sidecar image or under one of
-    allowedImageRepositories. Raises SpecError (the PromptCache's InvalidSpec condition)."""
+    allowedImageRepositories; spec.placement may neither tolerate every taint nor select or tolerate control-plane
+    nodes unless allowControlPlanePlacement. Raises SpecError (the PromptCache's InvalidSpec condition)."""
+    if not defaults.allow_control_plane_placement:
+        problem = control_plane_placement(spec.placement)
+        if problem:
+            raise SpecError(f"{problem}: not allowed by this operator: the cache's pods would run on the "
+                            "control-plane nodes, beside the API server and etcd (chart value "
+                            "allowControlPlanePlacement)")
     pc = spec.placement.priorityClassName
     if pc.startswith("system-") and pc not in defaults.system_priority_classes:
         raise SpecError(f"spec.placement.priorityClassName {pc} is not allowed by this operator: system-* "

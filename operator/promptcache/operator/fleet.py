@@ -37,6 +37,8 @@ from typing import Any, Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from promptcache.contract.quantity import MAX_INT64
+
 from . import builders
 from .builders import Owner
 from .kube import ApiError
@@ -99,9 +101,9 @@ class Counters:
 
 
 # The sidecar exports the curve at a handful of sizes (11 by default, docs/sizing.md); an exposition with more is
-# not taken as a curve (its work would be quadratic in them), nor are sizes that are not plain byte counts below 2^63.
+# not taken as a curve (its work would be quadratic in them), nor are sizes that are not plain byte counts (int64).
 MAX_MRC_SIZES = 64
-MAX_MRC_SIZE = 2 ** 63
+MAX_MRC_SIZE = MAX_INT64   # a size is a byte count: an int64, as everywhere (promptcache.contract.quantity)
 _SIZE = re.compile(r"[0-9]{1,19}")
 
 
@@ -177,7 +179,7 @@ def status_usage(counters: list[Counters]) -> dict[str, float | int]:
     tokens = sum((c.tokens for c in counters), Tokens())
     out: dict[str, float | int] = {}
     held = sum(c.all_tiers_stored_bytes for c in counters)
-    if math.isfinite(held) and 0 <= held < 2 ** 63:   # else unknown: the API server takes no Infinity (nor > int64)
+    if math.isfinite(held) and 0 <= held <= MAX_INT64:   # else unknown: the API server takes no Infinity (nor > int64)
         out["memoryBytes"] = int(held)
     for key, ratio in (("hitRatio", tokens.memory_hit_ratio), ("anyTierHitRatio", tokens.any_tier_hit_ratio)):
         if ratio is not None:   # finite and within [0, 1] (hit_ratio)
@@ -334,21 +336,40 @@ def read_bounded(response, limit: int, deadline: float) -> bytes:
             raise ValueError("answer still arriving at the deadline")
 
 
-class _DeadlineReader(socket.SocketIO):
+class _DeadlineReader(io.RawIOBase):
     """A socket's reads, each with the socket timeout set to what is left before `deadline` (time.monotonic()):
-    the status line, the headers and the body all fall within it, however slowly they trickle."""
+    the status line, the headers and the body all fall within it, however slowly they trickle.
+
+    It reads through a duplicate of the socket (socket.dup(), its own descriptor), closed when this reader closes:
+    the connection stays open for the answer after http.client closes its own socket (a Connection: close answer
+    hands the connection to the response), as socket.makefile() keeps it, without CPython's private counters."""
 
     def __init__(self, sock: socket.socket, deadline: float):
-        super().__init__(sock, "rb")
-        sock._io_refs += 1   # as socket.makefile(): the socket stays open until this reader closes too
+        super().__init__()
+        self._sock = sock.dup()
         self._deadline = deadline
 
+    def readable(self) -> bool:
+        return True
+
     def readinto(self, b) -> int:
+        self._checkClosed()
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("scrape deadline passed")
         self._sock.settimeout(left)
-        return super().readinto(b)
+        return self._sock.recv_into(b)
+
+    def fileno(self) -> int:
+        self._checkClosed()
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._sock.close()
+            finally:
+                super().close()
 
 
 class _DeadlineSocket:
@@ -379,7 +400,7 @@ def scrape(url: str, timeout: float = 2.0) -> Counters | None:
     headers, body) keeps to `timeout`; any answer but 200 is a failure (a redirect is not followed: the operator
     GETs no address but the pod's); no proxy is used."""
     deadline = time.monotonic() + timeout
-    conn = None
+    conn = r = None
     try:
         u = urllib.parse.urlsplit(url)
         if u.scheme != "http" or not u.hostname:
@@ -395,6 +416,8 @@ def scrape(url: str, timeout: float = 2.0) -> Counters | None:
         log.debug("scraping %s: %s", url, exc)
         return None
     finally:
+        if r is not None:   # its connection's descriptor (a Connection: close answer holds it past conn.close())
+            r.close()
         if conn is not None:
             conn.close()
 

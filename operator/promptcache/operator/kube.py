@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 import urllib.parse
+import weakref
 from typing import Any
 
 import urllib3
@@ -52,21 +53,78 @@ class NameConflict(Exception):
         super().__init__(self.message)
 
 
+# What this process last wrote of each child and found controlled by its PromptCache: (uid, resourceVersion), by
+# (owner uid, apiVersion, kind, namespace, name), per Kube client. The next apply of that child carries both as
+# preconditions instead of reading the object first (see apply_controlled).
+_WRITTEN: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[str, str]]]" = weakref.WeakKeyDictionary()
+_WRITTEN_LOCK = threading.Lock()
+_WRITTEN_MAX = 8192   # children remembered per client (those of deleted PromptCaches are forgotten at this size)
+APPLY_ATTEMPTS = 3    # reads and applies of one child when it keeps changing in between
+
+
+def _written(kube: Any) -> dict[tuple[Any, ...], tuple[str, str]]:
+    with _WRITTEN_LOCK:
+        try:
+            return _WRITTEN.setdefault(kube, {})
+        except TypeError:   # a client that takes no weak reference: nothing remembered, every apply reads first
+            return {}
+
+
+def _pinned(obj: dict[str, Any], uid: str, resource_version: str) -> dict[str, Any]:
+    """`obj` (not modified) with metadata.uid and metadata.resourceVersion: the API server applies it only to that
+    very object in that very version (409 Conflict otherwise; an absent object is not created)."""
+    return {**obj, "metadata": {**obj["metadata"], "uid": uid, "resourceVersion": resource_version}}
+
+
 def apply_controlled(kube: Any, obj: dict[str, Any], owner_uid: str) -> dict[str, Any]:
     """Server-side apply (forced) of a child of the PromptCache `owner_uid`, only where no object of that name
     exists or the existing one's controller ownerReference is that PromptCache: never over an object someone else
     made (an admin's ResourceQuota, Service or ConfigMap whose name a tenant chose to collide with), which the
-    forced apply would rewrite and hand to the garbage collector. Raises NameConflict otherwise."""
+    forced apply would rewrite and hand to the garbage collector. Raises NameConflict otherwise.
+
+    One call per child in the steady state, without weakening that: the apply carries the uid and resourceVersion
+    of the object as this process last wrote it and saw it controlled by `owner_uid` (preconditions the API server
+    checks atomically with the write), so it succeeds only where nobody changed the object since, its
+    ownerReferences included. Anything else (no such record, the object changed, deleted or replaced: 409) reads
+    the object, checks its controller, and applies with the uid and resourceVersion just read, so a change between
+    the read and the write is refused too and read again (at most APPLY_ATTEMPTS times). Only where no object of
+    that name exists is the apply a plain create-or-update."""
     md = obj["metadata"]
-    existing = kube.get(obj["apiVersion"], obj["kind"], md.get("namespace"), md["name"])
-    if existing is not None and controller_uid(existing) != owner_uid:
-        raise NameConflict(f"{obj['kind']}/{md['name']}", existing)
-    return kube.apply(obj)
+    key = (owner_uid, obj["apiVersion"], obj["kind"], md.get("namespace"), md["name"])
+    written = _written(kube)
+    with _WRITTEN_LOCK:
+        pin = written.pop(key, None)
+    for attempt in range(APPLY_ATTEMPTS):
+        if pin is None:
+            existing = kube.get(obj["apiVersion"], obj["kind"], md.get("namespace"), md["name"])
+            if existing is not None and controller_uid(existing) != owner_uid:
+                raise NameConflict(f"{obj['kind']}/{md['name']}", existing)
+            emd = (existing or {}).get("metadata") or {}
+            if emd.get("uid") and emd.get("resourceVersion"):
+                pin = (emd["uid"], emd["resourceVersion"])
+        try:
+            got = kube.apply(obj if pin is None else _pinned(obj, *pin))
+        except ApiError as exc:
+            if exc.status == 409 and pin is not None and attempt + 1 < APPLY_ATTEMPTS:
+                pin = None   # changed, replaced or deleted since: read it again
+                continue
+            raise
+        gmd = (got.get("metadata") or {}) if isinstance(got, dict) else {}
+        if gmd.get("uid") and gmd.get("resourceVersion") and controller_uid(got) == owner_uid:
+            with _WRITTEN_LOCK:
+                if len(written) >= _WRITTEN_MAX:
+                    written.clear()
+                written[key] = (gmd["uid"], gmd["resourceVersion"])
+        return got
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def delete_controlled(kube: Any, api_version: str, kind: str, namespace: str, name: str, owner_uid: str) -> bool:
     """Delete the object only if its controller ownerReference is the PromptCache `owner_uid` (and only that very
     object: a uid precondition); False when it is absent or someone else's."""
+    written = _written(kube)
+    with _WRITTEN_LOCK:
+        written.pop((owner_uid, api_version, kind, namespace, name), None)
     existing = kube.get(api_version, kind, namespace, name)
     if existing is None or controller_uid(existing) != owner_uid:
         return False

@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from promptcache.contract.quantity import MAX_INT64
+
 ALIGN = 1 << 20  # targets are whole MiB
 
 GROW, SHRINK, HOLD = "grow", "shrink", "hold"
@@ -83,7 +85,7 @@ class Decision:
     message: str         # for people
 
 
-MAX_SIZE = 2 ** 63   # curve sizes above this (or not finite) are not sizes
+MAX_SIZE = MAX_INT64   # curve sizes above this (or not finite) are not sizes: a byte count is an int64
 
 
 def _finite(x: float | None, absent: float | None) -> float | None:
@@ -94,7 +96,7 @@ def sanitize(signal: Signal) -> Signal:
     """The signal with every figure finite, as decide() reads it: a figure that is not finite (a sidecar's sums that
     overflow, NaN) counts as absent: the hit ratio and the eviction age None, the rates and stored bytes 0; negative
     rates and bytes are 0 and the hit ratio is clamped to [0, 1]. Curve points whose size is not an integer in
-    (0, 2^63] or whose ratio is not finite are dropped (ratios clamped to [0, 1]); no point left is no curve."""
+    (0, MAX_INT64] or whose ratio is not finite are dropped (ratios clamped to [0, 1]); no point left is no curve."""
     ratio = _finite(signal.hit_ratio, None)
     age = _finite(signal.eviction_age_s, None)
     curve = None
