@@ -324,3 +324,19 @@ def test_token_file_fails_closed_when_emptied_deleted_or_garbage(sidecar_factory
             bump()
             settle(True, f"restored after {what}")
     assert sidecar.authenticator.tokens.reload_errors >= 3
+
+
+def test_a_tenant_name_with_a_trailing_newline_is_not_a_tenant_name():
+    """`$` also matches before a final newline: "alice\\n" passed the tenant-name check (a certificate's common
+    name, a configured tenant), a second tenant whose name prints as alice's. Whole-string match now."""
+    from promptcache.sidecar.identity import check_tenant_name
+
+    assert check_tenant_name("alice", "t") == "alice"
+    for bad in ("alice\n", "alice\r\n", "\nalice"):
+        with pytest.raises(ValueError, match="tenant name"):
+            check_tenant_name(bad, "t")
+    from promptcache.sidecar.auth import Authenticator
+
+    mtls = Authenticator(None, mtls=True)
+    assert mtls.identify(None, "alice").tenant == "alice"
+    assert mtls.identify(None, "alice\n") is None

@@ -200,7 +200,7 @@ class Authenticator:
                 return None
             tenant = self.tokens.tenant(credential.strip())
             return Identity(tenant, "token") if tenant is not None else None
-        if self.mtls and certificate_name is not None and TENANT_NAME.match(certificate_name):
+        if self.mtls and certificate_name is not None and TENANT_NAME.fullmatch(certificate_name):
             return Identity(certificate_name, "mtls")
         return None
 

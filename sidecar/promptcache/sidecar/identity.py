@@ -22,7 +22,7 @@ ANONYMOUS = Identity("", "none")
 
 
 def check_tenant_name(name: str, where: str) -> str:
-    if not TENANT_NAME.match(name):
+    if not TENANT_NAME.fullmatch(name):
         raise ValueError(f"{where}: tenant name {name!r} must be 1-128 characters of letters, digits, "
                          "'.', '_', '@' and '-', starting with a letter or digit")
     return name
