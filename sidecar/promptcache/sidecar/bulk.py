@@ -292,6 +292,10 @@ class BulkServer:
                     return
                 kind = frame.WhichOneof("frame")
                 if kind == "buffer":
+                    self._release_large(large)  # (a frame padded past 64 KiB took one: it is not a request)
+                    if fds is None:
+                        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "a buffer frame attaches a memfd, which "
+                                       "only a unix socket carries; this bulk connection is TCP")
                     shared = self._attach(conn, frame.buffer, fds, shared)
                     continue
                 if fds:
@@ -371,7 +375,11 @@ class BulkServer:
 
     def _hello(self, record: _Connection, peer: str, readable: select.poll) -> _Session:
         conn = record.sock
+        # A hello's bytes may take until --bulk-hello-seconds from the accept: the reaper then cuts the connection
+        # and it is answered DEADLINE_EXCEEDED. The idle timeout must not close it silently first.
+        conn.settimeout(max(self.idle_seconds or 0.0, self.hello_seconds + 1.0))
         frame = self._next_frame(conn, readable, limit=MAX_HELLO_BYTES)
+        conn.settimeout(self.idle_seconds)
         if frame.WhichOneof("frame") != "hello":
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
                            f"a bulk connection must start with a hello frame, got {frame.WhichOneof('frame')}")
