@@ -115,8 +115,40 @@ def devtools_installed() -> bool:
     return True
 
 
+class _EarlySignals:
+    """SIGTERM/SIGINT from the first moment of `promptcache serve` (before torch and the sidecar are imported:
+    seconds), only recorded; promptcache.sidecar.app.StartupSignals takes over once imported, and start-up stops
+    cleanly at its next step (exit 0) instead of dying with 143 half-way (Kubernetes stops pods while they start)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def install(self) -> "_EarlySignals":
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self.received.append(signum))
+        return self
+
+
+def _serve(args, early: _EarlySignals) -> int:
+    import signal
+
+    if early.received:  # nothing imported or opened yet
+        print(f"promptcache serve: {signal.Signals(early.received[0]).name} before start-up; exiting",
+              file=sys.stderr, flush=True)
+        return 0
+    from promptcache.sidecar import app  # imports torch: seconds
+
+    signals = app.StartupSignals().install()
+    if early.received:  # what came while importing
+        signals._handle(early.received[0], None)
+    return app.serve_from_args(args, signals)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    early = _EarlySignals().install() if argv[:1] == ["serve"] else None
     if argv[:1] == ["operator"]:
         from promptcache.operator.__main__ import main as operator_main
 
@@ -130,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = build_parser(bench).parse_args(argv)
     if args.command == "serve":
-        from promptcache.sidecar import app
-
-        return app.serve_from_args(args)
+        return _serve(args, early or _EarlySignals().install())
     if args.command == "bench":
         return args.bench_run(args)
     return args.admin_run(args)

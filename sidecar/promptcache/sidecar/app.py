@@ -5,6 +5,12 @@ observer, the gRPC server (its port bound before the disk tier opens, so a secon
 address by mistake stops before it touches the data), the disk and cluster tiers, KV events, the cache engine
 and its two transports (gRPC servicer, bulk channel), each given the parts it needs. The parts that follow the
 memory tier's contents (tenancy, KV events, the disk tier, metrics) subscribe to its insert and remove hooks.
+
+Start-up honours SIGTERM and SIGINT (Kubernetes sends SIGTERM at any time: a pod deleted while it starts). The
+`promptcache serve` command installs a handler that only sets an event before anything heavy is imported; start-up
+looks at it between its steps (and the disk tier while it waits for its lock or rebuilds its index), closes what it
+had opened (the disk tier closed cleanly, the socket files it bound removed) and exits 0. A signal once serving has
+begun (warm-up included) is the usual graceful stop.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from promptcache.sidecar import cgroup, logs, memfd, pinned, unixpath
 from promptcache.sidecar.auth import Authenticator, TokenStore, server_credentials
 from promptcache.sidecar.bulk import BulkServer
 from promptcache.sidecar.config import Settings, settings_from_args
-from promptcache.sidecar.disk import DiskTierError
+from promptcache.sidecar.disk import DiskTierCancelled, DiskTierError
 from promptcache.sidecar.engine import CacheEngine
 from promptcache.sidecar.tiers import TierStack
 from promptcache.sidecar.tiers.cluster import ClusterLowerTier, HotListPublisher
@@ -46,6 +52,32 @@ from promptcache.sidecar.tenancy import Tenancy, TenantCollector
 from promptcache.sidecar.warmup import Warmup, WarmupMetrics, save_resident
 
 log = logging.getLogger("promptcache.sidecar")
+
+
+class StartupCancelled(Exception):
+    """A SIGTERM or SIGINT came during start-up: what was opened is closed again, and the command exits 0."""
+
+
+class StartupSignals:
+    """SIGTERM and SIGINT during start-up: the handler only records them (safe at any point, even inside an
+    import); start-up asks `check()` between its steps. Installed by `promptcache serve` first thing (cli.main)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal_name: str | None = None
+
+    def install(self) -> "StartupSignals":
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+        self.event.set()
+
+    def check(self, step: str) -> None:
+        if self.event.is_set():
+            raise StartupCancelled(f"{self.signal_name or 'a stop'} during start-up ({step})")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -134,13 +166,13 @@ def kv_events(settings: Settings, device: torch.device, metrics: Metrics):
         raise OSError(f"cannot listen on --kv-events-address {settings.kv_events_address}: {exc}") from None
 
 
-def disk_tier(settings: Settings, tier: MemoryTier, metrics: Metrics):
+def disk_tier(settings: Settings, tier: MemoryTier, metrics: Metrics, cancel: threading.Event | None = None):
     from promptcache.sidecar.disk import DiskTier  # rocksdict loads only when the disk tier is on
     from promptcache.sidecar.tiers.disk import DiskLowerTier
 
     disk = DiskTier(os.path.join(settings.data_dir, "rocksdb"), settings.disk_bytes,
                     ttl_seconds=settings.ttl_seconds, min_free_bytes=settings.disk_min_free_bytes,
-                    lock_wait_seconds=settings.disk_lock_wait_seconds)
+                    lock_wait_seconds=settings.disk_lock_wait_seconds, cancel=cancel)
     log.info("disk tier open", extra={"path": disk.path, "disk_bytes": settings.disk_bytes, **disk.open_report})
     return DiskLowerTier(disk, tier.clock, metrics)
 
@@ -174,8 +206,36 @@ def grpc_server(settings: Settings, guard: Guard) -> tuple[grpc.Server, int]:
 class Sidecar:
     """One running sidecar: gRPC server, bulk channel, health, reflection, metrics endpoint, TTL sweeper."""
 
-    def __init__(self, settings: Settings):
-        self.settings = settings = settings.validate()
+    def __init__(self, settings: Settings, signals: StartupSignals | None = None):
+        self.signals = signals or StartupSignals()  # (not installed: nothing cancels an in-process start)
+        self._grpc_socket: tuple[str, tuple[int, int] | None] | None = None
+        self.spill = self.events = self.cluster = None
+        self.bulk = []
+        try:
+            self._build(settings.validate())
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Close what a start-up that did not finish had opened (it raised, or a SIGTERM cancelled it)."""
+        for close in (lambda: self.spill is not None and self.spill.disk.close(),
+                      lambda: self.cluster is not None and self.cluster.close(),
+                      lambda: self.events is not None and self.events.close(),
+                      lambda: [b.stop() for b in self.bulk],
+                      lambda: getattr(self, "server", None) is not None and self.server.stop(0).wait(),
+                      lambda: getattr(self, "watchdog", None) is not None and self.watchdog.stop(),
+                      lambda: getattr(self, "observer", None) is not None and self.observer.stop()):
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - the rest is still closed; the first failure is the story
+                log.warning("closing after a start-up that did not finish: %s", exc)
+        if self._grpc_socket is not None:  # (a gRPC server that never started leaves its socket file)
+            unixpath.release(*self._grpc_socket)
+
+    def _build(self, settings: Settings) -> None:
+        self.settings = settings
+        check = self.signals.check
         # read and checked before anything is opened (a bad file: ValueError naming it, exit 2)
         pinned_prefixes = (pinned.load(settings.pinned_prefixes_file, settings.chunk_tokens,
                                        settings.max_request_tokens) if settings.pinned_prefixes_file else None)
@@ -206,13 +266,19 @@ class Sidecar:
                                  min_put_bytes_per_second=settings.min_put_bytes_per_second,
                                  put_rate_window_seconds=settings.put_rate_window_seconds)
         self.limiter = CallLimiter(settings.max_calls_per_client)  # gRPC and the bulk channel alike (calls.py)
+        check("before binding the gRPC address")
         self.server, self.port = grpc_server(settings, Guard(self.authenticator, self.limiter,
                                                              self.watchdog, metrics))
+        path = unixpath.grpc_socket_path(settings.grpc_address)
+        if path is not None:
+            self._grpc_socket = (path, unixpath.identity(path))
+        check("after binding the gRPC address")
         self.events = kv_events(settings, self.device, metrics) if settings.kv_events_address else None
         if self.events is not None:
             tier.subscribe(self.events)
         # The tier stack: memory, then disk (capacity evictions are demoted to it), then the cluster.
-        self.spill = disk_tier(settings, tier, metrics) if settings.disk_bytes > 0 else None
+        self.spill = disk_tier(settings, tier, metrics, self.signals.event) if settings.disk_bytes > 0 else None
+        check("after opening the disk tier")
         self.cluster = cluster_tier(settings, metrics) if settings.cluster_master else None
         lowers = [t for t in (self.spill, self.cluster and ClusterLowerTier(self.cluster)) if t]
         self.stack = TierStack(tier, lowers, self.tenancy)  # subscribes to memory's evictions
@@ -252,6 +318,7 @@ class Sidecar:
         self.stop_error: str | None = None
         self._http = None
         self.metrics_port = None
+        check("after building the sidecar")
 
     @property
     def bulk_address(self) -> str | None:
@@ -268,11 +335,18 @@ class Sidecar:
         return a if a.startswith("unix:") else f"{a.rsplit(':', 1)[0]}:{self.port}"
 
     def start(self) -> "Sidecar":
-        """Start serving; OSError naming the flag when a listener cannot be opened (everything opened is closed)."""
+        """Start serving; OSError naming the flag when a listener cannot be opened, StartupCancelled when a SIGTERM
+        came meanwhile (everything opened is closed either way)."""
+        try:
+            self.signals.check("before serving")
+        except StartupCancelled:
+            self._abandon()
+            raise
         self.server.start()
         started = []
         try:
             for b in self.bulk:
+                self.signals.check("while opening the bulk channel")
                 started.append(b.start())
             if self.settings.metrics_port is not None:
                 try:
@@ -284,12 +358,12 @@ class Sidecar:
                     raise OSError(f"cannot listen on --metrics-host {self.settings.metrics_host} --metrics-port "
                                   f"{self.settings.metrics_port}: {exc.strerror or exc}") from None
                 self.metrics_port = self._http.server_port
-        except OSError:
+        except (OSError, StartupCancelled):
             for b in started:
                 b.stop()
             if self.events is not None:
                 self.events.close()
-            self.server.stop(0)
+            self.server.stop(0).wait()
             self.watchdog.stop()
             if self.spill is not None:
                 self.spill.disk.close()
@@ -371,7 +445,10 @@ class Sidecar:
         self.server.wait_for_termination()
 
 
-def serve_from_args(args) -> int:
+def serve_from_args(args, signals: StartupSignals | None = None) -> int:
+    """`promptcache serve`. `signals`: the start-up handler cli.main installed before importing this module (one
+    is installed here otherwise)."""
+    signals = signals or StartupSignals().install()
     try:
         settings = settings_from_args(args)
     except ValueError as exc:
@@ -379,7 +456,13 @@ def serve_from_args(args) -> int:
         return 2
     logs.configure(settings.log_level, settings.log_format)
     try:
-        sidecar = Sidecar(settings).start()
+        signals.check("before opening anything")
+        sidecar = Sidecar(settings, signals).start()
+    except (StartupCancelled, DiskTierCancelled) as exc:
+        why = exc if isinstance(exc, StartupCancelled) else f"{signals.signal_name} during start-up ({exc})"
+        log.info("shutting down before serving: %s; what was opened is closed", why,
+                 extra={"signal": signals.signal_name})
+        return 0
     except (ValueError, OSError, DiskTierError) as exc:
         log.error("cannot start: %s", exc)
         return 2
@@ -403,6 +486,8 @@ def serve_from_args(args) -> int:
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
+    if signals.event.is_set():  # it came between the last start-up check and the handler above
+        shutdown(signal.Signals[signals.signal_name or "SIGTERM"], None)
     sidecar.wait()
     sidecar.stop()  # returns once the shutdown started by the signal has finished
     return 1 if sidecar.stop_error else 0

@@ -27,6 +27,16 @@ Standalone: the memory store demotes into it (`put`) and promotes out of it (`ge
   `lock_wait_seconds` (a rolling update overlaps two pods briefly) and then raises DiskTierError naming the
   holder. A held lock is never mistaken for corruption: only files RocksDB cannot read are repaired or moved aside.
 * TTL. Each record carries its absolute expiry; expired records are never served and are swept in the background.
+* Newer records (a rollback after an upgrade). An index record written by a newer build (its header's version above
+  INDEX_VERSION, or a later b"PCD" magic) is left in place with its payload: never served, never deleted (not at
+  open, not by eviction, a purge, a reopen or a put of the same key), not counted as this build's usage; its bytes
+  are charged against the budget (the folder never holds more than --disk-bytes), so they are reported apart
+  (`foreign_entries`, `foreign_bytes`, the open report's `kept_newer`) and logged once at open, naming the folder
+  and the versions. The newer build finds them again when it comes back.
+* Readers. `DiskTier(..., reader=True)` (`promptcache export --data-dir`) opens RocksDB read-only, takes no lock
+  (works beside a running sidecar), writes nothing in the folder (it opens a temporary view of links to the
+  database files, where RocksDB's info LOG and rocksdict's config go) and never deletes: a record that fails its
+  checksum is only skipped.
 * Bloom filters are on (10 bits/key, on the SST key space); large values live in RocksDB blob files
   (key-value separation), compressed with the configured codec (measured: `python -m promptcache.sidecar.disk`).
 """
@@ -98,6 +108,24 @@ def space_plan(volume_bytes: int) -> SpacePlan:
 
 class DiskTierError(RuntimeError):
     """The disk tier cannot be used (the message names the path)."""
+
+
+class DiskTierCancelled(DiskTierError):
+    """Opening was given up because `cancel` was set (a SIGTERM during the sidecar's start-up); nothing is left
+    open."""
+
+
+def newer_format(rec: bytes) -> str | None:
+    """What a newer build wrote `rec` in ("index version 3", "format PCD2"), or None: a record of a version this
+    build reads (or one too damaged to tell). Only the header's first bytes are looked at: a newer build may change
+    whatever follows them, its checksum included."""
+    if len(rec) < 5 or rec[:3] != _MAGIC[:3]:
+        return None
+    if rec[:4] == _MAGIC:
+        return f"index version {rec[4]}" if rec[4] > INDEX_VERSION else None
+    if rec[3:4].isdigit() and rec[3:4] > _MAGIC[3:4]:
+        return f"format {rec[:4].decode()}"
+    return None
 
 
 def is_lock_error(message: str) -> bool:
@@ -232,7 +260,11 @@ class DiskTier:
     def __init__(self, path: str, budget_bytes: int, *, ttl_seconds: float = 4 * 3600.0,
                  compression: str = DEFAULT_CODEC, policy: str = "lru-prefix", max_queue_bytes: int = 256 << 20,
                  max_queue_items: int = 1024, min_free_bytes: int = 256 << 20, sync: bool = False,
-                 clock=time.time, sweep_interval: float = 30.0, lock_wait_seconds: float = 30.0) -> None:
+                 clock=time.time, sweep_interval: float = 30.0, lock_wait_seconds: float = 30.0,
+                 reader: bool = False, cancel: threading.Event | None = None) -> None:
+        """`reader`: open read-only, write and delete nothing, take no lock (the module docstring, "Readers").
+        `cancel`: when set while opening (waiting for the lock, rebuilding the index), the database is closed
+        again and DiskTierCancelled raised."""
         from promptcache.sidecar.policies import make_policy
 
         if budget_bytes <= 0:
@@ -249,6 +281,9 @@ class DiskTier:
         self.clock = clock
         self.sweep_interval = sweep_interval
         self.lock_wait_seconds = lock_wait_seconds
+        self.reader = reader
+        self._cancel = cancel
+        self._view_dir: str | None = None  # a reader's temporary view of the folder (_open_for_reading)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self.index: dict[bytes, DiskEntry] = {}
@@ -258,6 +293,8 @@ class DiskTier:
         self._queued_puts = 0
         self._inflight = 0
         self.used = 0  # bytes of index + pending entries
+        self.foreign: dict[bytes, int] = {}  # key -> bytes of a record a newer build wrote: kept, never served
+        self.foreign_bytes = 0
         self.policy = make_policy(policy, capacity=self.budget)
         self.disk_full = False
         self._disk_full_since = 0.0
@@ -274,10 +311,23 @@ class DiskTier:
         self.counters = collections.Counter()
         self.open_report: dict = {}
         self.plan = space_plan(1 << 30)  # sized to the volume once the folder exists (_open_db)
-        self._db = self._open_db(sync)
-        self._rebuild_index()
-        self._writer = threading.Thread(target=self._write_loop, name="promptcache-disk-writer", daemon=True)
-        self._writer.start()
+        self._writer = None
+        self._check_cancel()
+        self._db = self._open_for_reading() if reader else self._open_db(sync)
+        try:
+            self._rebuild_index()
+            self._check_cancel()
+        except BaseException:
+            self._close_db()
+            self._remove_view()
+            raise
+        if not reader:
+            self._writer = threading.Thread(target=self._write_loop, name="promptcache-disk-writer", daemon=True)
+            self._writer.start()
+
+    def _check_cancel(self) -> None:
+        if self._cancel is not None and self._cancel.is_set():
+            raise DiskTierCancelled(f"while opening the disk tier {self.path}")
 
     # ------------------------------------------------------------------------------------------------ opening
     def _volume_bytes(self) -> int:
@@ -371,6 +421,48 @@ class DiskTier:
                       self.plan.reserve)
         return db
 
+    def _open_for_reading(self):
+        """A reader's handle: RocksDB opened read-only, or DiskTierError naming the folder (and who holds it).
+        Nothing in the folder is written, not even a timestamp: RocksDB (read-only, no LOCK taken) opens a
+        temporary view of it, links to its database files, so its info LOG and rocksdict's config file (which
+        rocksdict rewrites at every open, read-only too) go to the view. A running sidecar may switch to a new
+        MANIFEST or WAL meanwhile: the view is made again and the open retried a few times."""
+        import tempfile
+
+        import rocksdict as rd
+
+        if not os.path.isfile(os.path.join(self.path, "CURRENT")):
+            raise DiskTierError(f"disk tier {self.path}: no RocksDB database there (no CURRENT file)")
+        self.plan = space_plan(self._volume_bytes())
+        self.open_report = {"repaired": False, "quarantined": None, "read_only": True}
+        opts = self._options()
+        opts.create_if_missing(False)
+        self._write_opts = rd.WriteOptions()
+        for attempt in range(5):
+            self._remove_view()
+            self._view_dir = tempfile.mkdtemp(prefix="promptcache-reader-")
+            try:
+                for name in os.listdir(self.path):
+                    if name not in ("LOCK", "rocksdict-config.json", OWNER_FILE, RESERVE_FILE) \
+                            and not name.startswith("LOG"):
+                        os.symlink(os.path.join(self.path, name), os.path.join(self._view_dir, name))
+                db = rd.Rdict(self._view_dir, opts, access_type=rd.AccessType.read_only())
+            except Exception as exc:  # noqa: BLE001 - RocksDB raises plain Exception
+                if attempt < 4 and not isinstance(exc, OSError):
+                    time.sleep(0.05)
+                    continue
+                self._remove_view()
+                raise DiskTierError(f"disk tier {self.path}: cannot open RocksDB read-only ({exc}; "
+                                    f"{self._holder()}); nothing was changed") from None
+            self._read_only = True
+            return db
+        raise AssertionError("unreachable")
+
+    def _remove_view(self) -> None:
+        if self._view_dir is not None:
+            shutil.rmtree(self._view_dir, ignore_errors=True)
+            self._view_dir = None
+
     def _probe(self) -> None:
         probe = os.path.join(self.path, ".write-probe")
         try:
@@ -454,6 +546,7 @@ class DiskTier:
             except Exception as exc:
                 if not is_lock_error(str(exc)):
                     raise
+                self._check_cancel()
                 if time.monotonic() >= deadline:
                     raise DiskTierError(self._in_use_message()) from None
                 if not waited:
@@ -494,15 +587,27 @@ class DiskTier:
         now = self.clock()
         dropped_corrupt = dropped_expired = dropped_budget = 0
         stale = []
+        newer: collections.Counter = collections.Counter()
         it = self._db.iter()
         it.seek(_IDX)
         try:
+            n = 0
             while it.valid():
                 k = it.key()
                 if not k.startswith(_IDX):
                     break
+                n += 1
+                if n % 4096 == 0:
+                    self._check_cancel()
                 key = k[1:]
-                e = _decode_index(key, it.value())
+                rec = it.value()
+                version = newer_format(rec)
+                if version is not None:  # a newer build's: kept as it is, for that build (never dropped)
+                    newer[version] += 1
+                    self.foreign[key] = len(k) + len(rec)
+                    it.next()
+                    continue
+                e = _decode_index(key, rec)
                 if e is None:
                     dropped_corrupt += 1
                     stale.append(key)
@@ -527,11 +632,14 @@ class DiskTier:
                 k = it.key()
                 if not k.startswith(_DAT):
                     break
-                if k[1:] not in self.index:
+                if k[1:] in self.foreign:
+                    self.foreign[k[1:]] += len(k) + len(it.value())
+                elif k[1:] not in self.index:
                     orphans.append(k[1:])
                 it.next()
         finally:
             del it
+        self.foreign_bytes = sum(self.foreign.values())
         if (stale or orphans) and not self._read_only:
             wb = rd.WriteBatch(raw_mode=True)
             for key in set(stale) | set(orphans):
@@ -546,7 +654,13 @@ class DiskTier:
         self.counters["dropped_expired"] += dropped_expired
         self.open_report.update(entries=len(self.index), bytes=self.used, dropped_corrupt=dropped_corrupt,
                                 dropped_expired=dropped_expired, dropped_over_budget=dropped_budget,
-                                dropped_orphans=len(orphans))
+                                dropped_orphans=len(orphans), kept_newer=len(self.foreign),
+                                kept_newer_bytes=self.foreign_bytes)
+        if newer:
+            log.warning("disk tier %s holds %d records (%d bytes) written by a newer promptcache (%s; this build "
+                        "reads index versions 1-%d): they are kept in place for it, not served, and count against "
+                        "the budget", self.path, len(self.foreign), self.foreign_bytes,
+                        ", ".join(f"{v}: {c}" for v, c in sorted(newer.items())), INDEX_VERSION)
         if dropped_corrupt:
             log.warning("disk tier %s: dropped %d records that failed their checksum", self.path, dropped_corrupt)
 
@@ -573,6 +687,12 @@ class DiskTier:
             if self._closed:
                 self.counters["put_rejected_closed"] += 1
                 return False
+            if self.reader:
+                self.counters["put_rejected_reader"] += 1
+                return False
+            if key in self.foreign:  # a newer build's record under this key: left for it, not overwritten
+                self.counters["put_rejected_newer_record"] += 1
+                return False
             if e.nbytes > self.budget:
                 self.counters["put_rejected_too_large"] += 1
                 return False
@@ -590,7 +710,7 @@ class DiskTier:
                     break
                 self._drop_locked(v)
                 self.counters["evicted_capacity"] += 1
-            if self.used + e.nbytes > self.budget:
+            if self.used + e.nbytes > self.budget - self.foreign_bytes:
                 self.counters["put_rejected_too_large"] += 1
                 return False
             self.pending[key] = (e, payload)
@@ -702,6 +822,8 @@ class DiskTier:
             return False
         self.used -= e.nbytes
         self.policy.removed(key)
+        if self.reader:  # a reader deletes nothing: the record is only no longer offered
+            return True
         self._ops.append(("del", key, e.nbytes))
         self._cv.notify()
         return True
@@ -729,7 +851,9 @@ class DiskTier:
         return False
 
     def _effective_budget(self) -> int:
-        return self.budget if self._space_cap is None else min(self.budget, self._space_cap)
+        """What this build's own records may use: the budget (or the space cap), less a newer build's records."""
+        own = self.budget - self.foreign_bytes
+        return own if self._space_cap is None else min(own, self._space_cap)
 
     def _make_room_locked(self, need: int) -> None:
         """The volume is full before the budget is: from now on the budget is what the volume holds (less
@@ -997,7 +1121,7 @@ class DiskTier:
             try:
                 while it.valid():
                     k = it.key()
-                    if k[1:] not in known and k[:1] in (_IDX, _DAT):
+                    if k[1:] not in known and k[:1] in (_IDX, _DAT) and k[1:] not in self.foreign:
                         stale.append(k)
                     it.next()
             finally:
@@ -1014,7 +1138,7 @@ class DiskTier:
                 log.error("disk tier %s: reopening RocksDB after an error failed: %s; retrying every %g s",
                           self.path, exc, RECOVERY_INTERVAL)
             self._close_db()
-            if not known and is_no_space_error(str(exc)) and self._start_afresh():
+            if not known and not self.foreign and is_no_space_error(str(exc)) and self._start_afresh():
                 return
             self._reopen_read_only()
             self._ensure_reserve()
@@ -1087,9 +1211,17 @@ class DiskTier:
                 return
             self._closed = True
             self._cv.notify_all()
-        self._writer.join()
+        if self._writer is not None:
+            self._writer.join()
         db, self._db = self._db, None
         if db is None:
+            self._remove_view()
+            return
+        if self.reader:
+            try:
+                db.close()
+            finally:
+                self._remove_view()
             return
         if not self._read_only and self._free_bytes() < self.min_free_bytes + self.plan.reserve:
             self._release_reserve()  # closing flushes the memtable: it needs room (allocated again at open)
@@ -1114,7 +1246,8 @@ class DiskTier:
             return {"entries": len(self.index) + len(self.pending), "bytes_used": self.used,
                     "budget_bytes": self.budget, "space_cap_bytes": self._space_cap or 0,
                     "queued_puts": self._queued_puts,
-                    "queued_bytes": self._queued_bytes, "disk_full": self.disk_full, **self.counters}
+                    "queued_bytes": self._queued_bytes, "disk_full": self.disk_full,
+                    "foreign_entries": len(self.foreign), "foreign_bytes": self.foreign_bytes, **self.counters}
 
 
 def open_or_exit(path: str, budget_bytes: int, **kwargs) -> DiskTier:

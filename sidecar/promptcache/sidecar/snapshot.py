@@ -3,8 +3,10 @@
 `promptcache export --address HOST:PORT --output FILE [--max-bytes N]` asks a running sidecar for its hottest N
 bytes (the admin Export call: its memory tier by hit count then recency, then its disk tier; it keeps serving) and
 verifies the file whole before it is renamed into place. `promptcache export --data-dir DIR ...` writes the
-hottest N bytes of the disk tier in DIR instead (a stopped sidecar: a graceful stop demotes its memory tier there,
-so that is all it held; a running one holds the folder's lock and is named in the error). `promptcache import FILE --data-dir DIR --disk-bytes N` puts
+hottest N bytes of the disk tier in DIR instead, opening it read-only: nothing in DIR is written, no lock is taken,
+so it works beside a sidecar serving from DIR (what that sidecar has committed to its disk tier; its memory tier is
+not in DIR: a graceful stop demotes it there, so a stopped sidecar's folder holds all it had).
+`promptcache import FILE --data-dir DIR --disk-bytes N` puts
 a snapshot into a disk tier (the sidecar warms its memory from it at start), and `serve --warmup-snapshot FILE`
 loads one straight into the memory tier at start (promptcache.sidecar.warmup).
 
@@ -399,7 +401,12 @@ def export(data_dir: str, out: str, max_bytes: int, force: bool = False) -> tupl
     check_output(out, data_dir, force)
     if not os.path.isdir(os.path.join(data_dir, "rocksdb")):
         raise SnapshotError(f"--data-dir {data_dir}: no disk tier there (no rocksdb folder)")
-    disk = _open_disk(data_dir, 1 << 60)  # no record is dropped over a budget
+    from promptcache.sidecar.disk import DiskTier
+
+    # Read-only: no lock taken (a running sidecar keeps its folder), nothing written or deleted there; over any
+    # budget, so no record is passed over for one.
+    disk = DiskTier(os.path.join(data_dir, "rocksdb"), 1 << 60, lock_wait_seconds=0.0, min_free_bytes=0,
+                    reader=True)
     try:
         from promptcache.sidecar.warmup import read_resident
 
@@ -490,10 +497,11 @@ def add_arguments(sub) -> None:
     from promptcache.admin import add_connection_arguments
 
     p = sub.add_parser("export", help="write the hottest chunks of a running sidecar (--address, admin) or of a "
-                       "stopped one's disk tier (--data-dir) to a snapshot file", description=__doc__,
+                       "sidecar's disk tier read-only (--data-dir) to a snapshot file", description=__doc__,
                        formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data-dir", help="a stopped sidecar's --data-dir")
+    src.add_argument("--data-dir", help="a sidecar's --data-dir, read-only (it may be running: then only what "
+                     "it has committed to its disk tier)")
     add_connection_arguments(p, address=src, output=False)  # --address: a running sidecar (the Export call)
     p.add_argument("--output", required=True, help="snapshot file to write")
     p.add_argument("--max-bytes", type=parse_bytes, default=0, help="at most this many payload bytes, hottest "
