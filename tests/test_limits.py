@@ -512,3 +512,18 @@ def test_a_large_bulk_put_is_served_with_one_large_request_slot(sidecar_factory,
         assert client.put_blobs(SMALL, tokens, {0: blob}).stored_chunks == 1
         assert client.lookup(SMALL, tokens).cached_tokens == CHUNK
     assert sidecar.engine.large_requests.active == 0
+
+
+def test_the_last_workers_are_kept_for_clients_with_none_in_flight():
+    from promptcache.sidecar.limits import WorkerShare
+
+    share = WorkerShare(16)  # an eighth kept: 2
+    assert [share.acquire("tenant:bob") for _ in range(15)] == [True] * 14 + [False]
+    assert share.acquire("tenant:alice") and not share.acquire("tenant:alice")  # one, then the reserve holds
+    assert share.acquire("tenant:carol") and share.busy == 16
+    share.release("tenant:bob")
+    assert not share.acquire("tenant:bob") and share.acquire("tenant:dave")
+    lone = WorkerShare(1)
+    assert lone.acquire("tenant:bob") and lone.busy == 1
+    lone.release("tenant:bob")
+    assert lone.busy == 0 and lone.acquire("tenant:alice")

@@ -103,13 +103,10 @@ def test_health_watch_streams_are_cut_by_the_stream_watchdog(sidecar_factory):
         channel.close()
 
 
-@pytest.mark.xfail(strict=True, reason="--max-calls-per-client defaults to 0 (no limit) even with isolated tenants, "
-                   "so one tenant's stalled streams hold every gRPC worker (fix: config.py/app.py, a default "
-                   "per-tenant share of --workers when authentication is on)")
 def test_one_tenant_cannot_hold_every_grpc_worker_by_default(sidecar_factory, tokens):
     """Bob opens more Put streams than there are workers and sends only their headers; alice, another tenant,
-    must still be served. With the defaults she waits until --stream-idle-seconds cuts bob's streams (30 s), and
-    bob simply opens them again."""
+    must still be served. She waited until --stream-idle-seconds cut bob's streams (30 s), and bob simply opened
+    them again; now the last of the --workers are kept for tenants with none in flight (limits.WorkerShare)."""
     sidecar = sidecar_factory(token_file=tokens, workers=4)
     channel = grpc.insecure_channel(sidecar.address)
     stub = pb_grpc.KVCacheStub(channel)

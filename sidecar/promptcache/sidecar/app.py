@@ -39,7 +39,7 @@ from promptcache.sidecar.engine import CacheEngine
 from promptcache.sidecar.tiers import TierStack
 from promptcache.sidecar.tiers.cluster import ClusterLowerTier, HotListPublisher
 from promptcache.sidecar.guard import Guard
-from promptcache.sidecar.limits import CallLimiter, Watchdog
+from promptcache.sidecar.limits import CallLimiter, Watchdog, WorkerShare
 from promptcache.sidecar.memfd import ChunkMemory
 from promptcache.sidecar.metrics import Metrics
 from promptcache.sidecar.netaddr import is_local_address
@@ -268,7 +268,7 @@ class Sidecar:
         self.limiter = CallLimiter(settings.max_calls_per_client)  # gRPC and the bulk channel alike (calls.py)
         check("before binding the gRPC address")
         self.server, self.port = grpc_server(settings, Guard(self.authenticator, self.limiter,
-                                                             self.watchdog, metrics))
+                                                             self.watchdog, metrics, WorkerShare(settings.workers)))
         path = unixpath.grpc_socket_path(settings.grpc_address)
         if path is not None:
             self._grpc_socket = (path, unixpath.identity(path))

@@ -11,7 +11,7 @@ from promptcache.sidecar.auth import HEALTH_PREFIX, Authenticator, Identity, att
 from promptcache.sidecar.calls import too_many_calls
 from promptcache.sidecar.errors import CacheError
 from promptcache.sidecar.identity import client_key
-from promptcache.sidecar.limits import CallLimiter, Watchdog, _Watch
+from promptcache.sidecar.limits import CallLimiter, Watchdog, WorkerShare, _Watch
 
 _WATCH_ATTR = "_promptcache_watch"
 # The health methods a caller without credentials may call: probes (kubelet's gRPC probe, grpc_health_probe) use
@@ -92,11 +92,15 @@ def _method_name(full: str) -> str:
 class Guard(grpc.ServerInterceptor):
     """Authentication, per-client call limit and the watchdog around every method but health's Check and List."""
 
-    def __init__(self, authenticator: Authenticator, limiter: CallLimiter, watchdog: Watchdog, metrics=None):
+    def __init__(self, authenticator: Authenticator, limiter: CallLimiter, watchdog: Watchdog, metrics=None,
+                 workers: WorkerShare | None = None):
         self.authenticator = authenticator
         self.limiter = limiter
         self.watchdog = watchdog
         self.metrics = metrics
+        # With authentication, the last workers are kept for tenants that have none in flight (WorkerShare);
+        # without it a client is a connection, and one caller can open as many as it likes.
+        self.workers = workers if authenticator.enabled else None
 
     def _refuse(self, context, rpc: str, code: grpc.StatusCode, message: str):
         if self.metrics is not None:
@@ -114,6 +118,9 @@ class Guard(grpc.ServerInterceptor):
         if not self.limiter.acquire(client):
             refused = too_many_calls(self.limiter.max_per_client)
             self._refuse(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED, refused.message)
+        if self.workers is not None and not self.workers.acquire(client):
+            self.limiter.release(client)
+            self._refuse(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED, self.workers.refusal(client))
         return identity, client
 
     def _parse(self, deserializer, raw: bytes, rpc: str):
@@ -148,6 +155,8 @@ class Guard(grpc.ServerInterceptor):
                 guard.watchdog.unwatch(w)
             if client is not None:
                 guard.limiter.release(client)
+                if guard.workers is not None:
+                    guard.workers.release(client)
 
         def parsed_or_abort(raw, context):
             try:

@@ -56,6 +56,42 @@ class CallLimiter:
             return self._active.get(client, 0)
 
 
+class WorkerShare:
+    """The gRPC server's `workers` threads among authenticated clients (tenants): a call in flight holds a worker
+    for its whole length, and calls beyond the workers wait in gRPC's queue, where no limit sees them. So a client
+    that already has calls in flight cannot take one of the last `reserve` free workers (an eighth, at least one):
+    one tenant's stalled streams cannot hold every worker and leave the others waiting until their deadlines."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.reserve = max(1, workers // 8)
+        self._lock = threading.Lock()
+        self.busy = 0
+        self._held: dict[str, int] = {}
+
+    def acquire(self, client: str) -> bool:
+        with self._lock:
+            held = self._held.get(client, 0)
+            if held and self.workers - self.busy <= self.reserve:
+                return False
+            self.busy += 1
+            self._held[client] = held + 1
+            return True
+
+    def release(self, client: str) -> None:
+        with self._lock:
+            self.busy -= 1
+            held = self._held.get(client, 0) - 1
+            if held > 0:
+                self._held[client] = held
+            else:
+                self._held.pop(client, None)
+
+    def refusal(self, client: str) -> str:
+        return (f"this client has calls in flight and the last {self.reserve} of the sidecar's {self.workers} gRPC "
+                "workers (--workers) are kept for other clients; retry later")
+
+
 class ReservedBytes:
     """Bytes reserved by each client's Puts in flight. A client may always hold one chunk; beyond that, no more
     than `limit` bytes together, so that one client's slow or stalled Puts cannot hold the whole budget."""
