@@ -280,6 +280,35 @@ def test_idle_bulk_connections_cannot_lock_out_a_client_with_a_token(sidecar_fac
     alice.close()
 
 
+def test_one_tenant_cannot_hold_every_bulk_connection(sidecar_factory, tmp_path):
+    """Bob, with a valid token, greets as many connections as the channel takes: he gets all but the last eighth
+    (one of 8 here), refused RESOURCE_EXHAUSTED naming the limit, and alice, another tenant, still gets one. Before,
+    bob held all 8 and alice's connection was refused (the channel full), pushing her onto gRPC."""
+    d = tmp_path / "tokens"
+    write_secret_dir(d, {"alice": "a-token", "bob": "b-token"})
+    path = f"{tmp_path}/bulk.sock"
+    sidecar = sidecar_factory(token_file=str(d), bulk_address=f"unix:{path}", bulk_max_connections=8,
+                              bulk_max_connections_per_peer=16)
+    held, codes = [], []
+    try:
+        for _ in range(8):
+            s = raw_bulk(path)
+            held.append(s)
+            bulkwire.send(s, pb.BulkFrame(hello=pb.BulkHello(version=1, authorization="Bearer b-token")))
+            st = bulkwire.recv(s).status
+            codes.append(st.code)
+        assert codes == [0] * 7 + [grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]
+        assert "--bulk-max-connections" in st.message
+        assert eventually(lambda: len(sidecar.bulk[0]._connections) == 7)
+        alice = raw_bulk(path)
+        held.append(alice)
+        bulkwire.send(alice, pb.BulkFrame(hello=pb.BulkHello(version=1, authorization="Bearer a-token")))
+        assert bulkwire.recv(alice).status.code == 0
+    finally:
+        for s in held:
+            s.close()
+
+
 def test_one_peer_holds_at_most_its_share_of_bulk_connections(sidecar_factory, tmp_path):
     path = f"{tmp_path}/bulk.sock"
     sidecar = sidecar_factory(bulk_address=f"unix:{path}", bulk_max_connections=64,

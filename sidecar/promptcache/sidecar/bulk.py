@@ -57,7 +57,7 @@ LARGE_FRAME_BYTES = LARGE_REQUEST_TOKENS  # a frame that may carry more tokens (
 class _Connection:
     """An accepted connection, as the accept loop and the hello reaper see it."""
 
-    __slots__ = ("sock", "peer", "accepted", "greeted", "expired", "replaced", "counted")
+    __slots__ = ("sock", "peer", "accepted", "greeted", "expired", "replaced", "counted", "client")
 
     def __init__(self, sock: socket.socket, peer: str):
         self.sock = sock
@@ -67,6 +67,7 @@ class _Connection:
         self.expired = False        # closed by the reaper: no hello within --bulk-hello-seconds
         self.replaced = False       # closed to make room for a new connection while still waiting for its hello
         self.counted = True         # still counted in the server's totals
+        self.client = ""            # once greeted: who its calls count against (identity.client_key)
 
     def cut(self) -> None:
         """Wake the connection's thread (blocked reading) without closing the socket under it: recv sees the end."""
@@ -394,11 +395,20 @@ class BulkServer:
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED,
                            "this sidecar requires authentication: a valid bearer token in the hello frame "
                            "(authorization: Bearer ...)")
+        caller = Caller(identity, peer)
         with self._lock:
             if record.expired or record.replaced:
                 raise bulkwire.Closed("closed while its hello was read")
-            record.greeted = True
-        session = _Session(Caller(identity, peer), authorization, self.lend and hello.sealed_memfds)
+            # The last eighth of the channel (at least one connection) is kept for the other clients: one tenant
+            # cannot hold every connection and push the others onto gRPC.
+            cap = self.max_connections - max(1, self.max_connections // 8)
+            mine = sum(1 for r in self._connections.values() if r.greeted and r.client == caller.client)
+            if mine and mine >= cap:
+                raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"this client holds {mine} of the bulk channel's {self.max_connections} connections "
+                               "(--bulk-max-connections), the most one client may; reuse them or use gRPC")
+            record.greeted, record.client = True, caller.client
+        session = _Session(caller, authorization, self.lend and hello.sealed_memfds)
         frame = _status(grpc.StatusCode.OK)
         frame.status.sealed_memfds = session.lend
         frame.status.puts = True
