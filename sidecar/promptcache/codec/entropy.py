@@ -295,18 +295,28 @@ def _dense_streams(views: dict, L: int, H: int, T: int, D: int) -> dict:
 def _read_streams(mode: str, views: dict, streams: torch.Tensor, specs) -> None:
     """Split `streams` into views[name] for each (name, stored length, raw length) in order: a stored length equal
     to the raw one is the raw bytes, a shorter one a zstd frame of exactly the raw length (CorruptChunk if not)."""
-    dctx = _zstd().ZstdDecompressor()
+    zstd = _zstd()
+    dctx = zstd.ZstdDecompressor()
     off = 0
     for name, size, raw in specs:
         part = streams[off:off + size]
         off += size
         if size != raw:
+            if size > raw:
+                raise CorruptChunk(f"{mode} {name} stream is {size} bytes, more than its {raw} raw bytes")
+            frame = part.numpy().tobytes()
             try:
-                data = dctx.decompress(part.numpy().tobytes(), max_output_size=raw)
-            except Exception as exc:  # zstandard.ZstdError: not a frame, truncated, ...
+                # The size the frame states, checked before decompressing: zstandard allocates and fills a stated
+                # size whatever max_output_size says (RLE blocks: 4 bytes -> 128 KiB, a slot's stream -> tens of
+                # GB). pack always states it, and writes one frame and nothing after it.
+                stated = zstd.frame_content_size(frame)
+                data = (dctx.decompress(frame, max_output_size=raw, allow_extra_data=False) if stated == raw
+                        else None)
+            except Exception as exc:  # zstandard.ZstdError: not a frame, truncated, data after the frame, ...
                 raise CorruptChunk(f"{mode} {name} stream does not decompress: {exc}") from None
-            if len(data) != raw or size > raw:
-                raise CorruptChunk(f"{mode} {name} stream holds {len(data)} bytes, expected {raw}")
+            if data is None or len(data) != raw:
+                got = "an unstated size" if stated < 0 else f"{stated if data is None else len(data)} bytes"
+                raise CorruptChunk(f"{mode} {name} stream holds {got}, expected {raw}")
             part = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         views[name] = part
 

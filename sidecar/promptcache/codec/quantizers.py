@@ -23,7 +23,7 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 def _round_up_fp16(s: torch.Tensor) -> torch.Tensor:
     """float32 scales -> float16 scales that are >= the input (and >= the smallest normal)."""
     s = s.clamp(min=_FP16_MIN_SCALE)
-    if (s > 65504).any():
+    if not (s <= 65504).all():  # (NaN too: a step from a square that overflowed float32)
         raise ValueError("values too large to quantize (a group's range exceeds the float16 scale range)")
     h = s.to(torch.float16)
     low = h.float() < s
@@ -81,7 +81,7 @@ def _log_code_up(need: torch.Tensor) -> torch.Tensor:
     """Smallest log code whose scale is >= need (float tensor of codes, unclamped above)."""
     need = need.clamp(min=float(_LOG_TABLE[0]))
     code = (torch.ceil(torch.log2(need) * _LOG_STEPS_PER_OCTAVE - 1e-4) + _LOG_BIAS).clamp(min=0)
-    if (code > 255).any():
+    if not (code <= 255).all():  # (NaN too: a range from values that overflowed float32 in the rotation)
         raise ValueError("values too large to quantize for k8v4 (a value group's range exceeds 2**16)")
     table = _LOG_TABLE.to(need.device)
     short = table[code.long()] < need  # guard against log2 rounding: never a scale below what the range needs
