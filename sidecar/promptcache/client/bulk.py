@@ -62,6 +62,13 @@ class _Connection:
         self.puts = status.puts  # the sidecar takes put frames (an older one: gRPC Put)
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.owned = ReleasedBuffers()
+        # The process that opened it: a child forked from it shares the socket and the memfd, and must open its own
+        # (its requests and the parent's would interleave on one connection, each reading the other's answers).
+        self.pid = os.getpid()
+        # A request is out and its answer (status frame) not read yet. A call that ends so, by any exception
+        # (KeyboardInterrupt, a deadline raised from a signal handler, MemoryError, ...), leaves the connection out
+        # of step: its answer may still arrive, after the next request was sent, and be read as that one's.
+        self.busy = False
 
     def set_timeout(self, timeout: float) -> None:
         if timeout != self.sock.gettimeout():  # (setting it costs a system call; reading it, none)
@@ -87,6 +94,7 @@ class _Connection:
         over the socket. Returns its mapping."""
         if self.shared is not None and self.shared.size >= size:
             return self.shared
+        self.busy = True  # the buffer frame's status is an answer to wait for
         size = max(size, 2 * (self.shared.size if self.shared is not None else 0))
         fd = os.memfd_create("promptcache-bulk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -98,7 +106,9 @@ class _Connection:
             bulkwire.send_with_fd(self.sock, pb.BulkFrame(buffer=pb.BulkBuffer(length=size)), fd)
         finally:
             os.close(fd)  # the mapping (ours) and the sidecar's copy of the descriptor keep it alive
-        _check_status(_expect(self.reader, "status", deadline).status)
+        status = _expect(self.reader, "status", deadline).status
+        self.busy = False
+        _check_status(status)
         self.shared = array  # earlier views keep the old mapping alive until they go
         return array
 
@@ -138,17 +148,34 @@ class BulkClient:
         self._local = threading.local()
         self._all: list[_Connection] = []
         self._lock = threading.Lock()
+        self._closed = False
+        _CLIENTS.add(self)
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True  # a thread still in a call, or calling later, opens no new connection
             for c in self._all:
                 c.close()
             self._all.clear()
         self.lent.clear()
 
+    def _after_fork_in_child(self) -> None:
+        """In a child just forked (one thread): forget the parent's connections without a word on them (they are
+        the parent's: a frame sent or read here would interleave with its calls), closing only this process's
+        copies of their descriptors; locks a parent thread held at the fork are replaced."""
+        self._lock = threading.Lock()
+        self.lent._lock = threading.Lock()
+        inherited, self._all, self._local = self._all, [], threading.local()
+        for c in inherited:
+            c.close()
+
     def _connection(self, timeout: float) -> _Connection:
         conn = getattr(self._local, "conn", None)
+        if conn is not None and conn.pid != os.getpid():  # a fork the at-fork hook did not see (never sent on)
+            self._local.conn = conn = None
         if conn is None:
+            if self._closed:
+                raise errors.Unavailable(f"UNAVAILABLE: bulk channel {self.address}: the client was closed")
             try:
                 conn = _Connection(self.family, self.sockaddr, self._authorization(), timeout, self.shared_memory,
                                    self.zero_copy)
@@ -156,13 +183,19 @@ class BulkClient:
                 raise errors.Unavailable(f"UNAVAILABLE: bulk channel {self.address}: {exc}") from None
             except errors.ResourceExhausted as exc:  # at its connection limit: the call itself was not refused
                 raise errors.Unavailable(str(exc)) from None
-            self._local.conn = conn
             with self._lock:
-                self._all.append(conn)
+                closed = self._closed
+                if not closed:
+                    self._all.append(conn)
+            if closed:  # close() came while this one was opening
+                conn.close()
+                raise errors.Unavailable(f"UNAVAILABLE: bulk channel {self.address}: the client was closed")
+            self._local.conn = conn
         return conn
 
     def _drop(self, conn: _Connection) -> None:
-        self._local.conn = None
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
         with self._lock:
             if conn in self._all:
                 self._all.remove(conn)
@@ -172,7 +205,7 @@ class BulkClient:
         """This thread's connection, a new one where the old one is stale (_Connection.stale)."""
         conn = self._connection(timeout)
         try:
-            stale = conn.stale()
+            stale = conn.busy or conn.stale()  # busy: an earlier call was interrupted before its answer
         except (OSError, ValueError):
             stale = True
         if stale:
@@ -198,25 +231,26 @@ class BulkClient:
             if self.shared_memory and not conn.lent:
                 shared = conn.attach(expected_bytes, deadline)
                 request.shared_buffer.length = expected_bytes
+                conn.busy = True
                 try:
                     conn.sock.sendall(bulkwire.encode_get(request))
                 finally:
                     request.ClearField("shared_buffer")  # the caller may retry the request over gRPC
                 return self._receive_shared(conn, request.start_chunk, shared[:expected_bytes], self.lent,
                                             deadline, bounds), False
+            conn.busy = True
             conn.sock.sendall(bulkwire.encode_get(request))
             owned = owned and not conn.lent
             return self._receive(conn, request.start_chunk, expected_bytes, deadline, self.lent, owned,
                                  bounds), owned
         except socket.timeout:
-            self._drop(conn)  # the answer may still arrive: this connection's framing can't be trusted
             raise errors.DeadlineExceeded(f"DEADLINE_EXCEEDED: no answer from {self.address} in time") from None
         except (OSError, bulkwire.FramingError) as exc:
-            self._drop(conn)
+            conn.busy = True  # broken, or a sidecar that broke the framing: not used again
             raise errors.Unavailable(f"UNAVAILABLE: bulk channel {self.address}: {exc}") from None
-        except errors.CorruptChunk:
-            self._drop(conn)  # the rest of the answer is still in the socket
-            raise
+        finally:
+            if conn.busy:  # ended before its answer did (timeout, a bad chunk, any exception): the rest of the
+                self._drop(conn)  # answer may still come, so this connection's framing can't be trusted
 
     def put(self, header: pb.PutHeader, chunks: list[tuple[Callable[[], pb.ChunkBegin], np.ndarray]],
             timeout: float) -> pb.PutResponse:
@@ -244,20 +278,25 @@ class BulkClient:
                     frame.buffer_offset = position
                     frames += bulkwire.encode(pb.BulkFrame(chunk=frame))
                     position += data.size
+                conn.busy = True
                 conn.sock.sendall(frames)
             else:
                 buffers = [bulkwire.encode(pb.BulkFrame(put=put))]
+                conn.busy = True  # a put cut short part way leaves the sidecar reading chunk bytes
                 for begin, data in chunks:
                     buffers += (bulkwire.encode(pb.BulkFrame(chunk=begin())), data)
                     bulkwire.send_buffers(conn.sock, buffers)
                     buffers = []
             status = _expect(conn.reader, "status", deadline).status
+            conn.busy = False
         except socket.timeout:
-            self._drop(conn)
             raise errors.DeadlineExceeded(f"DEADLINE_EXCEEDED: no answer from {self.address} in time") from None
         except (OSError, bulkwire.FramingError) as exc:
-            self._drop(conn)
+            conn.busy = True  # broken, or a sidecar that broke the framing: not used again
             raise errors.Unavailable(f"UNAVAILABLE: bulk channel {self.address}: {exc}") from None
+        finally:
+            if conn.busy:
+                self._drop(conn)
         _check_status(status)
         return status.put
 
@@ -304,6 +343,18 @@ class BulkClient:
             blobs.append(view)
             position += c.nbytes
         return blobs
+
+
+_CLIENTS: weakref.WeakSet[BulkClient] = weakref.WeakSet()  # every client of this process, for the at-fork hook
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_CLIENTS):
+        client._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ReleasedBuffers:
@@ -464,6 +515,7 @@ def _answer(conn: _Connection, start_chunk: int, blobs: list, deadline: float | 
     while True:
         frame = _expect(conn.reader, "chunk", deadline)
         if frame.WhichOneof("frame") == "status":
+            conn.busy = False  # the whole answer is read: the connection is in step (whatever the status says)
             if frame.status.chunks != len(blobs):
                 raise bulkwire.FramingError(f"status counts {frame.status.chunks} chunks, {len(blobs)} arrived")
             _check_status(frame.status)

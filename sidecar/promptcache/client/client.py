@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import os
 import random
 import time
+import weakref
 from dataclasses import dataclass
 import sys
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence, TypeVar
@@ -139,7 +141,8 @@ def _retention_hints(method: str, ttl_seconds, priority) -> tuple[float, int]:
 
 
 class PromptCacheClient:
-    """Thread-safe; share one per process.
+    """Thread-safe; share one per process. Fork-safe: a child forked after the client was used opens bulk
+    connections and shared-memory buffers of its own (the parent's stay the parent's, untouched).
 
     target: "HOST:PORT" or "unix:///path/to.sock". timeout: deadline of each call in seconds. retries: extra
     attempts after UNAVAILABLE (sidecar restarting), with jittered exponential backoff inside the deadline.
@@ -210,6 +213,20 @@ class PromptCacheClient:
             transports.append(SharedFileTransport(self._shm, self._stub, self._call))
         transports.append(StreamTransport(self._stub, self._get, self._call, frame_bytes))
         self._transports = TransportChain(transports)
+        _CLIENTS.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a child just forked: this process's own shared-memory buffers from now on. The inherited ones are the
+        parent's (mapped MAP_SHARED, named by the parent's handles): used here, the sidecar would write the child's
+        answers into the very buffer the parent's views are of, and the other way round. They are forgotten, not
+        closed (closing would tell the sidecar to close the parent's). Locks a parent thread held at the fork are
+        replaced (the bulk channel resets itself: promptcache.client.bulk)."""
+        self._transports.policy.after_fork_in_child()
+        if self._shm is not None:
+            self._shm = ClientBuffers(self._shm.directory, self._open_shared_buffer, self._close_shared_buffer)
+            for transport in self._transports.transports:
+                if isinstance(transport, SharedFileTransport):
+                    transport.buffers = self._shm
 
     def close(self) -> None:
         if self._shm is not None:
@@ -412,6 +429,18 @@ class PromptCacheClient:
         except grpc.RpcError:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+_CLIENTS: "weakref.WeakSet[PromptCacheClient]" = weakref.WeakSet()  # this process's clients, for the at-fork hook
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_CLIENTS):
+        client._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _as_bytes_array(blob: torch.Tensor | bytes) -> np.ndarray:

@@ -7,6 +7,7 @@ import errno
 import os
 import stat
 import threading
+import weakref
 from pathlib import Path
 
 import grpc
@@ -75,6 +76,7 @@ class TokenSource:
         self._flag = flag
         self._sig = None
         self._lock = threading.Lock()
+        _SOURCES.add(self)
 
     def get(self) -> str:
         if self._file is None:
@@ -88,6 +90,20 @@ class TokenSource:
             if sig != self._sig:
                 self._token, self._sig = read_token(self._file, self._flag), sig
             return self._token
+
+
+_SOURCES: "weakref.WeakSet[TokenSource]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """New locks in a child just forked: a parent thread may have held one at the fork (re-reading the token file),
+    and it is never released there."""
+    for source in list(_SOURCES):
+        source._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Details:

@@ -101,6 +101,11 @@ class FallbackPolicy:
         self._held_until: dict[str, float] = {}
         self._lock = threading.Lock()
 
+    def after_fork_in_child(self) -> None:
+        """A new lock in a child just forked: a parent thread may have held this one at the fork (never released
+        there: every call would wait forever)."""
+        self._lock = threading.Lock()
+
     def first(self, chain: Sequence[str], start: int = 0) -> int:
         """Index of the transport of `chain` to try, from `start` on."""
         with self._lock:
