@@ -223,6 +223,29 @@ def test_nan_chunk_rejected_before_the_model(tiny, sidecar, client):
     assert fallbacks("corrupt") == before + 1
 
 
+def test_a_corrupt_chunk_is_deleted_so_the_next_store_replaces_it(tiny, client):
+    """A quantized chunk that fails decoding arrived intact as the sidecar sees it (it cannot read quantized
+    bytes), and a Put skips a key it holds: it failed every request of its prefix until it aged out, each paying a
+    Lookup, a Get, a decode and a full prefill. Now the failed fetch deletes it on the store thread, before this
+    request's own store, which puts the good chunk in its place: the next request hits."""
+    pc = PromptCacheHF(tiny, client, revision="poison", quantization="k8v4")
+    ids = prompt(CT + 4)
+
+    def flip(b):  # any damage that fails decoding (here: the CRC)
+        b[-3] ^= 0x40
+        return b
+
+    _forge(pc, ids, flip)
+    before = fallbacks("corrupt")
+    res = pc.prefill(ids, logits_to_keep=1)  # store=True: the full prefill's chunk is offered back
+    assert res.fallback == "corrupt" and res.cached_tokens == 0
+    assert pc.flush(10)
+    again = pc.prefill(ids, logits_to_keep=1, store=False)
+    assert again.fallback is None and again.cached_tokens == CT
+    assert fallbacks("corrupt") == before + 1
+    pc.close()
+
+
 @pytest.mark.parametrize("damage", ["flip", "scale", "mode"])
 def test_corrupt_quantized_chunk_rejected(damage, tiny, client):
     pc = PromptCacheHF(tiny, client, revision=f"t9-{damage}", quantization="k8v4")

@@ -262,6 +262,39 @@ def test_a_connector_reset_stops_loading_what_was_stored_before(env, text_ids):
     assert reused(before, A.generate([prompt], NEW_TOKENS)) >= 512  # A's identity did not change
 
 
+def test_a_corrupt_quantized_chunk_is_replaced_not_failed_on_every_request(env, text_ids):
+    """A k8v4 chunk whose bytes arrived intact but do not decode (a damaged or forged writer's) is kept by the
+    sidecar, which cannot read quantized bytes, and a Put skips a key the sidecar holds: every request of its prefix
+    failed its load and recomputed until the chunk aged out. Now the failed load deletes it, and the recomputed
+    chunks are stored in its place: a later request loads them and generates the reference tokens."""
+    from promptcache.client.client import encode_chunk
+    from promptcache.client.hf import cache_kv, output_cache
+
+    Q, N = env["engines"]["Q"], env["engines"]["N"]
+    prompt = text_ids[3200:3800]
+    reference = N.generate([prompt], NEW_TOKENS)
+    pc = hf_integration("float32", env["sidecar"].address, quantization="k8v4")
+    with torch.inference_mode():
+        kv = cache_kv(output_cache(pc.model(input_ids=torch.tensor([prompt[:CHUNK]]), use_cache=True)))
+    forged = encode_chunk(pc.spec, kv, 0, CHUNK).clone()
+    forged[-3] ^= 0x40  # fails its CRC when unpacked; intact as far as the sidecar can tell
+    assert pc.client.put_blobs(pc.spec, prompt[:CHUNK], {0: forged}).stored_chunks == 1
+    pc.close()
+    before = Q.call(op="metrics")
+    first = Q.generate([prompt], NEW_TOKENS)
+    assert fallbacks(first) > fallbacks(before)  # (reused counts what its Lookup found, 256 tokens)
+    assert first["outputs"] == reference["outputs"]
+    for _ in range(2):  # the recompute's save (it may skip what its Lookup found: then the next request's does)
+        Q.call(op="flush")
+        assert Q.call(op="reset", connector=False)["ok"] is True  # vLLM's own prefix cache: ask the sidecar again
+        before = Q.call(op="metrics")
+        out = Q.generate([prompt], NEW_TOKENS)
+        if reused(before, out) >= 512:
+            break
+    assert reused(before, out) >= 512 and fallbacks(out) == fallbacks(before)
+    assert out["outputs"][0][0] == reference["outputs"][0][0]  # quantized K/V: the next token, as above
+
+
 def test_sidecar_killed_mid_run_falls_back_to_prefill(env, text_ids):
     B, N = env["engines"]["B"], env["engines"]["N"]
     prompt = text_ids[5000:5600]

@@ -468,12 +468,18 @@ class PromptCacheHF:
                 return Prefix(seconds=time.perf_counter() - t0, chunk_tokens=ct)
             if len(blobs) > usable:  # chunks for tokens never asked for: never loaded
                 raise errors.CorruptChunk(f"the sidecar answered {len(blobs)} chunks; {usable} were asked for")
-            kv = decode_prefix(self.spec, blobs, ct, self.device)
-            if self.verify_finite and self.spec.quantization == "none":
-                # quantized modes prove finiteness from their scales; raw chunks are scanned (cheap next to compute)
-                for layer, (k, v) in enumerate(kv):
-                    if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
-                        raise errors.CorruptChunk(f"cached prefix has NaN or Inf in layer {layer}")
+            try:
+                kv = decode_prefix(self.spec, blobs, ct, self.device)
+                if self.verify_finite and self.spec.quantization == "none":
+                    # quantized modes prove finiteness from their scales; raw chunks are scanned (cheap next to
+                    # compute)
+                    for layer, (k, v) in enumerate(kv):
+                        if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+                            raise errors.CorruptChunk(f"cached prefix has NaN or Inf in layer {layer}")
+            except errors.CorruptChunk:
+                # What is stored is bad (it came intact: a transit failure raises in get_blobs, and is not this)
+                self._forget(tokens[:usable * ct])
+                raise
             cache = adopt_cache(self.model, kv)  # freshly decoded: this request's own tensors, no copy needed
             if time.monotonic() > deadline:
                 raise errors.DeadlineExceeded(f"fetch took longer than {self.fetch_timeout}s")
@@ -487,6 +493,22 @@ class PromptCacheHF:
             FALLBACKS.labels(reason).inc()
             _warn.warning(f"fallback-{reason}", "promptcache: falling back to full prefill (%s): %s", reason, exc)
             return Prefix(fallback=reason, seconds=time.perf_counter() - t0)
+
+    def _forget(self, tokens: list[int]) -> None:
+        """Delete the cached chunks of `tokens` after one failed its checks: the sidecar keeps a chunk whose bytes
+        arrived intact (it cannot read a quantized chunk), and a Put skips a key it holds, so a damaged or forged
+        chunk would fail every request of its prefix until it aged out. Run on the store thread, before the store
+        of this request's own chunks, which then replace it."""
+        try:
+            self._pool.submit(self._delete_quietly, list(tokens))
+        except RuntimeError:  # closed
+            pass
+
+    def _delete_quietly(self, tokens: list[int]) -> None:
+        try:
+            self.client.delete(self.spec, tokens)
+        except Exception as exc:  # noqa: BLE001 - the next failure tries again
+            _warn.warning("forget", "promptcache: could not delete a corrupt cached prefix: %s", exc)
 
     # ---------------------------------------------------------------------------------------------- prefill
     @torch.inference_mode()

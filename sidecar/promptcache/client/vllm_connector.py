@@ -1251,6 +1251,21 @@ class PromptCacheConnector(KVConnectorBase_V1):
                 self._loading.add(op.req_id)
             self._load_pool.submit(self._load, op)
 
+    def _forget(self, spec: ModelSpec, tokens, start_chunk: int) -> None:
+        """Delete this rank's cached chunks of `tokens` from `start_chunk` on after one of them failed its checks:
+        the sidecar keeps a chunk whose bytes arrived intact (it cannot read a quantized chunk) and a Put skips a key
+        it holds, so a damaged or forged chunk would fail every load of its prefix until it aged out. Queued on the
+        save thread, ahead of the saves that will store the recomputed chunks in its place."""
+        def delete() -> None:
+            try:
+                self.client.delete(spec, tokens, start_chunk=start_chunk)
+            except Exception as exc:  # noqa: BLE001 - the next failed load tries again
+                log.warning("promptcache: could not delete a corrupt cached prefix: %s", exc)
+        try:
+            self._pool.submit(delete)
+        except RuntimeError:  # shut down
+            pass
+
     def _load(self, op: _LoadOp) -> None:
         """Load thread: Get the chunks, check them, write them into the blocks; the blocks of chunks that did not
         come (evicted since the Lookup, sidecar down, corrupt) are reported as load errors: vLLM recomputes them.
@@ -1277,7 +1292,11 @@ class PromptCacheConnector(KVConnectorBase_V1):
             def fetch(start: int, count: int) -> list[torch.Tensor]:
                 blobs = self.client.get_blobs(spec, op.tokens, start_chunk=start, max_chunks=count,
                                               timeout=self.load_timeout, copy=True, keep_sealed=True)
-                return checked_chunks(spec, blobs, op.chunk_tokens)
+                try:
+                    return checked_chunks(spec, blobs, op.chunk_tokens)
+                except errors.CorruptChunk:
+                    self._forget(spec, op.tokens, start)
+                    raise
 
             got_blocks = 0
             pending = self._fetch_pool.submit(fetch, *batches[0])
