@@ -352,3 +352,33 @@ def test_more_chunks_than_asked_fall_back_instead_of_failing_the_request(tiny, c
     assert res.fallback == "corrupt" and res.cached_tokens == 0
     assert torch.equal(res.logits, full_logits(tiny, ids, 4))
     assert fallbacks("corrupt") == before + 1
+
+
+FORKED_STORE = r"""
+import os, sys, torch
+torch.set_num_threads(1)  # (torch's own thread pool does not survive a fork)
+from promptcache_devtools import models
+from promptcache.client import PromptCacheClient
+from promptcache.client.hf import PromptCacheHF
+pc = PromptCacheHF(models.tiny_llama("float32", num_layers=2), PromptCacheClient(sys.argv[1], timeout=5), revision="fork")
+ids = torch.randint(0, 256, (1, 69), generator=torch.Generator().manual_seed(1))
+pc.prefill(ids, logits_to_keep=1)
+assert pc.flush(10)
+pid = os.fork()
+if pid == 0:
+    ids = torch.randint(0, 256, (1, 69), generator=torch.Generator().manual_seed(2))
+    stored = pc.prefill(ids, logits_to_keep=1).store
+    os._exit(0 if pc.flush(10) and stored.result().stored_chunks == 4 else 3)
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_a_forked_child_stores_through_its_own_store_thread(sidecar):
+    """A PromptCacheHF made and used before a fork (pre-fork servers, multiprocessing): the child has none of the
+    parent's threads, so its stores waited in the queue of a store thread that did not exist and flush() never
+    returned True. The child now starts its own."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FORKED_STORE, sidecar.address], timeout=120)
+    assert done.returncode == 0

@@ -42,8 +42,10 @@ import hashlib
 import inspect
 import json
 import logging
+import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -408,11 +410,18 @@ class PromptCacheHF:
         self.store_timeout = store_timeout
         self.store_enabled = store
         self.verify_finite = verify_finite
+        self._max_pending_stores = max_pending_stores
+        self._start_store_thread()
+        self._chunk_tokens: int | None = None  # learnt from the sidecar's Lookup answers
+        _INSTANCES.add(self)
+
+    def _start_store_thread(self) -> None:
+        """The store thread and what it shares with callers. Started again in a child forked from this process (the
+        parent's thread is not there: every store would wait in its queue for good, and flush() never return)."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-store")
-        self._slots = threading.BoundedSemaphore(max_pending_stores)
+        self._slots = threading.BoundedSemaphore(self._max_pending_stores)
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
-        self._chunk_tokens: int | None = None  # learnt from the sidecar's Lookup answers
 
     # ------------------------------------------------------------------------------------------------- fetch
     @property
@@ -686,3 +695,15 @@ class PromptCacheHF:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_INSTANCES: "weakref.WeakSet[PromptCacheHF]" = weakref.WeakSet()  # for the at-fork hook
+
+
+def _after_fork_in_child() -> None:
+    for pc in list(_INSTANCES):
+        pc._start_store_thread()  # the parent's queued stores are the parent's to make
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
