@@ -164,6 +164,9 @@ class SharedFileTransport:
             return self._call(lambda t: _receive_shared(self._stub.GetShared(req, timeout=t), call.start_chunk,
                                                         shared.array, call.chunks, call.chunk_bytes),
                               call.timeout), False
+        except BaseException:
+            self.buffers.retire()  # the sidecar may still write this answer there: the next Get gets a new one
+            raise
         finally:
             req.ClearField("shared_buffer")  # the next transport sends the request as it came
 

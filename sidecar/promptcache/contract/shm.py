@@ -133,6 +133,15 @@ class ClientBuffers:
         if buf is not None:
             self._forget(buf)
 
+    def retire(self) -> None:
+        """Drop this thread's buffer and close it on the sidecar: after a Get that failed (deadline, cancelled,
+        sidecar error) the sidecar may still be writing that answer into it, and the next Get's answer must not
+        share memory with those late writes. The next call opens a new buffer."""
+        buf = getattr(self._local, "buf", None)
+        if buf is not None:
+            self._forget(buf)
+            self._close_quietly(buf.handle)
+
     def close(self) -> None:
         with self._lock:
             buffers, self._all = self._all, []
