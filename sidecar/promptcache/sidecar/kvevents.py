@@ -48,6 +48,7 @@ word until it has read some of its queue: the count is of times a subscriber's q
 from __future__ import annotations
 
 import array
+import collections
 import logging
 import queue
 import threading
@@ -65,6 +66,11 @@ MAX_MODELS = 64  # models registered for events (a node serves a few; each has a
 MAX_POD_TOPICS = 256  # pod topics in all models (each one more copy of every event of its model)
 MAX_PODS = 32  # per model: a node runs a few inference pods; each is one more copy of every event (fan-out)
 MAX_PODS_PER_CLIENT = 4  # pod names one caller (tenant, or peer host without auth) may bind
+# Pod names bound at once, of all callers (about 500 B each with a 253-byte name: 2 MiB). Callers are not bounded
+# (hosts without auth: the addresses of an IPv6 /64), so without it 50,000 hosts naming 4 pods each held 91 MiB.
+# When full, the least recently used name that has no topic (not a model's pod, not joining) is forgotten;
+# a name with a topic is never displaced (at most MAX_POD_TOPICS of them), and a pod that calls stays recent.
+MAX_BOUND_PODS = 4096
 HELD_OVERHEAD_BYTES = 256  # per chunk held, besides 4 bytes a token (measured 173-205: dict slot, tuple, array)
 
 
@@ -108,6 +114,17 @@ def all_blocks_cleared() -> dict:
 
 def _stored(key: bytes, parent: bytes | None, token_ids: list[int], block_size: int, medium: str) -> dict:
     return block_stored([wire_hash(key)], None if parent is None else wire_hash(parent), token_ids, block_size, medium)
+
+
+def _as_list(value):
+    if isinstance(value, array.array):
+        return value.tolist()
+    raise TypeError(f"cannot encode {type(value).__name__} in a KV event")
+
+
+def _pack(event: dict) -> bytes:
+    """msgpack.packb(event), a held array of token ids written as the list of ints it holds (the same bytes)."""
+    return msgpack.packb(event, use_bin_type=True, default=_as_list)
 
 
 def encode_batch(ts: float, events: list[dict]) -> bytes:
@@ -158,7 +175,8 @@ class KVEvents:
         self._forget_later: set[str] = set()  # models to forget whose marker did not fit in the queue
         self._pods: dict[str, set[str]] = {}  # model -> pods that get its events (registered models only)
         self._joining: set[tuple[str, str]] = set()  # (model, pod) accepted, not yet told what is held
-        self._bound: dict[str, str] = {}  # pod name -> the caller it is bound to (binder_of)
+        # pod name -> the caller it is bound to (binder_of), least recently named first (MAX_BOUND_PODS)
+        self._bound: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._bound_by: dict[str, set[str]] = {}  # binder -> the pod names it bound
         self._refused_logged: set[str] = set()
         self._lock = threading.Lock()
@@ -181,7 +199,9 @@ class KVEvents:
                 return
             self._models[model] = (count or 0) + 1  # (last: the most recently stored)
             self._held[key] = (model, parent, held)
-            self._put(model, _stored(key, parent, held.tolist(), self.block_size, self.medium))
+            # the held array itself is queued (a list of ints is up to 36 bytes a token, 65,536 queued events of
+            # 256 tokens up to 600 MiB): packed as the same list by the sender (_pack)
+            self._put(model, _stored(key, parent, held, self.block_size, self.medium))
 
     def _register(self, model: str) -> bool:
         """Under the lock: a place for a new model, taken from the least recently stored model that holds no
@@ -221,7 +241,8 @@ class KVEvents:
 
         * the pod name is bound to the first caller that names it (its authenticated tenant, or its peer's host
           without auth) until the sidecar restarts: another caller naming it is refused, so nobody can take
-          over a pod's topic once its pod has used it;
+          over a pod's topic once its pod has used it (of MAX_BOUND_PODS names bound at once, the least recently
+          named one without a topic is forgotten to bind a new one);
         * one caller binds at most MAX_PODS_PER_CLIENT pod names, a model has at most MAX_PODS pod topics
           (each one more copy of every event) and all models MAX_POD_TOPICS; all checked and taken under the
           lock, so concurrent callers cannot pass them.
@@ -237,8 +258,12 @@ class KVEvents:
             if owner is None:
                 if len(self._bound_by.get(binder, ())) >= MAX_PODS_PER_CLIENT:
                     return self._refuse(pod, f"{binder} already named {MAX_PODS_PER_CLIENT} pods")
+                if len(self._bound) >= MAX_BOUND_PODS and not self._unbind_one():
+                    return self._refuse(pod, f"{MAX_BOUND_PODS} pod names are bound, each with a topic")
             elif owner != binder:
                 return self._refuse(pod, "the name is bound to another caller")
+            else:
+                self._bound.move_to_end(pod)
             if model in self._models:
                 pods = self._pods.setdefault(model, set())
                 if len(pods) + sum(1 for m, _ in self._joining if m == model) >= MAX_PODS:
@@ -251,6 +276,19 @@ class KVEvents:
             if model in self._models:
                 self._joining.add((model, pod))
                 self._put(model, None, pod)  # the sender adds it, after telling it what is held
+        return True
+
+    def _unbind_one(self) -> bool:
+        """Under the lock: forget the least recently named pod name that has no topic (False: every one has)."""
+        with_topic = set().union(*self._pods.values(), (p for _, p in self._joining))
+        victim = next((p for p in self._bound if p not in with_topic), None)
+        if victim is None:
+            return False
+        binder = self._bound.pop(victim)
+        names = self._bound_by[binder]
+        names.discard(victim)
+        if not names:
+            del self._bound_by[binder]
         return True
 
     def _refuse(self, pod: str, why: str) -> bool:
@@ -297,7 +335,7 @@ class KVEvents:
                     continue
                 with self._lock:
                     pods = list(self._pods.get(model, ()))
-                packed = (event["type"], msgpack.packb(event, use_bin_type=True))  # once, for every topic
+                packed = (event["type"], _pack(event))  # once, for every topic
                 for publisher in (self.publisher_id, *pods):
                     by_topic.setdefault(topic(publisher, model), []).append(packed)
             self._flush(by_topic)
@@ -340,8 +378,8 @@ class KVEvents:
             self._pods.setdefault(model, set()).add(pod)
         events = by_topic.setdefault(topic(pod, model), [])
         for key, parent, tokens in held:
-            event = _stored(key, parent, tokens.tolist(), self.block_size, self.medium)
-            events.append((event["type"], msgpack.packb(event, use_bin_type=True)))
+            event = _stored(key, parent, tokens, self.block_size, self.medium)
+            events.append((event["type"], _pack(event)))
 
     def _send(self, t: str, events: list[tuple[str, bytes]]) -> None:
         """`events` (type, encoded) on topic `t`, in messages of at most MAX_BATCH_BYTES of events each."""

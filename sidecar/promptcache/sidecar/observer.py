@@ -22,12 +22,17 @@ from promptcache.sidecar.mrc import MissRatioCurve, sampled
 log = logging.getLogger("promptcache.sidecar")
 
 QUEUE_EVENTS = 4096
+# Chunk keys the queued events hold together (each a 32-byte key, about 73 bytes with its object and the list's
+# pointer: 256Ki keys are about 19 MiB). The events alone do not bound it: a sampled Lookup of --max-request-tokens
+# (1Mi) tokens carries 4,096 keys at 256 tokens a chunk, and 4,096 such events would hold 1.2 GiB while the observer
+# falls behind (+419 MiB in a minute of four clients' Lookups). 4,096 everyday prompts (tens of chunks) fit in it.
+QUEUE_KEYS = 1 << 18
 _LOOKUP, _STORE = 0, 1
 
 
 class TrafficObserver:
     def __init__(self, chunk_tokens: int, curve: MissRatioCurve | None = None, access_log: AccessLog | None = None,
-                 log_rate: float = 1.0, queue_events: int = QUEUE_EVENTS) -> None:
+                 log_rate: float = 1.0, queue_events: int = QUEUE_EVENTS, queue_keys: int = QUEUE_KEYS) -> None:
         self.chunk_tokens = chunk_tokens
         self.curve = curve
         self.access_log = access_log
@@ -38,6 +43,9 @@ class TrafficObserver:
         self.cpu_seconds = 0.0    # the same in CPU time of its thread (promptcache_observer_cpu_seconds_total)
         self.events = 0
         self._queue: queue.Queue = queue.Queue(queue_events)
+        self.queue_keys = queue_keys
+        self._queued_keys = 0           # keys held by the events in the queue (QUEUE_KEYS)
+        self._keys_lock = threading.Lock()
         self._lock = threading.Lock()   # the worker's state against scrapes
         self._nbytes: dict = {}
         self._thread: threading.Thread | None = None
@@ -47,11 +55,23 @@ class TrafficObserver:
         return self.curve is not None or self.access_log is not None
 
     # --- request path -----------------------------------------------------------------------------------------
+    def _room(self, n: int) -> bool:
+        """Whether an event of `n` keys may be queued (asked before its keys are hashed: a dropped prompt costs no
+        hash of its chunks). One event is always let in when none is queued, so every size gets sampled."""
+        return self._queued_keys == 0 or self._queued_keys + n <= self.queue_keys
+
     def _offer(self, event: tuple) -> None:
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
-            self.dropped += 1
+        n = len(event[2])
+        with self._keys_lock:
+            if not self._room(n):
+                self.dropped += 1
+                return
+            try:
+                self._queue.put_nowait(event)
+            except queue.Full:
+                self.dropped += 1
+                return
+            self._queued_keys += n
 
     def lookup(self, spec, keys: Iterable[bytes], prompt_tokens: int) -> None:
         """A Lookup or Get of a whole prompt (from chunk 0): `keys` are its whole chunks' keys, possibly hashed
@@ -64,6 +84,9 @@ class TrafficObserver:
         to_curve = self.curve is not None and sampled(root, self.curve.max_rate(self._chunk_bytes(spec)))
         to_log = self.access_log is not None and log_sampled(root, self.log_rate)
         if to_curve or to_log:
+            if not self._room(max(1, prompt_tokens // self.chunk_tokens)):
+                self.dropped += 1  # (the queue's keys are full: the rest of the prompt is not hashed for nothing)
+                return
             self._offer((_LOOKUP, spec, [root, *it], prompt_tokens, time.time(), to_curve, to_log))
 
     def stored(self, spec, keys: list[bytes]) -> None:
@@ -103,6 +126,9 @@ class TrafficObserver:
                 if self.failures <= 3:
                     log.exception("traffic observer: event failed")
             finally:
+                if event is not None:
+                    with self._keys_lock:
+                        self._queued_keys -= len(event[2])
                 self._queue.task_done()
 
     def _handle(self, event: tuple) -> None:

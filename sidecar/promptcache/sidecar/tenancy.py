@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import itertools
 import logging
 import secrets
 import threading
@@ -205,14 +204,30 @@ class Tenancy:
                     raise TenancyError("quota", f"a chunk of {nbytes} bytes exceeds the quota of {limit} bytes "
                                                 f"of {owner or 'the anonymous tenant'}")
                 victims, freed = [], 0
-                # its oldest first, its pinned ones (a priority hint) only when the others are not enough
-                ordered = itertools.chain((e for e in u.entries.values() if not e.pinned),
-                                          (e for e in u.entries.values() if e.pinned))
-                for entry in ordered:
+                # its oldest first, its pinned ones (a priority hint) only when the others are not enough. The
+                # pinned ones passed over go to the recent end, so the next chunk's walk does not pass them again:
+                # it ran under this lock, which every tenant's calls take, and an owner whose oldest entries were
+                # pinned (up to --max-pinned-fraction of its quota) paid O(pinned) per chunk (37 ms at 100k pinned
+                # chunks). The unpinned entries keep their order; the pinned ones are taken after them anyway.
+                skipped = []
+                for entry in u.entries.values():
                     if u.used + u.reserved + need - freed <= limit:
                         break
+                    if entry.pinned:
+                        skipped.append(entry.key)
+                        continue
                     victims.append(entry)
                     freed += entry.accounted
+                if u.used + u.reserved + need - freed > limit:  # not enough: the pinned ones, oldest first
+                    skipped = []
+                    for entry in u.entries.values():
+                        if u.used + u.reserved + need - freed <= limit:
+                            break
+                        if entry.pinned:
+                            victims.append(entry)
+                            freed += entry.accounted
+                for key in skipped:
+                    u.entries.move_to_end(key)
             if not victims:
                 raise TenancyError("quota", f"quota of {limit} bytes of {owner or 'the anonymous tenant'} is held "
                                             "by Puts in flight; retry later")
