@@ -21,8 +21,11 @@ def sidecar_factory():
 
     def start(clock=None, **overrides) -> Sidecar:
         """clock: a support.FakeClock to run the sidecar's tiers on (TTL tests), instead of the real clocks."""
+        # chunk_overhead_bytes 0: these tests size budgets in their 2 KiB chunks' bytes alone (the default's 8 KiB
+        # of bookkeeping a chunk is tested in test_chunk_overhead.py)
         settings = dataclasses.replace(Settings(grpc_address="127.0.0.1:0", metrics_port=0,
-                                                chunk_tokens=CHUNK, memory_bytes=8 << 20), **overrides)
+                                                chunk_tokens=CHUNK, memory_bytes=8 << 20, chunk_overhead_bytes=0),
+                                       **overrides)
         with clock.installed() if clock is not None else contextlib.nullcontext():
             sidecar = Sidecar(settings)
         sidecar.start()

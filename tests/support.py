@@ -88,7 +88,9 @@ class SidecarProcess:
     """`promptcache serve` as a real subprocess, for what needs a process: exit codes, signals, kill -9."""
 
     def __init__(self, *args: str, env: dict | None = None):
-        self._args, self._env = args, {**os.environ, **(env or {})}
+        # PROMPTCACHE_CHUNK_OVERHEAD_BYTES 0 unless asked: budgets here are sized in the tests' chunk bytes alone
+        self._args = args
+        self._env = {**os.environ, "PROMPTCACHE_CHUNK_OVERHEAD_BYTES": "0", **(env or {})}
         self._start()
 
     def _start(self) -> None:

@@ -249,7 +249,7 @@ class Sidecar:
                                       make_policy(settings.eviction_policy, capacity=settings.memory_bytes),
                                       settings.ttl_seconds, host_memory=chunk_memory(settings, self.device),
                                       max_lifetime_seconds=settings.max_lifetime_seconds,
-                                      entry_overhead=events_overhead(settings),
+                                      entry_overhead=events_overhead(settings) + settings.chunk_overhead_bytes,
                                       # the cluster tier publishes from a stored chunk's memory on its own thread
                                       recycle=not settings.cluster_master)
         self.tenancy = Tenancy.from_settings(settings, tier)

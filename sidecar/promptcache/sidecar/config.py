@@ -47,6 +47,7 @@ class Settings:
     metrics_port: int = 9400
     memory_bytes: int = 1 << 30
     max_chunk_bytes: int = 256 << 20
+    chunk_overhead_bytes: int = 8 << 10
     chunk_tokens: int = 256
     ttl_seconds: float = 4 * 3600.0
     max_lifetime_seconds: float = 24 * 3600.0
@@ -137,6 +138,8 @@ class Settings:
                                  f"{MAX_QUANTITY} (2^63-1; 8Ei - 1)")
         if self.memory_bytes <= 0:
             raise ValueError("--memory-bytes must be positive")
+        if not 0 <= self.chunk_overhead_bytes <= 1 << 20:
+            raise ValueError(f"--chunk-overhead-bytes must be in 0..1Mi, got {self.chunk_overhead_bytes}")
         if self.max_chunk_bytes <= 0:
             raise ValueError("--max-chunk-bytes must be positive")
         if self.chunk_tokens <= 0 or self.chunk_tokens & (self.chunk_tokens - 1):
@@ -341,6 +344,9 @@ HELP = {
     "metrics_port": "port of the /metrics endpoint (0 picks a free port and logs it)",
     "memory_bytes": "byte budget of the device tier (GPU memory, or host memory without a GPU); never exceeded",
     "max_chunk_bytes": "largest chunk accepted by Put; larger ones get RESOURCE_EXHAUSTED",
+    "chunk_overhead_bytes": "bytes each memory-tier chunk is counted for beyond its own, in --memory-bytes: the "
+                            "process's bookkeeping per chunk (index, eviction policy and its ghosts, tenancy), so "
+                            "tiny chunks cannot grow the process far past the budget",
     "chunk_tokens": "tokens per chunk (a power of two); chunk keys are chained over these",
     "ttl_seconds": "an entry lives this long after its last hit (a Get or bulk get that serves it, or its "
                    "promotion from disk): sliding, every hit extends it",
@@ -466,7 +472,7 @@ HELP = {
 }
 
 MAX_QUANTITY = MAX_INT64  # every count and size: the sidecar's counters, metrics and the API's int64 fields
-_BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "disk_bytes", "disk_min_free_bytes", "frame_bytes",
+_BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "chunk_overhead_bytes", "disk_bytes", "disk_min_free_bytes", "frame_bytes",
                 "tenant_quota_bytes", "shm_max_bytes", "min_put_bytes_per_second", "access_log_max_bytes",
                 "cluster_segment_bytes", "cluster_buffer_bytes"}
 
