@@ -556,3 +556,71 @@ def test_the_last_workers_are_kept_for_clients_with_none_in_flight():
     assert lone.acquire("tenant:bob") and lone.busy == 1
     lone.release("tenant:bob")
     assert lone.busy == 0 and lone.acquire("tenant:alice")
+
+
+def test_without_auth_each_process_is_its_own_bulk_client(sidecar_factory, tmp_path):
+    """docs/bulk-channel.md: without authentication a client is a process (unix socket) for the last-eighth rule.
+    One process holding 7 of 8 connections must not refuse another process's first one (every anonymous unix
+    connection was counted as one client, named by the socket path)."""
+    path = f"{tmp_path}/bulk.sock"
+    sidecar_factory(bulk_address=f"unix:{path}", bulk_max_connections=8, bulk_max_connections_per_peer=16)
+    held = []
+    try:
+        for _ in range(7):
+            s = raw_bulk(path)
+            held.append(s)
+            bulkwire.send(s, pb.BulkFrame(hello=pb.BulkHello(version=1)))
+            assert bulkwire.recv(s).status.code == 0
+        child = (f"import socket\nfrom promptcache.contract import bulkwire\n"
+                 f"from promptcache.v1 import kvcache_pb2 as pb\n"
+                 f"s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect({path!r})\n"
+                 f"bulkwire.send(s, pb.BulkFrame(hello=pb.BulkHello(version=1)))\n"
+                 f"st = bulkwire.recv(s).status\nprint(st.code, st.message)\n")
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+        assert out.stdout.startswith("0 "), out.stdout + out.stderr
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_without_auth_another_process_may_take_the_last_large_request_slot(sidecar_factory, tmp_path):
+    """The last free --max-large-requests slot is kept for a client holding none; without authentication a bulk
+    client is a process (docs/bulk-channel.md). Another process's large frame must not be refused because this one
+    holds a slot (every anonymous unix connection counted as one client, named by the socket path)."""
+    path = f"{tmp_path}/bulk.sock"
+    sidecar = sidecar_factory(bulk_address=f"unix:{path}", max_large_requests=2, stream_idle_seconds=5)
+    s = raw_bulk(path)
+    try:
+        bulkwire.send(s, pb.BulkFrame(hello=pb.BulkHello(version=1)))
+        assert bulkwire.recv(s).status.code == 0
+        s.sendall(_encoded_get(100_000, seed=1)[:1000])  # a large frame, its body stalled: holds a slot
+        assert eventually(lambda: sidecar.engine.large_requests.active == 1)
+        child = (f"import socket\nfrom promptcache.contract import bulkwire\n"
+                 f"from promptcache.v1 import kvcache_pb2 as pb\n"
+                 f"s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect({path!r})\n"
+                 f"bulkwire.send(s, pb.BulkFrame(hello=pb.BulkHello(version=1)))\n"
+                 f"assert bulkwire.recv(s).status.code == 0\n"
+                 f"s.sendall({_encoded_get(100_000, seed=2)[:1000]!r})\n"
+                 f"s.settimeout(1.0)\n"
+                 f"try:\n    st = bulkwire.recv(s).status; print(st.code, st.message)\n"
+                 f"except (TimeoutError, OSError):\n    print('held')\n")
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == "held", out.stdout + out.stderr
+    finally:
+        s.close()
+
+
+def test_anonymous_grpc_callers_over_a_unix_socket_share_no_slot_reserve(sidecar_factory, tmp_path):
+    """Every anonymous gRPC caller over a unix socket has the peer "unix:", so the last-slot rule (kept for a client
+    holding none) took the last --max-large-requests slot from all of them: 3 of 4 served at once. Without
+    authentication over gRPC only the total applies."""
+    from promptcache.sidecar.identity import ANONYMOUS, Caller
+
+    sidecar = sidecar_factory(grpc_address=f"unix:{tmp_path}/g.sock", max_large_requests=4)
+    caller = Caller(ANONYMOUS, "unix:")
+    tokens = list(range(70_000))
+    taken = [sidecar.engine.take_large(tokens, "Lookup", sidecar.engine.slot_client(caller)) for _ in range(4)]
+    assert taken == [True] * 4 and sidecar.engine.large_requests.active == 4
+    for _ in range(4):
+        sidecar.engine.give_large(True, sidecar.engine.slot_client(caller))
+    assert sidecar.engine.large_requests.active == 0

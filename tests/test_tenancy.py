@@ -318,3 +318,17 @@ def test_pins_are_bounded_per_tenant_and_a_quota_evicts_the_unpinned_first(sidec
         theirs = prefix(70, 2)
         bob.put(SMALL, theirs, make_kv(SMALL, len(theirs), seed=70), priority=1)  # bob's own bound (no quota)
         assert sidecar.tier.pinned_usage() == {"alice": 2 * NBYTES, "bob": 2 * NBYTES}
+
+
+def test_quota_counts_each_chunk_as_the_memory_tier_does(sidecar_factory):
+    """--chunk-overhead-bytes: a chunk is charged its bytes plus the per-chunk overhead (entry.accounted). The quota
+    check must reserve the same, or a tenant holds more than its quota (48 KiB under a 40 KiB quota here, with
+    the default 8 KiB overhead and 4 KiB chunks: the check reserved 4 KiB and the chunk was charged 12 KiB)."""
+    nb = chunk_nbytes(SMALL, CHUNK)
+    quota = 10 * nb
+    sidecar = sidecar_factory(tenant_quota_bytes=quota, chunk_overhead_bytes=8 << 10)
+    with PromptCacheClient(sidecar.address, timeout=20) as client:
+        for seed in range(8):
+            client.put_blobs(SMALL, [seed * 100_000 + i for i in range(CHUNK)], {0: bytes(nb)})
+            usage = sidecar.tenancy._usage.get("")
+            assert usage is None or usage.used <= quota, (usage.used, quota)

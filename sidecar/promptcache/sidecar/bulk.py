@@ -288,7 +288,7 @@ class BulkServer:
             session = self._hello(record, peer, readable)
             while True:
                 try:
-                    frame = self._next_frame(conn, readable, fds, lambda length: self._admit(length, large, session.caller.client))
+                    frame = self._next_frame(conn, readable, fds, lambda length: self._admit(length, large, record.client))
                 except bulkwire.Closed:
                     return
                 kind = frame.WhichOneof("frame")
@@ -402,12 +402,15 @@ class BulkServer:
             # The last eighth of the channel (at least one connection) is kept for the other clients: one tenant
             # cannot hold every connection and push the others onto gRPC.
             cap = self.max_connections - max(1, self.max_connections // 8)
-            mine = sum(1 for r in self._connections.values() if r.greeted and r.client == caller.client)
+            # (without authentication a client is the connecting process or IP address, record.peer: `peer` here
+            # names the socket, the same for every connection to it)
+            client = caller.client if not identity.anonymous else f"peer:{record.peer}"
+            mine = sum(1 for r in self._connections.values() if r.greeted and r.client == client)
             if mine and mine >= cap:
                 raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"this client holds {mine} of the bulk channel's {self.max_connections} connections "
                                "(--bulk-max-connections), the most one client may; reuse them or use gRPC")
-            record.greeted, record.client = True, caller.client
+            record.greeted, record.client = True, client
         session = _Session(caller, authorization, self.lend and hello.sealed_memfds)
         frame = _status(grpc.StatusCode.OK)
         frame.status.sealed_memfds = session.lend

@@ -204,7 +204,13 @@ class CacheEngine:
             raise InvalidRequest(f"tokens has {len(tokens)} ids, more than the limit of "
                                  f"{self.settings.max_request_tokens} (--max-request-tokens)")
 
-    def take_large(self, tokens, what: str, client: str) -> bool:
+    @staticmethod
+    def slot_client(caller: Caller) -> str | None:
+        """Who a large-request slot counts against (limits.LargeRequests): the tenant; None for an anonymous gRPC
+        caller, whose peer does not tell callers apart over a unix socket (every one is "unix:")."""
+        return None if caller.identity.anonymous else caller.client
+
+    def take_large(self, tokens, what: str, client: str | None) -> bool:
         """Take one of --max-large-requests for `client`'s request of more than LARGE_REQUEST_TOKENS tokens (True:
         taken, give it back with give_large); refused with NoCapacity when none is free for it."""
         if len(tokens) <= LARGE_REQUEST_TOKENS:
@@ -213,12 +219,12 @@ class CacheEngine:
             raise self.large_requests.refusal(what)
         return True
 
-    def give_large(self, taken: bool, client: str) -> None:
+    def give_large(self, taken: bool, client: str | None) -> None:
         if taken:
             self.large_requests.release(client)
 
     @contextlib.contextmanager
-    def _large(self, tokens, what: str, client: str):
+    def _large(self, tokens, what: str, client: str | None):
         taken = self.take_large(tokens, what, client)
         try:
             yield
@@ -239,7 +245,7 @@ class CacheEngine:
     def lookup(self, caller: Caller, model: pb.Model | None, tokens) -> pb.LookupResponse:
         scope = self.scope(model, caller)
         self.check_tokens(tokens)
-        with self._large(tokens, "Lookup", caller.client):
+        with self._large(tokens, "Lookup", self.slot_client(caller)):
             return self._lookup(scope, tokens)
 
     def _lookup(self, scope: Scope, tokens) -> pb.LookupResponse:
@@ -284,7 +290,7 @@ class CacheEngine:
         fp, owner = scope.fingerprint, scope.owner
         sink = sink if sink is not None else ChunkSink()
         self.check_tokens(request.tokens)
-        large = large_slot and self.take_large(request.tokens, "Get", caller.client)
+        large = large_slot and self.take_large(request.tokens, "Get", self.slot_client(caller))
         served = position = 0
         by_tier: dict[str, int] = {}
         keys = self._keys(fp, request.tokens, request.start_chunk, request.max_chunks)
@@ -329,7 +335,7 @@ class CacheEngine:
                     else:
                         self.tier.release_lease(entry)
         finally:
-            self.give_large(large, caller.client)
+            self.give_large(large, self.slot_client(caller))
             self._count_lookup("get", served * self.chunk_tokens,
                                max(0, len(request.tokens) - request.start_chunk * self.chunk_tokens), owner, by_tier)
 
@@ -407,7 +413,7 @@ class CacheEngine:
     def delete(self, caller: Caller, model: pb.Model | None, tokens, start_chunk: int = 0) -> int:
         scope = self.scope(model, caller)
         self.check_tokens(tokens)
-        with self._large(tokens, "Delete", caller.client):
+        with self._large(tokens, "Delete", self.slot_client(caller)):
             keys = list(self._keys(scope.fingerprint, tokens, start_chunk))
         return self.stack.delete(keys, scope.fingerprint)
 

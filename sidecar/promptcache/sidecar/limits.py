@@ -56,42 +56,6 @@ class CallLimiter:
             return self._active.get(client, 0)
 
 
-class WorkerShare:
-    """The gRPC server's `workers` threads among authenticated clients (tenants): a call in flight holds a worker
-    for its whole length, and calls beyond the workers wait in gRPC's queue, where no limit sees them. So a client
-    that already has calls in flight cannot take one of the last `reserve` free workers (an eighth, at least one):
-    one tenant's stalled streams cannot hold every worker and leave the others waiting until their deadlines."""
-
-    def __init__(self, workers: int):
-        self.workers = workers
-        self.reserve = max(1, workers // 8)
-        self._lock = threading.Lock()
-        self.busy = 0
-        self._held: dict[str, int] = {}
-
-    def acquire(self, client: str) -> bool:
-        with self._lock:
-            held = self._held.get(client, 0)
-            if held and self.workers - self.busy <= self.reserve:
-                return False
-            self.busy += 1
-            self._held[client] = held + 1
-            return True
-
-    def release(self, client: str) -> None:
-        with self._lock:
-            self.busy -= 1
-            held = self._held.get(client, 0) - 1
-            if held > 0:
-                self._held[client] = held
-            else:
-                self._held.pop(client, None)
-
-    def refusal(self, client: str) -> str:
-        return (f"this client has calls in flight and the last {self.reserve} of the sidecar's {self.workers} gRPC "
-                "workers (--workers) are kept for other clients; retry later")
-
-
 class ReservedBytes:
     """Bytes reserved by each client's Puts in flight. A client may always hold one chunk; beyond that, no more
     than `limit` bytes together, so that one client's slow or stalled Puts cannot hold the whole budget."""
@@ -119,39 +83,75 @@ class ReservedBytes:
             return self._held.get(client, 0)
 
 
-class LargeRequests:
-    """At most `limit` large requests (more than LARGE_REQUEST_TOKENS tokens) at once; the next is refused. The
-    last free one is kept for a client that holds none: one tenant (or, without authentication, one connection)
-    that announces large requests and stalls them cannot take every slot from the others."""
+class SharedSlots:
+    """`limit` slots shared by clients, with the last `reserve` free ones kept for clients that hold none: one client
+    (a tenant) that takes slots and stalls cannot take them all from the others."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, reserve: int):
         self.limit = limit
+        self.reserve = reserve
         self._lock = threading.Lock()
         self.active = 0
         self._held: dict[str, int] = {}  # client -> slots it holds (only clients holding one)
 
-    def acquire(self, client: str = "") -> bool:
+    def acquire(self, client: str | None = None) -> bool:
+        """`client`: who the slot counts against; None where the caller cannot be told apart from others (anonymous
+        gRPC over a unix socket: every peer is "unix:"), for whom only the total applies."""
         with self._lock:
-            held = self._held.get(client, 0)
-            if self.active >= self.limit or (held and self.limit - self.active <= 1):
+            held = self._held.get(client, 0) if client is not None else 0
+            if self.active >= self.limit or (held and self.limit - self.active <= self.reserve):
                 return False
             self.active += 1
-            self._held[client] = held + 1
+            if client is not None:
+                self._held[client] = held + 1
             return True
 
-    def release(self, client: str = "") -> None:
+    def release(self, client: str | None = None) -> None:
         with self._lock:
             self.active -= 1
+            if client is None:
+                return
             held = self._held.get(client, 0) - 1
             if held > 0:
                 self._held[client] = held
             else:
                 self._held.pop(client, None)
 
+
+class LargeRequests(SharedSlots):
+    """At most `limit` large requests (more than LARGE_REQUEST_TOKENS tokens) at once; the next is refused. The
+    last free one is kept for a client that holds none: one tenant (or, on the bulk channel without
+    authentication, one process or address) that announces large requests and stalls them cannot take every slot."""
+
+    def __init__(self, limit: int):
+        super().__init__(limit, reserve=1)
+
     def refusal(self, what: str) -> NoCapacity:
         return NoCapacity(f"{what}: {self.limit} requests of more than {LARGE_REQUEST_TOKENS} tokens are already "
                           "being served, or this client holds some and the last one is kept for another "
                           "(--max-large-requests); retry later")
+
+
+class WorkerShare(SharedSlots):
+    """The gRPC server's `workers` threads among authenticated clients (tenants): a call in flight holds a worker
+    for its whole length, and calls beyond the workers wait in gRPC's queue, where no limit sees them. So a client
+    that already has calls in flight cannot take one of the last free workers (an eighth, at least one): one
+    tenant's stalled streams cannot hold every worker and leave the others waiting until their deadlines."""
+
+    def __init__(self, workers: int):
+        super().__init__(workers, reserve=max(1, workers // 8))
+
+    @property
+    def workers(self) -> int:
+        return self.limit
+
+    @property
+    def busy(self) -> int:
+        return self.active
+
+    def refusal(self, client: str) -> str:
+        return (f"this client has calls in flight and the last {self.reserve} of the sidecar's {self.workers} gRPC "
+                "workers (--workers) are kept for other clients; retry later")
 
 
 class _Watch:

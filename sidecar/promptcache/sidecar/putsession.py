@@ -61,7 +61,7 @@ class PutSession:
             raise InvalidRequest(f"tokens has {len(header.tokens)} ids, fewer than one chunk of {ct}; "
                                  "only whole chunks are stored")
         # the work that grows with the tokens: every key, up front (in one of --max-large-requests, if many)
-        with e._large(header.tokens if large_slot else (), "Put", caller.client):
+        with e._large(header.tokens if large_slot else (), "Put", e.slot_client(caller)):
             self.keys = list(e._keys(self.scope.fingerprint, header.tokens))
         spec = self.scope.spec
         self.shape = list(chunk_shape(spec, ct))

@@ -399,8 +399,12 @@ class MemoryTier:
         """`nbytes` as this tier's allocator holds them (a CUDA tier rounds up to CUDA_BLOCK)."""
         return -(-nbytes // self._round) * self._round
 
-    def _accounted(self, nbytes: int) -> int:
+    def accounted(self, nbytes: int) -> int:
+        """What a chunk of `nbytes` is counted for in the budget: its bytes as allocated, plus the per-chunk overhead
+        (--chunk-overhead-bytes, KV events' token ids). Tenancy's quotas count the same."""
         return self.rounded(nbytes) + self._entry_overhead
+
+    _accounted = accounted
 
     def _committed(self) -> int:
         return self._used + self._reserved + self._draining

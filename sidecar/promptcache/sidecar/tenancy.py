@@ -186,7 +186,8 @@ class Tenancy:
         return u
 
     def _accounted(self, nbytes: int) -> int:
-        return nbytes if self.tier is None else self.tier.rounded(nbytes)
+        # as the store charges a chunk (entry.accounted, what inserted() adds)
+        return nbytes if self.tier is None else self.tier.accounted(nbytes)
 
     def reserve(self, owner: str, nbytes: int, fingerprint: bytes) -> int:
         """Charge a chunk about to be received to `owner`; evict the owner's own LRU chunks to make room.
