@@ -125,3 +125,35 @@ def test_a_child_orphaned_between_the_read_and_the_write_is_left_alone(kube, crd
     after = kube.get("v1", "ConfigMap", namespace, f"{name}-config")
     assert after["metadata"]["resourceVersion"] == orphaned[0]["metadata"]["resourceVersion"]
     assert not after["metadata"].get("ownerReferences")
+
+
+def test_a_child_that_changes_on_every_attempt_is_still_applied_after_a_check():
+    """The pinned applies (uid and resourceVersion preconditions) conflict when another controller writes the child
+    between the read and the write (a DaemonSet's status during a rollout). After APPLY_ATTEMPTS - 1 conflicts the
+    last attempt applies as before the pins, right after reading and checking the controller: the reconcile goes
+    on instead of failing where the unpinned apply never did."""
+    from promptcache.operator.kube import APPLY_ATTEMPTS, ApiError, apply_controlled
+
+    owner = "uid-owner"
+    current = {"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": "c", "namespace": "ns", "uid": "uid-c", "resourceVersion": "1",
+                            "ownerReferences": [{"controller": True, "uid": owner}]}}
+
+    class Busy:  # every pinned apply loses the race; each read sees a newer version
+        applies: list[dict] = []
+
+        def get(self, api_version, kind, namespace, name):
+            md = current["metadata"]
+            md["resourceVersion"] = str(int(md["resourceVersion"]) + 1)
+            return current
+
+        def apply(self, obj):
+            self.applies.append(obj)
+            if "resourceVersion" in obj["metadata"]:
+                raise ApiError(409, '{"message": "the object has been modified"}')
+            return current
+
+    kube = Busy()
+    wanted = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "namespace": "ns"}, "data": {}}
+    assert apply_controlled(kube, wanted, owner) is current
+    assert len(kube.applies) == APPLY_ATTEMPTS and "resourceVersion" not in kube.applies[-1]["metadata"]

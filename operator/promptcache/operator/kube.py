@@ -102,10 +102,13 @@ def apply_controlled(kube: Any, obj: dict[str, Any], owner_uid: str) -> dict[str
             emd = (existing or {}).get("metadata") or {}
             if emd.get("uid") and emd.get("resourceVersion"):
                 pin = (emd["uid"], emd["resourceVersion"])
+        # The last attempt, after conflicts on every pinned one (a child another controller writes all the time,
+        # as a DaemonSet's status during a rollout), applies as before the pins: just read and checked.
+        last = attempt + 1 == APPLY_ATTEMPTS
         try:
-            got = kube.apply(obj if pin is None else _pinned(obj, *pin))
+            got = kube.apply(obj if pin is None or last else _pinned(obj, *pin))
         except ApiError as exc:
-            if exc.status == 409 and pin is not None and attempt + 1 < APPLY_ATTEMPTS:
+            if exc.status == 409 and pin is not None and not last:
                 pin = None   # changed, replaced or deleted since: read it again
                 continue
             raise
