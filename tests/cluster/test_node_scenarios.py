@@ -18,6 +18,7 @@ from promptcache.client import PromptCacheClient, errors
 from promptcache.contract.layout import chunk_nbytes
 from promptcache.contract.keys import ModelSpec
 from promptcache.operator import builders
+from promptcache.sidecar.config import Settings
 
 from kcluster import RELEASE_NS, _ready, restarts, wait_for
 
@@ -221,7 +222,9 @@ def test_a_new_node_warms_from_a_snapshot_on_a_read_only_claim(cluster, release,
                 for (k, v), (gk, gv) in zip(kv, got):
                     assert torch.equal(k, gk) and torch.equal(v, gv)
                 assert c.put(MODEL, tokens, kv).skipped_chunks == 3  # cached: nothing sent, the prefix covered
-                assert _metric(pod, 'promptcache_pinned_bytes{owner=""}') == 2 * chunk_nbytes(MODEL, CHUNK)
+                # each chunk counted as the budget counts it: its bytes and --chunk-overhead-bytes (the default)
+                per_chunk = chunk_nbytes(MODEL, CHUNK) + Settings().chunk_overhead_bytes
+                assert _metric(pod, 'promptcache_pinned_bytes{owner=""}') == 2 * per_chunk
         cluster.kubectl("delete", "promptcache", "-n", ns, name, "--wait=true", timeout=120)
     assert results == {"warmed": 3 * CHUNK, "cold": 0}
 
