@@ -415,7 +415,7 @@ def test_a_full_cache_admits_a_new_prompt_on_its_second_put(sidecar_factory):
     the first Put of a prompt no one asked for is refused (counted as an admission rejection; the cached chunks
     stay), the second is stored."""
     probe = sidecar_factory()  # the tier's accounting of one chunk (CUDA rounds it up to its allocation block)
-    budget = 4 * probe.tier._accounted(chunk_nbytes(SMALL, CHUNK))
+    budget = 4 * probe.tier.accounted(chunk_nbytes(SMALL, CHUNK))
     sidecar = sidecar_factory(memory_bytes=budget, eviction_policy="wtinylfu")
     prompts = [list(range(i * CHUNK, (i + 1) * CHUNK)) for i in range(5)]
     with PromptCacheClient(sidecar.address) as c:

@@ -120,7 +120,7 @@ class Guard(grpc.ServerInterceptor):
             self._refuse(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED, refused.message)
         if self.workers is not None and not self.workers.acquire(client):
             self.limiter.release(client)
-            self._refuse(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED, self.workers.refusal(client))
+            self._refuse(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED, self.workers.refusal())
         return identity, client
 
     def _parse(self, deserializer, raw: bytes, rpc: str):

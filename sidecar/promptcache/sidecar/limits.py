@@ -149,7 +149,7 @@ class WorkerShare(SharedSlots):
     def busy(self) -> int:
         return self.active
 
-    def refusal(self, client: str) -> str:
+    def refusal(self) -> str:
         return (f"this client has calls in flight and the last {self.reserve} of the sidecar's {self.workers} gRPC "
                 "workers (--workers) are kept for other clients; retry later")
 

@@ -383,7 +383,7 @@ class MemoryTier:
 
     def room_for(self, nbytes: int) -> bool:
         with self._lock:
-            return self._committed() + self._accounted(nbytes) <= self._limit()
+            return self._committed() + self.accounted(nbytes) <= self._limit()
 
     def snapshot(self) -> list[Entry]:
         """The entries stored now (a consistent copy of the index; no policy side effects)."""
@@ -404,7 +404,6 @@ class MemoryTier:
         (--chunk-overhead-bytes, KV events' token ids). Tenancy's quotas count the same."""
         return self.rounded(nbytes) + self._entry_overhead
 
-    _accounted = accounted
 
     def _committed(self) -> int:
         return self._used + self._reserved + self._draining
@@ -479,7 +478,7 @@ class MemoryTier:
 
     # --- writes -----------------------------------------------------------------------------------------
     def reserve(self, nbytes: int, key: bytes, parent: bytes) -> Reservation:
-        accounted = self._accounted(nbytes)
+        accounted = self.accounted(nbytes)
         with self._lock:
             limit = self._limit()
             if accounted > limit:
