@@ -149,6 +149,7 @@ class RootCount(ClassHazard):
                 self._sum[old] -= t0
                 self._cnt[new] = self._cnt.get(new, 0) + 1
                 self._sum[new] = self._sum.get(new, 0) + t0
+                self._track_slot(key)  # the open exposure's class too
 
     def _forget(self, key) -> None:
         super()._forget(key)
