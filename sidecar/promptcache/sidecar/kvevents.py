@@ -25,6 +25,12 @@ holds, so its view starts complete; from then on it gets the live events. A pod 
 that names it (its tenant when authenticated, its host otherwise) until restart: another caller naming it is refused
 (`seen`). At most MAX_PODS pods per model (the fan-out: each is one more copy of every event),
 MAX_POD_TOPICS pod topics in all and MAX_PODS_PER_CLIENT names per caller; docs/cluster.md, "Trusting a topic".
+A pod name must be a host or Kubernetes object name (POD_NAME: letters, digits, '.', '_' and '-', at most 253):
+'@' separates the topic's parts, so a pod named `victim@MODEL` would have topic kv@victim@MODEL@..., which a
+subscriber to kv@victim@MODEL receives too (ZMQ matches topics by prefix) and which parsers that split on '@' take
+for pod `victim`: the pod-name binding would protect nothing. For the same reason a model whose name holds '@' or
+a control character is not announced (counted as model_refused, logged once): kv@NODE@llama@x would reach the
+subscribers of model `llama`, its first message an AllBlocksCleared.
 
 Per-model state is bounded: a model is registered for events only when a chunk of it enters the memory tier (a
 Lookup naming a model registers nothing; a pod naming a model with no chunk here binds its name and joins on a
@@ -51,6 +57,7 @@ import array
 import collections
 import logging
 import queue
+import re
 import threading
 import time
 
@@ -71,6 +78,10 @@ MAX_PODS_PER_CLIENT = 4  # pod names one caller (tenant, or peer host without au
 # When full, the least recently used name that has no topic (not a model's pod, not joining) is forgotten;
 # a name with a topic is never displaced (at most MAX_POD_TOPICS of them), and a pod that calls stays recent.
 MAX_BOUND_PODS = 4096
+# A pod name (x-promptcache-pod): a Kubernetes object or host name; no '@' (the topic's separator), blank or control
+POD_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?")
+# What a model name announced may not hold: the topic's separator, or a character that ends or garbles a line
+_MODEL_UNSAFE = re.compile("[@\x00-\x1f\x7f-\x9f\u2028\u2029]")
 HELD_OVERHEAD_BYTES = 256  # per chunk held, besides 4 bytes a token (measured 173-205: dict slot, tuple, array)
 
 
@@ -206,7 +217,16 @@ class KVEvents:
     def _register(self, model: str) -> bool:
         """Under the lock: a place for a new model, taken from the least recently stored model that holds no
         chunk (forgotten once its queued events are sent); False (counted, logged once) when every place is
-        taken by a model that holds chunks."""
+        taken by a model that holds chunks, or when its name cannot be a topic's part ('@', a control
+        character)."""
+        if _MODEL_UNSAFE.search(model):
+            if self.counter is not None:
+                self.counter.labels("model_refused").inc()
+            if model not in self._refused_logged and len(self._refused_logged) < 1024:
+                self._refused_logged.add(model)
+                log.warning("KV events: model %r is not announced (its name holds '@', the topic's separator, or a "
+                            "control character)", model[:128])
+            return False
         if len(self._models) >= MAX_MODELS:
             idle = next((m for m, count in self._models.items() if count == 0), None)
             if idle is None:
@@ -245,11 +265,15 @@ class KVEvents:
           named one without a topic is forgotten to bind a new one);
         * one caller binds at most MAX_PODS_PER_CLIENT pod names, a model has at most MAX_PODS pod topics
           (each one more copy of every event) and all models MAX_POD_TOPICS; all checked and taken under the
-          lock, so concurrent callers cannot pass them.
+          lock, so concurrent callers cannot pass them;
+        * the name must be a pod's (POD_NAME): no '@', which would make its topic another pod's prefix.
 
         A model with no chunk announced here (not registered: stored() registers it) gets no topic yet: the
         name is bound, and the pod joins on a call after the model's first chunk is stored."""
         binder = binder_of(caller)
+        if not POD_NAME.fullmatch(pod):
+            with self._lock:
+                return self._refuse(pod, "not a pod name: letters, digits, '.', '_' and '-', at most 253")
         with self._lock:
             pods = self._pods.get(model)
             if (pods is not None and pod in pods) or (model, pod) in self._joining:
