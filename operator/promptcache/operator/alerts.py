@@ -194,7 +194,7 @@ def helm_template() -> str:
         "  namespace: {{ .Release.Namespace }}\n"
         "  labels:\n"
         "    {{- include \"promptcache-operator.labels\" . | nindent 4 }}\n"
-        "    {{- with merge (dict) .Values.cacheAlerts.labels .Values.monitoring.labels }}\n"
+        "    {{- with merge (dict) (.Values.cacheAlerts.labels | default dict) (.Values.monitoring.labels | default dict) }}\n"
         "    {{- toYaml . | nindent 4 }}\n"
         "    {{- end }}\n"
         "spec:\n"
