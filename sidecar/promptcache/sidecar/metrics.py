@@ -1,11 +1,68 @@
 """Prometheus metrics of one sidecar. A registry per server, so tests can run several in one process."""
 from __future__ import annotations
 
+import gc
+import threading
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 AGE_BUCKETS = (1, 10, 60, 300, 900, 1800, 3600, 7200, 14400, 43200, 86400)
+GC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class _GcPauses:
+    """How long the garbage collector stopped the process, per generation: one gc.callbacks hook per process (a
+    full collection stops every thread; it scans every tracked object, 0.1 s per 100,000 chunks held, so on-call
+    engineers see it next to the latency it adds). docs/operating.md, "Garbage collection pauses"."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._started = 0.0
+        self.buckets = [[0] * (len(GC_BUCKETS) + 1) for _ in range(3)]  # per generation, the last one +Inf
+        self.sums = [0.0, 0.0, 0.0]
+        gc.callbacks.append(self._hook)
+
+    def _hook(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        seconds, generation = time.perf_counter() - self._started, min(2, info.get("generation", 2))
+        i = next((i for i, le in enumerate(GC_BUCKETS) if seconds <= le), len(GC_BUCKETS))
+        with self._lock:
+            self.buckets[generation][i] += 1
+            self.sums[generation] += seconds
+
+    def collect(self):
+        family = HistogramMetricFamily("promptcache_gc_pause_seconds", "how long each garbage collection stopped "
+                                       "the sidecar (every thread), by generation (2: a full collection)",
+                                       labels=["generation"])
+        with self._lock:
+            rows = [(list(b), total) for b, total in zip(self.buckets, self.sums)]
+        for generation, (counts, total) in enumerate(rows):
+            cumulative, running = [], 0
+            for le, n in zip((*map(str, GC_BUCKETS), "+Inf"), counts):
+                running += n
+                cumulative.append((le, running))
+            family.add_metric([str(generation)], cumulative, total)
+        frozen = GaugeMetricFamily("promptcache_gc_frozen_objects", "objects kept out of the garbage collector's "
+                                   "scans since start-up (gc.freeze after the imports: torch's, grpc's)")
+        frozen.add_metric([], gc.get_freeze_count())
+        return [family, frozen]
+
+
+_GC_PAUSES: _GcPauses | None = None
+_GC_LOCK = threading.Lock()
+
+
+def _gc_pauses() -> _GcPauses:
+    global _GC_PAUSES
+    with _GC_LOCK:
+        if _GC_PAUSES is None:
+            _GC_PAUSES = _GcPauses()
+        return _GC_PAUSES
 
 
 class _Children:
@@ -77,6 +134,7 @@ class Metrics:
         for name, metric in list(vars(self).items()):
             if isinstance(metric, (Counter, Histogram)) and metric._labelnames:
                 setattr(self, name, _Children(metric))
+        r.register(_gc_pauses())  # (the process's collections: every registry shows the same)
 
     # The memory tier's hooks (promptcache.sidecar.store.StoreListener).
     def inserted(self, entry) -> None:
