@@ -172,7 +172,8 @@ def disk_tier(settings: Settings, tier: MemoryTier, metrics: Metrics, cancel: th
 
     disk = DiskTier(os.path.join(settings.data_dir, "rocksdb"), settings.disk_bytes,
                     ttl_seconds=settings.ttl_seconds, min_free_bytes=settings.disk_min_free_bytes,
-                    lock_wait_seconds=settings.disk_lock_wait_seconds, cancel=cancel)
+                    lock_wait_seconds=settings.disk_lock_wait_seconds, cancel=cancel,
+                    index_bytes=settings.disk_index_bytes or None)  # 0: derived from --disk-bytes
     log.info("disk tier open", extra={"path": disk.path, "disk_bytes": settings.disk_bytes, **disk.open_report})
     return DiskLowerTier(disk, tier.clock, metrics)
 

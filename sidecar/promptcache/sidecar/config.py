@@ -60,6 +60,7 @@ class Settings:
     device: str = "auto"
     data_dir: str = "./promptcache-data"
     disk_bytes: int = 0
+    disk_index_bytes: int = 0  # 0: --disk-bytes / 64, at least 64Mi (promptcache.sidecar.disk.default_index_bytes)
     disk_min_free_bytes: int = 256 << 20
     disk_lock_wait_seconds: float = 30.0
     warmup_seconds: float = 0.0
@@ -148,6 +149,9 @@ class Settings:
             raise ValueError("--ttl-seconds must be positive")
         if not self.max_lifetime_seconds > 0:
             raise ValueError(f"--max-lifetime-seconds must be positive, got {self.max_lifetime_seconds}")
+        if self.disk_index_bytes < 0:  # (no "no bound": 0 is the default bound, derived from --disk-bytes)
+            raise ValueError(f"--disk-index-bytes must not be negative (0: --disk-bytes / 64, at least 64Mi), got "
+                             f"{self.disk_index_bytes}")
         if self.disk_lock_wait_seconds < 0:
             raise ValueError("--disk-lock-wait-seconds must not be negative")
         if not 0 <= self.max_pinned_fraction <= 0.5:
@@ -368,6 +372,12 @@ HELP = {
     "device": "where the device tier lives: auto (CUDA if present, else CPU), cpu, cuda, cuda:N",
     "data_dir": "folder for the disk tier (RocksDB)",
     "disk_bytes": "byte budget of the disk tier; 0 disables it",
+    "disk_index_bytes": "RAM the disk tier's in-memory index may take (about 1.8 KiB per record plus its meta, "
+                        "counted on every write; a record costs that whatever its chunk's size, so a client's tiny "
+                        "model layout could otherwise fill --disk-bytes with millions of records): a write over it "
+                        "evicts from disk as the budget does, and an index over it at start (the bound was lowered) "
+                        "is trimmed. 0: --disk-bytes / 64, at least 64Mi, twice what a full budget of 256 KiB chunks "
+                        "needs (docs/disk-tier.md)",
     "disk_min_free_bytes": "spilling stops while the data folder's filesystem has less free space than this",
     "disk_lock_wait_seconds": "at start, how long to wait for another process (the pod being replaced) to "
                               "release the disk tier's RocksDB lock before exiting with an error",
@@ -472,7 +482,8 @@ HELP = {
 }
 
 MAX_QUANTITY = MAX_INT64  # every count and size: the sidecar's counters, metrics and the API's int64 fields
-_BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "chunk_overhead_bytes", "disk_bytes", "disk_min_free_bytes", "frame_bytes",
+_BYTE_FIELDS = {"memory_bytes", "max_chunk_bytes", "chunk_overhead_bytes", "disk_bytes", "disk_index_bytes",
+                "disk_min_free_bytes", "frame_bytes",
                 "tenant_quota_bytes", "shm_max_bytes", "min_put_bytes_per_second", "access_log_max_bytes",
                 "cluster_segment_bytes", "cluster_buffer_bytes"}
 

@@ -12,6 +12,12 @@ Standalone: the memory store demotes into it (`put`) and promotes out of it (`ge
 * Budget. Bytes are reserved when a put is accepted (payload + meta + a fixed per-record overhead), victims are
   removed from the index and their deletes queued *before* the put, so neither the index nor the committed
   database ever holds more than the budget. RocksDB's own files (WAL, blobs awaiting GC) are not part of it.
+* Index RAM. The in-memory index (a DiskEntry per record, its meta, parent and owner, the eviction policy's state)
+  costs about INDEX_ENTRY_RAM bytes per record plus those variable-length bytes (`index_ram`, measured), whatever
+  the payload's size: a client's tiny model layout (1 KiB chunks) would otherwise fill a large budget with tens of
+  millions of records and the sidecar's RAM with them. `index_bytes` bounds that estimate like the budget bounds
+  bytes (default_index_bytes: --disk-bytes / 64, at least 64 MiB, which chunks of 256 KiB and more never reach): a
+  put over it evicts first (`evicted_index`), and an index over it at open (the bound was lowered) is trimmed.
 * Off the serving path. `put` only reserves and queues (bounded by bytes and count: when full, the put is refused
   rather than blocking the caller); one writer thread batches the RocksDB writes. Queued chunks are served from
   the queue until written.
@@ -74,6 +80,15 @@ INDEX_VERSION = 2
 FLAG_PINNED = 0x01  # a Put's priority hint had pinned it in memory: pinned again when it comes back
 _CHK = struct.Struct("<Q")
 RECORD_OVERHEAD = 128  # bytes counted per record on top of payload and meta (keys, headers, RocksDB framing)
+# RAM the index takes per record on top of its variable-length bytes (key, meta, parent, owner): the DiskEntry
+# (slots), the float and int objects it holds, its slot in `index` and the eviction policy's per-key state
+# (lru-prefix: seven dicts, a children set, heap tuples), with the dicts' growth slack. Measured with tracemalloc
+# (Python 3.11; tests/test_disk_index_bound.py checks it): 740-1,000 bytes per record after puts, 950-1,270 after
+# a reopen (its own parent and owner objects), up to 1,670 once hits have grown the policy's heap to its 4x limit
+# (right after the dicts resized); 1,792 leaves a margin over the worst.
+INDEX_ENTRY_RAM = 1792
+INDEX_BYTES_PER_BUDGET = 64  # the default index bound: 1 byte of RAM per 64 bytes of --disk-bytes ...
+MIN_INDEX_BYTES = 64 << 20  # ... and at least this much
 CODECS = ("none", "lz4", "zstd")
 DEFAULT_CODEC = "none"  # chosen by measurement, see docs/disk-tier.md
 
@@ -190,11 +205,34 @@ def make_private_dirs(path: str) -> None:
                 raise
 
 
+def default_index_bytes(budget_bytes: int) -> int:
+    """The default bound on the index's RAM for a disk budget (--disk-index-bytes 0): budget / 64, at least 64 MiB.
+    A record of a chunk of 256 KiB (the smallest ordinary chunk; a 135M-parameter model's are 5.6 MiB) is counted
+    ~1.9 KiB of index RAM (index_ram), 1/134 of its budget bytes, so a full budget of them takes half the bound:
+    those never reach it. Records of tiny chunks (a 1 KiB chunk is charged ~1.25 KiB of budget and ~1.9 KiB of
+    index RAM) are bounded by it instead of by the budget: a 100 GiB disk tier's index takes at most 1.6 GiB of RAM,
+    not the ~100 GiB that 86 million 1 KiB chunks would take."""
+    return max(MIN_INDEX_BYTES, int(budget_bytes) // INDEX_BYTES_PER_BUDGET)
+
+
+def index_ram(key: bytes, e: "DiskEntry") -> int:
+    """RAM the index holds for one record (an estimate measured with tracemalloc, never below the real cost for
+    lru-prefix): a constant plus the bytes of its key, meta, parent and owner (4 per character when not ASCII)."""
+    owner = e.owner
+    return (INDEX_ENTRY_RAM + len(key) + len(e.meta) + (len(e.parent) if e.parent else 0)
+            + (len(owner) if owner.isascii() else 4 * len(owner)))
+
+
+def foreign_ram(key: bytes) -> int:
+    """RAM held for a newer build's record (kept, never served): its key and a byte count in `foreign`."""
+    return 160 + len(key)
+
+
 def payload_checksum(key: bytes, payload) -> int:
     return xxhash.xxh3_64_intdigest(payload, seed=xxhash.xxh3_64_intdigest(key))
 
 
-@dataclass
+@dataclass(slots=True)  # slots: no per-record __dict__ (the index holds one per record; see index_ram)
 class DiskEntry:
     nbytes: int  # counted against the budget
     length: int  # payload bytes
@@ -261,14 +299,18 @@ class DiskTier:
                  compression: str = DEFAULT_CODEC, policy: str = "lru-prefix", max_queue_bytes: int = 256 << 20,
                  max_queue_items: int = 1024, min_free_bytes: int = 256 << 20, sync: bool = False,
                  clock=time.time, sweep_interval: float = 30.0, lock_wait_seconds: float = 30.0,
-                 reader: bool = False, cancel: threading.Event | None = None) -> None:
+                 reader: bool = False, cancel: threading.Event | None = None,
+                 index_bytes: int | None = None) -> None:
         """`reader`: open read-only, write and delete nothing, take no lock (the module docstring, "Readers").
         `cancel`: when set while opening (waiting for the lock, rebuilding the index), the database is closed
-        again and DiskTierCancelled raised."""
+        again and DiskTierCancelled raised. `index_bytes`: the bound on the index's RAM (index_ram summed over
+        the records; None: default_index_bytes(budget_bytes))."""
         from promptcache.sidecar.policies import make_policy
 
         if budget_bytes <= 0:
             raise ValueError(f"disk budget must be positive, got {budget_bytes}")
+        if index_bytes is not None and index_bytes <= 0:
+            raise ValueError(f"disk index bound must be positive, got {index_bytes}")
         if compression not in CODECS:
             raise ValueError(f"disk compression {compression!r} is not one of {', '.join(CODECS)}")
         self.path = os.path.abspath(path)
@@ -293,6 +335,8 @@ class DiskTier:
         self._queued_puts = 0
         self._inflight = 0
         self.used = 0  # bytes of index + pending entries
+        self.index_bytes = default_index_bytes(self.budget) if index_bytes is None else int(index_bytes)
+        self.index_used = 0  # RAM of index + pending entries (index_ram), and of foreign records (foreign_ram)
         self.foreign: dict[bytes, int] = {}  # key -> bytes of a record a newer build wrote: kept, never served
         self.foreign_bytes = 0
         self.policy = make_policy(policy, capacity=self.budget)
@@ -582,11 +626,10 @@ class DiskTier:
             pass
 
     def _rebuild_index(self) -> None:
-        import rocksdict as rd
-
         now = self.clock()
-        dropped_corrupt = dropped_expired = dropped_budget = 0
+        dropped_corrupt = dropped_expired = dropped_budget = dropped_index = 0
         stale = []
+        deleting = not self._read_only  # (a reader, or a database opened read-only for lack of space, keeps them)
         newer: collections.Counter = collections.Counter()
         it = self._db.iter()
         it.seek(_IDX)
@@ -604,10 +647,13 @@ class DiskTier:
                 version = newer_format(rec)
                 if version is not None:  # a newer build's: kept as it is, for that build (never dropped)
                     newer[version] += 1
+                    if key not in self.foreign:
+                        self.index_used += foreign_ram(key)
                     self.foreign[key] = len(k) + len(rec)
                     it.next()
                     continue
                 e = _decode_index(key, rec)
+                ram = 0 if e is None else index_ram(key, e)
                 if e is None:
                     dropped_corrupt += 1
                     stale.append(key)
@@ -617,14 +663,23 @@ class DiskTier:
                 elif self.used + e.nbytes > self.budget:  # budget lowered since last run
                     dropped_budget += 1
                     stale.append(key)
+                elif self.index_used + ram > self.index_bytes:  # index bound lowered (or a build before it)
+                    dropped_index += 1
+                    stale.append(key)
                 else:
                     self.index[key] = e
                     self.used += e.nbytes
+                    self.index_used += ram
+                if len(stale) >= 4096:  # deleted as it goes: a list of every key dropped could be as large
+                    self._delete_records(stale if deleting else [], payloads=False)  # as the index kept out of RAM
+                    stale = []
                 it.next()
         finally:
             del it
+        self._delete_records(stale if deleting else [], payloads=False)  # (their payloads: orphans, below)
+        stale = []
         # payloads without an index record (cannot happen with atomic batches; cleaned up anyway)
-        orphans = []
+        orphans = 0
         it = self._db.iter()
         it.seek(_DAT)
         try:
@@ -635,17 +690,16 @@ class DiskTier:
                 if k[1:] in self.foreign:
                     self.foreign[k[1:]] += len(k) + len(it.value())
                 elif k[1:] not in self.index:
-                    orphans.append(k[1:])
+                    orphans += 1
+                    stale.append(k[1:])
+                    if len(stale) >= 4096:
+                        self._delete_records(stale if deleting else [])
+                        stale = []
                 it.next()
         finally:
             del it
+        self._delete_records(stale if deleting else [])
         self.foreign_bytes = sum(self.foreign.values())
-        if (stale or orphans) and not self._read_only:
-            wb = rd.WriteBatch(raw_mode=True)
-            for key in set(stale) | set(orphans):
-                wb.delete(_IDX + key)
-                wb.delete(_DAT + key)
-            self._db.write(wb, self._write_opts)
         # re-seed the policy oldest first, parents before children
         for key in sorted(self.index, key=lambda k: self.index[k].created):
             e = self.index[key]
@@ -654,7 +708,9 @@ class DiskTier:
         self.counters["dropped_expired"] += dropped_expired
         self.open_report.update(entries=len(self.index), bytes=self.used, dropped_corrupt=dropped_corrupt,
                                 dropped_expired=dropped_expired, dropped_over_budget=dropped_budget,
-                                dropped_orphans=len(orphans), kept_newer=len(self.foreign),
+                                dropped_over_index=dropped_index, index_ram_bytes=self.index_used,
+                                index_bytes=self.index_bytes,
+                                dropped_orphans=orphans, kept_newer=len(self.foreign),
                                 kept_newer_bytes=self.foreign_bytes)
         if newer:
             log.warning("disk tier %s holds %d records (%d bytes) written by a newer promptcache (%s; this build "
@@ -663,6 +719,23 @@ class DiskTier:
                         ", ".join(f"{v}: {c}" for v, c in sorted(newer.items())), INDEX_VERSION)
         if dropped_corrupt:
             log.warning("disk tier %s: dropped %d records that failed their checksum", self.path, dropped_corrupt)
+        if dropped_index:
+            log.warning("disk tier %s: dropped %d records over the index's RAM bound (%d bytes, --disk-index-bytes; "
+                        "it keeps %d records, %d bytes of RAM)%s", self.path, dropped_index, self.index_bytes,
+                        len(self.index), self.index_used, "" if deleting else "; left on disk (opened read-only)")
+
+    def _delete_records(self, keys, payloads: bool = True) -> None:
+        """At open: delete these records' index records (and payloads) in one batch."""
+        import rocksdict as rd
+
+        if not keys:
+            return
+        wb = rd.WriteBatch(raw_mode=True)
+        for key in keys:
+            wb.delete(_IDX + key)
+            if payloads:
+                wb.delete(_DAT + key)
+        self._db.write(wb, self._write_opts)
 
     # ------------------------------------------------------------------------------------------------ serving
     def put(self, key: bytes, payload, meta: bytes = b"", parent: bytes | None = None,
@@ -683,6 +756,7 @@ class DiskTier:
         e = DiskEntry(len(payload) + len(meta) + RECORD_OVERHEAD, len(payload), payload_checksum(key, payload),
                       born, now + ttl, bytes(meta), parent, seen, max(0, int(hits)), owner,
                       float(ttl_hint) if ttl_hint and math.isfinite(ttl_hint) else 0.0, bool(pinned))
+        ram = index_ram(key, e)
         with self._lock:
             if self._closed:
                 self.counters["put_rejected_closed"] += 1
@@ -693,7 +767,7 @@ class DiskTier:
             if key in self.foreign:  # a newer build's record under this key: left for it, not overwritten
                 self.counters["put_rejected_newer_record"] += 1
                 return False
-            if e.nbytes > self.budget:
+            if e.nbytes > self.budget or ram > self.index_bytes:
                 self.counters["put_rejected_too_large"] += 1
                 return False
             if self.disk_full and not self._recheck_space_locked(now, e.nbytes):
@@ -704,17 +778,27 @@ class DiskTier:
                 return False
             if key in self.index or key in self.pending:
                 self._drop_locked(key)
-            while self.used + e.nbytes > self._effective_budget():
+            while True:  # evict for the byte budget, then for the index's RAM bound (as a capacity eviction)
+                if self.used + e.nbytes > self._effective_budget():
+                    reason = "evicted_capacity"
+                elif self.index_used + ram > self.index_bytes:
+                    reason = "evicted_index"
+                else:
+                    break
                 v = self.policy.victim()
                 if v is None:
                     break
                 self._drop_locked(v)
-                self.counters["evicted_capacity"] += 1
+                self.counters[reason] += 1
             if self.used + e.nbytes > self.budget - self.foreign_bytes:
                 self.counters["put_rejected_too_large"] += 1
                 return False
+            if self.index_used + ram > self.index_bytes:  # nothing left to evict (a newer build's records)
+                self.counters["put_rejected_index_full"] += 1
+                return False
             self.pending[key] = (e, payload)
             self.used += e.nbytes
+            self.index_used += ram
             self.policy.inserted(key, e.nbytes, parent if parent in self.index or parent in self.pending else None)
             self._ops.append(("put", key, e, payload))
             self._queued_puts += 1
@@ -821,6 +905,7 @@ class DiskTier:
         if e is None:
             return False
         self.used -= e.nbytes
+        self.index_used -= index_ram(key, e)
         self.policy.removed(key)
         if self.reader:  # a reader deletes nothing: the record is only no longer offered
             return True
@@ -991,6 +1076,7 @@ class DiskTier:
                     self.counters["written_bytes"] += e.length
                 else:
                     self.used -= e.nbytes
+                    self.index_used -= index_ram(key, e)
                     self.policy.removed(key)
                     self.counters["put_failed"] += 1
             self._inflight = 0
@@ -1245,6 +1331,7 @@ class DiskTier:
         with self._lock:
             return {"entries": len(self.index) + len(self.pending), "bytes_used": self.used,
                     "budget_bytes": self.budget, "space_cap_bytes": self._space_cap or 0,
+                    "index_ram_bytes": self.index_used, "index_bytes": self.index_bytes,
                     "queued_puts": self._queued_puts,
                     "queued_bytes": self._queued_bytes, "disk_full": self.disk_full,
                     "foreign_entries": len(self.foreign), "foreign_bytes": self.foreign_bytes, **self.counters}
