@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ def test_defaults_are_the_embedded_ones():
 
 # A valid value for the settings whose generic sample ("7", "1.5", "json") their validation would refuse.
 VALID_SAMPLES = {"memory_bytes": "8192", "max_chunk_bytes": "8192", "disk_bytes": "8192", "frame_bytes": "8192",
+                 "disk_index_bytes": "2097152",
                  "log_level": "debug", "device": "cpu", "eviction_policy": "lru", "chunk_tokens": "64",
                  "bulk_address": "unix:/run/promptcache/bulk.sock", "quantization": "k8v4", "tenancy": "shared",
                  "bulk_zero_copy": "off", "bulk_socket_mode": "0660", "max_put_reserved_fraction": "0.25",
@@ -208,3 +210,17 @@ def test_make_run_target_uses_embedded_defaults():
     """`make run` is the README's first command: check it asks for nothing but embedded defaults."""
     out = subprocess.run(["make", "-n", "run"], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
     assert "promptcache serve" in out and "127.0.0.1:50051" in out
+
+
+@pytest.mark.parametrize("flag, value, named", [
+    ("--disk-index-bytes", "4096", "at least 1Mi"),
+    ("--disk-index-bytes", "-1", "--disk-index-bytes"),
+    ("--kv-events-id", "node@llama", "no '@'"),
+    ("--kv-events-id", "node\nx", "--kv-events-id"),
+])
+def test_values_that_cannot_work_are_refused_naming_the_flag(flag, value, named):
+    """A disk index bound of a few KiB holds a few records and refuses every other demotion; an id with '@' makes the
+    node topic kv@node@llama@MODEL, which subscribers of model `llama` on node `node` receive too."""
+    with pytest.raises(ValueError, match=re.escape(named)):
+        parse([flag, value]).validate()
+    assert parse(["--disk-index-bytes", "1Mi", "--kv-events-id", "gpu-node-7.example"]).validate().kv_events_id == "gpu-node-7.example"

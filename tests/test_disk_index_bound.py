@@ -225,7 +225,7 @@ def test_the_flag_is_validated_and_named():
             _settings([f"--disk-index-bytes={bad}"])
     with pytest.raises(ValueError, match="PROMPTCACHE_DISK_INDEX_BYTES"):
         _settings([], {"PROMPTCACHE_DISK_INDEX_BYTES": "-5"})
-    with pytest.raises(ValueError, match="--disk-index-bytes must not be negative"):
+    with pytest.raises(ValueError, match=r"--disk-index-bytes must be 0 \(--disk-bytes / 64, at least 64Mi\) or at least 1Mi"):
         config.Settings(disk_index_bytes=-1).validate()
     assert "--disk-bytes / 64" in config.HELP["disk_index_bytes"]
 

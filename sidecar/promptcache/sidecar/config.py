@@ -149,9 +149,14 @@ class Settings:
             raise ValueError("--ttl-seconds must be positive")
         if not self.max_lifetime_seconds > 0:
             raise ValueError(f"--max-lifetime-seconds must be positive, got {self.max_lifetime_seconds}")
-        if self.disk_index_bytes < 0:  # (no "no bound": 0 is the default bound, derived from --disk-bytes)
-            raise ValueError(f"--disk-index-bytes must not be negative (0: --disk-bytes / 64, at least 64Mi), got "
-                             f"{self.disk_index_bytes}")
+        if self.disk_index_bytes < 0 or 0 < self.disk_index_bytes < 1 << 20:  # (0: the bound derived from --disk-bytes)
+            raise ValueError(f"--disk-index-bytes must be 0 (--disk-bytes / 64, at least 64Mi) or at least 1Mi (less "
+                             f"holds a few hundred records and refuses every other demotion), got {self.disk_index_bytes}")
+        from promptcache.sidecar.kvevents import POD_NAME  # (a part of the topic kv@ID@MODEL, as a pod's name is)
+
+        if self.kv_events_id and not POD_NAME.fullmatch(self.kv_events_id):
+            raise ValueError(f"--kv-events-id {self.kv_events_id[:128]!r} must be letters, digits, '.', '_' and '-', at "
+                             "most 253 (no '@': it separates the parts of the topic kv@ID@MODEL)")
         if self.disk_lock_wait_seconds < 0:
             raise ValueError("--disk-lock-wait-seconds must not be negative")
         if not 0 <= self.max_pinned_fraction <= 0.5:
@@ -377,7 +382,7 @@ HELP = {
                         "model layout could otherwise fill --disk-bytes with millions of records): a write over it "
                         "evicts from disk as the budget does, and an index over it at start (the bound was lowered) "
                         "is trimmed. 0: --disk-bytes / 64, at least 64Mi, twice what a full budget of 256 KiB chunks "
-                        "needs (docs/disk-tier.md)",
+                        "needs (docs/disk-tier.md); else at least 1Mi",
     "disk_min_free_bytes": "spilling stops while the data folder's filesystem has less free space than this",
     "disk_lock_wait_seconds": "at start, how long to wait for another process (the pod being replaced) to "
                               "release the disk tier's RocksDB lock before exiting with an error",
@@ -478,7 +483,8 @@ HELP = {
                                 "from which new and restarted nodes warm up (docs/warmup.md); 0: never",
     "kv_events_address": "ZMQ PUB endpoint (tcp://HOST:PORT or ipc://PATH) on which KV events in vLLM's format "
                          "announce the chunks this node holds, for prefix-aware routers (docs/cluster.md); empty: off",
-    "kv_events_id": "the id in the KV event topic kv@ID@MODEL; empty: this host's name",
+    "kv_events_id": "the id in the KV event topic kv@ID@MODEL (letters, digits, '.', '_', '-'); empty: this "
+                    "host's name",
 }
 
 MAX_QUANTITY = MAX_INT64  # every count and size: the sidecar's counters, metrics and the API's int64 fields
