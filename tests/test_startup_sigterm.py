@@ -228,3 +228,29 @@ def test_sigterm_during_warm_up_exits_0_and_the_disk_tier_keeps_every_chunk(tmp_
     _no_sockets_left(s)
     with D.DiskTier(str(rocksdb), 256 << 20, min_free_bytes=0, lock_wait_seconds=0) as d:
         assert len(d) == n  # what warm-up had moved into memory was demoted back at the stop
+
+
+def test_a_start_cancelled_after_the_grpc_server_started_closes_everything(tmp_path):
+    """In process: the signal recorded just after the gRPC server started (while the bulk channel opens). Start-up
+    raises StartupCancelled having closed what _abandon closes for any start that did not finish: the disk tier
+    (its lock free), the observer's thread, both socket files."""
+    from promptcache.sidecar import app
+    from promptcache.sidecar.config import Settings
+
+    data = tmp_path / "data"
+    settings = dataclasses.replace(Settings(grpc_address=f"unix:{tmp_path / 'grpc.sock'}", metrics_port=0,
+                                            chunk_tokens=CHUNK, memory_bytes=8 << 20), disk_bytes=16 << 20,
+                                   data_dir=str(data), disk_min_free_bytes=0,
+                                   bulk_address=f"unix:{tmp_path / 'bulk.sock'}")
+    signals = app.StartupSignals()
+    sidecar = app.Sidecar(settings, signals)
+    closed = []
+    real_start, real_stop = sidecar.server.start, sidecar.observer.stop
+    sidecar.server.start = lambda: (real_start(), signals._handle(signal.SIGTERM, None))
+    sidecar.observer.stop = lambda: (closed.append("observer"), real_stop())
+    with pytest.raises(app.StartupCancelled, match="while opening the bulk channel"):
+        sidecar.start()
+    assert closed == ["observer"]
+    assert not (tmp_path / "grpc.sock").exists() and not (tmp_path / "bulk.sock").exists()
+    with D.DiskTier(str(data / "rocksdb"), 16 << 20, min_free_bytes=0, lock_wait_seconds=0) as d:
+        assert len(d) == 0  # closed: the lock is free

@@ -344,11 +344,10 @@ class Sidecar:
             self._abandon()
             raise
         self.server.start()
-        started = []
         try:
             for b in self.bulk:
                 self.signals.check("while opening the bulk channel")
-                started.append(b.start())
+                b.start()
             if self.settings.metrics_port is not None:
                 try:
                     from promptcache.sidecar import metricsserver
@@ -360,14 +359,7 @@ class Sidecar:
                                   f"{self.settings.metrics_port}: {exc.strerror or exc}") from None
                 self.metrics_port = self._http.server_port
         except (OSError, StartupCancelled):
-            for b in started:
-                b.stop()
-            if self.events is not None:
-                self.events.close()
-            self.server.stop(0).wait()
-            self.watchdog.stop()
-            if self.spill is not None:
-                self.spill.disk.close()
+            self._abandon()  # (the cluster tier's connection and the observer too, which this path left open)
             raise
         if self.cluster is not None:
             self.cluster.start()
