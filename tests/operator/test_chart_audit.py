@@ -247,13 +247,16 @@ def _notes(helm_offline, tmp_path, *args: str) -> str:
 @pytest.mark.tools
 def test_notes_point_at_a_watched_namespace(helm_offline, tmp_path):
     """NOTES told a namespace-restricted install to `kubectl apply` the example into the current namespace, which
-    the operator does not watch; and nothing said that a PriorityClass this release does not create must exist, or
-    that PromptCaches default to promptcache-node-cache whatever priorityClass.name says."""
+    the operator does not watch; and nothing said that a PriorityClass this release does not create must exist.
+    (They also told every PromptCache to name priorityClass.name when it was not promptcache-node-cache: no longer
+    needed, the operator's default is priorityClass.name, test_priority_class_name_reaches_every_cache_without_one.)"""
     notes = _notes(helm_offline, tmp_path, "--set", "watchNamespaces={team-a,team-b}",
                    "--set", "priorityClass.create=false", "--set", "priorityClass.name=ml-cache")
     assert "team-a, team-b" in notes
     assert "kubectl apply -n team-a " in notes
-    assert "PriorityClass ml-cache" in notes and "spec.placement.priorityClassName: ml-cache" in notes
+    assert "PriorityClass ml-cache" in notes and "spec.placement.priorityClassName" not in notes
+    notes = _notes(helm_offline, tmp_path, "--set", "priorityClass.name=ml-cache")
+    assert "PriorityClass" not in notes.split("Declare")[0]
     notes = _notes(helm_offline, tmp_path)
     assert "every namespace" in notes and "PriorityClass" not in notes.split("Declare")[0]
 
@@ -321,3 +324,44 @@ def test_null_unsets_a_map_value(helm_offline, value):
         assert env["PROMPTCACHE_OPERATOR_MONITORING_LABELS"] == ""
         rules = [d for d in docs if d["kind"] == "PrometheusRule"]  # the operator's, and the caches' alerts
         assert len(rules) == 2 and not any("release" in r["metadata"]["labels"] for r in rules)
+
+
+@pytest.mark.tools
+@pytest.mark.parametrize("release_args, want", [
+    (["--set", "priorityClass.name=gpu-cache"], "gpu-cache"),
+    (["--set", "priorityClass.name=gpu-cache", "--set", "priorityClass.create=false"], "gpu-cache"),
+    ([], "promptcache-node-cache"),
+])
+def test_priority_class_name_reaches_every_cache_without_one(helm_offline, release_args, want):
+    """priorityClass.name=gpu-cache made the chart create gpu-cache, while every PromptCache naming no
+    spec.placement.priorityClassName still got promptcache-node-cache (the CRD's default), which did not exist: the
+    API server refused its sidecar pods and the cache stayed Degraded. Now the chart hands the name to the operator
+    (PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS) and the CRD defaults nothing: the operator, configured as the
+    chart configures it, runs such a cache's pods with the chart's PriorityClass."""
+    from promptcache.operator import builders, model
+    from promptcache.operator.config import OperatorConfig
+
+    docs = _docs(helm_offline, "promptcache", *release_args, "--include-crds")
+    created = [d["metadata"]["name"] for d in docs if d["kind"] == "PriorityClass"]
+    assert created == ([] if "priorityClass.create=false" in release_args else [want])
+    # The operator as the Deployment runs it (its arguments and environment) builds a cache that names no
+    # PriorityClass, as the API server hands it over (with the CRD's defaults, which the model applies).
+    (container,) = _one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    config = OperatorConfig.from_args(container["args"], env)
+    spec = model.PromptCacheSpec.from_dict(yaml.safe_load(
+        (CHART.parents[1] / "examples" / "promptcache-minimal.yaml").read_text())["spec"])
+    owner = builders.Owner(name="llama", namespace="inference", uid="u-1")
+    builders.check_operator_policy(spec, config.defaults)
+    children = {c["kind"]: c for c in builders.desired_children(spec, owner, builders.Capabilities(),
+                                                                config.defaults)}
+    assert children["DaemonSet"]["spec"]["template"]["spec"]["priorityClassName"] == want
+    assert children["ResourceQuota"]["spec"]["scopeSelector"]["matchExpressions"] == [
+        {"scopeName": "PriorityClass", "operator": "In", "values": [want]}]
+    # How: the chart's value in the operator's environment, and no default in the CRD the chart installs.
+    assert env["PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS"] == want
+    assert spec.placement.priorityClassName is None
+    (crd,) = [d for d in docs if d["kind"] == "CustomResourceDefinition" and d["spec"]["group"] == model.GROUP]
+    placement = (crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+                 ["placement"]["properties"])
+    assert "default" not in placement["priorityClassName"]

@@ -140,6 +140,37 @@ def test_children_created_with_owner_references_within_5s(operator, kube, namesp
     assert sorted(status["children"]) == sorted(got)
 
 
+def test_a_cache_naming_no_priority_class_gets_the_operators_default(start_operator, crd, kube, namespace):
+    """The CRD defaults no spec.placement.priorityClassName: the operator's own default
+    (PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS, the chart's priorityClass.name) reaches the pods and the quota,
+    status.priorityClassName (kept by the CRD's status schema) says which, and a missing one is PriorityClassNotFound
+    until it exists."""
+    pc = f"{namespace}-gpu-cache"
+    start_operator("--standalone", env={**FAST, "PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS": pc})
+    apply_pc(kube, namespace, example())
+    got = wait_for(lambda: all_present(kube, namespace, "llama-8b"), timeout=30, what="children")
+    assert "priorityClassName" not in get_pc(kube, namespace, "llama-8b")["spec"]["placement"]
+    assert got["DaemonSet/llama-8b"]["spec"]["template"]["spec"]["priorityClassName"] == pc
+    assert got["ResourceQuota/llama-8b-quota"]["spec"]["scopeSelector"]["matchExpressions"][0]["values"] == [pc]
+
+    def degraded(reason):
+        s = get_pc(kube, namespace, "llama-8b").get("status") or {}
+        d = conditions({"status": s}).get("Degraded") or {}
+        return s if d.get("reason") == reason else None
+    status = wait_for(lambda: degraded("PriorityClassNotFound"), timeout=15, what="PriorityClassNotFound")
+    assert status["priorityClassName"] == pc
+    message = conditions({"status": status})["Degraded"]["message"]
+    assert message.startswith(f"PriorityClass {pc} (the operator's default"), message
+    kube.request("POST", "/apis/scheduling.k8s.io/v1/priorityclasses",
+                 body={"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": pc},
+                       "value": 1000})
+    try:
+        status = wait_for(lambda: degraded("AsExpected"), timeout=20, what="Degraded cleared once it exists")
+        assert status["priorityClassName"] == pc
+    finally:
+        kube.request("DELETE", f"/apis/scheduling.k8s.io/v1/priorityclasses/{pc}")
+
+
 def test_spec_change_updates_children(operator, kube, namespace):
     apply_pc(kube, namespace, example())
     before = wait_for(lambda: all_present(kube, namespace, "llama-8b"), timeout=5)

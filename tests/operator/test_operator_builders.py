@@ -94,6 +94,27 @@ def test_quota_is_scoped_to_priority_class():
     assert q["spec"]["hard"]["requests.nvidia.com/gpu"] == "32"
 
 
+def test_a_cache_without_a_priority_class_runs_with_the_operators_default():
+    """spec.placement.priorityClassName unset (the CRD has no default) or empty: the pods and the quota's scope take
+    the operator's configured PriorityClass (the chart's priorityClass.name); one the spec names wins."""
+    minimal = example("minimal")["spec"]
+    assert "priorityClassName" not in minimal.get("placement", {})
+    gpu = OperatorDefaults(priority_class="gpu-cache")
+    for placement, defaults, want in (({}, OperatorDefaults(), "promptcache-node-cache"),
+                                      ({}, gpu, "gpu-cache"),
+                                      ({"priorityClassName": ""}, gpu, "gpu-cache"),
+                                      ({"priorityClassName": "promptcache-node-cache"}, gpu,
+                                       "promptcache-node-cache"),  # stored by the old CRD default: kept
+                                      ({"priorityClassName": "team-cache"}, gpu, "team-cache")):
+        spec = PromptCacheSpec.from_dict({**minimal, "placement": {**minimal.get("placement", {}), **placement}})
+        assert builders.priority_class_name(spec, defaults) == want
+        children = {c["kind"]: c for c in builders.desired_children(spec, OWNER, NONE, defaults)}
+        assert _pod(children["DaemonSet"])["priorityClassName"] == want
+        assert children["ResourceQuota"]["spec"]["scopeSelector"]["matchExpressions"] == [
+            {"scopeName": "PriorityClass", "operator": "In", "values": [want]}]
+        builders.check_operator_policy(spec, defaults)
+
+
 def test_optional_children_follow_capabilities():
     spec = PromptCacheSpec.from_dict(example("minimal")["spec"])
     kinds = lambda caps: sorted(c["kind"] for c in builders.desired_children(spec, OWNER, caps))  # noqa: E731

@@ -3,6 +3,7 @@ operator reads and writes no environment and registers nothing."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -66,7 +67,8 @@ def test_peering_identity_needs_no_passwd_entry():
                                          ("PROMPTCACHE_OPERATOR_METRICS_PORT", "x"),
                                          ("PROMPTCACHE_OPERATOR_PRIORITY", "1.5"),
                                          ("PROMPTCACHE_OPERATOR_RESYNC_SECONDS", "soon"),
-                                         ("PROMPTCACHE_OPERATOR_WORKERS", "0")])
+                                         ("PROMPTCACHE_OPERATOR_WORKERS", "0"),
+                                         ("PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS", "GPU_Cache")])
 def test_a_bad_environment_variable_exits_2_naming_it(monkeypatch, capsys, name, value):
     monkeypatch.setenv(name, value)
     assert operator_main.main(["--standalone"]) == 2
@@ -140,3 +142,36 @@ def test_kopf_namespace_patterns_are_accepted(pattern):
 def test_bad_namespace_patterns_are_refused(pattern):
     with pytest.raises(ValueError, match="is not a namespace name .* or a kopf namespace pattern"):
         OperatorConfig.from_args(["--standalone", f"--namespace={pattern}"], {})
+
+
+@pytest.mark.parametrize("value, words", [
+    ("GPU_Cache", "is not a PriorityClass name"),
+    ("gpu cache", "is not a PriorityClass name"),
+    ("-gpu-cache", "is not a PriorityClass name"),
+    ("gpu-cache.", "is not a PriorityClass name"),
+    ("a" * 254, "is not a PriorityClass name"),
+    ("system-node-critical", "system-* PriorityClass that PROMPTCACHE_OPERATOR_SYSTEM_PRIORITY_CLASSES does not allow"),
+])
+def test_default_priority_class_is_validated_at_start(monkeypatch, capsys, value, words):
+    """PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS (the chart's priorityClass.name) is the PriorityClass of every
+    PromptCache that names none: a name no PriorityClass can have stops the operator at start, naming the variable,
+    instead of every such cache's pods being refused."""
+    env = {"PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS": value}
+    with pytest.raises(ValueError, match=r"^PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS=.*" + re.escape(words)):
+        OperatorConfig.from_args(["--standalone"], env)
+    monkeypatch.setenv("PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS", value)
+    assert operator_main.main(["--standalone"]) == 2
+    err = capsys.readouterr().err
+    assert "PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS" in err and words in err and "Traceback" not in err
+
+
+def test_default_priority_class_from_the_environment():
+    get = lambda env: OperatorConfig.from_args(["--standalone"], env).defaults.priority_class  # noqa: E731
+    assert get({}) == "promptcache-node-cache"
+    assert get({"PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS": ""}) == "promptcache-node-cache"  # empty: unset
+    assert get({"PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS": " gpu-cache "}) == "gpu-cache"
+    assert get({"PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS": "a" * 253}) == "a" * 253
+    assert get({"PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS": "ml.gpu-cache"}) == "ml.gpu-cache"
+    # A system-* one only where the operator allows PromptCaches to name it.
+    assert get({"PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS": "system-node-critical",
+                "PROMPTCACHE_OPERATOR_SYSTEM_PRIORITY_CLASSES": "system-node-critical"}) == "system-node-critical"

@@ -155,9 +155,23 @@ def test_values_schema_agrees_with_crd_and_operator():
     assert values["sidecarImage"]["pullPolicy"] == d.image_pull_policy
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert (values["sidecarImage"]["tag"] or chart["appVersion"]) == d.image_tag
-    # The chart's PriorityClass is the one PromptCaches reference by default.
-    pc_default = spec_schema()["properties"]["placement"]["properties"]["priorityClassName"]["default"]
-    assert values["priorityClass"]["name"] == pc_default == model.DEFAULT_PRIORITY_CLASS
+    # The chart's PriorityClass is the one PromptCaches run with by default: the operator's default (which the
+    # chart sets from priorityClass.name, PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS), not a CRD default (which
+    # the API server would store in every PromptCache, whatever the chart's name).
+    pc = spec_schema()["properties"]["placement"]["properties"]["priorityClassName"]
+    assert "default" not in pc and "minLength" not in pc  # unset or "": the operator's default
+    assert values["priorityClass"]["name"] == d.priority_class == model.DEFAULT_PRIORITY_CLASS
+    assert PromptCacheSpec.from_dict(_minimal_spec()).placement.priorityClassName is None
+    pc_values = schema["properties"]["priorityClass"]["properties"]["name"]
+    assert pc["maxLength"] == pc_values["maxLength"] == 253
+    assert re.compile(pc_values["pattern"]).pattern.strip("^$") == model._SECRET_NAME.pattern.strip("^$")
+    deployment = (CHART / "templates" / "deployment.yaml").read_text()
+    assert re.search(r"- name: PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS\n\s+value: "
+                     r"\{\{ \.Values\.priorityClass\.name \| quote \}\}", deployment)
+
+
+def _minimal_spec() -> dict:
+    return yaml.safe_load((ROOT / "examples" / "promptcache-minimal.yaml").read_text())["spec"]
 
 
 def _leaves(d: dict, prefix: str = ""):

@@ -43,7 +43,8 @@ def test_examples_apply(kube, crd, namespace, name):
         spec = got["spec"]
         assert spec["placement"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
         assert spec["placement"]["tolerations"][0]["key"] == "nvidia.com/gpu"
-        assert spec["placement"]["priorityClassName"] == "promptcache-node-cache"
+        # No default: the operator's (the chart's priorityClass.name) applies, not one stored in the object.
+        assert "priorityClassName" not in spec["placement"]
         assert spec["cachePolicy"] == {"chunkTokens": 256, "ttlSeconds": 14400, "maxLifetimeSeconds": 86400,
                                        "evictionPolicy": "rate-hazard",
                                        "quantization": "none"}

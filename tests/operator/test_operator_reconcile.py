@@ -96,6 +96,33 @@ def test_missing_priority_class_is_degraded():
     assert c["Degraded"]["reason"] == "PriorityClassNotFound"
 
 
+def test_status_says_which_priority_class_the_cache_uses():
+    """The operator's default PriorityClass (the chart's priorityClass.name) where the spec names none: looked up,
+    reported in status.priorityClassName, and named in PriorityClassNotFound as the operator's default."""
+    class Recording(FakeKube):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.looked_up: list[str] = []
+
+        def priority_class_exists(self, name):
+            self.looked_up.append(name)
+            return self.pc_exists
+
+    gpu = builders.OperatorDefaults(priority_class="gpu-cache")
+    k = Recording()
+    assert reconcile(k, body(), gpu).status["priorityClassName"] == "gpu-cache"
+    assert k.looked_up == ["gpu-cache"]
+    k = Recording(pc_exists=False)
+    c = conds(reconcile(k, body(), gpu).status)
+    assert c["Degraded"]["reason"] == "PriorityClassNotFound"
+    assert c["Degraded"]["message"].startswith("PriorityClass gpu-cache (the operator's default, chart value "
+                                               "priorityClass.name")
+    k = Recording(pc_exists=False)
+    out = reconcile(k, body({"placement": {"priorityClassName": "team-cache"}}), gpu)
+    assert out.status["priorityClassName"] == "team-cache" and k.looked_up == ["team-cache"]
+    assert conds(out.status)["Degraded"]["message"].startswith("PriorityClass team-cache does not exist")
+
+
 def test_requested_autoscaling_without_vpa_crd_is_degraded_but_unrequested_is_not():
     c = conds(reconcile(FakeKube(), body({"autoscaling": {"enabled": True}})).status)
     assert c["Degraded"]["status"] == "True" and c["Degraded"]["reason"] == "OptionalCRDMissing"

@@ -22,9 +22,10 @@ from typing import Any
 import yaml
 
 from . import alerts
-from .model import (DISK_OVERHEAD, GROUP, KIND, MEMORY_OVERHEAD, VERSION, PromptCacheSpec, SpecError,  # noqa: F401
-                    format_bytes, is_extended_resource, isolated_identity, not_overcommittable, parse_quantity,
-                    quantity_bytes, to_dict)  # (MEMORY_OVERHEAD, format_bytes: autoscale reads them here)
+# (MEMORY_OVERHEAD, format_bytes: autoscale reads them here)
+from .model import (DEFAULT_PRIORITY_CLASS, DISK_OVERHEAD, GROUP, KIND, MEMORY_OVERHEAD, VERSION,  # noqa: F401
+                    PromptCacheSpec, SpecError, format_bytes, is_extended_resource, is_priority_class_name,
+                    isolated_identity, not_overcommittable, parse_quantity, quantity_bytes, to_dict)
 
 GRPC_PORT = 50051
 BULK_PORT = 50052  # the bulk channel (docs/bulk-channel.md); plaintext, so only without TLS
@@ -78,6 +79,9 @@ class OperatorDefaults:
     # Node directories a PromptCache's spec.zeroCopy.hostPath may be or be under (chart value
     # zeroCopy.allowedHostPaths); empty: zero copy is refused.
     zero_copy_host_paths: tuple[str, ...] = DEFAULT_ZERO_COPY_HOST_PATHS
+    # PriorityClass of the pods of a PromptCache that names none in spec.placement.priorityClassName (chart value
+    # priorityClass.name, the PriorityClass the chart creates); priority_class_name.
+    priority_class: str = DEFAULT_PRIORITY_CLASS
     # PriorityClasses named system-* (system-node-critical, system-cluster-critical) a PromptCache may use (chart
     # value allowedSystemPriorityClasses); default none: they outrank and preempt the cluster's own components.
     system_priority_classes: tuple[str, ...] = ()
@@ -93,6 +97,9 @@ class OperatorDefaults:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "OperatorDefaults":
         d = cls()
+        system_priority_classes = tuple(p.strip() for p in
+                                        env.get("PROMPTCACHE_OPERATOR_SYSTEM_PRIORITY_CLASSES", "").split(",")
+                                        if p.strip())
         return cls(
             image_repository=env.get("PROMPTCACHE_SIDECAR_IMAGE_REPOSITORY", d.image_repository),
             image_tag=env.get("PROMPTCACHE_SIDECAR_IMAGE_TAG", d.image_tag),
@@ -103,15 +110,42 @@ class OperatorDefaults:
             zero_copy_host_paths=(tuple(p.strip().rstrip("/") or "/" for p in
                                         env["PROMPTCACHE_OPERATOR_ZERO_COPY_HOST_PATHS"].split(",") if p.strip())
                                   if "PROMPTCACHE_OPERATOR_ZERO_COPY_HOST_PATHS" in env else d.zero_copy_host_paths),
-            system_priority_classes=tuple(p.strip() for p in
-                                          env.get("PROMPTCACHE_OPERATOR_SYSTEM_PRIORITY_CLASSES", "").split(",")
-                                          if p.strip()),
+            priority_class=_priority_class(env, system_priority_classes, d.priority_class),
+            system_priority_classes=system_priority_classes,
             image_repositories=(tuple(p.strip() for p in env["PROMPTCACHE_OPERATOR_IMAGE_REPOSITORIES"].split(",")
                                       if p.strip())
                                 if "PROMPTCACHE_OPERATOR_IMAGE_REPOSITORIES" in env else d.image_repositories),
             allow_control_plane_placement=_flag(env, "PROMPTCACHE_OPERATOR_ALLOW_CONTROL_PLANE_PLACEMENT",
                                                 d.allow_control_plane_placement),
         )
+
+
+DEFAULT_PRIORITY_CLASS_ENV = "PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS"
+
+
+def _priority_class(env: Mapping[str, str], system_priority_classes: tuple[str, ...], default: str) -> str:
+    """The operator's default PriorityClass from the environment (unset or empty: `default`), refused (ValueError)
+    naming the variable when no PriorityClass could have that name, or when it is a system-* one the operator
+    does not allow (every PromptCache naming none would be refused)."""
+    raw = env.get(DEFAULT_PRIORITY_CLASS_ENV, "")
+    name = raw.strip()
+    if not name:
+        return default
+    if not is_priority_class_name(name):
+        raise ValueError(f"{DEFAULT_PRIORITY_CLASS_ENV}={raw!r} is not a PriorityClass name (a DNS-1123 subdomain: "
+                         "at most 253 lower-case letters, digits, '-' and '.', starting and ending with a letter or "
+                         "digit)")
+    if name.startswith("system-") and name not in system_priority_classes:
+        raise ValueError(f"{DEFAULT_PRIORITY_CLASS_ENV}={raw!r} is a system-* PriorityClass that "
+                         "PROMPTCACHE_OPERATOR_SYSTEM_PRIORITY_CLASSES does not allow (chart values priorityClass.name "
+                         "and allowedSystemPriorityClasses)")
+    return name
+
+
+def priority_class_name(spec: PromptCacheSpec, defaults: OperatorDefaults) -> str:
+    """The PriorityClass a cache's pods run with (and its ResourceQuota is scoped to): spec.placement.
+    priorityClassName, or where that is unset (or empty) the operator's default (chart value priorityClass.name)."""
+    return spec.placement.priorityClassName or defaults.priority_class
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -340,8 +374,8 @@ def check_operator_policy(spec: PromptCacheSpec, defaults: OperatorDefaults) -> 
             raise SpecError(f"{problem}: not allowed by this operator: the cache's pods would run on the "
                             "control-plane nodes, beside the API server and etcd (chart value "
                             "allowControlPlanePlacement)")
-    pc = spec.placement.priorityClassName
-    if pc.startswith("system-") and pc not in defaults.system_priority_classes:
+    pc = spec.placement.priorityClassName  # (the operator's default was checked at its start)
+    if pc and pc.startswith("system-") and pc not in defaults.system_priority_classes:
         raise SpecError(f"spec.placement.priorityClassName {pc} is not allowed by this operator: system-* "
                         "PriorityClasses outrank the cluster's own components (chart value "
                         "allowedSystemPriorityClasses)")
@@ -558,7 +592,7 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
         "hostNetwork": False,
         "hostPID": False,
         "hostIPC": False,
-        "priorityClassName": spec.placement.priorityClassName,
+        "priorityClassName": priority_class_name(spec, defaults),
         "nodeSelector": dict(sorted(spec.placement.nodeSelector.items())),
         "tolerations": to_dict(spec.placement.tolerations),
         "securityContext": {
@@ -721,7 +755,8 @@ def metrics_service(owner: Owner) -> dict[str, Any]:
     }
 
 
-def resource_quota(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
+def resource_quota(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults = OperatorDefaults()
+                   ) -> dict[str, Any]:
     """Caps what pods of the cache's PriorityClass may take in this namespace (one pod per node, at most
     spec.placement.maxNodes nodes); inference pods of other priority classes are not counted."""
     res = _resources(spec)
@@ -742,7 +777,7 @@ def resource_quota(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
         "spec": {
             "hard": dict(sorted(hard.items())),
             "scopeSelector": {"matchExpressions": [
-                {"scopeName": "PriorityClass", "operator": "In", "values": [spec.placement.priorityClassName]}]},
+                {"scopeName": "PriorityClass", "operator": "In", "values": [priority_class_name(spec, defaults)]}]},
         },
     }
 
@@ -825,7 +860,7 @@ def desired_children(spec: PromptCacheSpec, owner: Owner, caps: Capabilities,
     """Every child this PromptCache should have, given which optional CRDs exist. Deterministic."""
     cm = config_map(spec, owner, defaults)
     children = [cm, daemon_set(spec, owner, defaults, config_hash(cm)), node_local_service(spec, owner),
-                metrics_service(owner), resource_quota(spec, owner)]
+                metrics_service(owner), resource_quota(spec, owner, defaults)]
     if spec.cluster.enabled:
         children += [mooncake_master(spec, owner, defaults), mooncake_master_service(owner)]
     if caps.vpa:

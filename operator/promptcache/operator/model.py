@@ -30,6 +30,9 @@ CHUNK_TOKENS_ALLOWED = tuple(2 ** i for i in range(4, 17))  # 16 .. 65536
 
 DEFAULT_NODE_SELECTOR = {"nvidia.com/gpu.present": "true"}
 DEFAULT_TOLERATIONS = ({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},)
+# The operator's built-in default PriorityClass of the cache pods (a PromptCache without
+# spec.placement.priorityClassName runs with the operator's configured one: PROMPTCACHE_OPERATOR_DEFAULT_PRIORITY_CLASS,
+# which the chart sets from priorityClass.name; this name where that is unset). builders.priority_class_name.
 DEFAULT_PRIORITY_CLASS = "promptcache-node-cache"
 
 
@@ -62,6 +65,14 @@ def quantity_bytes(text: str | int) -> int:
 
 
 _SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def is_priority_class_name(name: str) -> bool:
+    """Whether `name` can name a PriorityClass (a DNS-1123 subdomain: at most 253 lower-case letters, digits, '-'
+    and '.', alphanumeric at both ends of each dot-separated part)."""
+    return len(name) <= 253 and bool(_SECRET_NAME.fullmatch(name))
+
+
 ISOLATED_MESSAGE = ("spec.tenancy.mode Isolated requires spec.security.tokens or spec.security.tls.mutual: "
                     "tenants are told apart by their credentials")
 
@@ -240,7 +251,9 @@ class Placement:
     affinity: dict[str, Any] | None = None
     tolerations: tuple[Toleration, ...] = tuple(Toleration(**t) for t in DEFAULT_TOLERATIONS)
     maxNodes: int = 100
-    priorityClassName: str = DEFAULT_PRIORITY_CLASS
+    # None or "": the operator's default PriorityClass (builders.priority_class_name); the CRD has no default, so
+    # the chart's priorityClass.name reaches every PromptCache that names none.
+    priorityClassName: str | None = None
 
 
 @dataclass(frozen=True)
@@ -584,7 +597,7 @@ class PromptCacheSpec:
         if not 1 <= self.placement.maxNodes <= 10000:
             raise SpecError(f"spec.placement.maxNodes must be within 1..10000, got {self.placement.maxNodes}")
         pc = self.placement.priorityClassName
-        if not (len(pc) <= 253 and _SECRET_NAME.fullmatch(pc)):
+        if pc and not is_priority_class_name(pc):
             raise SpecError(f"spec.placement.priorityClassName {pc!r} is not a PriorityClass name (DNS-1123 "
                             "subdomain)")
         if self.image.tag is not None and not _IMAGE_TAG.fullmatch(self.image.tag):

@@ -88,12 +88,13 @@ def pod_security_refused(spec: PromptCacheSpec, ds: dict[str, Any] | None,
 def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilities, ds: dict[str, Any] | None,
                        errors: list[str], priority_class_ok: bool,
                        quota: str | None = None, pod_security: str | None = None,
-                       conflicts: list[str] | tuple[str, ...] = ()
+                       conflicts: list[str] | tuple[str, ...] = (),
+                       defaults: OperatorDefaults = OperatorDefaults()
                        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Pure: what the conditions and node counts say, given what the API server returned. `quota`: what
     quota_exceeded() found (a ResourceQuota refusing sidecar pods), or None; `pod_security`: what
     pod_security_refused() found; `conflicts`: NameConflict messages (children not applied because an object
-    this PromptCache does not control holds the name)."""
+    this PromptCache does not control holds the name); `defaults`: the operator's (its default PriorityClass)."""
     ds_status = (ds or {}).get("status") or {}
     ds_gen = ((ds or {}).get("metadata") or {}).get("generation")
     observed = ds_status.get("observedGeneration")
@@ -120,9 +121,13 @@ def compute_conditions(spec: PromptCacheSpec, generation: int, caps: Capabilitie
     if conflicts:
         degraded_reasons.append(("NameConflict", "; ".join(conflicts)))
     if not priority_class_ok:
+        pc = builders.priority_class_name(spec, defaults)
+        whose = ("" if spec.placement.priorityClassName else
+                 " (the operator's default, chart value priorityClass.name: spec.placement.priorityClassName is "
+                 "unset)")
         degraded_reasons.append(("PriorityClassNotFound",
-                                 f"PriorityClass {spec.placement.priorityClassName} does not exist; the API server "
-                                 "rejects the cache pods until it does (the chart installs it)"))
+                                 f"PriorityClass {pc}{whose} does not exist; the API server rejects the cache pods "
+                                 "until it does (the chart installs it)"))
     if quota:
         degraded_reasons.append(("QuotaExceeded", quota))
     if pod_security:
@@ -250,20 +255,23 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults = Ope
         nodes = obs.nodes()
         usage.update(obs.usage())
     # (no pod scheduled anywhere: nothing to list or scrape)
-    pc_ok = kube.priority_class_exists(spec.placement.priorityClassName)
+    priority_class = builders.priority_class_name(spec, defaults)
+    pc_ok = kube.priority_class_exists(priority_class)
     quota = pod_security = None
     if int(ds_status.get("currentNumberScheduled") or 0) < int(ds_status.get("desiredNumberScheduled") or 0):
         failed = kube.failed_creates(owner.namespace, "DaemonSet", owner.name)
         quota = quota_exceeded(ds, failed)
         pod_security = pod_security_refused(spec, ds, failed)
     conds, counts = compute_conditions(spec, generation, caps, ds, out.errors, pc_ok, quota, pod_security,
-                                       out.conflicts)
+                                       out.conflicts, defaults)
     out.status = {
         "observedGeneration": generation,
         **counts,
         "nodes": nodes,
         **usage,
         "children": sorted(out.applied),
+        # The PriorityClass the cache pods run with (spec.placement.priorityClassName or the operator's default).
+        "priorityClassName": priority_class,
         # The cluster tier's master: whether its Deployment has a ready replica (null: the tier is off).
         "clusterMasterReady": (bool(((master or {}).get("status") or {}).get("readyReplicas"))
                                if spec.cluster.enabled else None),
