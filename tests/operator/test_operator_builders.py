@@ -923,3 +923,25 @@ def test_image_repositories_from_the_chart_environment():
     assert OperatorDefaults.from_env({"PROMPTCACHE_OPERATOR_IMAGE_REPOSITORIES": ""}).image_repositories == ()
     env = {"PROMPTCACHE_OPERATOR_IMAGE_REPOSITORIES": "registry.corp/ml/, ghcr.io/x"}
     assert OperatorDefaults.from_env(env).image_repositories == ("registry.corp/ml/", "ghcr.io/x")
+
+
+@pytest.mark.parametrize("disk", ["1Gi", "200Gi", "10Ti"])
+def test_the_disk_tiers_index_is_bounded_and_counted_in_the_containers_memory(disk):
+    """The sidecar's disk-tier index takes RAM per record whatever the chunk's size (--disk-index-bytes bounds it;
+    docs/disk-tier.md): the operator gives it the sidecar's own default bound and counts it in the container's
+    memory, and the autoscaler's budget leaves it out, so a full disk tier of tiny records cannot take the sidecar
+    past its limit (OOM-killed, and the same index loaded again at every restart)."""
+    from promptcache.operator import autoscale
+    from promptcache.sidecar.disk import default_index_bytes
+
+    minimal = example("minimal")["spec"]
+    spec = PromptCacheSpec.from_dict({**minimal, "memory": {**minimal.get("memory", {}), "disk": disk}})
+    bare = PromptCacheSpec.from_dict(minimal)
+    index = default_index_bytes(builders.quantity_bytes(disk))
+    assert spec.disk_index_bytes() == index and bare.disk_index_bytes() == 0
+    assert spec.container_memory_bytes() - bare.container_memory_bytes() == index
+    assert builders.config_map(spec, OWNER)["data"]["PROMPTCACHE_DISK_INDEX_BYTES"] == str(index)
+    config = autoscale.Config()
+    assert autoscale.overhead(spec, config) == config.overhead_bytes + index
+    assert autoscale.initial_memory(spec, autoscale.overhead(spec, config)) - index == \
+        autoscale.initial_memory(bare, autoscale.overhead(bare, config))

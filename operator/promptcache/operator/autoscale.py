@@ -1,7 +1,8 @@
 """Hit-ratio-driven memory autoscaling of a PromptCache: read the signal, decide (tuning.decide), actuate safely.
 
 Memory here is the sidecar container's memory (what spec.autoscaling.minMemory/maxMemory bound and what the VPA
-sets); the cache budget the sidecar is resized to is that minus `overhead_bytes` (builders.MEMORY_OVERHEAD).
+sets); the cache budget the sidecar is resized to is that minus `overhead()`: `overhead_bytes`
+(builders.MEMORY_OVERHEAD) and the disk-tier index.
 
 Actuation order, so that memory is never taken before the cache has released it:
   shrink: Resize every sidecar down first; only when all succeeded, record the new memory in status and lower the
@@ -69,6 +70,12 @@ class Config:
 
 
 # --- the tuned state (status.autoscaling) -----------------------------------------------------------------------
+def overhead(spec: PromptCacheSpec, config: "Config") -> int:
+    """What a sidecar's memory holds beyond its cache budget: the process's own (config.overhead_bytes) and its
+    disk-tier index (spec.disk_index_bytes: the --disk-index-bytes the operator gives it)."""
+    return config.overhead_bytes + spec.disk_index_bytes()
+
+
 def initial_memory(spec: PromptCacheSpec, overhead: int) -> int:
     return quantity_bytes(spec.memory.host) + overhead
 
@@ -110,7 +117,7 @@ def adjust_children(children: list[dict[str, Any]], spec: PromptCacheSpec, statu
     if not spec.autoscaling.enabled or memory is None:
         return children
     has_vpa = any(c["kind"] == builders.VPA[1] for c in children)
-    budget = max(1, memory - config.overhead_bytes)
+    budget = max(1, memory - overhead(spec, config))
     out = []
     for c in children:
         c = _copy(c)
@@ -312,8 +319,8 @@ def tick(kube: Kube, body: dict[str, Any], fleet: fleet_.Fleet, config: Config =
             del state["resizeSkipped"]
     # Every Resize of this tick is skipped for the reason already reported: a failed shrink says nothing new.
     skip_known = skip is not None and skip == reported
-    lo, hi = bounds(spec, config.overhead_bytes)
-    current = tuned_memory(status) or initial_memory(spec, config.overhead_bytes)
+    lo, hi = bounds(spec, overhead(spec, config))
+    current = tuned_memory(status) or initial_memory(spec, overhead(spec, config))
     out.memory_bytes = current
     caps = kube.capabilities()
 
@@ -324,7 +331,7 @@ def tick(kube: Kube, body: dict[str, Any], fleet: fleet_.Fleet, config: Config =
 
     # Level-based: bring every sidecar's budget to the recorded memory (a grow whose Resize was pending, a pod
     # that started with an older ConfigMap). Down at once; up only under a limit that already covers it.
-    want_budget = max(1, current - config.overhead_bytes)
+    want_budget = max(1, current - overhead(spec, config))
     limits: dict[str, int | None] | None = None
     # One pod's figures (a budget that is not finite: treated as unknown, like a pod that did not answer) or
     # failure never stops the others'.
@@ -352,7 +359,7 @@ def tick(kube: Kube, body: dict[str, Any], fleet: fleet_.Fleet, config: Config =
     policy = tuning.policy_for(spec.autoscaling.targetHitRatio, config.policy)
     t = now()
     d = tuning.decide(signal, current, lo, hi, policy, _parse_time(state.get("lastChangeTime")), t,
-                      overhead=config.overhead_bytes)
+                      overhead=overhead(spec, config))
     out.decision = d
     record = {"action": d.action, "reason": d.reason, "message": d.message, "time": _stamp(t),
               "fromBytes": current, "toBytes": d.memory_bytes,
@@ -366,7 +373,7 @@ def tick(kube: Kube, body: dict[str, Any], fleet: fleet_.Fleet, config: Config =
             _patch_status(kube, owner, state, out)
         return out
 
-    new_budget = max(1, d.memory_bytes - config.overhead_bytes)
+    new_budget = max(1, d.memory_bytes - overhead(spec, config))
     if d.action == tuning.SHRINK:
         ok = all(_resize(e, new_budget, config, resizer, out) for e in eps if e.grpc_target)
         if not ok:

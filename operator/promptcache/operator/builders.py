@@ -272,6 +272,8 @@ def sidecar_env(spec: PromptCacheSpec, defaults: OperatorDefaults = OperatorDefa
         "PROMPTCACHE_TENANCY": spec.tenancy.mode.lower(),
         "PROMPTCACHE_DATA_DIR": DATA_DIR,
         "PROMPTCACHE_DISK_BYTES": _bytes(spec.memory.disk) if spec.memory.disk else "0",
+        # the index's RAM bound, counted in the container's memory (container_memory_bytes)
+        "PROMPTCACHE_DISK_INDEX_BYTES": str(spec.disk_index_bytes()),
         # nothing to warm from without a disk or cluster tier or a snapshot
         "PROMPTCACHE_WARMUP_SECONDS": str(spec.memory.warmupSeconds if (spec.memory.disk or spec.cluster.enabled or
                                                                          spec.memory.warmupSnapshot) else 0),

@@ -226,6 +226,9 @@ SNAPSHOT_PATH = r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*" 
 # What the sidecar container takes beyond its budgets (its resources; the autoscaler subtracts it from a target).
 MEMORY_OVERHEAD = 512 * 2**20  # process + gRPC buffers on top of the cache budget
 DISK_OVERHEAD = 2**30  # RocksDB's own files (logs, manifests, a write being compacted) next to the disk budget
+# The disk tier's index RAM bound the operator gives a sidecar (--disk-index-bytes): disk / 64, at least 64Mi
+DISK_INDEX_PER_BUDGET = 64
+DISK_INDEX_MIN = 64 * 2**20
 MODEL_NAME_MAX, MODEL_REVISION_MAX = 253, 128  # spec.model.name and .revision, as the CRD bounds them
 MAX_WARMUP_SECONDS = 90  # spec.memory.warmupSeconds: under the sidecar startup probe's 120 s
 
@@ -640,13 +643,15 @@ class PromptCacheSpec:
             raise SpecError(f"spec.pod.annotations may not set {', '.join(taken)}: annotations under "
                             f"{', '.join(RESERVED_POD_ANNOTATION_PREFIXES)} change the pods' security or scheduling")
         # Each size fits on its own (above); what the operator adds them up to must fit too.
-        if self.container_memory_bytes() * self.placement.maxNodes > quantity.MAX_INT64:
-            raise SpecError(f"spec.memory.host {self.memory.host!r} plus spec.cluster.segmentMemory and "
-                            f"{MEMORY_OVERHEAD >> 20}Mi for the process, times spec.placement.maxNodes "
-                            f"{self.placement.maxNodes} (the ResourceQuota's memory), is more than 8Ei")
         if self.memory.disk and quantity_bytes(self.memory.disk) + DISK_OVERHEAD > quantity.MAX_INT64:
             raise SpecError(f"spec.memory.disk {self.memory.disk!r} plus {DISK_OVERHEAD >> 30}Gi for RocksDB's own "
                             "files (the pod's ephemeral storage) is more than 8Ei")
+        if self.container_memory_bytes() * self.placement.maxNodes > quantity.MAX_INT64:
+            raise SpecError(f"spec.memory.host {self.memory.host!r} plus spec.cluster.segmentMemory, "
+                            f"{MEMORY_OVERHEAD >> 20}Mi for the process and the disk tier's index (spec.memory.disk "
+                            f"/ {DISK_INDEX_PER_BUDGET}, at least {DISK_INDEX_MIN >> 20}Mi), times "
+                            f"spec.placement.maxNodes {self.placement.maxNodes} (the ResourceQuota's memory), is more "
+                            "than 8Ei")
         return self
 
     def _validate_tolerations(self) -> None:
@@ -673,11 +678,24 @@ class PromptCacheSpec:
         """The sidecar's ephemeral storage with an emptyDir disk tier: the tier and RocksDB's own files."""
         return quantity_bytes(self.memory.disk) + DISK_OVERHEAD if self.memory.disk else 0
 
+    def disk_index_bytes(self) -> int:
+        """The RAM the sidecar's disk-tier index may take (its --disk-index-bytes, which the operator sets to this and
+        counts in the container's memory): the sidecar's own default, spec.memory.disk / 64 and at least 64Mi
+        (promptcache.sidecar.disk.default_index_bytes; a test holds them equal); 0 without a disk tier."""
+        if not self.memory.disk:
+            return 0
+        return max(DISK_INDEX_MIN, quantity_bytes(self.memory.disk) // DISK_INDEX_PER_BUDGET)
+
+    def process_overhead_bytes(self) -> int:
+        """What the sidecar's container holds beyond its cache budget and cluster segment: the process's own
+        (MEMORY_OVERHEAD) and its disk-tier index. The autoscaler's budget is the tuned memory less this."""
+        return MEMORY_OVERHEAD + self.disk_index_bytes()
+
     def container_memory_bytes(self) -> int:
         """The sidecar container's memory request and limit: the host budget, the cluster segment it contributes,
-        and the process's own."""
+        the process's own and its disk-tier index."""
         segment = quantity_bytes(self.cluster.segmentMemory) if self.cluster.enabled else 0
-        return quantity_bytes(self.memory.host) + segment + MEMORY_OVERHEAD
+        return quantity_bytes(self.memory.host) + segment + self.process_overhead_bytes()
 
 
 def json_name(f: dataclasses.Field) -> str:
