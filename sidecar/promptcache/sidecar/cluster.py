@@ -6,13 +6,16 @@ queue drained by one thread, full → dropped and counted. Write policy: every c
 (a chunk promoted from the cluster is not published again); Mooncake's own eviction bounds what the cluster keeps.
 
 The store logic never sees Mooncake: it talks to a `ClusterStore` (put, get, close), and `MooncakeStore` is the
-one adapter. A record is the chunk's bytes behind a header naming the fingerprint, parent, index, dtype, shape,
-xxh3 checksum and the absolute expiry (Unix time, since monotonic clocks differ between nodes): the key is our
-chained SHA-256 chunk key (tenant salts included), the fingerprint and checksum are verified before serving,
-and an expired record is a miss. The cluster is written by other nodes, so a record is checked as a Put's bytes
-are before it is served or promoted: its dtype, shape and size against the requesting model's layout (or, where
-no model is known, e.g. warm-up, against its own header), its values finite where its dtype is scanned, and its
-times finite (a record with a NaN expiry would never expire).
+one adapter. A record is the chunk's bytes behind a header naming the key it is published under, the
+fingerprint, parent, index, dtype, shape, xxh3 checksum and the absolute expiry (Unix time, since monotonic clocks
+differ between nodes), and an xxh3 of the header itself: the key is our chained SHA-256 chunk key (tenant salts
+included); the record's own key, fingerprint and checksums are verified before serving (a record copied under
+another key is refused), and an expired record is a miss. Nothing here is authenticated: whoever can write the
+store can forge a record that passes every check (docs/security.md, "The cluster tier").
+The cluster is written by other nodes, so a record is checked as a Put's bytes are before it is served or
+promoted: its dtype, shape and size against the requesting model's layout (or, where no model is known, e.g.
+warm-up, against its own header), its values finite where its dtype is scanned, and its times finite (a record
+with a NaN expiry would never expire).
 
 Cluster down or slow: every call has a deadline (--cluster-timeout-seconds); a call that fails or runs out marks
 the tier down for --cluster-retry-seconds, during which lookups do not ask it and publishing drops, all counted.
@@ -30,6 +33,7 @@ import time
 from typing import Callable, Protocol
 
 import numpy as np
+import xxhash
 from prometheus_client import Counter, Gauge, Histogram
 
 from promptcache.sidecar import hotlist
@@ -39,9 +43,19 @@ from promptcache.sidecar.tiers.base import ChunkLayout, Record, layout_refusal
 
 log = logging.getLogger("promptcache.sidecar.cluster")
 
+# Version 3 (written): the header names the chunk key the record was published under, so a record is served only
+# for that key (a record copied or misfiled under another key is refused, reason "key"), and a trailing xxh3 of the
+# header (with the shape) covers what the payload's checksum does not: times, key, fingerprint, parent, index.
+MAGIC_V3 = b"PCC3"
+# magic, expires and born (Unix s), key, fingerprint, parent, index, dtype, ndim, xxh3 of the payload
+_HEADER_V3 = struct.Struct("<4sdd32s32s32sIBBQ")
+_HEADER_SUM = struct.Struct("<Q")  # xxh3_64 of the header and shape before it
+# Version 2 (still read, for a rolling upgrade from nodes that write it): no key, no header checksum. Such a
+# record is bound to nothing but its fingerprint: a copy under another key of the same model would be served.
 MAGIC = b"PCC2"
 # magic, expires and born (Unix s), fingerprint, parent, index, dtype, ndim, xxh3
 _HEADER = struct.Struct("<4sdd32s32sIBBQ")
+MAX_NDIM = 8  # a chunk's shape has 5 dims; a header announcing more is not one of ours
 KEY_PREFIX = "promptcache/v1/"
 
 
@@ -61,33 +75,58 @@ def store_key(key: bytes) -> str:
 
 
 def encode_record(record: Record, now: float) -> bytes:
-    """The wire form of `record` at Unix time `now`: its TTL left and its age become absolute times (Unix time:
-    monotonic clocks differ between nodes)."""
-    header = _HEADER.pack(MAGIC, now + record.ttl, now - record.age, record.fingerprint, record.parent, record.index,
-                          record.dtype, len(record.shape), record.checksum)
-    return header + struct.pack(f"<{len(record.shape)}I", *record.shape) + bytes(record.payload)
+    """The wire form (version 3) of `record` at Unix time `now`: its TTL left and its age become absolute times
+    (Unix time: monotonic clocks differ between nodes); the header names its key and is checksummed."""
+    header = _HEADER_V3.pack(MAGIC_V3, now + record.ttl, now - record.age, record.key, record.fingerprint,
+                             record.parent, record.index, record.dtype, len(record.shape), record.checksum)
+    header += struct.pack(f"<{len(record.shape)}I", *record.shape)
+    return header + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(header)) + bytes(record.payload)
 
 
 def decode_record(raw: bytes, key: bytes, now: float) -> Record | None:
-    """The record of `key` in `raw` as at Unix time `now`, or None when it is not one of ours (wrong magic,
-    truncated, a time that is not finite)."""
-    if len(raw) < _HEADER.size:
+    """The record in `raw`, fetched under `key`, as at Unix time `now`, or None when it is not one of ours (wrong
+    magic, truncated, a header that fails its checksum, a time that is not finite). A version 3 record carries
+    the key it was published under (Record.key: verify refuses it for any other key); a version 2 record, which
+    names none, is taken as `key`'s."""
+    magic = bytes(raw[:4])
+    if magic == MAGIC_V3:
+        if len(raw) < _HEADER_V3.size:
+            return None
+        _, expires, born, own_key, fp, parent, index, dtype, ndim, value = _HEADER_V3.unpack_from(raw)
+        end = _HEADER_V3.size + 4 * ndim
+        start = end + _HEADER_SUM.size
+        if ndim > MAX_NDIM or len(raw) < start:
+            return None
+        if xxhash.xxh3_64_intdigest(bytes(raw[:end])) != _HEADER_SUM.unpack_from(raw, end)[0]:
+            return None
+        shape_at = _HEADER_V3.size
+    elif magic == MAGIC:
+        if len(raw) < _HEADER.size:
+            return None
+        _, expires, born, fp, parent, index, dtype, ndim, value = _HEADER.unpack_from(raw)
+        own_key, shape_at = key, _HEADER.size
+        start = _HEADER.size + 4 * ndim
+        if ndim > MAX_NDIM or len(raw) < start:
+            return None
+    else:
         return None
-    magic, expires, born, fp, parent, index, dtype, ndim, value = _HEADER.unpack_from(raw)
-    start = _HEADER.size + 4 * ndim
-    if magic != MAGIC or len(raw) < start or not (math.isfinite(expires) and math.isfinite(born)):
+    if not (math.isfinite(expires) and math.isfinite(born)):
         return None
-    shape = struct.unpack_from(f"<{ndim}I", raw, _HEADER.size)
-    return Record(key, fp, parent, index, dtype, tuple(shape), value, np.frombuffer(raw, dtype=np.uint8, offset=start),
-                  ttl=expires - now, age=now - born)
+    shape = struct.unpack_from(f"<{ndim}I", raw, shape_at)
+    return Record(own_key, fp, parent, index, dtype, tuple(shape), value,
+                  np.frombuffer(raw, dtype=np.uint8, offset=start), ttl=expires - now, age=now - born)
 
 
-def verify(record: Record | None, fingerprint: bytes, layout: ChunkLayout | None = None) -> str:
-    """Why `record` may not be served for `fingerprint` ("" when it may): "malformed", "fingerprint", "expired",
-    "checksum", then as a Put's bytes are checked (tiers.base.layout_refusal): "layout" (dtype, shape or size not
-    the requesting model's `layout`, or, without one, not a chunk's at all) or "nonfinite" (NaN or Inf values)."""
+def verify(record: Record | None, fingerprint: bytes, layout: ChunkLayout | None = None,
+           key: bytes | None = None) -> str:
+    """Why `record` may not be served for `key` under `fingerprint` ("" when it may): "malformed", "key" (it was
+    published under another key: a copy or a misfiled record), "fingerprint", "expired", "checksum", then as a
+    Put's bytes are checked (tiers.base.layout_refusal): "layout" (dtype, shape or size not the requesting model's
+    `layout`, or, without one, not a chunk's at all) or "nonfinite" (NaN or Inf values). key=None: not checked."""
     if record is None:
         return "malformed"
+    if key is not None and record.key != key:
+        return "key"
     if record.fingerprint != fingerprint:
         return "fingerprint"
     if not record.ttl > 0:  # (NaN: decode_record refuses it already)
@@ -120,6 +159,10 @@ class MooncakeStore:
                                rdma_devices, master)
         if rc != 0:
             raise ClusterError(f"cannot join the Mooncake master at {master} (setup returned {rc})")
+        # No record we publish is larger than the transfer buffer (ClusterTier.publish drops those), and Mooncake
+        # cannot get one that is: a larger record is a miss, refused before any transfer (a peer's 96 MiB record
+        # made the client log an allocation failure and return nothing).
+        self.max_bytes = buffer_bytes
 
     def put(self, key: str, value: bytes) -> None:
         rc = self._store.put(key, value)
@@ -132,6 +175,8 @@ class MooncakeStore:
             return None
         if size < 0:
             raise ClusterError(f"get_size returned {size}")
+        if size > self.max_bytes:
+            return None  # not a record of ours (nor a failure of the cluster: the tier stays up)
         value = self._store.get(key)
         return value or None  # empty: evicted between the two calls
 
@@ -152,8 +197,9 @@ class ClusterMetrics:
         self.misses = Counter("promptcache_cluster_misses", "local misses the cluster tier did not hold either",
                               registry=r)
         self.rejected = Counter("promptcache_cluster_rejected", "cluster records not served, by reason "
-                                "(fingerprint, expired, checksum, malformed, layout: dtype, shape or size not "
-                                "the model's, nonfinite: NaN or Inf values)", ["reason"], registry=r)
+                                "(key: published under another key, fingerprint, expired, checksum, malformed, "
+                                "layout: dtype, shape or size not the model's, nonfinite: NaN or Inf values)",
+                                ["reason"], registry=r)
         self.fallbacks = Counter("promptcache_cluster_fallbacks", "cluster calls not made or failed, so the "
                                  "sidecar behaved as a single node, by operation and reason (timeout, error, down)",
                                  ["op", "reason"], registry=r)
@@ -273,11 +319,14 @@ class ClusterTier:
                 self.metrics.misses.inc()
             return None
         record = decode_record(raw, key, self.clock())
-        why = verify(record, fingerprint, layout)
+        why = verify(record, fingerprint, layout, key)
         if why:
             self.metrics.rejected.labels(why).inc()
             if why == "checksum":
                 log.error("cluster chunk failed its checksum and was not served", extra={"key": key.hex()})
+            elif why == "key":
+                log.error("cluster record was published under another key and was not served",
+                          extra={"key": key.hex(), "record_key": record.key.hex()})
             elif why in ("layout", "nonfinite"):
                 log.error("cluster chunk is not a chunk of the model and was not served",
                           extra={"key": key.hex(), "reason": why, "detail": layout_refusal(record, layout)[1]})

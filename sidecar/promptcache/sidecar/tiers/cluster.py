@@ -4,8 +4,9 @@
 A Lookup asks the cluster too (the answer says `cluster`, nothing is promoted); the record it fetched is kept
 for a few seconds, bounded in bytes, so the Get that follows promotes it without fetching it again. The cluster
 keeps its copy after a promotion (other nodes read it), and a promoted chunk is not published again.
-Every record fetched is checked as a Put's bytes are (cluster.verify), against the layout of the requesting model
-where the stack knows it (TierStack.layout_of), else against its own header.
+Every record fetched must name the key it was fetched under (a copy under another key is refused) and is checked
+as a Put's bytes are (cluster.verify), against the layout of the requesting model where the stack knows it
+(TierStack.layout_of), else against its own header.
 """
 from __future__ import annotations
 
