@@ -131,13 +131,13 @@ def test_a_sidecar_does_not_serve_a_record_copied_from_another_prompts_key(tmp_p
     address = master[1]
     b = _plain_node(tmp_path, "b", address)
     writer = MooncakeStore(address, "127.0.0.1", "tcp", 16 << 20, 8 << 20)
-    client = PromptCacheClient(b.address, retries=0, timeout=10)
+    client = PromptCacheClient(b.address, retries=0, timeout=30)
     try:
         wait_until(lambda: metric(b, "promptcache_cluster_up") == 1, "B joining the cluster", 30)
         fp = keyspec.fingerprint(SMALL)
         prompt_a, prompt_b = _tokens(201, 1), _tokens(202, 1)
         assert client.put(SMALL, prompt_a, make_kv(SMALL, CHUNK, seed=1)).stored_chunks == 1
-        wait_until(lambda: metric(b, "promptcache_cluster_published_chunks_total") == 1, "B publishing", 10)
+        wait_until(lambda: metric(b, "promptcache_cluster_published_chunks_total") == 1, "B publishing", 30)
         key_a, key_b = (keyspec.chunk_keys(fp, t, CHUNK)[0] for t in (prompt_a, prompt_b))
         writer.put(store_key(key_b), writer.get(store_key(key_a)))
         assert client.lookup(SMALL, prompt_b).cached_tokens == 0

@@ -205,3 +205,20 @@ def test_tenancy_knows_only_configured_owners_and_forgets_owners_that_hold_nothi
     assert "mallory" in t.owners()
     t.release("mallory", charged)
     assert "mallory" not in t.owners() and t.usage("dave")["quota"] == 1
+
+
+def test_a_record_whose_chain_position_is_not_its_keys_is_a_miss():
+    """A lower tier's record under the right key whose header says another index or parent (forged or misfiled:
+    the cluster tier is written by other nodes) is not promoted: memory, hot lists and KV events would carry the
+    wrong chain. Without the caller's position (None) nothing is checked."""
+    s, lower, _ = stack()
+    root, child = record(4), record(5, parent=bytes([4]) * 32)  # chunk 0, and chunk 1 under it
+    for r in (root, child):
+        lower.records[r.key] = r
+    assert s.acquire(root.key, FP, owner="", index=1, parent=bytes(32)) is None  # says chunk 0
+    assert s.acquire(child.key, FP, owner="", index=1, parent=bytes([9]) * 32) is None  # under another parent
+    assert lower.taken_keys == 0 and not s.memory.holds(root.key, FP)
+    for r, index, parent in ((root, 0, bytes(32)), (child, 1, root.key)):
+        entry, tier = s.acquire(r.key, FP, owner="", index=index, parent=parent)
+        assert tier == "disk"
+        s.memory.release_lease(entry)

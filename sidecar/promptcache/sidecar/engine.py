@@ -296,9 +296,12 @@ class CacheEngine:
         keys = self._keys(fp, request.tokens, request.start_chunk, request.max_chunks)
         if request.start_chunk == 0 and request.max_chunks == 0 and self.observer.enabled:  # a whole prompt
             self.observer.lookup(scope.spec, self._keys(fp, request.tokens), len(request.tokens))
+        parent = keyspec.ROOT_PARENT if request.start_chunk == 0 else None  # (None: the chunk before is not known)
         try:
             for i, key in enumerate(keys, start=request.start_chunk):
-                found = self.stack.acquire(key, fp, owner, requested=not self._looked_up.take(owner, key))
+                found = self.stack.acquire(key, fp, owner, requested=not self._looked_up.take(owner, key),
+                                           index=i, parent=parent)
+                parent = key
                 if found is None:
                     break
                 entry, tier_name = found

@@ -83,15 +83,23 @@ class TierStack(StoreListener):
         return self.memory.holds(key, fingerprint) or any(
             t.local and t.size(key, fingerprint) is not None for t in self.lowers)
 
-    def acquire(self, key: bytes, fingerprint: bytes, owner: str, requested: bool = True
-                ) -> tuple[Entry, str] | None:
+    def acquire(self, key: bytes, fingerprint: bytes, owner: str, requested: bool = True, index: int | None = None,
+                parent: bytes | None = None) -> tuple[Entry, str] | None:
         """A leased entry for `key` (release it with memory.release_lease) and the tier it came from, or None.
-        A hit below memory is promoted (or served from its copy for this call: see promote)."""
+        A hit below memory is promoted (or served from its copy for this call: see promote). `index` and `parent`
+        (None: not known): where the caller's chain puts the chunk; a lower tier's record that says otherwise (a
+        forged or misfiled one: its bytes may be the key's, but memory, hot lists and KV events would carry the
+        wrong chain) is a miss."""
         entry = self.memory.acquire(key, fingerprint, requested=requested)
         if entry is not None:
             return entry, "device"
         for tier in self.lowers:
             record = tier.read(key, fingerprint)
+            if record is not None and ((index is not None and record.index != index)
+                                       or (parent is not None and record.parent != parent)):
+                log.error("a record was not promoted: its chunk index or parent is not its key's",
+                          extra={"key": key.hex(), "tier": tier.name, "index": record.index, "expected": index})
+                return None
             if record is not None:
                 promoted = self.promote(record, owner, source=tier)
                 if promoted is not None:
