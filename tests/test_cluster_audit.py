@@ -151,3 +151,43 @@ def test_a_sidecar_does_not_serve_a_record_copied_from_another_prompts_key(tmp_p
         if b.proc.poll() is None:
             b.proc.send_signal(signal.SIGKILL)
             b.proc.wait()
+
+
+@pytest.mark.slow  # a sidecar process and a master: about 10 s here
+def test_warm_up_stops_asking_the_cluster_after_a_long_run_of_hot_listed_chunks_it_does_not_hold(tmp_path, master):
+    """A hot list (forged, or of chunks long gone) naming 1,100 chunks the cluster does not hold, then one it does:
+    warm-up gives up after 1,024 misses in a row (warmup.MAX_CLUSTER_MISSES_IN_A_ROW) instead of asking for every
+    entry of every list, so the good chunk after them is not warmed either."""
+    import signal
+    import time
+
+    import numpy as np
+
+    from promptcache.contract import keys as keyspec
+    from promptcache.contract.layout import chunk_nbytes, chunk_shape
+    from promptcache.sidecar import hotlist
+    from promptcache.sidecar.cluster import MooncakeStore
+    from promptcache.sidecar.warmup import MAX_CLUSTER_MISSES_IN_A_ROW
+    from support import CHUNK, SMALL, metric
+    from test_cluster import _plain_node, _tokens, _write_forged
+
+    writer = MooncakeStore(master[1], "127.0.0.1", "tcp", 16 << 20, 8 << 20)
+    c = None
+    try:
+        fp, shape, n = keyspec.fingerprint(SMALL), chunk_shape(SMALL, CHUNK), chunk_nbytes(SMALL, CHUNK)
+        item = np.dtype(SMALL.kv_dtype)
+        good = np.random.default_rng(1).standard_normal(n // item.itemsize).astype(item).tobytes()
+        good_key = keyspec.chunk_keys(fp, _tokens(300, 1), CHUNK)[0]
+        _write_forged(writer, fp, good_key, good, 2 if SMALL.kv_dtype == "float16" else 1, shape, time.time() + 3600)
+        missing = [hotlist.HotEntry(keyspec.chunk_keys(fp, _tokens(400 + i, 1), CHUNK)[0], fp, "", 8)
+                   for i in range(MAX_CLUSTER_MISSES_IN_A_ROW + 76)]
+        writer.upsert(hotlist.slot_key(5), hotlist.encode([*missing, hotlist.HotEntry(good_key, fp, "", 8)],
+                                                          time.time()))
+        c = _plain_node(tmp_path, "c", master[1], "--warmup-seconds", "60")
+        assert metric(c, 'promptcache_warmup_chunks_total{source="cluster"}') == 0
+        assert metric(c, 'promptcache_entries{tier="device"}') == 0
+    finally:
+        writer.close()
+        if c is not None and c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGKILL)
+            c.proc.wait()

@@ -40,6 +40,7 @@ RESIDENT_FILE = "promptcache.resident"  # in the disk tier's folder: memory's ch
 HOT_LIST_MAX_AGE = 3600.0  # seconds since a hot list was published, beyond which warm-up passes it over
 HOT_LIST_MAX_BYTES = 8 << 20  # a slot's record larger than this is refused unread (hotlist.MAX_ENTRIES fit in 4 MiB)
 PEER_MAX_HITS = 8  # a hot list's hit count is taken up to this: a peer cannot make its chunks the most protected
+MAX_CLUSTER_MISSES_IN_A_ROW = 1024  # hot-listed chunks not found, in a row, after which warm-up stops asking the cluster
 
 
 def save_resident(folder: str, memory, wall: float) -> int:
@@ -237,8 +238,13 @@ class Warmup:
         tenancy = self.stack.tenancy
         source = self.stack.lower("cluster")
         skipped: set[str] = set()
+        misses = 0  # fetches in a row that found nothing to warm: lists of chunks gone (or forged) are not walked to the end
         for entry in hotlist.merge(lists):
             if self._stop.is_set() or self.tier.room() <= 0:
+                break
+            if misses >= MAX_CLUSTER_MISSES_IN_A_ROW:
+                log.warning("warm-up: %d hot-listed chunks in a row were not in the cluster tier; not warming from it "
+                            "further", misses)
                 break
             if tenancy is not None and not tenancy.knows(entry.owner) or tenancy is None and entry.owner:
                 if len(skipped) < 8 and entry.owner not in skipped:
@@ -253,7 +259,9 @@ class Warmup:
             record = self.cluster.fetch(entry.key, entry.fingerprint, counted=False,
                                         layout=self.stack.layout_of(entry.fingerprint))
             if record is None:
+                misses += 1
                 continue
+            misses = 0
             # the hits it had on the node that listed it, capped: where its eviction policy's estimate starts here
             record = dataclasses.replace(record, hits=max(record.hits, min(entry.hits, PEER_MAX_HITS)))
             n = self.stack.promote(record, entry.owner, source=source, serve=False)
