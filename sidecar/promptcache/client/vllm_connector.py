@@ -1090,6 +1090,13 @@ class PromptCacheConnector(KVConnectorBase_V1):
             tracked = self._tracked[req_id] = _Tracked(request, spec)
         st = self._lookups.pop(req_id, None)
         if num_external_tokens <= 0:
+            if tracked.loaded_chunks and 0 < request.num_computed_tokens and self.chunk_tokens:
+                # Back from a load that failed part way on some rank (evicted between the Lookup and that rank's
+                # Get, ...): vLLM truncated the request at the first invalid block and recomputes from there on
+                # every rank. Those chunks are saved with the rest: the rank that lost its chunk stores it again
+                # (the others' Puts of keys they hold are skipped), instead of the prefix being a partial hit for
+                # the next requests until one of them stores it.
+                tracked.loaded_chunks = min(tracked.loaded_chunks, request.num_computed_tokens // self.chunk_tokens)
             return
         ct = self.chunk_tokens
         block_ids = blocks.get_block_ids()[0]
@@ -1232,7 +1239,12 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self._sleeping = True
         done = threading.Event()
         self._load_pool.submit(done.set)
-        done.wait(self.load_timeout + 5)  # a load in flight finishes (or fails) before the memory goes
+        # A load in flight stops before its next write (_load checks _sleeping before each batch's write, and a
+        # queued one before it starts): what is left to wait for is one fetch (load_timeout) and one write. A load
+        # with several batches used to go on writing, one fetch after another, after this returned.
+        if not done.wait(self.load_timeout + 5):
+            log.error("PromptCacheConnector: a KV load still runs %.0f s after the caches were released",
+                      self.load_timeout + 5)
 
     def restore_kv_caches(self) -> None:
         self._sleeping = False
@@ -1316,6 +1328,9 @@ class PromptCacheConnector(KVConnectorBase_V1):
                     self._succeeded()
                 pending = (self._fetch_pool.submit(fetch, *batches[k + 1])
                            if len(chunks) == count and k + 1 < len(batches) else None)
+                if self._sleeping:  # the caches were released (unregister_kv_caches) while this load ran: no
+                    # write into them, and every block of the load is reported failed (their KV is gone anyway)
+                    raise errors.PromptCacheError("the KV caches were released (sleep mode) during the load")
                 skip = op.skip if k == 0 else 0
                 first_block = got_blocks
                 blocks = max(0, min(len(op.block_ids) - first_block, len(chunks) * per_chunk - skip // self.block_size))
@@ -1354,10 +1369,15 @@ class PromptCacheConnector(KVConnectorBase_V1):
         if self._load_stream is None:
             vllm_paged.scatter_chunks(self._kv_caches, self._paged, chunks, skip, block_ids)
             return
-        with torch.cuda.stream(self._load_stream):
-            with self._load_staging.uploads(chunks, self._load_stream.device) as upload:
-                vllm_paged.scatter_chunks(self._kv_caches, self._paged, chunks, skip, block_ids, upload)
-        self._load_stream.synchronize()
+        try:
+            with torch.cuda.stream(self._load_stream):
+                with self._load_staging.uploads(chunks, self._load_stream.device) as upload:
+                    vllm_paged.scatter_chunks(self._kv_caches, self._paged, chunks, skip, block_ids, upload)
+        finally:
+            # Also when a chunk's upload or scatter fails part way (a device allocation that fails under vLLM's
+            # memory use): the scatters already queued still write into the blocks, and the load must not be
+            # reported (failed blocks recomputed, or freed with an aborted request and given to another) before.
+            self._load_stream.synchronize()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The failed blocks of every load finished so far; their requests are reported finished by get_finished
