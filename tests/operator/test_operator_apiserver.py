@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PC_API = "promptcache.io/v1alpha1"
 CORE_CHILDREN = [("v1", "ConfigMap", "{}-config"), ("apps/v1", "DaemonSet", "{}"), ("v1", "Service", "{}"),
                  ("v1", "Service", "{}-metrics"), ("v1", "ResourceQuota", "{}-quota")]
-# With spec.cluster.enabled (the full example): the Mooncake master.
-CLUSTER_CHILDREN = [("apps/v1", "Deployment", "{}-mooncake-master"), ("v1", "Service", "{}-mooncake-master")]
+# With spec.cluster.enabled (the full example): the Mooncake master, and the NetworkPolicies around the tier.
+CLUSTER_CHILDREN = [("apps/v1", "Deployment", "{}-mooncake-master"), ("v1", "Service", "{}-mooncake-master"),
+                    (*builders.NETWORK_POLICY, "{}-mooncake-master"), (*builders.NETWORK_POLICY, "{}")]
 OPTIONAL_CHILDREN = [(builders.VPA[0], builders.VPA[1], "{}"),
                      (builders.SERVICE_MONITOR[0], builders.SERVICE_MONITOR[1], "{}"),
                      (builders.PROMETHEUS_RULE[0], builders.PROMETHEUS_RULE[1], "{}")]
@@ -310,6 +311,29 @@ def test_daemonset_draws_no_pod_security_warning(kube, crd, namespace):
     w = w.replace('\\"', '"')
     named = re.findall(r'(?:container|volume) "([^"]+)"', w)
     assert "restricted:latest" in w and '"hostPath"' in w and set(named) == {"socket-dir", "bulk-socket"}, w
+
+
+@pytest.mark.parametrize("ha", [False, True])
+@pytest.mark.parametrize("tls", [False, True])
+def test_network_policies_are_taken_as_built(kube, namespace, ha, tls):
+    """The cluster tier's NetworkPolicies, applied as built (TLS or not: the bulk port; HA or not: the masters'
+    rule): the API server takes them without a warning and stores exactly that spec (nothing it defaults differs,
+    so a resync's apply changes nothing)."""
+    owner = Owner("qwen-32b", namespace, "00000000-0000-0000-0000-000000000009")
+    spec = _restricted_spec(example("full"))
+    spec["cluster"] = {"enabled": True, **({"master": {"replicas": 2, "etcdEndpoints": ["etcd:2379"]}} if ha else {})}
+    if not tls:  # (the tokens stay: isolated tenants need them)
+        spec["security"] = {k: v for k, v in spec["security"].items() if k != "tls"}
+    policies = [c for c in builders.desired_children(PromptCacheSpec.from_dict(spec), owner, Capabilities())
+                if c["kind"] == "NetworkPolicy"]
+    assert len(policies) == 2
+    assert (builders.BULK_PORT in {p["port"] for r in policies[1]["spec"]["ingress"] for p in r.get("ports", [])}) \
+        == (not tls)
+    for policy in policies:
+        policy["metadata"].pop("ownerReferences")  # the owner uid is made up here
+        got, _, warnings = kube.apply(policy, with_headers=True)
+        assert warnings == [], warnings
+        assert got["spec"] == policy["spec"]
 
 
 def test_operator_created_daemonset_passes_restricted(start_operator, crd, kube, namespace):

@@ -945,3 +945,95 @@ def test_the_disk_tiers_index_is_bounded_and_counted_in_the_containers_memory(di
     assert autoscale.overhead(spec, config) == config.overhead_bytes + index
     assert autoscale.initial_memory(spec, autoscale.overhead(spec, config)) - index == \
         autoscale.initial_memory(bare, autoscale.overhead(bare, config))
+
+
+# --- the cluster tier's NetworkPolicies ----------------------------------------------------------------------------
+
+def _admits(policy: dict, pod_labels: dict[str, str], port: int) -> bool:
+    """Whether `policy` lets a pod of the same namespace with `pod_labels` reach `port` (TCP) of the pods it selects
+    (NetworkPolicy semantics, for the peers these policies use: podSelector.matchLabels only)."""
+    def peer(p: dict) -> bool:
+        assert set(p) == {"podSelector"} and set(p["podSelector"]) == {"matchLabels"}, p  # same namespace only
+        return p["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    for rule in policy["spec"]["ingress"]:
+        ports = rule.get("ports")
+        if (not rule.get("from") or any(peer(p) for p in rule["from"])) and \
+                (not ports or any(p["port"] == port and p["protocol"] == "TCP" for p in ports)):
+            return True
+    return False
+
+
+def _policies(spec: PromptCacheSpec, owner: Owner) -> tuple[dict, dict, dict, dict]:
+    """(the masters' policy, the sidecars' policy, the master Deployment, the DaemonSet)."""
+    children = {builders.child_key(c): c for c in builders.desired_children(spec, owner, ALL)}
+    master = builders.master_name(owner)
+    return (children[f"NetworkPolicy/{master}"], children[f"NetworkPolicy/{owner.name}"],
+            children[f"Deployment/{master}"], children[f"DaemonSet/{owner.name}"])
+
+
+def test_without_the_cluster_tier_there_is_no_network_policy():
+    for name in ("minimal", "full"):
+        spec = {**example(name)["spec"], "cluster": {"enabled": False}}
+        kinds = {c["kind"] for c in builders.desired_children(PromptCacheSpec.from_dict(spec), OWNER, ALL)}
+        assert "NetworkPolicy" not in kinds
+
+
+def test_network_policies_select_the_tiers_pods_and_keep_the_store_to_them():
+    owner = Owner(name="c1", namespace="ns", uid="u")
+    spec = PromptCacheSpec.from_dict({**example("minimal")["spec"], "cluster": {"enabled": True}})
+    mp, sp, master, ds = _policies(spec, owner)
+    assert mp["metadata"]["name"] == "c1-mooncake-master" and sp["metadata"]["name"] == "c1"
+    assert mp["spec"]["podSelector"] == master["spec"]["selector"]
+    assert sp["spec"]["podSelector"] == ds["spec"]["selector"]
+    assert mp["spec"]["policyTypes"] == sp["spec"]["policyTypes"] == ["Ingress"]  # egress (etcd) is not touched
+    assert mp["spec"]["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": builders.selector(owner)}}],
+         "ports": [{"protocol": "TCP", "port": builders.MASTER_PORT}]},
+        {"ports": [{"protocol": "TCP", "port": builders.MASTER_METRICS_PORT}]}]
+    assert sp["spec"]["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": builders.selector(owner)}},
+                  {"podSelector": {"matchLabels": builders._master_selector(owner)}}]},
+        {"ports": [{"protocol": "TCP", "port": p} for p in (builders.GRPC_PORT, builders.BULK_PORT,
+                                                            builders.METRICS_PORT)]}]
+    # HA: the masters reach each other too (any port); still nobody else reaches the RPC port.
+    ha = PromptCacheSpec.from_dict({**example("minimal")["spec"], "cluster": {
+        "enabled": True, "master": {"replicas": 2, "etcdEndpoints": ["etcd:2379"]}}})
+    mp_ha = _policies(ha, owner)[0]
+    assert {"from": [{"podSelector": {"matchLabels": builders._master_selector(owner)}}]} in mp_ha["spec"]["ingress"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(tls=st.booleans(), ha=st.booleans(), zero_copy=st.booleans(), other_port=st.integers(1, 65535),
+       name=st.sampled_from(["c1", "a" * 55]))
+def test_network_policies_let_everyone_reach_the_served_ports_and_only_the_tier_the_rest(tls, ha, zero_copy,
+                                                                                         other_port, name):
+    """Property: every port the sidecar container declares is reachable from any pod; any other port of a sidecar
+    (Mooncake's transfer ports, picked at run time) only from this cache's sidecars and masters; the master's RPC
+    port only from this cache's sidecars (and, with HA, the other masters), its metrics port from anyone. A pod of
+    another PromptCache, or one carrying only part of the labels, is anyone."""
+    owner = Owner(name=name, namespace="ns", uid="u")
+    spec = {**example("minimal")["spec"], "cluster": {
+        "enabled": True, **({"master": {"replicas": 2, "etcdEndpoints": ["etcd:2379"]}} if ha else {})}}
+    if tls:
+        spec["security"] = {"tls": {"secretName": "tls"}}
+    if zero_copy:
+        spec["zeroCopy"] = {"hostPath": "/run/promptcache"}
+    mp, sp, master, ds = _policies(PromptCacheSpec.from_dict(spec), owner)
+    sidecar_pod = ds["spec"]["template"]["metadata"]["labels"]
+    master_pod = master["spec"]["template"]["metadata"]["labels"]
+    strangers = [{}, {"app": "vllm"}, {**builders.selector(Owner("other", "ns", "u2"))},
+                 {builders.CACHE_LABEL: name}, {**builders.labels(owner), "app.kubernetes.io/component": "other"}]
+    containers = ds["spec"]["template"]["spec"]["containers"] + ds["spec"]["template"]["spec"].get("initContainers", [])
+    served = {p["containerPort"] for c in containers for p in c.get("ports", [])}
+    assert {builders.GRPC_PORT, builders.METRICS_PORT} <= served and (builders.BULK_PORT in served) == (not tls)
+    for port in served | {other_port}:
+        for stranger in strangers:
+            assert _admits(sp, stranger, port) == (port in served), (stranger, port)
+        assert _admits(sp, sidecar_pod, port) and _admits(sp, master_pod, port)
+    for stranger in strangers:
+        assert not _admits(mp, stranger, builders.MASTER_PORT)
+        assert _admits(mp, stranger, builders.MASTER_METRICS_PORT)
+        assert _admits(mp, stranger, other_port) == (other_port == builders.MASTER_METRICS_PORT)
+    assert _admits(mp, sidecar_pod, builders.MASTER_PORT)
+    assert _admits(mp, sidecar_pod, other_port) == (other_port in (builders.MASTER_PORT, builders.MASTER_METRICS_PORT))
+    assert _admits(mp, master_pod, other_port) == (ha or other_port == builders.MASTER_METRICS_PORT)

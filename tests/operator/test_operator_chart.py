@@ -213,6 +213,7 @@ def test_pod_labels_cannot_override_the_selector(helm_offline, key):
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection", "bind", "escalate", "impersonate", "*"}
 # The API group of every kind the operator writes (kube.PLURALS): a kind added there fails here until it has RBAC.
 KIND_GROUPS = {"ConfigMap": "", "DaemonSet": "apps", "Deployment": "apps", "Service": "", "ResourceQuota": "",
+               builders.NETWORK_POLICY[1]: builders.NETWORK_POLICY[0].split("/")[0],
                builders.VPA[1]: builders.VPA[0].split("/")[0],
                builders.SERVICE_MONITOR[1]: builders.SERVICE_MONITOR[0].split("/")[0],
                builders.PROMETHEUS_RULE[1]: builders.PROMETHEUS_RULE[0].split("/")[0],
@@ -226,6 +227,7 @@ def _needs_in_namespace() -> set[tuple[str, str, str]]:
     needs = {(KIND_GROUPS[k], p, v) for k, p in PLURALS.items() if k != "PromptCache" for v in ("get", "create", "patch")}
     needs |= {(g, p, v) for g, _, p in WATCHED_CHILDREN for v in ("list", "watch")}
     needs |= {("apps", "deployments", "delete"), ("", "services", "delete"),
+              ("networking.k8s.io", "networkpolicies", "delete"),
               ("autoscaling.k8s.io", "verticalpodautoscalers", "delete"),
               ("monitoring.coreos.com", "servicemonitors", "delete"),
               ("monitoring.coreos.com", "prometheusrules", "delete")}
@@ -378,7 +380,8 @@ def test_namespaced_release_operator_works_with_only_its_roles(helm, kube, crd, 
                      content_type="application/apply-patch+yaml", query=[("fieldManager", "kubectl"), ("force", "true")])
         kinds = [("v1", "ConfigMap", f"{name}-config"), ("apps/v1", "DaemonSet", name), ("v1", "Service", name),
                  ("v1", "ResourceQuota", f"{name}-quota"), ("apps/v1", "Deployment", f"{name}-mooncake-master"),
-                 ("v1", "Service", f"{name}-mooncake-master")]
+                 ("v1", "Service", f"{name}-mooncake-master"),
+                 (*builders.NETWORK_POLICY, f"{name}-mooncake-master"), (*builders.NETWORK_POLICY, name)]
         wait_for(lambda: all(kube.get(a, k, namespace, n) for a, k, n in kinds) or op.proc.poll() is not None,
                  timeout=60, what="children of the PromptCache in the watched namespace")
         assert op.proc.poll() is None, f"the operator exited {op.proc.returncode}:\n{op.output()[-3000:]}"

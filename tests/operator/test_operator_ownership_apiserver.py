@@ -61,7 +61,8 @@ def test_children_names_held_by_the_admins_objects_are_left_alone(kube, crd, nam
 
 def test_pruning_leaves_objects_of_the_same_name_it_does_not_control(kube, crd, namespace, as_operator):
     """The cluster tier turned off: a Deployment / Service named like the master that another PromptCache
-    controls stays; the cache's own master goes."""
+    controls stays, and so does an admin's NetworkPolicy named like the tier's; the cache's own master and
+    NetworkPolicies go."""
     doc = example()
     apply_pc(kube, namespace, doc, "c1")
     other = copy.deepcopy(doc)
@@ -75,14 +76,23 @@ def test_pruning_leaves_objects_of_the_same_name_it_does_not_control(kube, crd, 
                              "spec": {"selector": {"matchLabels": {"app": "x"}},
                                       "template": {"metadata": {"labels": {"app": "x"}},
                                                    "spec": {"containers": [{"name": "c", "image": "busybox"}]}}}})
+    # And the admin's NetworkPolicy named like c1's sidecar policy.
+    policy = admin_apply(kube, {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                                "metadata": {"name": "c1", "namespace": namespace},
+                                "spec": {"podSelector": {"matchLabels": {"app": "x"}}, "policyTypes": ["Ingress"]}})
     body = get_pc(kube, namespace, "c1")
-    body["status"] = {"children": ["Deployment/c1-mooncake-master", "Service/c1-mooncake-master"]}
+    body["status"] = {"children": ["Deployment/c1-mooncake-master", "Service/c1-mooncake-master",
+                                   "NetworkPolicy/c1-mooncake-master", "NetworkPolicy/c1"]}
     out = reconcile(as_operator, body)
     assert out.deleted == [] and kube.get("apps/v1", "Deployment", namespace, "c1-mooncake-master") is not None
     assert kube.get("apps/v1", "Deployment", namespace, "c1-mooncake-master")["metadata"]["uid"] == \
         dep["metadata"]["uid"]
-    # c2 turns its tier off: its own master is deleted.
+    assert kube.get("networking.k8s.io/v1", "NetworkPolicy", namespace, "c1")["metadata"]["uid"] == \
+        policy["metadata"]["uid"]
+    # c2 turns its tier off: its own master and NetworkPolicies are deleted.
     other["spec"]["cluster"] = {"enabled": False}
     apply_pc(kube, namespace, other, "c2")
     out = reconcile(as_operator, get_pc(kube, namespace, "c2"))
-    assert sorted(out.deleted) == ["Deployment/c2-mooncake-master", "Service/c2-mooncake-master"]
+    assert sorted(out.deleted) == ["Deployment/c2-mooncake-master", "NetworkPolicy/c2",
+                                   "NetworkPolicy/c2-mooncake-master", "Service/c2-mooncake-master"]
+    assert kube.get("networking.k8s.io/v1", "NetworkPolicy", namespace, "c2") is None

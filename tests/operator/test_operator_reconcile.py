@@ -157,12 +157,14 @@ def test_cluster_tier_runs_a_master_reports_it_and_prunes_it_when_turned_off():
     k = FakeKube()
     reconcile(k, body({"cluster": {"enabled": True}}))
     master = "llama-8b-mooncake-master"
-    assert {f"Deployment/{master}", f"Service/{master}"} <= set(k.applied)
+    tier = [f"Deployment/{master}", f"Service/{master}", f"NetworkPolicy/{master}", "NetworkPolicy/llama-8b"]
+    assert set(tier) <= set(k.applied)
     status = k.status_writes[-1]
+    assert set(tier) <= set(status["children"])
     assert status["clusterMasterReady"] is False  # the fake's Deployment reports no ready replica
     k2 = FakeKube(objects=k.objects)
     reconcile(k2, body({"cluster": {"enabled": False}}, status=status))
-    assert k2.deleted == [f"Deployment/{master}", f"Service/{master}"]
+    assert k2.deleted == tier
     assert k2.status_writes[-1]["clusterMasterReady"] is None
     k3 = FakeKube()
     reconcile(k3, body())  # never had a master: nothing to delete
@@ -293,9 +295,12 @@ def test_pruning_deletes_only_what_this_promptcache_controls():
     master = "llama-8b-mooncake-master"
     foreign = {"PrometheusRule/llama-8b": owned("PrometheusRule", "llama-8b", uid=None),
                f"Deployment/{master}": owned("Deployment", master, uid="someone-else"),
-               f"Service/{master}": owned("Service", master, uid="u-1", controller=False)}
+               f"Service/{master}": owned("Service", master, uid="u-1", controller=False),
+               f"NetworkPolicy/{master}": owned("NetworkPolicy", master, uid="someone-else"),
+               "NetworkPolicy/llama-8b": owned("NetworkPolicy", "llama-8b", uid=None)}
     k = FakeKube(caps=caps, objects=foreign)
-    status = {"children": [f"Deployment/{master}", f"Service/{master}"]}
+    status = {"children": [f"Deployment/{master}", f"Service/{master}", f"NetworkPolicy/{master}",
+                           "NetworkPolicy/llama-8b"]}
     out = reconcile(k, body({"alerts": {"enabled": False}}, status=status))
     assert k.deleted == [] and out.deleted == []
     assert all(k.objects[key] is foreign[key] for key in foreign)

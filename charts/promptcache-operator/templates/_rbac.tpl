@@ -67,6 +67,11 @@ namespaced set goes into a Role in each watched namespace and only the cluster-s
 - apiGroups: [""]
   resources: [services]
   verbs: [delete]
+# The cluster tier's NetworkPolicies (spec.cluster): who reaches the Mooncake master and the sidecars' transfer
+# ports; deleted with the tier.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch, delete]
 # Optional children (only when their CRDs exist); deleted when no longer wanted (e.g. alerts disabled).
 - apiGroups: [autoscaling.k8s.io]
   resources: [verticalpodautoscalers]

@@ -9,6 +9,12 @@ Children of a PromptCache named N in namespace NS:
   VerticalPodAutoscaler N    if the VPA CRD is installed (updateMode Off until the autoscaler decides a size)
   ServiceMonitor N           if the Prometheus operator CRDs are installed
   PrometheusRule N           if installed and spec.alerts.enabled
+With spec.cluster.enabled, the cluster tier (docs/cluster.md):
+  Deployment     N-mooncake-master   the Mooncake master
+  Service        N-mooncake-master   its RPC port
+  NetworkPolicy  N-mooncake-master   the master's RPC port from this cache's sidecars only
+  NetworkPolicy  N                   the sidecars: any port from this cache's sidecars and masters, else their
+                                     declared ports only (Mooncake's transfer ports are unauthenticated)
 """
 from __future__ import annotations
 
@@ -57,6 +63,7 @@ DEFAULT_ZERO_COPY_HOST_PATHS = ("/run/promptcache",)
 VPA = ("autoscaling.k8s.io/v1", "VerticalPodAutoscaler")
 SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
 PROMETHEUS_RULE = ("monitoring.coreos.com/v1", "PrometheusRule")
+NETWORK_POLICY = ("networking.k8s.io/v1", "NetworkPolicy")
 OPTIONAL_CRDS = {
     "VerticalPodAutoscaler": "verticalpodautoscalers.autoscaling.k8s.io",
     "ServiceMonitor": "servicemonitors.monitoring.coreos.com",
@@ -577,9 +584,7 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
         "envFrom": [{"configMapRef": {"name": config_name(owner)}}],
         # The root filesystem is read-only: libraries that cache under $HOME (torch, triton) use the tmp volume.
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TMPDIR", "value": "/tmp"}, *node_env],
-        "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
-                  *([{"name": "bulk", "containerPort": BULK_PORT, "protocol": "TCP"}] if _bulk_channel(spec) else []),
-                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        "ports": sidecar_ports(spec),
         **_probes(spec),
         "resources": _resources(spec),
         "securityContext": restricted_container_security(),
@@ -631,6 +636,15 @@ def daemon_set(spec: PromptCacheSpec, owner: Owner, defaults: OperatorDefaults, 
             },
         },
     }
+
+
+def sidecar_ports(spec: PromptCacheSpec) -> list[dict[str, Any]]:
+    """The sidecar container's ports: what it serves to clients and Prometheus (gRPC, the bulk channel on TCP
+    where it is plaintext, metrics). Mooncake's transfer ports (the cluster tier) are not among them: Mooncake picks
+    them at run time. The cluster tier's NetworkPolicy opens exactly these to everyone."""
+    return [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+            *([{"name": "bulk", "containerPort": BULK_PORT, "protocol": "TCP"}] if _bulk_channel(spec) else []),
+            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
 
 
 def node_local_service(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
@@ -742,6 +756,44 @@ def mooncake_master_service(owner: Owner) -> dict[str, Any]:
         "spec": {"type": "ClusterIP", "selector": _master_selector(owner),
                  "ports": [{"name": "rpc", "port": MASTER_PORT, "targetPort": "rpc", "protocol": "TCP"}]},
     }
+
+
+def _network_policy(owner: Owner, name: str, pods: dict[str, str], ingress: list[dict[str, Any]],
+                    extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": NETWORK_POLICY[0],
+        "kind": NETWORK_POLICY[1],
+        "metadata": _meta(owner, name, extra_labels),
+        "spec": {"podSelector": {"matchLabels": pods}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def master_network_policy(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
+    """Who reaches the Mooncake master (the cluster tier has no authentication: docs/security.md, "The cluster
+    tier"): its RPC port only this cache's sidecar pods; with HA, the other masters on any port (they elect through
+    etcd today, but are as trusted as each other, and Mooncake's proposed hot standby talks master to master); its
+    metrics port everyone, as the sidecars' metrics port (Prometheus runs in a namespace the operator cannot know,
+    and the series are usage, not records; the kubelet's probes come from the node, which a NetworkPolicy does not
+    filter). Ingress only: the masters' egress (to etcd) is not restricted."""
+    ingress: list[dict[str, Any]] = [
+        {"from": [{"podSelector": {"matchLabels": selector(owner)}}],
+         "ports": [{"protocol": "TCP", "port": MASTER_PORT}]}]
+    if spec.cluster.master.ha:
+        ingress.append({"from": [{"podSelector": {"matchLabels": _master_selector(owner)}}]})
+    ingress.append({"ports": [{"protocol": "TCP", "port": MASTER_METRICS_PORT}]})
+    return _network_policy(owner, master_name(owner), _master_selector(owner), ingress,
+                           {"app.kubernetes.io/component": "cluster-master"})
+
+
+def sidecar_network_policy(spec: PromptCacheSpec, owner: Owner) -> dict[str, Any]:
+    """Who reaches the sidecar pods once they join the cluster tier: this cache's sidecars and masters on any port
+    (Mooncake's transfer engine listens on ports it picks at run time, and the records it serves are not
+    authenticated), everyone else only on the ports the sidecar container declares (sidecar_ports: gRPC, the bulk
+    channel when it is on, metrics), as before the policy. Ingress only."""
+    peers = [{"podSelector": {"matchLabels": selector(owner)}},
+             {"podSelector": {"matchLabels": _master_selector(owner)}}]
+    served = [{"protocol": p["protocol"], "port": p["containerPort"]} for p in sidecar_ports(spec)]
+    return _network_policy(owner, owner.name, selector(owner), [{"from": peers}, {"ports": served}])
 
 
 def metrics_service(owner: Owner) -> dict[str, Any]:
@@ -864,7 +916,8 @@ def desired_children(spec: PromptCacheSpec, owner: Owner, caps: Capabilities,
     children = [cm, daemon_set(spec, owner, defaults, config_hash(cm)), node_local_service(spec, owner),
                 metrics_service(owner), resource_quota(spec, owner, defaults)]
     if spec.cluster.enabled:
-        children += [mooncake_master(spec, owner, defaults), mooncake_master_service(owner)]
+        children += [mooncake_master(spec, owner, defaults), mooncake_master_service(owner),
+                     master_network_policy(spec, owner), sidecar_network_policy(spec, owner)]
     if caps.vpa:
         children.append(vertical_pod_autoscaler(spec, owner))
     if caps.service_monitor:

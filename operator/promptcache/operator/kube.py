@@ -25,6 +25,7 @@ PLURALS = {
     "Deployment": "deployments",
     "Service": "services",
     "ResourceQuota": "resourcequotas",
+    "NetworkPolicy": "networkpolicies",
     "VerticalPodAutoscaler": "verticalpodautoscalers",
     "ServiceMonitor": "servicemonitors",
     "PrometheusRule": "prometheusrules",

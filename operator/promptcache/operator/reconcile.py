@@ -235,13 +235,14 @@ def reconcile(kube: Kube, body: dict[str, Any], defaults: OperatorDefaults = Ope
                     out.deleted.append(key)
             except ApiError as exc:
                 out.errors.append(f"delete {key}: {exc.message}")
-    # The cluster tier's master (spec.cluster) goes when the tier is turned off.
-    for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")):
-        key = f"{kind}/{builders.master_name(owner)}"
+    # The cluster tier's master (spec.cluster) and its NetworkPolicies go when the tier is turned off.
+    master_name = builders.master_name(owner)
+    for api_version, kind, name in (("apps/v1", "Deployment", master_name), ("v1", "Service", master_name),
+                                    (*builders.NETWORK_POLICY, master_name), (*builders.NETWORK_POLICY, owner.name)):
+        key = f"{kind}/{name}"
         if key not in wanted and key in (old_status.get("children") or ()):
             try:
-                if delete_controlled(kube, api_version, kind, owner.namespace, builders.master_name(owner),
-                                     owner.uid):
+                if delete_controlled(kube, api_version, kind, owner.namespace, name, owner.uid):
                     out.deleted.append(key)
             except ApiError as exc:
                 out.errors.append(f"delete {key}: {exc.message}")
