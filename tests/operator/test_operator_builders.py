@@ -978,6 +978,17 @@ def test_without_the_cluster_tier_there_is_no_network_policy():
         assert "NetworkPolicy" not in kinds
 
 
+def test_a_cache_can_leave_the_network_policies_to_its_namespace():
+    """cluster.networkPolicies false: the master and its Service as before, no NetworkPolicy (they add up: ours open
+    the sidecars' serving ports to every pod, which a namespace that denies by default may not want)."""
+    spec = PromptCacheSpec.from_dict({**example("minimal")["spec"], "cluster": {"enabled": True,
+                                                                                 "networkPolicies": False}})
+    kinds = [c["kind"] for c in builders.desired_children(spec, OWNER, ALL)]
+    assert "NetworkPolicy" not in kinds and kinds.count("Deployment") == 1 and kinds.count("Service") == 3
+    assert PromptCacheSpec.from_dict({**example("minimal")["spec"], "cluster": {"enabled": True}}
+                                     ).cluster.networkPolicies is True
+
+
 def test_network_policies_select_the_tiers_pods_and_keep_the_store_to_them():
     owner = Owner(name="c1", namespace="ns", uid="u")
     spec = PromptCacheSpec.from_dict({**example("minimal")["spec"], "cluster": {"enabled": True}})

@@ -916,8 +916,9 @@ def desired_children(spec: PromptCacheSpec, owner: Owner, caps: Capabilities,
     children = [cm, daemon_set(spec, owner, defaults, config_hash(cm)), node_local_service(spec, owner),
                 metrics_service(owner), resource_quota(spec, owner, defaults)]
     if spec.cluster.enabled:
-        children += [mooncake_master(spec, owner, defaults), mooncake_master_service(owner),
-                     master_network_policy(spec, owner), sidecar_network_policy(spec, owner)]
+        children += [mooncake_master(spec, owner, defaults), mooncake_master_service(owner)]
+        if spec.cluster.networkPolicies:
+            children += [master_network_policy(spec, owner), sidecar_network_policy(spec, owner)]
     if caps.vpa:
         children.append(vertical_pod_autoscaler(spec, owner))
     if caps.service_monitor:

@@ -439,6 +439,10 @@ class Cluster:
     protocol: Literal["tcp", "rdma"] = "tcp"
     segmentMemory: str = "1Gi"  # host memory each sidecar contributes to the cluster store
     master: ClusterMaster = field(default_factory=ClusterMaster)
+    # The two NetworkPolicies that keep strangers off the unauthenticated store (builders.master_network_policy,
+    # sidecar_network_policy). False: the platform team writes its own (they are additive: ours open the sidecars'
+    # serving ports to every pod, which a namespace that denies by default may not want).
+    networkPolicies: bool = True
 
 
 # A node directory for spec.zeroCopy.hostPath: absolute, no empty, '.' or '..' component, no trailing '/' (the CRD's
