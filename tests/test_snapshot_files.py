@@ -309,3 +309,26 @@ def test_the_disk_tier_clamps_non_finite_times_so_a_record_always_expires(tmp_pa
         assert all(d.get(bytes([i]) * 32) is None for i in range(3))
     finally:
         d.close()
+
+
+def test_import_stops_at_the_index_bound_the_sidecar_will_keep(tmp_path, monkeypatch):
+    """A snapshot of tiny records (a tiny model layout's) is imported up to the RAM the sidecar's disk index may
+    take for this --disk-bytes (its default --disk-index-bytes), not to the byte budget alone: what the sidecar
+    would trim at its next start is never written. (The floor of the default bound, 64 MiB, is lowered here so that
+    a few hundred records reach it.)"""
+    from promptcache.sidecar import disk as disk_mod
+
+    monkeypatch.setattr(disk_mod, "MIN_INDEX_BYTES", 0)
+    budget = 64 << 20
+    bound = disk_mod.default_index_bytes(budget)  # 1 MiB: about 540 records
+    records = chain(7, 1500, size=64)
+    path = tmp_path / "tiny.pcsnap"
+    write(path, records)
+    data = tmp_path / "data"
+    count, _ = snapshot.import_into_disk(str(path), str(data), budget)
+    with DiskTier(str(data / "rocksdb"), budget, min_free_bytes=0, index_bytes=bound) as d:
+        assert 0 < count < 1500 and len(d) == count  # nothing trimmed at open: all of it fits the bound
+        following = records[count]
+        assert d.index_used <= bound < d.index_used + disk_mod.record_index_ram(following.key, following.meta,
+                                                                               following.parent, "")
+        assert d.used < budget // 10  # the byte budget alone would have taken all 1,500

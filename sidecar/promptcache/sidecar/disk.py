@@ -220,8 +220,12 @@ def default_index_bytes(budget_bytes: int) -> int:
 def index_ram(key: bytes, e: "DiskEntry") -> int:
     """RAM the index holds for one record (an estimate measured with tracemalloc, never below the real cost for
     lru-prefix): a constant plus the bytes of its key, meta, parent and owner (4 per character when not ASCII)."""
-    owner = e.owner
-    return (INDEX_ENTRY_RAM + len(key) + len(e.meta) + (len(e.parent) if e.parent else 0)
+    return record_index_ram(key, e.meta, e.parent, e.owner)
+
+
+def record_index_ram(key: bytes, meta: bytes, parent: bytes | None, owner: str) -> int:
+    """index_ram of a record not stored yet."""
+    return (INDEX_ENTRY_RAM + len(key) + len(meta) + (len(parent) if parent else 0)
             + (len(owner) if owner.isascii() else 4 * len(owner)))
 
 

@@ -435,10 +435,13 @@ def import_into_disk(path: str, data_dir: str, budget: int, max_payload: int = M
     (its rebuild drops nothing that fits no budget), and a folder already holding more than `budget` is refused.
     When the file turns out bad while it is stored (changed since it was verified), the records stored from it
     are deleted again before the SnapshotError: nothing of a refused file stays. Returns (records, bytes)."""
-    from promptcache.sidecar.disk import RECORD_OVERHEAD
+    from promptcache.sidecar.disk import RECORD_OVERHEAD, default_index_bytes, record_index_ram
 
     records = read_snapshot(path, max_payload)
     disk = _open_disk(data_dir, 1 << 60)  # nothing stored is dropped for a budget at open
+    # The RAM the sidecar's index may take for this --disk-bytes (its default --disk-index-bytes): a file of tiny
+    # records stops there, as the budget stops it, rather than being trimmed at the sidecar's next start.
+    index_bound = default_index_bytes(budget)
     count = nbytes = 0
     written: list[bytes] = []
     try:
@@ -451,7 +454,8 @@ def import_into_disk(path: str, data_dir: str, budget: int, max_payload: int = M
         for r in records:  # read to its end even when full: the file is checked whole again (its trailer)
             if full or r.expires <= now or disk.entry(r.key) is not None:
                 continue
-            if disk.used + len(r.payload) + len(r.meta) + RECORD_OVERHEAD > min(budget, disk._effective_budget()):
+            if disk.used + len(r.payload) + len(r.meta) + RECORD_OVERHEAD > min(budget, disk._effective_budget()) \
+                    or disk.index_used + record_index_ram(r.key, r.meta, r.parent, r.owner) > index_bound:
                 full = True
                 continue
             for _ in range(2):
