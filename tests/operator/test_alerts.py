@@ -123,6 +123,17 @@ CASES = {
         [series("promptcache_checksum_failures_total", {**POD, "tier": "disk"}, "0x10 1x30")],
         {**POD, "tier": "disk", "severity": "warning"},
         [series("promptcache_checksum_failures_total", {**POD, "tier": "disk"}, "0x40")]),
+    "PromptCacheGCPausesLong": (
+        "50m",
+        # a full collection a minute, each between 0.5 and 1 s
+        [*(series("promptcache_gc_pause_seconds_bucket", {**POD, "generation": "2", "le": le}, values)
+           for le, values in (("0.25", "0x60"), ("0.5", "0x60"), ("1", "0+1x60"), ("+Inf", "0+1x60")))],
+        {**POD, "severity": "warning"},
+        # as many, each under 50 ms; and young collections, however long, do not count
+        [*(series("promptcache_gc_pause_seconds_bucket", {**POD, "generation": "2", "le": le}, "0+1x60")
+           for le in ("0.05", "0.25", "0.5", "1", "+Inf")),
+         *(series("promptcache_gc_pause_seconds_bucket", {**POD, "generation": "0", "le": le}, values)
+           for le, values in (("0.25", "0x60"), ("1", "0+1x60"), ("+Inf", "0+1x60")))]),
 }
 
 

@@ -30,7 +30,10 @@ SERVER_ERROR_CODES = "INTERNAL|UNKNOWN|UNAVAILABLE|DATA_LOSS|DEADLINE_EXCEEDED|R
 
 ALERTS = ("PromptCacheHitRatioLow", "PromptCacheEvictionStorm", "PromptCacheMemoryNearLimit",
           "PromptCacheContainerMemoryNearLimit", "PromptCacheDiskTierNearlyFull", "PromptCacheSidecarDown", "PromptCacheSidecarAbsent",
-          "PromptCacheErrorRateHigh", "PromptCacheChecksumFailures")
+          "PromptCacheErrorRateHigh", "PromptCacheChecksumFailures", "PromptCacheGCPausesLong")
+# A sidecar's full garbage collections stop every thread (docs/operating.md, "Garbage collection pauses"): this
+# long, at the 90th percentile over half an hour, shows in every call's tail.
+GC_PAUSE_SECONDS_ABOVE = 0.25
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,13 @@ def rules(selector: str, th: Thresholds | dict[str, str] = Thresholds(), runbook
              f"PromptCache {pod}: chunks failed checksum verification",
              f"{{{{ $value | humanize }}}} chunks in the {{{{ $labels.tier }}}} tier of {pod} failed verification "
              "in 15 minutes (dropped, never served): memory or disk corruption."),
+        rule("PromptCacheGCPausesLong",
+             "histogram_quantile(0.9, sum by (namespace, service, pod, le) "
+             f"(rate(promptcache_gc_pause_seconds_bucket{{{s},generation=\"2\"}}[30m]))) > {GC_PAUSE_SECONDS_ABOVE}",
+             "15m", "warning",
+             f"PromptCache {pod}: long garbage-collection pauses",
+             f"A tenth of the full garbage collections of {pod} over 30 minutes stopped the sidecar for more than "
+             "{{ $value | humanizeDuration }}: every call waits meanwhile. It holds many small chunks."),
     ]
     assert tuple(r["alert"] for r in out) == ALERTS
     return out
