@@ -225,7 +225,7 @@ def test_a_full_tier_expires_exactly_what_is_due(steps):
                 assert not gone
             for k in gone:
                 model.pop(k)
-            model[key] = [now + (ttl if arg is None else arg), arg, now]
+            model[key] = [min(now + (ttl if arg is None else arg), now + lifetime), arg, now]  # (the cap too)
             order.append(key)
         elif op == "hit" and order:
             key = order[arg % len(order)]
