@@ -59,4 +59,4 @@ def test_a_chunk_held_leaves_no_dict_or_heap_item_for_the_collector():
     entry = tier.peek(parent, b"f")
     assert not hasattr(entry, "__dict__")
     gc.collect()  # (untracks tuples of atoms)
-    assert not any(gc.is_tracked(item) for item in tier._expiry_heap)
+    assert not any(gc.is_tracked(item) for item in tier._expiry.items)

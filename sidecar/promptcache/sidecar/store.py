@@ -12,8 +12,6 @@ clients instead of copying).
 from __future__ import annotations
 
 import functools
-import heapq
-import itertools
 import math
 import threading
 import time
@@ -26,6 +24,7 @@ import xxhash
 
 from promptcache.contract.layout import (COPY_ONLY, ITEMSIZES, copy_finite, copy_kind, native_copy,
                                          values_finite)
+from promptcache.sidecar.expiry import ExpiryHeap
 from promptcache.sidecar.memfd import ChunkMemory, ProtectedMemory, SealedChunk, mapping_budget, protect
 from promptcache.sidecar.policies import EvictionPolicy
 
@@ -255,14 +254,11 @@ class MemoryTier:
         # (owner, budget) -> the bytes `owner` may hold pinned under `budget` (CacheEngine sets it from
         # --max-pinned-fraction and the owner's quota); None: only the bound on all owners together, half the budget
         self.owner_pin_limit: Callable[[str, int], int] | None = None
-        # (expiry, sequence, entry) per entry, a min-heap: _expire pops what is due instead of scanning every entry (a
-        # tier whose chunks leave by TTL as fast as Puts come, full, scanned all of them per Put: 7 ms per chunk at
-        # 100,000). Lazy: a hit that moves an expiry later leaves the item where it is (it is queued again when it
-        # comes up); an entry that left, or an item superseded by a newer one (queued_expiry), is dropped when popped.
-        # Items name the key, not the entry: a tuple of a float, an int and bytes is not tracked by the garbage
-        # collector, whose full collections scan every tracked object (365 ms at 200,000 chunks).
-        self._expiry_heap: list[tuple[float, int, bytes]] = []
-        self._expiry_seq = itertools.count()
+        # Expiry from a heap (expiry.py), not a scan of every entry: a tier whose chunks leave by TTL as fast as Puts
+        # come, full, scanned all of them per Put (7 ms per chunk at 100,000). A hit that moves an expiry later leaves
+        # its item where it is (queued again when it comes up); an item superseded by a newer one (queued_expiry),
+        # or of an entry that left, is dropped when it comes up.
+        self._expiry = ExpiryHeap()
         self._used = 0
         self._reserved = 0
         self._draining = 0
@@ -463,21 +459,18 @@ class MemoryTier:
 
     def _queue_expiry(self, entry: Entry) -> None:
         """Under the lock: put `entry` in the expiry heap at its current expiry (superseding any earlier item)."""
-        heap = self._expiry_heap
         entry.queued_expiry = entry.expires
-        heapq.heappush(heap, (entry.expires, next(self._expiry_seq), entry.key))
-        if len(heap) > 2 * len(self._entries) + 1024:  # mostly items of entries gone by now: rebuild (amortised O(1))
-            live = list(self._entries.values())
-            for e in live:
-                e.queued_expiry = e.expires
-            heap[:] = [(e.expires, next(self._expiry_seq), e.key) for e in live]
-            heapq.heapify(heap)
+        self._expiry.push(entry.key, entry.expires, len(self._entries), self._live_expiries)
+
+    def _live_expiries(self):
+        for e in self._entries.values():  # (what the rebuilt heap holds: each entry's item is its current one)
+            e.queued_expiry = e.expires
+            yield e.key, e.expires
 
     def _expire(self, now: float) -> int:
         """Under the lock: remove every entry whose expiry has passed; O(log n) per item due, nothing when none is."""
-        heap, expired = self._expiry_heap, 0
-        while heap and heap[0][0] <= now:
-            at, _, key = heapq.heappop(heap)
+        expired = 0
+        for key, at in self._expiry.pop_due(now):
             e = self._entries.get(key)
             if e is None or at != e.queued_expiry:
                 continue  # left the tier, or queued again since (an entry under the key since: its own item)
